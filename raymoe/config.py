@@ -1,0 +1,223 @@
+"""Frozen configuration records.
+
+``ModelConfig.from_hf`` normalizes Hugging Face ``config.json`` quirks (attribute aliases, ``rope_scaling`` vs
+``rope_parameters``, missing ``head_dim``) in one place; everything below reads only the normalized fields.
+``CacheConfig`` sizes the KV cache, ``SchedulerConfig`` the per-DP-group scheduler, ``EngineConfig`` is
+what ``Engine(model, **options)`` accepts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from raymoe.errors import CheckpointError, InvalidRequestError
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for k in keys:
+        if k in d and d[k] is not None:
+            return d[k]
+    return default
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only MoE model, normalized from a Hugging Face ``config.json``.
+
+    Sizes are in elements; ``head_dim`` is per attention head. ``rope_parameters`` always has ``rope_type`` and
+    ``rope_theta``. ``hf_config`` keeps the raw dict (used for RoPE scaling variants).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+    rms_norm_eps: float
+    rope_parameters: dict[str, Any]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    hidden_act: str
+    eos_token_ids: tuple[int, ...]
+    hf_config: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts):
+            raise ValueError("num_experts_per_tok must be in [1, num_experts]")
+        if self.decoder_sparse_step < 1:
+            raise ValueError("decoder_sparse_step must be >= 1")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether decoder layer ``layer_id`` has a sparse MoE block (else a dense MLP)."""
+        return (
+            self.num_experts > 0
+            and layer_id not in self.mlp_only_layers
+            and (layer_id + 1) % self.decoder_sparse_step == 0
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Normalize a Hugging Face config dict."""
+        hidden = int(d["hidden_size"])
+        heads = int(d["num_attention_heads"])
+        rope = dict(_first(d, "rope_parameters", "rope_scaling", default={}) or {})
+        rope.setdefault("rope_theta", float(_first(d, "rope_theta", default=rope.get("rope_theta", 10000.0))))
+        rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            model_type=str(d.get("model_type", "")),
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(_first(d, "num_key_value_heads", default=heads)),
+            head_dim=int(_first(d, "head_dim", default=hidden // heads)),
+            intermediate_size=int(d.get("intermediate_size", 0)),
+            moe_intermediate_size=int(_first(d, "moe_intermediate_size", default=d.get("intermediate_size", 0))),
+            num_experts=int(_first(d, "num_experts", "num_local_experts", "n_routed_experts", default=0)),
+            num_experts_per_tok=int(_first(d, "num_experts_per_tok", default=1)),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(_first(d, "decoder_sparse_step", default=1)),
+            mlp_only_layers=tuple(int(x) for x in (d.get("mlp_only_layers") or ())),
+            rms_norm_eps=float(_first(d, "rms_norm_eps", default=1e-6)),
+            rope_parameters=rope,
+            max_position_embeddings=int(_first(d, "max_position_embeddings", default=4096)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            hidden_act=str(d.get("hidden_act", "silu")),
+            eos_token_ids=eos_ids,
+            hf_config=dict(d),
+        )
+
+    @classmethod
+    def from_hf(cls, model_path: str | Path) -> "ModelConfig":
+        """Read ``model_path/config.json``.
+
+        Raises:
+            CheckpointError: the folder or its config.json is missing or unreadable.
+        """
+        path = Path(model_path)
+        cfg = path / "config.json"
+        if not path.is_dir():
+            raise CheckpointError(str(path), "model folder does not exist")
+        if not cfg.is_file():
+            raise CheckpointError(str(cfg), "config.json is missing")
+        try:
+            d = json.loads(cfg.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(str(cfg), f"cannot parse config.json: {e}") from e
+        gen = path / "generation_config.json"
+        if gen.is_file():
+            try:
+                g = json.loads(gen.read_text())
+                if g.get("eos_token_id") is not None:
+                    d = {**d, "eos_token_id": g["eos_token_id"]}
+            except (OSError, json.JSONDecodeError):
+                pass
+        try:
+            return cls.from_dict(d)
+        except (KeyError, ValueError, TypeError) as e:
+            raise CheckpointError(str(cfg), f"unsupported or incomplete config: {e}") from e
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV cache sizing for one DP-attention group.
+
+    Attributes:
+        max_total_tokens: KV slots (tokens) in the pool, not counting dummy slot 0; ``None``: derived from
+            ``kv_cache_bytes`` by the engine.
+        max_context_len: longest sequence (prompt + output) in tokens; also the width of ReqToTokenPool rows.
+        enable_radix_cache: share KV of common prefixes between requests.
+    """
+
+    max_total_tokens: int = 16384
+    max_context_len: int = 2048
+    enable_radix_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_total_tokens < 2:
+            raise InvalidRequestError("max_total_tokens", "must be >= 2")
+        if self.max_context_len < 2:
+            raise InvalidRequestError("max_context_len", "must be >= 2")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-DP-group scheduling limits.
+
+    Attributes:
+        max_running_requests: most requests in one decode batch (also ReqToTokenPool rows).
+        chunked_prefill_size: most prompt tokens prefilled in one step (longer prompts are chunked);
+            ``None`` disables chunking (one prompt may then exceed ``max_prefill_tokens`` on its own).
+        max_prefill_tokens: token budget of one prefill batch.
+        schedule_policy: ``"fcfs"`` or ``"lpm"`` (longest prefix match first).
+        max_queued_requests: waiting requests accepted before new ones are refused.
+    """
+
+    max_running_requests: int = 64
+    chunked_prefill_size: int | None = 512
+    max_prefill_tokens: int = 4096
+    schedule_policy: str = "fcfs"
+    max_queued_requests: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests < 1:
+            raise InvalidRequestError("max_running_requests", "must be >= 1")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
+            raise InvalidRequestError("chunked_prefill_size", "must be >= 1 or None")
+        if self.max_prefill_tokens < 1:
+            raise InvalidRequestError("max_prefill_tokens", "must be >= 1")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise InvalidRequestError("schedule_policy", "must be 'fcfs' or 'lpm'")
+        if self.max_queued_requests < 1:
+            raise InvalidRequestError("max_queued_requests", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything ``Engine(model, **options)`` accepts.
+
+    Attributes:
+        model: path of a Hugging Face model folder.
+        dtype: ``"float32"`` (default, used for parity), ``"bfloat16"`` or ``"float16"``.
+        seed: seed of the ranks' default sampling generator (unseeded requests).
+        device: ``"cpu"`` or ``"cuda"``; ``None`` picks cuda when available.
+        attention_backend: ``"torch_native"`` (CPU and GPU) or ``"flash_attn"`` (GPU only, lazy import).
+    """
+
+    model: str
+    dtype: str = "float32"
+    seed: int = 0
+    device: str | None = None
+    attention_backend: str = "torch_native"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise InvalidRequestError("dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.device not in (None, "cpu", "cuda"):
+            raise InvalidRequestError("device", f"must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.attention_backend not in ("torch_native", "flash_attn"):
+            raise InvalidRequestError("attention_backend", f"unknown backend {self.attention_backend!r}")

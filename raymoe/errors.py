@@ -1,0 +1,42 @@
+"""Typed errors raised by raymoe.
+
+Every error that a user can cause names the offending field, so that the HTTP layer can turn it into an
+OpenAI-style 400 body (``param`` = ``field``) and library users can catch one type.
+"""
+
+from __future__ import annotations
+
+
+class RaymoeError(Exception):
+    """Base class of all raymoe errors."""
+
+
+class InvalidRequestError(RaymoeError, ValueError):
+    """A request or option is invalid.
+
+    Attributes:
+        field: name of the offending field (``"prompt"``, ``"max_tokens"``, ``"temperature"`` ...).
+        message: human readable reason.
+    """
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+
+class CheckpointError(RaymoeError):
+    """A model folder is missing, unreadable, or does not match the model architecture.
+
+    Attributes:
+        path: the folder or file that is at fault.
+    """
+
+    def __init__(self, path: str, message: str):
+        self.path = str(path)
+        self.message = message
+        super().__init__(f"{path}: {message}")
+
+
+class EngineUnhealthyError(RaymoeError, RuntimeError):
+    """The engine lost a rank or was shut down; in-flight and new requests fail with this error."""
