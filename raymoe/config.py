@@ -193,6 +193,11 @@ class SchedulerConfig:
         if self.max_queued_requests < 1:
             raise InvalidRequestError("max_queued_requests", "must be >= 1")
 
+    @property
+    def req_pool_rows(self) -> int:
+        """ReqToTokenPool rows a group needs: every running request plus one request being chunk-prefilled."""
+        return self.max_running_requests + 1
+
 
 @dataclass(frozen=True)
 class EngineConfig:

@@ -1,0 +1,58 @@
+"""AttentionBackend: the interface between attention layers and the paged KV cache.
+
+Lifecycle per step: the runner calls :meth:`init_forward_metadata` once with the ``ForwardBatch``; then every
+attention layer calls :meth:`forward`, which stores this step's keys/values at ``forward_batch.out_cache_loc``
+and attends over each request's cached tokens. Backends hold per-step metadata themselves so that two-batch
+overlap can give each half its own backend (``raymoe.attention.tbo``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class AttentionBackend(ABC):
+    """Paged attention over a ``TokenToKVPool`` addressed through a ``ReqToTokenPool``."""
+
+    @abstractmethod
+    def init_forward_metadata(self, forward_batch) -> None:
+        """Precompute whatever the layers of this step share (indices, masks)."""
+
+    @abstractmethod
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                       forward_batch) -> torch.Tensor:
+        """Causal attention of extend tokens over prefix + themselves. q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+
+    @abstractmethod
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                       forward_batch) -> torch.Tensor:
+        """One query token per request over its whole sequence. q [bs, Hq, D], k/v [bs, Hkv, D] -> [bs, Hq, D]."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                forward_batch) -> torch.Tensor:
+        """Dispatch on ``forward_batch.forward_mode``; an IDLE batch (zero tokens) returns an empty output."""
+        mode = forward_batch.forward_mode
+        if mode.is_idle() or q.shape[0] == 0:
+            return q.new_empty(q.shape)
+        if mode.is_decode():
+            return self.forward_decode(q, k, v, layer_id, forward_batch)
+        return self.forward_extend(q, k, v, layer_id, forward_batch)
+
+
+def get_attention_backend(name: str, **kwargs) -> AttentionBackend:
+    """Build attention backend ``name``: ``"torch_native"`` (CPU and GPU) or ``"flash_attn"`` (GPU, lazy import).
+
+    Raises:
+        ValueError: unknown name, or ``flash_attn`` requested where it cannot run.
+    """
+    if name == "torch_native":
+        from raymoe.attention.torch_native import TorchNativeAttnBackend
+
+        return TorchNativeAttnBackend(**kwargs)
+    if name == "flash_attn":
+        if not torch.cuda.is_available():
+            raise ValueError("the flash_attn attention backend needs CUDA; use 'torch_native' on CPU")
+        raise ValueError("the flash_attn backend is not available in this build; use 'torch_native'")
+    raise ValueError(f"unknown attention backend {name!r}")

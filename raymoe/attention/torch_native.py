@@ -1,0 +1,81 @@
+"""Paged attention in plain PyTorch (``scaled_dot_product_attention``); runs on CPU and GPU.
+
+Decode gathers each request's keys/values through its ReqToTokenPool row into a padded [bs, L_max] batch and
+masks the padding; grouped-query heads are folded into the query-length dim so KV is never repeated.
+Extend runs one SDPA call per request with a causal mask shifted by the cached prefix length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from raymoe.attention.base import AttentionBackend
+from raymoe.kvcache.pools import ReqToTokenPool, TokenToKVPool
+
+
+class TorchNativeAttnBackend(AttentionBackend):
+    """SDPA-based paged attention.
+
+    Args:
+        req_to_token_pool: the rank's request -> slot table.
+        token_to_kv_pool: the rank's KV tensors.
+        num_heads, num_kv_heads: this rank's query / kv heads; head_dim: D. Scale is ``D ** -0.5``.
+    """
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool, num_heads: int,
+                 num_kv_heads: int, head_dim: int):
+        self.req_to_token = req_to_token_pool.req_to_token
+        self.kv_pool = token_to_kv_pool
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.kv_indices: torch.Tensor | None = None
+        self.kv_mask: torch.Tensor | None = None
+        self.extend_meta: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]] = []
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        fb = forward_batch
+        if fb.forward_mode.is_idle() or fb.batch_size == 0:
+            return
+        if fb.forward_mode.is_decode():
+            max_len = max(fb.seq_lens_cpu)
+            self.kv_indices = self.req_to_token[fb.req_pool_indices, :max_len]
+            ar = torch.arange(max_len, device=fb.seq_lens.device)
+            self.kv_mask = (ar[None, :] < fb.seq_lens[:, None])[:, None, None, :]
+            return
+        meta = []
+        start = 0
+        for i in range(fb.batch_size):
+            ext, pre, sl = fb.extend_lens_cpu[i], fb.prefix_lens_cpu[i], fb.seq_lens_cpu[i]
+            slots = self.req_to_token[fb.req_pool_indices_cpu[i], :sl]
+            mask = None
+            if ext > 1:
+                q_pos = torch.arange(pre, sl, device=slots.device)[:, None]
+                mask = torch.arange(sl, device=slots.device)[None, :] <= q_pos
+            meta.append((start, ext, sl, slots, mask))
+            start += ext
+        self.extend_meta = meta
+
+    def forward_extend(self, q, k, v, layer_id, forward_batch):
+        self.kv_pool.set_kv_buffer(layer_id, forward_batch.out_cache_loc, k, v)
+        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
+        out = torch.empty_like(q)
+        for start, ext, _sl, slots, mask in self.extend_meta:
+            qi = q[start:start + ext].transpose(0, 1).unsqueeze(0)          # [1, Hq, ext, D]
+            ki = k_buf[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)      # [1, Hkv, L, D]
+            vi = v_buf[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=self.group > 1)
+            out[start:start + ext] = o[0].transpose(0, 1)
+        return out
+
+    def forward_decode(self, q, k, v, layer_id, forward_batch):
+        self.kv_pool.set_kv_buffer(layer_id, forward_batch.out_cache_loc, k, v)
+        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
+        bs = q.shape[0]
+        keys = k_buf[self.kv_indices].transpose(1, 2).to(q.dtype)          # [bs, Hkv, L, D]
+        values = v_buf[self.kv_indices].transpose(1, 2).to(q.dtype)
+        qg = q.view(bs, self.num_kv_heads, self.group, self.head_dim)     # [bs, Hkv, G, D]
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.kv_mask)
+        return o.reshape(bs, self.num_heads, self.head_dim)

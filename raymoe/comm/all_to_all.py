@@ -1,0 +1,132 @@
+"""MoE token dispatch/combine over the expert-parallel group.
+
+Each (token, k) routing pair is sent to the rank that owns expert ``topk_ids[token, k]`` (experts are
+assigned in contiguous blocks: rank r owns experts ``[r * E_local, (r + 1) * E_local)``), processed there,
+and sent back. Both directions are split into an ``_a`` half that starts the transfer (``async_op=True``)
+and a ``_b`` half that waits for it, so overlap schedules (two-batch overlap, DESIGN section 4) can run
+other work in between. With ``ep_size == 1`` nothing is sent; the same records flow locally.
+
+Backends are chosen by name in :func:`get_all_to_all_backend` and imported lazily (``deepep`` needs CUDA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from raymoe.comm.groups import ParallelGroups
+
+
+@dataclass
+class DispatchHandle:
+    """State of a dispatch between ``dispatch_a`` and ``combine_b`` (owned by one MoE layer call).
+
+    ``order`` [P] int64 sorts the P = N * k routing pairs by destination rank; ``send_counts`` /
+    ``recv_counts`` are pairs per peer rank; ``recv_hidden`` [R, H] and ``recv_expert_ids`` [R] (local expert
+    ids) are filled when the transfer completes; ``works`` are pending async collective handles.
+    """
+
+    num_tokens: int
+    top_k: int
+    order: torch.Tensor
+    send_counts: list[int]
+    recv_counts: list[int]
+    recv_hidden: torch.Tensor
+    recv_expert_ids: torch.Tensor
+    works: list[Any]
+    combined: torch.Tensor | None = None
+
+
+class TorchAllToAll:
+    """Dispatch/combine with ``torch.distributed.all_to_all_single`` (gloo on CPU, nccl on GPU).
+
+    Args:
+        groups: the rank's process groups; ``groups.ep_group`` is used (never the world group).
+        num_experts: total routed experts E (divisible by ``ep_size``).
+    """
+
+    def __init__(self, groups: ParallelGroups, num_experts: int):
+        self.groups = groups
+        self.ep_size = groups.ep_size
+        self.num_local_experts = num_experts // groups.ep_size
+        self.local_expert_start = groups.ep_rank * self.num_local_experts
+
+    def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor) -> DispatchHandle:
+        """Start sending each routing pair's hidden row to its expert's owner.
+
+        Args:
+            hidden: [N, H] tokens of this rank.
+            topk_ids: [N, k] int64 global expert ids.
+        Returns:
+            a handle whose ``recv_*`` tensors are valid after :meth:`dispatch_b`.
+        """
+        n, k = topk_ids.shape
+        flat_ids = topk_ids.reshape(-1)
+        if self.ep_size == 1:
+            order = torch.arange(n * k, device=hidden.device)
+            recv = hidden.repeat_interleave(k, dim=0) if k > 1 else hidden
+            return DispatchHandle(n, k, order, [n * k], [n * k], recv, flat_ids, [])
+        dest = torch.div(flat_ids, self.num_local_experts, rounding_mode="floor")
+        order = torch.argsort(dest, stable=True)
+        send_counts_t = torch.bincount(dest, minlength=self.ep_size)
+        recv_counts_t = torch.empty_like(send_counts_t)
+        dist.all_to_all_single(recv_counts_t, send_counts_t, group=self.groups.ep_group)
+        send_counts, recv_counts = send_counts_t.tolist(), recv_counts_t.tolist()
+        token_of_pair = torch.div(order, k, rounding_mode="floor")
+        send_hidden = hidden[token_of_pair]
+        send_ids = flat_ids[order]
+        total = sum(recv_counts)
+        recv_hidden = hidden.new_empty((total, hidden.shape[1]))
+        recv_ids = flat_ids.new_empty((total,))
+        w1 = dist.all_to_all_single(recv_hidden, send_hidden, recv_counts, send_counts,
+                                    group=self.groups.ep_group, async_op=True)
+        w2 = dist.all_to_all_single(recv_ids, send_ids, recv_counts, send_counts,
+                                    group=self.groups.ep_group, async_op=True)
+        return DispatchHandle(n, k, order, send_counts, recv_counts, recv_hidden, recv_ids, [w1, w2])
+
+    def dispatch_b(self, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for the dispatch; returns (``recv_hidden`` [R, H], local expert ids [R] int64)."""
+        for w in handle.works:
+            w.wait()
+        handle.works = []
+        return handle.recv_hidden, handle.recv_expert_ids - self.local_expert_start
+
+    def combine_a(self, handle: DispatchHandle, expert_out: torch.Tensor) -> None:
+        """Start sending expert outputs ``expert_out`` [R, H] back to the ranks the pairs came from."""
+        if self.ep_size == 1:
+            handle.combined = expert_out
+            return
+        back = expert_out.new_empty((sum(handle.send_counts), expert_out.shape[1]))
+        w = dist.all_to_all_single(back, expert_out.contiguous(), handle.send_counts, handle.recv_counts,
+                                   group=self.groups.ep_group, async_op=True)
+        handle.combined = back
+        handle.works = [w]
+
+    def combine_b(self, handle: DispatchHandle) -> torch.Tensor:
+        """Wait for the combine; returns per-pair outputs [N, k, H] in the original (token, k) order."""
+        for w in handle.works:
+            w.wait()
+        handle.works = []
+        out = handle.combined
+        assert out is not None, "combine_a must run before combine_b"
+        if self.ep_size > 1:
+            unsorted = torch.empty_like(out)
+            unsorted[handle.order] = out
+            out = unsorted
+        return out.view(handle.num_tokens, handle.top_k, -1)
+
+
+def get_all_to_all_backend(name: str, groups: ParallelGroups, num_experts: int):
+    """Build the all-to-all backend ``name`` (``"torch"``; ``"deepep"`` is GPU-only and imported lazily).
+
+    Raises:
+        ValueError: unknown backend name.
+    """
+    if name == "torch":
+        return TorchAllToAll(groups, num_experts)
+    if name == "deepep":
+        raise ValueError("the deepep all-to-all backend needs CUDA and the deep_ep package; use 'torch' on CPU")
+    raise ValueError(f"unknown all-to-all backend {name!r}")

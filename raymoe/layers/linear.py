@@ -1,0 +1,153 @@
+"""Tensor-parallel linear layers (Megatron-LM style, Shoeybi et al. 2019).
+
+Shard arithmetic happens in the constructors (``local`` vs ``full`` sizes); collectives happen only in
+``forward``, through the explicit ``ParallelGroups`` handle. Weights are ``[out_features, in_features]`` as in
+``torch.nn.Linear`` and Hugging Face checkpoints; each rank reads only its own slice from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raymoe.comm.groups import ParallelGroups, divide, tp_all_gather_last_dim, tp_all_reduce
+from raymoe.errors import CheckpointError
+
+
+def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        raise CheckpointError(name, f"shape {tuple(tensor.shape)} does not match the model's {tuple(expected)}")
+
+
+class ReplicatedLinear(nn.Module):
+    """A linear layer held whole by every rank. ``x`` [..., in] -> [..., out]."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load(self, reader, name: str) -> None:
+        """Copy ``name`` (and ``name``'s ``.bias`` sibling) from the checkpoint reader."""
+        w = reader.get(name, dtype=self.weight.dtype)
+        _check_shape(name, w, tuple(self.weight.shape))
+        self.weight.data.copy_(w)
+        if self.bias is not None:
+            bname = name.rsplit(".", 1)[0] + ".bias"
+            self.bias.data.copy_(reader.get(bname, dtype=self.bias.dtype))
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output dim split over tp ranks: rank r holds rows ``[r * out_local, (r + 1) * out_local)``.
+
+    ``x`` [..., in] -> [..., out_local] (``gather_output=True``: all-gathered to [..., out]).
+    ``output_sizes`` lists fused sub-matrices (e.g. gate and up) that are each split separately.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], groups: ParallelGroups, dtype: torch.dtype,
+                 bias: bool = False, gather_output: bool = False):
+        super().__init__()
+        self.groups = groups
+        self.output_sizes = list(output_sizes)
+        self.local_sizes = [divide(s, groups.tp_size, "output size") for s in output_sizes]
+        self.gather_output = gather_output
+        out_local = sum(self.local_sizes)
+        self.weight = nn.Parameter(torch.empty(out_local, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_local, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return tp_all_gather_last_dim(y, self.groups) if self.gather_output else y
+
+    def load(self, reader, names: list[str]) -> None:
+        """Read this rank's rows of each fused part ``names[i]`` (one checkpoint tensor per output size)."""
+        if len(names) != len(self.output_sizes):
+            raise ValueError("one checkpoint name per fused output part is needed")
+        offset = 0
+        for name, full, local in zip(names, self.output_sizes, self.local_sizes, strict=True):
+            start = self.groups.tp_rank * local
+            if reader.shape(name)[0] != full:
+                raise CheckpointError(name, f"expected {full} output rows, found shape {reader.shape(name)}")
+            w = reader.get_slice(name, 0, start, start + local, dtype=self.weight.dtype)
+            _check_shape(name, w, (local, self.weight.shape[1]))
+            self.weight.data[offset:offset + local].copy_(w)
+            if self.bias is not None:
+                bname = name.rsplit(".", 1)[0] + ".bias"
+                self.bias.data[offset:offset + local].copy_(
+                    reader.get_slice(bname, 0, start, start + local, dtype=self.bias.dtype))
+            offset += local
+
+
+class RowParallelLinear(nn.Module):
+    """Input dim split over tp ranks; partial outputs are summed with an all-reduce on the tp group.
+
+    ``x`` [..., in_local] -> [..., out] (``reduce_results=False`` leaves the partial sum to the caller).
+    """
+
+    def __init__(self, in_features: int, out_features: int, groups: ParallelGroups, dtype: torch.dtype,
+                 bias: bool = False, reduce_results: bool = True):
+        super().__init__()
+        self.groups = groups
+        self.in_local = divide(in_features, groups.tp_size, "input size")
+        self.reduce_results = reduce_results
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_local, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            tp_all_reduce(y, self.groups)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def load(self, reader, name: str) -> None:
+        """Read this rank's columns of ``name``."""
+        start = self.groups.tp_rank * self.in_local
+        w = reader.get_slice(name, 1, start, start + self.in_local, dtype=self.weight.dtype)
+        _check_shape(name, w, tuple(self.weight.shape))
+        self.weight.data.copy_(w)
+        if self.bias is not None:
+            self.bias.data.copy_(reader.get(name.rsplit(".", 1)[0] + ".bias", dtype=self.bias.dtype))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection split by heads: rank r holds ``num_heads / tp`` query heads and its kv heads.
+
+    KV heads are replicated when ``tp_size > num_kv_heads``. ``x`` [..., hidden] -> [..., (hq + 2 hkv) * D].
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 groups: ParallelGroups, dtype: torch.dtype, bias: bool = False):
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, groups.tp_size, "num_attention_heads")
+        if num_kv_heads >= groups.tp_size:
+            self.num_kv_heads = divide(num_kv_heads, groups.tp_size, "num_key_value_heads")
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = divide(groups.tp_size, num_kv_heads, "tp_size over num_key_value_heads")
+        super().__init__(hidden_size, [self.num_heads * head_dim * groups.tp_size,
+                                       self.num_kv_heads * head_dim * groups.tp_size,
+                                       self.num_kv_heads * head_dim * groups.tp_size], groups, dtype, bias)
+
+    def load(self, reader, names: list[str]) -> None:  # names = [q, k, v]
+        """Read this rank's query heads and its (possibly replicated) kv heads."""
+        q_local = self.num_heads * self.head_dim
+        kv_local = self.num_kv_heads * self.head_dim
+        kv_start = (self.groups.tp_rank // self.kv_replicas) * kv_local
+        spans = [(names[0], self.groups.tp_rank * q_local, q_local),
+                 (names[1], kv_start, kv_local), (names[2], kv_start, kv_local)]
+        offset = 0
+        for name, start, n in spans:
+            w = reader.get_slice(name, 0, start, start + n, dtype=self.weight.dtype)
+            _check_shape(name, w, (n, self.weight.shape[1]))
+            self.weight.data[offset:offset + n].copy_(w)
+            if self.bias is not None:
+                self.bias.data[offset:offset + n].copy_(
+                    reader.get_slice(name.rsplit(".", 1)[0] + ".bias", 0, start, start + n, dtype=self.bias.dtype))
+            offset += n

@@ -1,0 +1,167 @@
+"""Sparse MoE block: top-k softmax router, SwiGLU experts sharded over the EP group, dispatch/combine.
+
+The forward is a sequence of operations on a per-batch state object so that the overlap machinery
+(``raymoe.overlap``) can interleave two batches' operations; :meth:`SparseMoeBlock.forward` runs them in order.
+Each op reads ``state.<attr>`` written by the previous one:
+
+``op_gate`` (hidden_states -> router_logits) -> ``op_select_experts`` (-> topk_weights, topk_ids) ->
+``op_dispatch_a`` / ``op_dispatch_b`` (-> expert inputs) -> ``op_experts`` -> ``op_combine_a`` /
+``op_combine_b`` -> ``op_output`` (-> moe_output [T, H]).
+
+Routing follows Qwen3-MoE / Mixtral: softmax over all experts in float32, top-k, optional renormalization
+(``norm_topk_prob``), weights cast to the hidden dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raymoe.comm.all_to_all import get_all_to_all_backend
+from raymoe.comm.groups import ParallelGroups, divide, tp_all_reduce
+from raymoe.errors import CheckpointError
+from raymoe.layers.activation import silu_and_mul
+from raymoe.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP, tensor-parallel: ``x`` [T, H] -> [T, H]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, groups: ParallelGroups, dtype: torch.dtype,
+                 reduce_results: bool = True):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2, groups, dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, groups, dtype,
+                                           reduce_results=reduce_results)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+    def load(self, reader, prefix: str) -> None:
+        self.gate_up_proj.load(reader, [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"])
+        self.down_proj.load(reader, f"{prefix}.down_proj.weight")
+
+
+class LocalExperts(nn.Module):
+    """The experts this rank owns, stacked: ``w13`` [E_local, 2 I_local, H], ``w2`` [E_local, H, I_local].
+
+    With ``ep_size > 1`` each rank owns ``E / ep_size`` whole experts; with ``ep_size == 1`` and
+    ``tp_size > 1`` every rank holds all experts with the intermediate dim split (partial sums are
+    all-reduced by the caller).
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, groups: ParallelGroups,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.groups = groups
+        self.num_local = divide(num_experts, groups.ep_size, "num_experts over ep_size")
+        self.expert_start = groups.ep_rank * self.num_local
+        self.tp_split = groups.tp_size if groups.ep_size == 1 else 1
+        self.inter_local = divide(intermediate_size, self.tp_split, "moe_intermediate_size over tp_size")
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter_local, hidden_size, dtype=dtype),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, self.inter_local, dtype=dtype),
+                               requires_grad=False)
+
+    def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """Apply expert ``local_ids[i]`` to row ``x[i]``: ``x`` [R, H], ``local_ids`` [R] int64 -> [R, H]."""
+        out = torch.empty_like(x)
+        if x.shape[0] == 0:
+            return out
+        order = torch.argsort(local_ids, stable=True)
+        counts = torch.bincount(local_ids, minlength=self.num_local).tolist()
+        xs = x[order]
+        outs = []
+        start = 0
+        for e, c in enumerate(counts):
+            if c:
+                h = silu_and_mul(F.linear(xs[start:start + c], self.w13[e]))
+                outs.append(F.linear(h, self.w2[e]))
+                start += c
+        out[order] = torch.cat(outs) if len(outs) > 1 else outs[0]
+        return out
+
+    def load(self, reader, prefix: str) -> None:
+        """Read ``{prefix}.E.{gate,up,down}_proj.weight`` for the local experts only."""
+        i0 = self.groups.tp_rank * self.inter_local if self.tp_split > 1 else 0
+        i1 = i0 + self.inter_local
+        for le in range(self.num_local):
+            e = self.expert_start + le
+            base = f"{prefix}.{e}"
+            for j, part in enumerate(("gate_proj", "up_proj")):
+                w = reader.get_slice(f"{base}.{part}.weight", 0, i0, i1, dtype=self.w13.dtype)
+                if tuple(w.shape) != (self.inter_local, self.w13.shape[2]):
+                    raise CheckpointError(f"{base}.{part}.weight", f"unexpected shape {tuple(w.shape)}")
+                self.w13.data[le, j * self.inter_local:(j + 1) * self.inter_local].copy_(w)
+            w = reader.get_slice(f"{base}.down_proj.weight", 1, i0, i1, dtype=self.w2.dtype)
+            if tuple(w.shape) != tuple(self.w2.shape[1:]):
+                raise CheckpointError(f"{base}.down_proj.weight", f"unexpected shape {tuple(w.shape)}")
+            self.w2.data[le].copy_(w)
+
+
+class SparseMoeBlock(nn.Module):
+    """Routed experts with expert-parallel dispatch/combine. ``state.hidden_states`` [T, H] -> ``state.moe_output``.
+
+    Args:
+        num_experts, top_k, hidden_size, intermediate_size: from the model config.
+        norm_topk_prob: renormalize the top-k probabilities to sum to 1.
+        groups: explicit process groups (EP group for dispatch/combine, TP group when experts are TP-split).
+        a2a_backend: name of the all-to-all backend (``"torch"``).
+    """
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 norm_topk_prob: bool, groups: ParallelGroups, dtype: torch.dtype, a2a_backend: str = "torch"):
+        super().__init__()
+        self.groups = groups
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = ReplicatedLinear(hidden_size, num_experts, dtype)
+        self.experts = LocalExperts(num_experts, hidden_size, intermediate_size, groups, dtype)
+        self.a2a = get_all_to_all_backend(a2a_backend, groups, num_experts)
+
+    # ---- operations (see module docstring) ----
+    def op_gate(self, state) -> None:
+        state.router_logits = self.gate(state.hidden_states)
+
+    def op_select_experts(self, state) -> None:
+        probs = torch.softmax(state.router_logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        state.topk_weights = weights.to(state.hidden_states.dtype)
+        state.topk_ids = ids
+
+    def op_dispatch_a(self, state) -> None:
+        state.dispatch_handle = self.a2a.dispatch_a(state.hidden_states, state.topk_ids)
+
+    def op_dispatch_b(self, state) -> None:
+        state.expert_input, state.expert_ids = self.a2a.dispatch_b(state.dispatch_handle)
+
+    def op_experts(self, state) -> None:
+        state.expert_output = self.experts(state.expert_input, state.expert_ids)
+        state.expert_input = state.expert_ids = None
+
+    def op_combine_a(self, state) -> None:
+        self.a2a.combine_a(state.dispatch_handle, state.expert_output)
+        state.expert_output = None
+
+    def op_combine_b(self, state) -> None:
+        state.combined = self.a2a.combine_b(state.dispatch_handle)
+        state.dispatch_handle = None
+
+    def op_output(self, state) -> None:
+        out = (state.combined * state.topk_weights.unsqueeze(-1)).sum(dim=1)
+        if self.experts.tp_split > 1:
+            tp_all_reduce(out, self.groups)
+        state.moe_output = out
+        state.combined = state.router_logits = state.topk_weights = state.topk_ids = None
+
+    def operations(self) -> list:
+        """The block's op list, in execution order."""
+        return [self.op_gate, self.op_select_experts, self.op_dispatch_a, self.op_dispatch_b, self.op_experts,
+                self.op_combine_a, self.op_combine_b, self.op_output]
+
+    def load(self, reader, prefix: str) -> None:
+        self.gate.load(reader, f"{prefix}.gate.weight")
+        self.experts.load(reader, f"{prefix}.experts")

@@ -1,0 +1,67 @@
+"""Rotary position embedding (Su et al. 2021, RoFormer), neox layout (rotate halves).
+
+The inverse frequencies of scaled variants (``linear``, ``yarn``, ``llama3``, ``longrope`` ...) come from
+``transformers.modeling_rope_utils`` so they match the checkpoint's reference implementation exactly;
+``dynamic`` scaling (which depends on the running sequence length) is rejected.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from raymoe.config import ModelConfig
+from raymoe.errors import CheckpointError
+
+
+def _inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    rope = config.rope_parameters
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default":
+        dim = config.head_dim
+        inv = 1.0 / (float(rope["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv, 1.0
+    if rope_type == "dynamic":
+        raise CheckpointError("config.json", "dynamic RoPE scaling is not supported")
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise CheckpointError("config.json", f"unknown rope_type {rope_type!r}")
+    hf: dict[str, Any] = dict(config.hf_config)
+    hf_cfg = AutoConfig.for_model(**hf) if "model_type" in hf else None
+    if hf_cfg is None:
+        raise CheckpointError("config.json", "model_type is needed for scaled RoPE")
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_cfg, "cpu")
+    return inv.float(), float(scale)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin table applied to query/key heads.
+
+    Shapes: ``positions`` [T] int64; ``q`` [T, Hq, D], ``k`` [T, Hk, D] (D = head_dim, rotated over all of D).
+    The table is float32 [max_position_embeddings, D] and cast to ``q``'s dtype, as Hugging Face does.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        super().__init__()
+        inv_freq, scale = _inv_freq(config)
+        pos = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", (emb.cos() * scale).to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scale).to(dtype=dtype, device=device), persistent=False)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        q = q * cos + self._rotate_half(q) * sin
+        k = k * cos + self._rotate_half(k) * sin
+        return q, k

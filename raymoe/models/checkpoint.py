@@ -1,0 +1,337 @@
+"""Seeded tiny checkpoints: Hugging Face model folders with random weights and a trained tokenizer.
+
+``make_checkpoint`` writes ``config.json``, ``generation_config.json``, the tokenizer files and safetensors weights
+under their on-disk Hugging Face names, so the same folder loads in ``transformers`` (the parity oracle) and in
+raymoe. Weights are float32 and a pure function of the arguments (one ``torch.Generator`` seeded with ``seed``,
+tensors drawn in a fixed order), scaled so that greedy decoding is well conditioned: final logits have a std of
+several units and router logits are spread, so top-1/top-k choices are not near-ties.
+
+``default_model_path`` builds the demo checkpoint once per cache folder (file-locked) and returns its path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from safetensors.torch import save_file
+
+from raymoe.errors import InvalidRequestError
+from raymoe.models.tokenizer_builder import ENDOFTEXT_ID, IM_END_ID, build_tokenizer
+
+DEMO_VERSION = 1
+"""Bump when the demo checkpoint's contents change, so caches rebuild under a new folder name."""
+
+# Init gains (std = gain / sqrt(fan_in) for linear weights): see the module docstring.
+_ROUTER_GAIN = 3.0
+_LM_HEAD_GAIN = 6.0
+_OUT_PROJ_GAIN = 1.5
+_NORM_NOISE = 0.1
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Sizes of a tiny checkpoint (element counts; ``head_dim`` per head). See ``make_checkpoint``."""
+
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    moe_intermediate_size: int = 64
+    intermediate_size: int = 256
+    vocab_size: int = 2048
+    max_position_embeddings: int = 4096
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = True
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_experts", "num_experts_per_tok", "num_heads", "num_kv_heads",
+                     "head_dim", "moe_intermediate_size", "intermediate_size", "vocab_size",
+                     "max_position_embeddings", "decoder_sparse_step"):
+            if int(getattr(self, name)) < 1:
+                raise InvalidRequestError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidRequestError("num_kv_heads", "num_heads must be a multiple of num_kv_heads")
+        if self.num_experts_per_tok > self.num_experts:
+            raise InvalidRequestError("num_experts_per_tok", "must be <= num_experts")
+        if self.head_dim % 2:
+            raise InvalidRequestError("head_dim", "must be even (rotary embedding)")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Qwen3-MoE rule: sparse iff not in ``mlp_only_layers`` and ``(layer + 1) % decoder_sparse_step == 0``."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+Tensors = dict[str, torch.Tensor]
+
+
+class _Arch(NamedTuple):
+    hf_config: Callable[[TinyModelSpec], dict[str, Any]]
+    weight_steps: Callable[[TinyModelSpec, torch.Generator], Iterator[Tensors]]
+
+
+def _linear(gen: torch.Generator, out_f: int, in_f: int, gain: float = 1.0) -> torch.Tensor:
+    """[out_f, in_f] float32, std gain / sqrt(in_f)."""
+    return torch.randn(out_f, in_f, generator=gen) * (gain / math.sqrt(in_f))
+
+
+def _norm(gen: torch.Generator, n: int) -> torch.Tensor:
+    """[n] float32 around 1."""
+    return 1.0 + _NORM_NOISE * torch.randn(n, generator=gen)
+
+
+def _qwen3_moe_config(s: TinyModelSpec) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": s.vocab_size,
+        "hidden_size": s.hidden_size,
+        "intermediate_size": s.intermediate_size,
+        "moe_intermediate_size": s.moe_intermediate_size,
+        "num_hidden_layers": s.num_layers,
+        "num_attention_heads": s.num_heads,
+        "num_key_value_heads": s.num_kv_heads,
+        "head_dim": s.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": s.max_position_embeddings,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6,
+        "use_cache": True,
+        "tie_word_embeddings": s.tie_word_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "decoder_sparse_step": s.decoder_sparse_step,
+        "mlp_only_layers": list(s.mlp_only_layers),
+        "num_experts": s.num_experts,
+        "num_experts_per_tok": s.num_experts_per_tok,
+        "norm_topk_prob": s.norm_topk_prob,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "bos_token_id": ENDOFTEXT_ID,
+        "eos_token_id": IM_END_ID,
+        "pad_token_id": ENDOFTEXT_ID,
+        "dtype": "float32",
+    }
+
+
+def _qwen3_moe_weights(s: TinyModelSpec, gen: torch.Generator) -> Iterator[Tensors]:
+    """Yield the weights in build steps: embeddings, one dict per decoder layer, final norm + lm_head."""
+    h, d = s.hidden_size, s.head_dim
+    yield {"model.embed_tokens.weight": torch.randn(s.vocab_size, h, generator=gen)}
+    for i in range(s.num_layers):
+        p = f"model.layers.{i}."
+        t: Tensors = {
+            p + "input_layernorm.weight": _norm(gen, h),
+            p + "self_attn.q_proj.weight": _linear(gen, s.num_heads * d, h),
+            p + "self_attn.k_proj.weight": _linear(gen, s.num_kv_heads * d, h),
+            p + "self_attn.v_proj.weight": _linear(gen, s.num_kv_heads * d, h),
+            p + "self_attn.o_proj.weight": _linear(gen, h, s.num_heads * d, _OUT_PROJ_GAIN),
+            p + "self_attn.q_norm.weight": _norm(gen, d),
+            p + "self_attn.k_norm.weight": _norm(gen, d),
+            p + "post_attention_layernorm.weight": _norm(gen, h),
+        }
+        if s.is_moe_layer(i):
+            t[p + "mlp.gate.weight"] = _linear(gen, s.num_experts, h, _ROUTER_GAIN)
+            for e in range(s.num_experts):
+                q = f"{p}mlp.experts.{e}."
+                t[q + "gate_proj.weight"] = _linear(gen, s.moe_intermediate_size, h)
+                t[q + "up_proj.weight"] = _linear(gen, s.moe_intermediate_size, h)
+                t[q + "down_proj.weight"] = _linear(gen, h, s.moe_intermediate_size, _OUT_PROJ_GAIN)
+        else:
+            t[p + "mlp.gate_proj.weight"] = _linear(gen, s.intermediate_size, h)
+            t[p + "mlp.up_proj.weight"] = _linear(gen, s.intermediate_size, h)
+            t[p + "mlp.down_proj.weight"] = _linear(gen, h, s.intermediate_size, _OUT_PROJ_GAIN)
+        yield t
+    last: Tensors = {"model.norm.weight": _norm(gen, h)}
+    if not s.tie_word_embeddings:
+        last["lm_head.weight"] = _linear(gen, s.vocab_size, h, _LM_HEAD_GAIN)
+    yield last
+
+
+ARCHS: dict[str, _Arch] = {
+    "qwen3_moe": _Arch(_qwen3_moe_config, _qwen3_moe_weights),
+}
+"""Architectures ``make_checkpoint`` can build (``mixtral``, ``deepseek_v2`` to be added)."""
+
+
+def _write_weights(tensors: Tensors, folder: Path, max_shard_bytes: int | None) -> None:
+    """Write ``model.safetensors``, or ``model-0000i-of-0000K.safetensors`` + index when ``max_shard_bytes``."""
+    meta = {"format": "pt"}
+    if max_shard_bytes is None:
+        save_file(tensors, str(folder / "model.safetensors"), metadata=meta)
+        return
+    shards: list[Tensors] = [{}]
+    size = 0
+    for name, t in tensors.items():  # greedy packing in build order; an oversized tensor gets its own shard
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / fname), metadata=meta)
+        weight_map.update(dict.fromkeys(shard, fname))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+
+
+def _make_readable(folder: Path) -> None:
+    """``mkdtemp`` (and safetensors) create owner-only entries; a model folder is world-readable like a download."""
+    os.chmod(folder, 0o755)
+    for f in folder.iterdir():
+        os.chmod(f, 0o644)
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Move the finished ``tmp`` folder to ``out`` (replacing an older ``out``) with renames only."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    if not out.is_dir():
+        raise InvalidRequestError("out", f"{out} exists and is not a folder")
+    trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    os.replace(out, trash / out.name)
+    os.replace(tmp, out)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def make_checkpoint(
+    arch: str,
+    out: str | Path,
+    *,
+    seed: int = 0,
+    num_layers: int = 4,
+    hidden_size: int = 128,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    moe_intermediate_size: int = 64,
+    intermediate_size: int = 256,
+    vocab_size: int = 2048,
+    max_position_embeddings: int = 4096,
+    decoder_sparse_step: int = 1,
+    mlp_only_layers: tuple[int, ...] = (),
+    norm_topk_prob: bool = True,
+    tie_word_embeddings: bool = False,
+    max_shard_bytes: int | None = None,
+    progress: bool = False,
+) -> Path:
+    """Build a seeded tiny Hugging Face checkpoint folder at ``out`` (atomically) and return its path.
+
+    The folder holds ``config.json``, ``generation_config.json`` (eos ids ``[<|im_end|>, <|endoftext|>]``),
+    ``tokenizer.json``/``tokenizer_config.json`` (byte-level BPE of ``vocab_size`` tokens, ChatML template),
+    ``raymoe_build.json`` (the build arguments) and
+    float32 safetensors under the on-disk HF names (per-expert ``mlp.experts.E.{gate,up,down}_proj.weight``).
+    It is built in a temporary folder next to ``out`` and renamed into place, replacing an older ``out``.
+
+    Args:
+        arch: architecture key of ``ARCHS`` (``"qwen3_moe"``).
+        out: destination folder.
+        seed: seed of the weight generator; equal arguments give byte-identical tensors.
+        max_shard_bytes: split the weights into ``model-0000i-of-0000K.safetensors`` files of at most this many
+            bytes (a bigger tensor gets a shard of its own) plus ``model.safetensors.index.json``; ``None``:
+            a single ``model.safetensors``.
+        progress: show a tqdm bar over the build steps.
+        Other arguments: model sizes, named as in the Qwen3-MoE config (``num_layers`` = ``num_hidden_layers``,
+            ``num_heads``/``num_kv_heads`` = attention/key-value heads).
+
+    Raises:
+        InvalidRequestError: unknown ``arch``, inconsistent sizes, ``max_shard_bytes < 1``, or ``out`` is a file.
+        OSError: the destination cannot be written.
+    """
+    if arch not in ARCHS:
+        raise InvalidRequestError("arch", f"unknown architecture {arch!r}; known: {sorted(ARCHS)}")
+    if max_shard_bytes is not None and max_shard_bytes < 1:
+        raise InvalidRequestError("max_shard_bytes", "must be >= 1 or None")
+    spec = TinyModelSpec(
+        num_layers=num_layers, hidden_size=hidden_size, num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, moe_intermediate_size=moe_intermediate_size, intermediate_size=intermediate_size,
+        vocab_size=vocab_size, max_position_embeddings=max_position_embeddings,
+        decoder_sparse_step=decoder_sparse_step, mlp_only_layers=tuple(int(x) for x in mlp_only_layers),
+        norm_topk_prob=norm_topk_prob, tie_word_embeddings=tie_word_embeddings,
+    )
+    from tqdm.auto import tqdm
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    builder = ARCHS[arch]
+    bar = tqdm(total=spec.num_layers + 4, desc=f"raymoe: building {out.name}", unit="step", disable=not progress)
+    try:
+        build_tokenizer(tmp, vocab_size=spec.vocab_size)
+        bar.update()
+        _write_json(tmp / "config.json", builder.hf_config(spec))
+        _write_json(tmp / "generation_config.json", {
+            "bos_token_id": ENDOFTEXT_ID, "pad_token_id": ENDOFTEXT_ID,
+            "eos_token_id": [IM_END_ID, ENDOFTEXT_ID], "do_sample": False,
+        })
+        _write_json(tmp / "raymoe_build.json", {"arch": arch, "seed": seed, **asdict(spec)})
+        gen = torch.Generator().manual_seed(seed)
+        tensors: Tensors = {}
+        for step in builder.weight_steps(spec, gen):
+            tensors.update({k: v.contiguous() for k, v in step.items()})
+            bar.update()
+        _write_weights(tensors, tmp, max_shard_bytes)
+        _make_readable(tmp)
+        bar.update()
+        _replace_dir(tmp, out)
+    finally:
+        bar.close()
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def cache_dir() -> Path:
+    """``$RAYMOE_CACHE_DIR`` if set, else ``~/.cache/raymoe``."""
+    env = os.environ.get("RAYMOE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "raymoe"
+
+
+def default_model_path(progress: bool = True) -> Path:
+    """The demo checkpoint (``qwen3_moe``, ``make_checkpoint`` defaults, seed 0), built on first use.
+
+    Lives in ``cache_dir() / "demo-qwen3_moe-v{DEMO_VERSION}"``; a file lock next to it makes concurrent
+    processes build it once (the others wait, then reuse it).
+
+    Raises:
+        OSError: the cache folder cannot be written (or the lock cannot be taken).
+    """
+    from filelock import FileLock
+
+    root = cache_dir()
+    path = root / f"demo-qwen3_moe-v{DEMO_VERSION}"
+    if (path / "config.json").is_file():
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f"{path.name}.lock")):
+        if not (path / "config.json").is_file():
+            make_checkpoint("qwen3_moe", path, seed=0, progress=progress)
+    return path

@@ -1,0 +1,24 @@
+"""Model registry: Hugging Face ``model_type`` -> raymoe model class (imported lazily)."""
+
+from __future__ import annotations
+
+import importlib
+
+from raymoe.errors import CheckpointError
+
+_MODELS = {
+    "qwen3_moe": ("raymoe.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+}
+
+
+def get_model_class(model_type: str):
+    """Return the model class for ``model_type``.
+
+    Raises:
+        CheckpointError: the architecture is not supported.
+    """
+    if model_type not in _MODELS:
+        raise CheckpointError("config.json", f"model_type {model_type!r} is not supported "
+                                             f"(supported: {sorted(_MODELS)})")
+    module, name = _MODELS[model_type]
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,103 @@
+"""ForwardBatch: the rank-side tensor view of one step (owned by the ModelRunner).
+
+Built from the driver's plain-data ``ModelWorkerBatch``; attention backends and model layers read it, the
+sampler reads its ``sampling`` record. Nothing here refers to scheduler objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from raymoe.runner.forward_mode import ForwardMode
+from raymoe.scheduler.model_worker_batch import ModelWorkerBatch
+
+
+@dataclass
+class SamplingBatchInfo:
+    """Per-row sampling parameters as tensors (``bs`` rows).
+
+    ``temperatures``/``top_ps``/``min_ps`` [bs] float32, ``top_ks`` [bs] int64 (<= 0: off); ``seeds`` and
+    ``output_lens`` stay Python lists (used to build per-row generators); ``all_greedy`` skips sampling.
+    """
+
+    temperatures: torch.Tensor
+    top_ps: torch.Tensor
+    top_ks: torch.Tensor
+    min_ps: torch.Tensor
+    seeds: list[int | None]
+    output_lens: list[int]
+    logprobs: list[int | None]
+    all_greedy: bool
+
+    @classmethod
+    def from_worker_batch(cls, b: ModelWorkerBatch, device: torch.device | str) -> "SamplingBatchInfo":
+        greedy = all(t == 0.0 or k == 1 for t, k in zip(b.temperatures, b.top_ks, strict=True))
+        return cls(
+            temperatures=torch.tensor(b.temperatures, dtype=torch.float32, device=device),
+            top_ps=torch.tensor(b.top_ps, dtype=torch.float32, device=device),
+            top_ks=torch.tensor(b.top_ks, dtype=torch.int64, device=device),
+            min_ps=torch.tensor(b.min_ps, dtype=torch.float32, device=device),
+            seeds=list(b.seeds), output_lens=list(b.output_lens), logprobs=list(b.logprobs), all_greedy=greedy,
+        )
+
+
+@dataclass
+class ForwardBatch:
+    """One step's inputs on the rank's device.
+
+    Shapes: ``input_ids``, ``positions``, ``out_cache_loc`` [T] int64; ``req_pool_indices``, ``seq_lens`` [bs]
+    int64. The ``*_cpu`` lists mirror lengths in tokens for host-side loops. ``sample_indices`` [bs] int64 are
+    the rows of the hidden states whose logits are sampled (each request's last token this step).
+    """
+
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    sample_indices: torch.Tensor
+    req_pool_indices_cpu: list[int]
+    seq_lens_cpu: list[int]
+    prefix_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+    sampling: SamplingBatchInfo | None
+    attn_backend: Any = None
+    use_tbo: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def from_worker_batch(cls, b: ModelWorkerBatch, device: torch.device | str) -> "ForwardBatch":
+        """Tensorize ``b``; positions are ``[prefix_len, seq_len)`` per request."""
+        def t(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=device)
+
+        if b.forward_mode.is_decode():
+            seq_lens = t(b.seq_lens)
+            positions = seq_lens - 1
+            sample_indices = torch.arange(b.batch_size, device=device)
+        else:
+            seq_lens = t(b.seq_lens)
+            pos: list[int] = []
+            last: list[int] = []
+            for pre, sl in zip(b.prefix_lens, b.seq_lens, strict=True):
+                pos.extend(range(pre, sl))
+                last.append(len(pos) - 1)
+            positions = t(pos)
+            sample_indices = t(last)
+        return cls(
+            forward_mode=b.forward_mode, batch_size=b.batch_size, input_ids=t(b.input_ids), positions=positions,
+            req_pool_indices=t(b.req_pool_indices), seq_lens=seq_lens, out_cache_loc=t(b.out_cache_loc),
+            sample_indices=sample_indices, req_pool_indices_cpu=list(b.req_pool_indices),
+            seq_lens_cpu=list(b.seq_lens), prefix_lens_cpu=list(b.prefix_lens),
+            extend_lens_cpu=list(b.extend_lens),
+            sampling=SamplingBatchInfo.from_worker_batch(b, device) if b.batch_size else None,
+            use_tbo=b.use_tbo,
+        )
