@@ -195,8 +195,8 @@ class SchedulerConfig:
 
     @property
     def req_pool_rows(self) -> int:
-        """ReqToTokenPool rows a group needs: every running request plus one request being chunk-prefilled."""
-        return self.max_running_requests + 1
+        """ReqToTokenPool rows a group needs (a chunk-prefilling request counts as running)."""
+        return self.max_running_requests
 
 
 @dataclass(frozen=True)

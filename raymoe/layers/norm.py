@@ -12,12 +12,13 @@ class RMSNorm(nn.Module):
     Args:
         hidden_size: size of the normalized (last) dim.
         eps: added to the mean square.
+        dtype: dtype of the weight (the model's dtype).
     Shapes: ``x`` [..., hidden_size] in any float dtype; output has ``x``'s dtype.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -44,8 +44,8 @@ class Qwen3MoeAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, groups,
                                         dtype, bias=config.attention_bias)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
         self.rotary = rotary
 
     def op_prepare(self, state: ForwardState) -> None:
@@ -86,8 +86,8 @@ class Qwen3MoeDecoderLayer(nn.Module):
                                       config.moe_intermediate_size, config.norm_topk_prob, groups, dtype, a2a_backend)
         else:
             self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, groups, dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def op_comm_prepare_attn(self, state: ForwardState) -> None:
         state.residual = state.hidden_states
@@ -136,7 +136,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         rotary = RotaryEmbedding(config, dtype)
         self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i, groups, rotary, dtype, a2a_backend)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, groups, dtype)
         self.num_local_heads = self.layers[0].self_attn.num_heads
         self.num_local_kv_heads = self.layers[0].self_attn.num_kv_heads

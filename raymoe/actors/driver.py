@@ -1,0 +1,113 @@
+"""Driver: global scheduling over every DP-attention group.
+
+Ownership: the driver owns the requests, and per DP group a ``Scheduler`` (waiting queue, running batch, slot
+allocators, radix cache). Every step it asks each group's scheduler for a batch, gives groups without work an
+IDLE batch (so their ranks still enter every MoE collective), makes the decisions all ranks must agree on, hands
+the batches to an executor that fans them out to the ranks, and feeds the sampled tokens back to the schedulers.
+
+Written as a plain class: the single-rank engine runs it in-process; the cluster engine wraps it in a Ray actor.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Protocol
+
+from raymoe.config import EngineConfig
+from raymoe.scheduler.model_worker_batch import ModelWorkerBatch, StepOutput
+from raymoe.scheduler.req import Req
+from raymoe.scheduler.sampling_params import SamplingParams
+from raymoe.scheduler.scheduler import Scheduler
+
+
+class StepExecutor(Protocol):
+    """Runs one global step: one ``ModelWorkerBatch`` per DP group -> one ``StepOutput`` per DP group."""
+
+    def execute(self, batches: list[ModelWorkerBatch]) -> list[StepOutput]: ...
+
+
+class Driver:
+    """Schedules requests over ``dp_size`` groups and runs steps through ``executor``.
+
+    Args:
+        config: engine configuration (cache and scheduler limits apply per DP group).
+        executor: fans batches out to ranks.
+        eos_token_ids: the model's end-of-sequence ids.
+        detokenize: token ids -> text (stop strings).
+        dp_size: number of DP-attention groups.
+    """
+
+    def __init__(self, config: EngineConfig, executor: StepExecutor, eos_token_ids: Sequence[int],
+                 detokenize: Callable[[Sequence[int]], str] | None, dp_size: int = 1):
+        self.config = config
+        self.executor = executor
+        self.schedulers = [Scheduler(config.scheduler, config.cache, eos_token_ids=eos_token_ids,
+                                     detokenize=detokenize) for _ in range(dp_size)]
+        self.reqs: dict[str, Req] = {}
+        self.group_of: dict[str, int] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    def new_rid(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def _route(self, input_ids: Sequence[int]) -> int:
+        """Pick the DP group: the least loaded one (running + waiting requests), ties to the lowest index."""
+        loads = [s.num_running + s.num_waiting for s in self.schedulers]
+        return loads.index(min(loads))
+
+    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> Req:
+        """Queue a request on a DP group.
+
+        Raises:
+            InvalidRequestError: the prompt is empty or too long, or the queue is full (names the field).
+        """
+        if rid in self.reqs:
+            raise ValueError(f"duplicate request id {rid!r}")
+        group = self._route(input_ids)
+        req = Req(rid, list(input_ids), params)
+        self.schedulers[group].add_request(req)
+        self.reqs[rid] = req
+        self.group_of[rid] = group
+        return req
+
+    def abort_request(self, rid: str) -> None:
+        """Abort ``rid`` wherever it is; its KV is freed. Unknown ids are ignored."""
+        group = self.group_of.pop(rid, None)
+        if group is not None:
+            self.schedulers[group].abort_request(rid)
+        self.reqs.pop(rid, None)
+
+    def has_unfinished(self) -> bool:
+        return any(s.has_unfinished() for s in self.schedulers)
+
+    def step(self) -> list[Req]:
+        """Run one global step. Returns requests that got a token or finished this step (finished ones are
+        forgotten by the driver afterwards)."""
+        sched_batches = [s.get_next_batch_to_run() for s in self.schedulers]
+        # Requests the schedulers finished while scheduling (e.g. out of KV) are reported too.
+        early = [r for s in self.schedulers for r in s.drain_finished()]
+        if all(b is None for b in sched_batches):
+            return self._forget_finished(early)
+        global_tokens = tuple(0 if b is None else len(b.input_ids) for b in sched_batches)
+        worker_batches = [
+            ModelWorkerBatch.idle(global_tokens) if b is None
+            else replace(b.to_model_worker_batch(), global_num_tokens=global_tokens)
+            for b in sched_batches
+        ]
+        outputs = self.executor.execute(worker_batches)
+        self.num_steps += 1
+        updated: list[Req] = early
+        for sched, batch, out in zip(self.schedulers, sched_batches, outputs, strict=True):
+            if batch is not None:
+                updated.extend(sched.process_batch_result(batch, out))
+        return self._forget_finished(updated)
+
+    def _forget_finished(self, updated: list[Req]) -> list[Req]:
+        for req in updated:
+            if req.finished:
+                self.reqs.pop(req.rid, None)
+                self.group_of.pop(req.rid, None)
+        return updated

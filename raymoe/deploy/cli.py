@@ -1,0 +1,87 @@
+"""The ``raymoe`` command line: make-checkpoint, generate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from raymoe.errors import RaymoeError
+
+
+def _model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the demo checkpoint, "
+                                                 "built on first use)")
+
+
+def resolve_model(model: str | None) -> str:
+    """``model`` or the demo checkpoint path (built with a progress bar the first time)."""
+    if model:
+        return model
+    from raymoe.models.checkpoint import default_model_path
+
+    return str(default_model_path(progress=True))
+
+
+def _cmd_make_checkpoint(a: argparse.Namespace) -> None:
+    from raymoe.models.checkpoint import make_checkpoint
+
+    out = make_checkpoint(a.arch, a.out, seed=a.seed, num_layers=a.num_layers, hidden_size=a.hidden_size,
+                          num_experts=a.num_experts, num_experts_per_tok=a.top_k, vocab_size=a.vocab_size,
+                          max_shard_bytes=a.max_shard_bytes, progress=True)
+    print(out)
+
+
+def _cmd_generate(a: argparse.Namespace) -> None:
+    from raymoe import Engine, SamplingParams
+
+    model = resolve_model(a.model)
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
+    with Engine(model, dtype=a.dtype) as engine:
+        for prompt, out in zip(a.prompt, engine.generate(a.prompt, params), strict=True):
+            print(prompt + out.text)
+            print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raymoe", description="Ray-native MoE serving engine")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("make-checkpoint", help="write a seeded tiny Hugging Face checkpoint")
+    p.add_argument("--arch", default="qwen3_moe")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--num-experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--max-shard-bytes", type=int, default=None)
+    p.set_defaults(func=_cmd_make_checkpoint)
+
+    p = sub.add_parser("generate", help="generate text offline")
+    _model_arg(p)
+    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="float32")
+    p.set_defaults(func=_cmd_generate)
+
+    from raymoe.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, _model_arg)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except RaymoeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

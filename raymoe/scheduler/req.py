@@ -1,0 +1,190 @@
+"""One generation request as the scheduler sees it (driver side; plain Python, no tensors).
+
+Ownership: the per-DP-group ``Scheduler`` owns every :class:`Req` it accepted; the driver reads ``output_ids``,
+``output_logprobs`` and ``finished_reason`` to stream results. KV bookkeeping fields (``req_pool_idx``,
+``kv_slots``, ``prefix_len``, ``last_node``) are changed only by the scheduler and its ``PrefillAdder``.
+
+KV accounting (units are tokens, one KV slot per token): ``kv_slots[i]`` holds the keys/values of ``fill_ids[i]``.
+Its first ``prefix_len`` entries belong to the radix cache (locked through ``last_node``), the rest to the request.
+While a request decodes, ``len(kv_slots) == len(fill_ids) - 1``: the newest sampled token is fed by the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from raymoe.scheduler.model_worker_batch import TokenLogprobs
+from raymoe.scheduler.sampling_params import SamplingParams
+
+# A token decodes to at least one byte and a character takes at most four UTF-8 bytes, so the text of a stop
+# string of n characters comes from at most 4 * n tokens; one more token gives the decoder its left context.
+_STOP_WINDOW_TOKENS_PER_CHAR = 4
+
+
+class FinishKind(str, Enum):
+    """Why a request ended: a stop condition, a length limit, or an abort (client or scheduler)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """How a request finished.
+
+    Attributes:
+        kind: STOP, LENGTH or ABORT.
+        matched: for STOP, the stop token id or the stop string that matched; otherwise ``None``.
+        message: human readable detail (why a LENGTH or ABORT happened).
+    """
+
+    kind: FinishKind
+    matched: int | str | None = None
+    message: str = ""
+
+
+@dataclass(eq=False)
+class Req:
+    """A request: prompt, sampling parameters, generated tokens and the KV it holds.
+
+    Args:
+        rid: request id, unique within a scheduler.
+        origin_input_ids: prompt token ids.
+        sampling_params: validated sampling parameters.
+
+    Attributes:
+        output_ids: generated token ids (kept across retraction).
+        output_logprobs: one entry per generated token (``None`` where none was asked for).
+        finished_reason: ``None`` while unfinished.
+        req_pool_idx: ReqToTokenPool row while the request holds KV, else ``None``.
+        kv_slots: KV slots of positions ``[0, len(kv_slots))`` of ``fill_ids`` (includes the current step's slots
+            from the moment a batch is scheduled).
+        prefix_len: leading entries of ``kv_slots`` shared from the radix cache (tokens).
+        last_node: radix-cache node locked for that prefix, or ``None``.
+        arrival: order in which the scheduler accepted the request (FCFS key).
+        admit_seq: order of the latest admission into a prefill batch (retraction picks the latest first).
+        cached_tokens: prompt tokens served from the radix cache, summed over admissions (metrics).
+        num_retractions: times this request was pushed back to the waiting queue.
+    """
+
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finished_reason: FinishReason | None = None
+    req_pool_idx: int | None = None
+    kv_slots: list[int] = field(default_factory=list)
+    prefix_len: int = 0
+    last_node: Any = None
+    arrival: int = -1
+    admit_seq: int = -1
+    cached_tokens: int = 0
+    num_retractions: int = 0
+
+    def __post_init__(self) -> None:
+        self.origin_input_ids = [int(t) for t in self.origin_input_ids]
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Prompt followed by the generated tokens (what a (re-)prefill computes)."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens in ``fill_ids``."""
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """``fill_ids[start:end]`` without building ``fill_ids`` (cheap for the one-token decode slice)."""
+        p = len(self.origin_input_ids)
+        if end <= p:
+            return self.origin_input_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.origin_input_ids[start:] + self.output_ids[: end - p]
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose KV is computed or scheduled (``len(kv_slots)``)."""
+        return len(self.kv_slots)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def remaining_new_tokens(self) -> int:
+        """Tokens this request may still generate under ``max_tokens`` (ignores stop conditions)."""
+        return max(0, self.sampling_params.max_tokens - len(self.output_ids))
+
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+        """Record one sampled token (and its log-probabilities, if any)."""
+        self.output_ids.append(int(token_id))
+        self.output_logprobs.append(logprobs)
+
+    def finish(self, kind: FinishKind, matched: int | str | None = None, message: str = "") -> None:
+        """Mark the request finished (the first reason wins)."""
+        if self.finished_reason is None:
+            self.finished_reason = FinishReason(kind, matched, message)
+
+    def check_finished(self, eos_token_ids: Sequence[int], detokenize: Callable[[Sequence[int]], str] | None,
+                       max_context_len: int, *, kv_pool_size: int | None = None) -> bool:
+        """Check the stop conditions after a new token was appended; set ``finished_reason`` when one holds.
+
+        Order: stop token (``stop_token_ids``, or EOS unless ``ignore_eos``), stop string, ``max_tokens``
+        (LENGTH), ``max_context_len`` reached by prompt + output (LENGTH), a next decode step that would need
+        more KV than the whole pool (LENGTH). Stop strings are searched in the text
+        of a tail window of the output only (enough tokens to contain the longest stop string), so the cost per
+        step does not grow with the output.
+
+        Args:
+            eos_token_ids: the model's end-of-sequence ids.
+            detokenize: token ids -> text; needed only when the request has stop strings.
+            max_context_len: longest sequence (prompt + output) in tokens.
+            kv_pool_size: KV slots of the whole pool; the next decode step needs ``seq_len`` of them.
+
+        Returns:
+            whether the request is finished (also true if it already was).
+
+        Raises:
+            ValueError: the request has stop strings and ``detokenize`` is ``None``.
+        """
+        if self.finished_reason is not None:
+            return True
+        if not self.output_ids:
+            return False
+        params = self.sampling_params
+        last = self.output_ids[-1]
+        if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
+            self.finish(FinishKind.STOP, matched=last)
+            return True
+        if params.stop:
+            if detokenize is None:
+                raise ValueError(f"request {self.rid!r} has stop strings but the scheduler has no detokenizer")
+            window = _STOP_WINDOW_TOKENS_PER_CHAR * max(len(s) for s in params.stop) + 1
+            text = detokenize(self.output_ids[-window:])
+            for s in params.stop:
+                if s in text:
+                    self.finish(FinishKind.STOP, matched=s)
+                    return True
+        if len(self.output_ids) >= params.max_tokens:
+            self.finish(FinishKind.LENGTH, message="max_tokens reached")
+            return True
+        if self.seq_len >= max_context_len:
+            self.finish(FinishKind.LENGTH, message="max_context_len reached")
+            return True
+        if kv_pool_size is not None and self.seq_len > kv_pool_size:
+            self.finish(FinishKind.LENGTH, message="the sequence outgrew the KV pool")
+            return True
+        return False
+
+    def reset_kv(self) -> None:
+        """Forget KV bookkeeping after the scheduler released it (retraction or finish)."""
+        self.req_pool_idx = None
+        self.kv_slots = []
+        self.prefix_len = 0
+        self.last_node = None

@@ -1,0 +1,355 @@
+"""Per-DP-group scheduler (driver side, plain Python; never touches model tensors).
+
+Ownership: the Driver owns one ``Scheduler`` per DP-attention group. The scheduler owns that group's
+``TokenSlotAllocator`` (KV slots), ``ReqSlotAllocator`` (ReqToTokenPool rows), ``RadixCache`` and every accepted
+``Req``. Each step the driver calls :meth:`Scheduler.get_next_batch_to_run`, ships
+``batch.to_model_worker_batch()`` to the ranks, and hands their ``StepOutput`` to
+:meth:`Scheduler.process_batch_result`. Exactly one batch may be in flight.
+
+Request life cycle: ``waiting`` -> admitted by the ``PrefillAdder`` (a long prompt stays ``chunked_req`` until its
+last chunk is scheduled) -> ``running`` (decodes one token per step) -> finished, or retracted back to
+``waiting`` when decode runs out of KV (it later re-prefills ``origin_input_ids + output_ids`` and continues).
+
+Step policy (SGLang's): prefill first (continue the chunked request, then admit new ones in policy order);
+otherwise decode every running request. Decode needs one new slot per request; when the pool is short the
+scheduler evicts cached prefixes, then retracts the latest admitted requests, then the chunked request. A request
+whose next decode step would need more KV than the whole pool finishes with LENGTH in ``process_batch_result``,
+so the last running request can always decode; finishing it for lack of KV is only a defensive fallback (such
+requests are returned by :meth:`Scheduler.drain_finished`, which the driver should poll every step).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+from raymoe.config import CacheConfig, SchedulerConfig
+from raymoe.errors import InvalidRequestError
+from raymoe.kvcache.allocator import ReqSlotAllocator, TokenSlotAllocator
+from raymoe.kvcache.radix_cache import RadixCache
+from raymoe.runner.forward_mode import ForwardMode
+from raymoe.scheduler.model_worker_batch import StepOutput
+from raymoe.scheduler.policy import order_waiting
+from raymoe.scheduler.prefill_adder import AddResult, PrefillAdder, decode_reservation
+from raymoe.scheduler.req import FinishKind, Req
+from raymoe.scheduler.schedule_batch import ScheduleBatch
+
+
+class Scheduler:
+    """Waiting queue, running set, KV accounting and batch formation of one DP-attention group.
+
+    Args:
+        config: scheduling limits.
+        cache_config: KV pool size (``max_total_tokens`` slots), ``max_context_len``, radix cache on/off.
+        eos_token_ids: the model's end-of-sequence token ids.
+        detokenize: token ids -> text; required for requests with stop strings.
+        init_new_token_ratio: fraction of a request's remaining ``max_tokens`` reserved in KV when admitting
+            new requests (lower admits more and risks retraction); decays per decode step.
+        min_new_token_ratio: floor of that fraction.
+        new_token_ratio_decay: amount subtracted per decode step. After a retraction the ratio jumps to 1.0.
+
+    Raises:
+        ValueError: the ratios are not ``0 <= min <= init <= 1``.
+
+    Attributes:
+        token_allocator, req_allocator, tree_cache: the group's KV slot allocator, row allocator and radix cache.
+        waiting: requests waiting for (re-)prefill, in arrival order of acceptance.
+        running: requests whose prompt is fully scheduled (they decode), in admission order.
+        chunked_req: the request whose prompt is being prefilled chunk by chunk, or ``None``.
+        num_retractions: requests pushed back to ``waiting`` by KV exhaustion so far.
+        hit_tokens: prompt tokens served from the radix cache at admission so far.
+    """
+
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, *, eos_token_ids: Sequence[int],
+                 detokenize: Callable[[Sequence[int]], str] | None = None, init_new_token_ratio: float = 0.7,
+                 min_new_token_ratio: float = 0.1, new_token_ratio_decay: float = 0.002):
+        if not 0.0 <= min_new_token_ratio <= init_new_token_ratio <= 1.0:
+            raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1")
+        self.config = config
+        self.cache_config = cache_config
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.detokenize = detokenize
+        self.token_allocator = TokenSlotAllocator(cache_config.max_total_tokens)
+        # Sized like the ranks' table (config.req_pool_rows); the scheduler itself keeps running + chunked
+        # requests within max_running_requests, so the last row is spare.
+        self.req_allocator = ReqSlotAllocator(config.req_pool_rows)
+        self.tree_cache = RadixCache(self.token_allocator, disable=not cache_config.enable_radix_cache)
+        # Longest sequence a request can reach: the context, and the pool (its KV must fit in it).
+        self._max_seq_len = min(cache_config.max_context_len, cache_config.max_total_tokens + 1)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.new_token_ratio = init_new_token_ratio
+        self.min_new_token_ratio = min_new_token_ratio
+        self.new_token_ratio_decay = new_token_ratio_decay
+        self.num_retractions = 0
+        self.hit_tokens = 0
+        self._unfinished: dict[str, Req] = {}
+        self._inflight: ScheduleBatch | None = None
+        self._finished_outside_step: list[Req] = []
+        self._arrivals = itertools.count()
+        self._admissions = itertools.count()
+
+    # ---------------------------------------------------------------------------------------------- requests
+    def add_request(self, req: Req) -> None:
+        """Queue a new request.
+
+        Raises:
+            InvalidRequestError: ``"prompt"`` when it is empty, leaves no room for one output token within
+                ``max_context_len``, or is longer than the whole KV pool; ``"stop"`` when it has stop strings and
+                the scheduler has no detokenizer; ``"rid"`` when a request with that id is unfinished;
+                ``"queue"`` when ``max_queued_requests`` requests are already waiting.
+        """
+        n = len(req.origin_input_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        if n >= self.cache_config.max_context_len:
+            raise InvalidRequestError(
+                "prompt", f"the prompt has {n} tokens; max_context_len {self.cache_config.max_context_len} leaves "
+                "no room for an output token")
+        if n > self.token_allocator.size:
+            raise InvalidRequestError(
+                "prompt", f"the prompt has {n} tokens, more than the KV pool ({self.token_allocator.size} tokens)")
+        if req.sampling_params.stop and self.detokenize is None:
+            raise InvalidRequestError("stop", "stop strings need a detokenizer, and this scheduler has none")
+        if req.rid in self._unfinished:
+            raise InvalidRequestError("rid", f"a request with id {req.rid!r} is already in progress")
+        if req.finished or req.output_ids or req.kv_slots:
+            raise InvalidRequestError("rid", f"request {req.rid!r} was already scheduled")
+        if len(self.waiting) >= self.config.max_queued_requests:
+            raise InvalidRequestError("queue", f"{len(self.waiting)} requests are already waiting")
+        req.arrival = next(self._arrivals)
+        self.waiting.append(req)
+        self._unfinished[req.rid] = req
+
+    def abort_request(self, rid: str) -> Req | None:
+        """Remove an unfinished request wherever it is, release its KV and radix lock, finish it with ABORT.
+
+        A request that is part of the batch in flight is skipped by ``process_batch_result``.
+
+        Returns:
+            the aborted request, or ``None`` when ``rid`` is unknown or already finished.
+        """
+        req = self._unfinished.pop(rid, None)
+        if req is None:
+            return None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked_req is req:
+            self.chunked_req = None
+        self._release(req, cache=False)
+        req.finish(FinishKind.ABORT, message="aborted")
+        return req
+
+    def has_unfinished(self) -> bool:
+        """Whether any accepted request has not finished yet."""
+        return bool(self._unfinished)
+
+    def drain_finished(self) -> list[Req]:
+        """Requests finished while scheduling, not by a step (LENGTH: the last running request found no KV slot).
+
+        The KV accounting makes this unreachable in normal operation; it is the fallback that keeps the scheduler
+        from hanging if it ever happens. The driver reports them like finished requests of a step (call it after
+        ``get_next_batch_to_run``, also when that returns ``None``); each is returned once.
+        """
+        out, self._finished_outside_step = self._finished_outside_step, []
+        return out
+
+    # ------------------------------------------------------------------------------------------------ steps
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        """Form the next step: a prefill batch if anything can be admitted, else a decode batch of all running
+        requests; ``None`` when there is nothing to run. KV slots for the step are allocated here.
+
+        Raises:
+            RuntimeError: the previous batch's result was not processed yet.
+        """
+        if self._inflight is not None:
+            raise RuntimeError("process_batch_result must be called for the batch in flight first")
+        batch = self._get_prefill_batch()
+        if batch is None:
+            batch = self._get_decode_batch()
+            if batch is None and (self.waiting or self.chunked_req is not None):
+                batch = self._get_prefill_batch()  # decode may have freed KV by finishing its last request
+        self._inflight = batch
+        return batch
+
+    def _running_reservation(self) -> int:
+        """KV slots held back for the future decode tokens of running requests (scaled by the ratio)."""
+        ratio, ctx = self.new_token_ratio, self._max_seq_len
+        return sum(decode_reservation(r, r.kv_len, ratio, ctx) for r in self.running)
+
+    def _get_prefill_batch(self) -> ScheduleBatch | None:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        chunked = self.chunked_req
+        live = len(self.running) + (chunked is not None)
+        adder = PrefillAdder(
+            tree=self.tree_cache, token_allocator=self.token_allocator, req_allocator=self.req_allocator,
+            max_prefill_tokens=self.config.max_prefill_tokens, chunked_prefill_size=self.config.chunked_prefill_size,
+            max_new_reqs=min(self.config.max_running_requests - live, self.req_allocator.available_size()),
+            reserved_tokens=self._running_reservation(),  # the chunked request books its own rest
+            new_token_ratio=self.new_token_ratio, max_context_len=self._max_seq_len,
+            pool_idle=live == 0,
+        )
+        result = AddResult.CONTINUE
+        if chunked is not None:
+            result = adder.add_chunked_req(chunked)
+        if result == AddResult.CONTINUE:
+            for req in order_waiting(self.waiting, self.config.schedule_policy, self.tree_cache):
+                if adder.add_one_req(req) != AddResult.CONTINUE:
+                    break
+        self.chunked_req = adder.new_chunked_req
+        if not adder.reqs:
+            return None
+        admitted = set(map(id, adder.reqs))
+        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        for req in adder.reqs:
+            if req is not chunked:
+                req.admit_seq = next(self._admissions)
+                self.hit_tokens += req.prefix_len
+            if req is not self.chunked_req:
+                self.running.append(req)
+        return ScheduleBatch.build(adder.reqs, ForwardMode.EXTEND, adder.extend_lens)
+
+    def _get_decode_batch(self) -> ScheduleBatch | None:
+        if not self.running:
+            return None
+        self._make_room_for_decode()
+        if not self.running:
+            return None
+        slots = self.token_allocator.alloc(len(self.running))
+        assert slots is not None, "decode room was checked"
+        for req, slot in zip(self.running, slots, strict=True):
+            req.kv_slots.append(slot)
+        self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - self.new_token_ratio_decay)
+        return ScheduleBatch.build(self.running, ForwardMode.DECODE, [1] * len(self.running))
+
+    def _make_room_for_decode(self) -> None:
+        """Free KV until every running request can take one more slot (evict, retract, or finish the last)."""
+        while self.running:
+            short = len(self.running) - self.token_allocator.available_size()
+            if short <= 0:
+                return
+            if self.tree_cache.evictable_size() > 0 and self.tree_cache.evict(short) > 0:
+                continue
+            if len(self.running) > 1:
+                victim = max(self.running, key=lambda r: r.admit_seq)  # latest admitted: least work lost
+                self.running.remove(victim)
+                self._retract(victim)
+            elif self.chunked_req is not None:
+                victim, self.chunked_req = self.chunked_req, None
+                self._retract(victim)
+            else:
+                last = self.running.pop()
+                last.finish(FinishKind.LENGTH, message="KV cache exhausted")
+                self._unfinished.pop(last.rid, None)
+                self._release(last, cache=True)
+                self._finished_outside_step.append(last)
+
+    def _retract(self, req: Req) -> None:
+        """Push ``req`` back to the waiting queue, freeing its KV (its output so far is kept)."""
+        self._release(req, cache=False)
+        req.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.append(req)
+        self.new_token_ratio = 1.0
+
+    def process_batch_result(self, batch: ScheduleBatch, output: StepOutput) -> list[Req]:
+        """Apply one step's sampled tokens.
+
+        Appends each row's token (except for a non-final prefill chunk, whose token is discarded), checks the
+        stop conditions, and for finished requests caches their KV in the radix cache and frees their slots,
+        row and lock. Rows of requests aborted while the batch was in flight are skipped.
+
+        Returns:
+            the requests that got a new token (finished or not), in batch order.
+
+        Raises:
+            ValueError: ``batch`` is not the batch in flight, or ``output`` has the wrong number of rows (nothing is
+                changed then).
+        """
+        if batch is not self._inflight:
+            raise ValueError("process_batch_result: this batch is not the one in flight")
+        if len(output.next_token_ids) != batch.batch_size or len(output.logprobs) not in (0, batch.batch_size):
+            raise ValueError(f"StepOutput has {len(output.next_token_ids)} tokens and {len(output.logprobs)} "
+                             f"logprob entries for {batch.batch_size} requests")
+        self._inflight = None
+        logprobs = output.logprobs or [None] * batch.batch_size
+        out: list[Req] = []
+        rows = zip(batch.reqs, batch.partial, output.next_token_ids, logprobs, strict=True)
+        for req, partial, token, lp in rows:
+            if req.finished or partial:
+                continue
+            req.append_token(token, lp)
+            if req.check_finished(self.eos_token_ids, self.detokenize, self.cache_config.max_context_len,
+                                  kv_pool_size=self.token_allocator.size):
+                self.running.remove(req)
+                self._unfinished.pop(req.rid, None)
+                self._release(req, cache=True)
+            out.append(req)
+        return out
+
+    def _release(self, req: Req, *, cache: bool) -> None:
+        """Give back the KV, radix lock and row of ``req`` (``cache``: insert its computed KV into the tree)."""
+        if req.req_pool_idx is None:
+            return
+        slots = req.kv_slots
+        if cache:
+            n = self.tree_cache.insert(req.fill_ids[: len(slots)], slots)
+            if n > req.prefix_len:
+                self.token_allocator.free(slots[req.prefix_len : n])
+        elif len(slots) > req.prefix_len:
+            self.token_allocator.free(slots[req.prefix_len :])
+        if req.last_node is not None:
+            self.tree_cache.dec_lock_ref(req.last_node)
+        self.req_allocator.free(req.req_pool_idx)
+        req.reset_kv()
+
+    # ------------------------------------------------------------------------------------------ observability
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV (decoding, or being prefilled chunk by chunk)."""
+        return len(self.running) + (self.chunked_req is not None)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def req_pool_size(self) -> int:
+        """ReqToTokenPool rows the ranks must allocate (row indices are ``0 .. req_pool_size - 1``)."""
+        return self.req_allocator.size
+
+    def kv_usage(self) -> float:
+        """Fraction of KV slots in use by requests or locked prefixes (evictable cached tokens count as free)."""
+        size = self.token_allocator.size
+        used = size - self.token_allocator.available_size() - self.tree_cache.evictable_size()
+        return used / size
+
+    def check_memory_invariants(self) -> None:
+        """Assert that every KV slot and row is accounted for exactly once (tests and debugging).
+
+        Checks: free slots + radix-cache slots + slots owned by live requests == pool size; owned slots are
+        distinct and never the dummy slot 0; rows in use == live requests; waiting requests hold nothing; with
+        no live request no radix lock is held. Raises ``AssertionError`` with details otherwise.
+        """
+        live = list(self.running) + ([self.chunked_req] if self.chunked_req is not None else [])
+        owned: list[int] = []
+        for r in live:
+            assert r.req_pool_idx is not None, f"live request {r.rid!r} has no row"
+            assert r.prefix_len <= r.kv_len, f"request {r.rid!r}: prefix_len {r.prefix_len} > kv_len {r.kv_len}"
+            owned += r.kv_slots[r.prefix_len :]
+        for r in self.waiting:
+            assert r.req_pool_idx is None and not r.kv_slots and r.last_node is None, f"waiting {r.rid!r} holds KV"
+        assert 0 not in owned, "dummy slot 0 is owned by a request"
+        assert len(set(owned)) == len(owned), "a KV slot is owned by two requests (or twice by one)"
+        free, tree = self.token_allocator.available_size(), self.tree_cache.total_size()
+        size = self.token_allocator.size
+        assert free + tree + len(owned) == size, (
+            f"KV slots leak or double count: free {free} + tree {tree} + owned {len(owned)} != size {size}")
+        rows = self.req_allocator.size - self.req_allocator.available_size()
+        assert rows == len(live), f"{rows} rows in use for {len(live)} live requests"
+        if not live:
+            assert self.tree_cache.protected_size() == 0, "radix locks held with no live request"
