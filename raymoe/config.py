@@ -200,6 +200,35 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Parallel layout: ``world = dp_size * tp_size`` ranks.
+
+    Attributes:
+        tp_size: tensor-parallel ranks of attention/dense layers inside one DP-attention group.
+        dp_size: DP-attention groups (each schedules its own requests; idle groups run IDLE batches).
+        ep_size: expert-parallel ranks: the world size (experts sharded over every rank) or 1 (experts
+            tensor-parallel inside each TP group).
+    """
+
+    tp_size: int = 1
+    dp_size: int = 1
+    ep_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "dp_size", "ep_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise InvalidRequestError(name, f"must be a positive integer, got {v!r}")
+        if self.ep_size not in (1, self.world_size):
+            raise InvalidRequestError("ep_size", f"must be 1 or the world size dp*tp={self.world_size}, "
+                                                 f"got {self.ep_size}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.dp_size
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything ``Engine(model, **options)`` accepts.
 
@@ -218,6 +247,7 @@ class EngineConfig:
     attention_backend: str = "torch_native"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
