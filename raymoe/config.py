@@ -229,6 +229,37 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class OverlapConfig:
+    """Compute/communication overlap of MoE layers (DESIGN section 4); every rank must use the same values.
+
+    Attributes:
+        enable_tbo: two-batch overlap; the driver decides per step whether it runs (``raymoe.overlap.decision``).
+        tbo_min_tokens_decode: a DECODE step runs TBO only if its busiest DP group has at least this many tokens.
+        tbo_min_tokens_extend: the same for EXTEND steps.
+        tbo_token_distribution_threshold: an EXTEND split whose left token share lies outside
+            ``[threshold, 1 - threshold]`` is replaced by the two-chunk split (one sequence cut across both halves).
+        enable_sbo: single-batch overlap inside each MoE layer; mutually exclusive with ``enable_tbo``.
+    """
+
+    enable_tbo: bool = False
+    tbo_min_tokens_decode: int = 16
+    tbo_min_tokens_extend: int = 128
+    tbo_token_distribution_threshold: float = 0.48
+    enable_sbo: bool = False
+
+    def __post_init__(self) -> None:
+        if self.enable_tbo and self.enable_sbo:
+            raise InvalidRequestError("enable_sbo", "two-batch and single-batch overlap are mutually exclusive")
+        for name in ("tbo_min_tokens_decode", "tbo_min_tokens_extend"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise InvalidRequestError(name, f"must be a positive integer, got {v!r}")
+        if not 0.0 <= self.tbo_token_distribution_threshold <= 0.5:
+            raise InvalidRequestError("tbo_token_distribution_threshold",
+                                      f"must be in [0, 0.5], got {self.tbo_token_distribution_threshold!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything ``Engine(model, **options)`` accepts.
 
@@ -238,6 +269,10 @@ class EngineConfig:
         seed: seed of the ranks' default sampling generator (unseeded requests).
         device: ``"cpu"`` or ``"cuda"``; ``None`` picks cuda when available.
         attention_backend: ``"torch_native"`` (CPU and GPU) or ``"flash_attn"`` (GPU only, lazy import).
+        ray_address: Ray cluster to join for world size > 1 (None: start a local one on 127.0.0.1).
+        fanout: how a step reaches the ranks: ``"remote"`` (actor calls) or ``"compiled"`` (Ray Compiled Graph).
+        step_timeout_s: bound on one step across all ranks, seconds (a hung rank fails the step).
+        overlap: two-batch / single-batch overlap of MoE layers.
     """
 
     model: str
@@ -245,9 +280,13 @@ class EngineConfig:
     seed: int = 0
     device: str | None = None
     attention_backend: str = "torch_native"
+    ray_address: str | None = None
+    fanout: str = "remote"
+    step_timeout_s: float = 300.0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -256,3 +295,7 @@ class EngineConfig:
             raise InvalidRequestError("device", f"must be 'cpu' or 'cuda', got {self.device!r}")
         if self.attention_backend not in ("torch_native", "flash_attn"):
             raise InvalidRequestError("attention_backend", f"unknown backend {self.attention_backend!r}")
+        if self.fanout not in ("remote", "compiled"):
+            raise InvalidRequestError("fanout", f"must be 'remote' or 'compiled', got {self.fanout!r}")
+        if self.step_timeout_s <= 0:
+            raise InvalidRequestError("step_timeout_s", "must be > 0")

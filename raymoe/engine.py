@@ -11,14 +11,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from raymoe.actors.driver import Driver
-from raymoe.actors.rank_worker import RankWorker
-from raymoe.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from raymoe.errors import CheckpointError, InvalidRequestError
-from raymoe.runner.model_runner import RunnerConfig
-from raymoe.scheduler.model_worker_batch import ModelWorkerBatch, StepOutput, TokenLogprobs
+from raymoe.actors.factory import build_driver
+from raymoe.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from raymoe.errors import EngineUnhealthyError, InvalidRequestError
+from raymoe.scheduler.model_worker_batch import TokenLogprobs
 from raymoe.scheduler.req import FinishKind, Req
 from raymoe.scheduler.sampling_params import SamplingParams
+from raymoe.tokenizer import load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -43,31 +42,20 @@ class RequestOutput:
     cached_tokens: int = 0
 
 
-class LocalExecutor:
-    """Runs the single rank in this process."""
-
-    def __init__(self, worker: RankWorker):
-        self.worker = worker
-
-    def execute(self, batches: list[ModelWorkerBatch]) -> list[StepOutput]:
-        return [self.worker.step(batches[0])]
-
-
 def _split_options(model: str, options: dict) -> EngineConfig:
-    cache_fields = {f.name for f in dataclasses.fields(CacheConfig)}
-    sched_fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
-    top_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "cache", "scheduler"}
-    cache, sched, top = {}, {}, {}
+    nested = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+    owner = {f.name: key for key, cls in nested.items() for f in dataclasses.fields(cls)}
+    top_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", *nested}
+    parts: dict[str, dict] = {key: {} for key in nested}
+    top = {}
     for k, v in options.items():
-        if k in cache_fields:
-            cache[k] = v
-        elif k in sched_fields:
-            sched[k] = v
+        if k in owner:
+            parts[owner[k]][k] = v
         elif k in top_fields:
             top[k] = v
         else:
             raise InvalidRequestError(k, "unknown engine option")
-    return EngineConfig(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **top)
+    return EngineConfig(model=model, **{key: cls(**parts[key]) for key, cls in nested.items()}, **top)
 
 
 class Engine:
@@ -78,7 +66,8 @@ class Engine:
         **options: fields of ``EngineConfig`` (``dtype``, ``seed``, ``device``, ``attention_backend``),
             ``CacheConfig`` (``max_total_tokens``, ``max_context_len``, ``enable_radix_cache``) and
             ``SchedulerConfig`` (``max_running_requests``, ``chunked_prefill_size``, ``max_prefill_tokens``,
-            ``schedule_policy``, ``max_queued_requests``).
+            ``schedule_policy``, ``max_queued_requests``) and ``ParallelConfig`` (``tp_size``, ``dp_size``,
+            ``ep_size``; world size > 1 runs the ranks as Ray actors, on ``ray_address`` or a local cluster).
 
     Raises:
         CheckpointError: missing or broken model folder. InvalidRequestError: a bad option (names it).
@@ -91,17 +80,10 @@ class Engine:
         if cache.max_context_len > self.model_config.max_position_embeddings:
             self.config = dataclasses.replace(self.config, cache=dataclasses.replace(
                 cache, max_context_len=self.model_config.max_position_embeddings))
-        self.tokenizer = _load_tokenizer(model)
-        eos = self.model_config.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id
-                                                  is not None else ())
-        device = self.config.device or "cpu"
-        runner_cfg = RunnerConfig(
-            model_path=str(model), dtype=self.config.dtype, num_kv_slots=self.config.cache.max_total_tokens,
-            max_req_rows=self.config.scheduler.req_pool_rows, max_context_len=self.config.cache.max_context_len,
-            attention_backend=self.config.attention_backend, seed=self.config.seed, device=device)
-        self._executor = LocalExecutor(RankWorker(runner_cfg))
-        self.driver = Driver(self.config, self._executor, eos, self._detokenize)
+        self.tokenizer = load_tokenizer(model)
+        self.driver = build_driver(self.config, self.model_config, self.tokenizer)
         self._closed = False
+        self._unhealthy: str | None = None
 
     def _detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -120,7 +102,9 @@ class Engine:
                 parameter out of range, or a sampling_params list of the wrong length (names the field).
         """
         if self._closed:
-            raise RuntimeError("engine is shut down")
+            raise EngineUnhealthyError("engine is shut down")
+        if self._unhealthy is not None:
+            self.recover()
         ids_list = self._prompt_ids(prompts, prompt_token_ids)
         params = self._params(sampling_params, len(ids_list))
         rids = []
@@ -135,12 +119,33 @@ class Engine:
             raise
         done: dict[str, Req] = {}
         while len(done) < len(rids):
-            for req in self.driver.step():
+            try:
+                updated = self.driver.step()
+            except EngineUnhealthyError as e:
+                self._unhealthy = str(e)
+                self.driver.reset()
+                raise
+            for req in updated:
                 if req.finished:
                     done[req.rid] = req
             if not self.driver.has_unfinished() and len(done) < len(rids):
                 raise RuntimeError("scheduler went idle with unfinished requests")
         return [self._output(done[rid]) for rid in rids]
+
+    @property
+    def healthy(self) -> bool:
+        """False after a rank failed, until :meth:`recover` restarted the rank group."""
+        return self._unhealthy is None and not self._closed
+
+    def recover(self) -> None:
+        """Restart the rank group after a failure (requests in flight were already failed).
+
+        Raises:
+            EngineUnhealthyError: the rank group could not be restarted.
+        """
+        self.driver.executor.restart()
+        self.driver.reset()
+        self._unhealthy = None
 
     def _prompt_ids(self, prompts, prompt_token_ids) -> list[list[int]]:
         if prompts is not None and prompt_token_ids is not None:
@@ -191,20 +196,12 @@ class Engine:
 
     def shutdown(self) -> None:
         """Release the ranks; further calls raise."""
-        self._closed = True
-        self._executor.worker = None
+        if not self._closed:
+            self._closed = True
+            self.driver.executor.shutdown()
 
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-
-def _load_tokenizer(model: str | Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(str(model), f"cannot load the tokenizer: {e}") from e

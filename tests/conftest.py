@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import socket
+
 import pytest
+
+# Keep every Ray process and gloo socket of the test session on loopback (read by Ray when it is imported).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -11,3 +24,23 @@ def tiny_model(tmp_path_factory) -> str:
     from raymoe.models.checkpoint import make_checkpoint
 
     return str(make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("ckpt") / "qwen3_moe_tiny", seed=0))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One Ray instance for the whole session: a head node (8 logical CPUs) and two worker nodes that declare
+    2 GPUs each (``ray.cluster_utils.Cluster``), all on 127.0.0.1; CPU-only worlds place anywhere."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    # Free ports everywhere, so the suite can run beside another Ray instance on the same machine.
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 8, "include_dashboard": False, "gcs_server_port": _free_port(),
+        "dashboard_agent_listen_port": _free_port(), "metrics_export_port": _free_port()})
+    for _ in range(2):
+        cluster.add_node(num_cpus=2, num_gpus=2, dashboard_agent_listen_port=_free_port(),
+                         metrics_export_port=_free_port())
+    ray.init(address=cluster.address)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()

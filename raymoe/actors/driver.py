@@ -49,6 +49,7 @@ class Driver:
         self.group_of: dict[str, int] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.num_idle_group_steps = 0
 
     def new_rid(self) -> str:
         return f"req-{next(self._ids)}"
@@ -80,6 +81,16 @@ class Driver:
             self.schedulers[group].abort_request(rid)
         self.reqs.pop(rid, None)
 
+    def reset(self) -> list[Req]:
+        """Forget every request and KV mapping (after the rank group was restarted); returns the dropped
+        requests (the caller fails them)."""
+        dropped = list(self.reqs.values())
+        self.schedulers = [Scheduler(self.config.scheduler, self.config.cache, eos_token_ids=s.eos_token_ids,
+                                     detokenize=s.detokenize) for s in self.schedulers]
+        self.reqs.clear()
+        self.group_of.clear()
+        return dropped
+
     def has_unfinished(self) -> bool:
         return any(s.has_unfinished() for s in self.schedulers)
 
@@ -99,6 +110,7 @@ class Driver:
         ]
         outputs = self.executor.execute(worker_batches)
         self.num_steps += 1
+        self.num_idle_group_steps += sum(b is None for b in sched_batches)
         updated: list[Req] = early
         for sched, batch, out in zip(self.schedulers, sched_batches, outputs, strict=True):
             if batch is not None:

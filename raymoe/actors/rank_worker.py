@@ -3,11 +3,19 @@
 Written as a plain class so the single-rank ``Engine`` runs it in-process and tests can drive it directly;
 ``ray.remote(RankWorker)`` turns it into the actor that owns a rank in a cluster. It holds the rank's model shard,
 KV pools, attention backend and runner, and answers each step of its DP group.
+
+Start-up of a multi-rank world (driven by ``raymoe.actors.executor.RayExecutor``): every actor is created, rank 0
+publishes a rendezvous address (:meth:`get_rendezvous_address`), all ranks call :meth:`init_distributed`
+concurrently (gloo on CPU, nccl on GPU, with a timeout), then :meth:`load` builds each shard.
 """
 
 from __future__ import annotations
 
+import os
+import socket
+
 from raymoe.comm.groups import ParallelGroups
+from raymoe.config import ParallelConfig
 from raymoe.runner.model_runner import ModelRunner, RunnerConfig
 from raymoe.scheduler.model_worker_batch import ModelWorkerBatch, StepOutput
 
@@ -16,18 +24,67 @@ class RankWorker:
     """Owns a ``ModelRunner``.
 
     Args:
-        runner_cfg: model path, dtype, KV sizes, backends.
-        groups: this rank's process groups (``ParallelGroups.single()`` for one rank).
+        runner_cfg: model path, dtype, KV sizes, backends (``device`` is resolved per rank: cuda when visible).
+        parallel: the world layout; ``rank``: this rank's index in it.
     """
 
-    def __init__(self, runner_cfg: RunnerConfig, groups: ParallelGroups | None = None):
-        self.groups = groups or ParallelGroups.single()
-        self.runner = ModelRunner(runner_cfg, self.groups)
+    def __init__(self, runner_cfg: RunnerConfig, parallel: ParallelConfig | None = None, rank: int = 0):
+        self.runner_cfg = runner_cfg
+        self.parallel = parallel or ParallelConfig()
+        self.rank = rank
+        self.groups = ParallelGroups.single()
+        self.runner: ModelRunner | None = None
+        if self.parallel.world_size == 1:
+            self.load()
+
+    def get_rendezvous_address(self) -> str:
+        """``tcp://ip:port`` of a free port on this rank's node (called on rank 0)."""
+        import ray
+
+        ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ip}:{port}"
+
+    def init_distributed(self, init_method: str, timeout_s: float = 60.0) -> int:
+        """Join the world group and create the TP/EP groups; returns this process id."""
+        import torch
+
+        from raymoe.cluster.topology import init_parallel_groups
+
+        backend = "nccl" if self._device() == "cuda" else "gloo"
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.parallel.world_size))
+        self.groups = init_parallel_groups(self.rank, self.parallel, init_method, backend, timeout_s)
+        return os.getpid()
+
+    def _device(self) -> str:
+        import torch
+
+        if self.runner_cfg.device == "cuda" and torch.cuda.is_available():
+            return "cuda"
+        return "cpu"
+
+    def load(self) -> bool:
+        """Build the runner (loads this rank's shard). Ranks without CUDA fall back to CPU tensors."""
+        from dataclasses import replace
+
+        self.runner = ModelRunner(replace(self.runner_cfg, device=self._device()), self.groups)
+        return True
 
     def step(self, batch: ModelWorkerBatch) -> StepOutput:
         """Run one step of this rank's DP group (IDLE batches included) and return its sampled tokens."""
         return self.runner.forward_batch_generation(batch)
 
     def ready(self) -> bool:
-        """True once the shard is loaded (used as a start-up barrier)."""
-        return True
+        """True once the shard is loaded (start-up barrier and liveness probe)."""
+        return self.runner is not None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def node_id(self) -> str:
+        """Ray node id of this rank (placement checks)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()

@@ -1,0 +1,38 @@
+"""Assembly of a driver and its ranks from an ``EngineConfig`` (shared by Engine, DriverService and the server)."""
+
+from __future__ import annotations
+
+from raymoe.actors.driver import Driver
+from raymoe.actors.executor import LocalExecutor, RayExecutor
+from raymoe.config import EngineConfig, ModelConfig
+from raymoe.runner.model_runner import RunnerConfig
+from raymoe.tokenizer import eos_token_ids
+
+
+def runner_config_for(config: EngineConfig) -> RunnerConfig:
+    """The per-rank runner settings implied by ``config`` (KV and row sizes are per DP group)."""
+    return RunnerConfig(
+        model_path=config.model, dtype=config.dtype, num_kv_slots=config.cache.max_total_tokens,
+        max_req_rows=config.scheduler.req_pool_rows, max_context_len=config.cache.max_context_len,
+        attention_backend=config.attention_backend, seed=config.seed, device=config.device or "cpu")
+
+
+def build_executor(config: EngineConfig):
+    """In-process rank for world size 1, else rank actors on Ray (joining ``config.ray_address``)."""
+    runner_cfg = runner_config_for(config)
+    if config.parallel.world_size == 1:
+        return LocalExecutor(runner_cfg)
+    from raymoe.cluster.bootstrap import init_ray
+
+    init_ray(config.ray_address)
+    return RayExecutor(runner_cfg, config.parallel, use_gpu=config.device == "cuda", fanout=config.fanout,
+                       step_timeout_s=config.step_timeout_s)
+
+
+def build_driver(config: EngineConfig, model_config: ModelConfig, tokenizer) -> Driver:
+    """Driver with ``dp_size`` schedulers over a freshly started executor."""
+    def detokenize(ids):
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    return Driver(config, build_executor(config), eos_token_ids(model_config, tokenizer), detokenize,
+                  dp_size=config.parallel.dp_size)
