@@ -126,7 +126,7 @@ class RayExecutor:
             raise EngineUnhealthyError("rank group is not running")
         try:
             if self._dag is not None:
-                outs = ray.get(self._dag.execute(batches), timeout=self.step_timeout_s)
+                outs = ray.get(self._dag.execute(*batches), timeout=self.step_timeout_s)
             else:
                 refs = [w.step.remote(batches[r // tp]) for r, w in enumerate(self.workers)]
                 outs = self._gather(refs)

@@ -33,13 +33,14 @@ def _time(fn, repeats: int) -> float:
 
 
 def bench_raymoe(model: str, prompts: list[list[int]], output_len: int, dtype: str, repeats: int,
-                 profile: bool = False) -> dict:
-    """Time ``Engine.generate`` on ``prompts``; returns figures (tokens/s, seconds)."""
+                 profile: bool = False, **options) -> dict:
+    """Time ``Engine.generate`` on ``prompts``; returns figures (tokens/s, seconds). ``options`` go to Engine
+    (e.g. ``tp_size``, ``dp_size``, ``ep_size``, ``enable_tbo``)."""
     from raymoe import Engine, SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     engine = Engine(model, dtype=dtype, max_running_requests=max(len(prompts), 1),
-                    max_prefill_tokens=max(4096, sum(map(len, prompts))))
+                    max_prefill_tokens=max(4096, sum(map(len, prompts))), **options)
     outs = []
 
     def run() -> None:
@@ -48,7 +49,9 @@ def bench_raymoe(model: str, prompts: list[list[int]], output_len: int, dtype: s
 
     secs = _time(run, repeats)
     tokens = sum(len(o.token_ids) for o in outs)
-    result = {"engine": "raymoe", "seconds": secs, "output_tokens": tokens, "output_tok_per_s": tokens / secs,
+    topo = f"tp{options.get('tp_size', 1)}-dp{options.get('dp_size', 1)}-ep{options.get('ep_size', 1)}"
+    result = {"engine": f"raymoe[{topo}]", "seconds": secs, "output_tokens": tokens,
+              "output_tok_per_s": tokens / secs,
               "steps": engine.driver.num_steps}
     if profile:
         result["profile"] = _profile(run)
@@ -91,19 +94,22 @@ def run_offline(a: argparse.Namespace) -> dict:
     model = resolve_model(a.model)
     vocab = ModelConfig.from_hf(model).vocab_size
     prompts = _prompts(vocab, a.num_prompts, a.input_len, a.seed)
-    results = [bench_raymoe(model, prompts, a.output_len, a.dtype, a.repeats, a.profile)]
+    topo = {"tp_size": a.tp, "dp_size": a.dp, "ep_size": a.ep}
+    if a.tp * a.dp > 1:
+        topo["fanout"] = a.fanout
+    results = [bench_raymoe(model, prompts, a.output_len, a.dtype, a.repeats, a.profile, **topo)]
     if not a.skip_hf:
         results.append(bench_transformers(model, prompts, a.output_len, a.dtype, a.repeats))
     report = {
         "workload": {"model": model, "num_prompts": a.num_prompts, "input_len": a.input_len,
-                     "output_len": a.output_len, "dtype": a.dtype},
+                     "output_len": a.output_len, "dtype": a.dtype, "tp": a.tp, "dp": a.dp, "ep": a.ep},
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "python": platform.python_version(), "torch": torch.__version__},
         "results": [{k: v for k, v in r.items() if k != "profile"} for r in results],
     }
     print(f"workload: {a.num_prompts} prompts x {a.input_len} in / {a.output_len} out, {a.dtype}, greedy")
     for r in results:
-        print(f"  {r['engine']:>12}: {r['output_tok_per_s']:9.0f} output tok/s  ({r['seconds']:.3f} s, "
+        print(f"  {r['engine']:>22}: {r['output_tok_per_s']:9.0f} output tok/s  ({r['seconds']:.3f} s, "
               f"{r['output_tokens']} tokens)")
     if a.profile and "profile" in results[0]:
         print(results[0]["profile"])

@@ -30,5 +30,5 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, min_cpus: 
         ray.init(address=address, log_to_driver=True)
         return
     cpus = num_cpus or max(os.cpu_count() or 1, min_cpus)
-    ray.init(num_cpus=cpus, include_dashboard=False)
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False)
     log.info("started a local Ray cluster with %d logical CPUs", cpus)
