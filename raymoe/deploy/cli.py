@@ -36,7 +36,7 @@ def _cmd_generate(a: argparse.Namespace) -> None:
 
     model = resolve_model(a.model)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
-    with Engine(model, dtype=a.dtype) as engine:
+    with Engine(model, dtype=a.dtype, tp_size=a.tp, dp_size=a.dp, ep_size=a.ep) as engine:
         for prompt, out in zip(a.prompt, engine.generate(a.prompt, params), strict=True):
             print(prompt + out.text)
             print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (world > 1 runs Ray rank actors)")
+    p.add_argument("--dp", type=int, default=1, help="DP-attention groups")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size: 1 or tp*dp")
     p.set_defaults(func=_cmd_generate)
 
     from raymoe.bench.cli import add_bench_parser
