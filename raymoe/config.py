@@ -260,6 +260,32 @@ class OverlapConfig:
 
 
 @dataclass(frozen=True)
+class GraphConfig:
+    """Decode graph capture (CUDA graphs on GPU, static-buffer callables on CPU; ``raymoe.runner.graph_runner``).
+
+    Attributes:
+        disable_cuda_graph: decode eagerly, capture nothing.
+        cuda_graph_max_bs: largest captured batch size (None: ``max_running_requests``).
+        cuda_graph_bs: explicit batch sizes to capture (None: 1, 2, 4, 8, 16, 24, 32, 48, 64, ... up to the max).
+        enable_torch_compile: run captured forwards through ``torch.compile`` (slower on CPU; see bench graph).
+    """
+
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: tuple[int, ...] | None = None
+    enable_torch_compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise InvalidRequestError("cuda_graph_max_bs", "must be >= 1")
+        if self.cuda_graph_bs is not None:
+            sizes = tuple(int(b) for b in self.cuda_graph_bs)
+            if not sizes or min(sizes) < 1:
+                raise InvalidRequestError("cuda_graph_bs", "must be a non-empty list of positive batch sizes")
+            object.__setattr__(self, "cuda_graph_bs", sizes)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything ``Engine(model, **options)`` accepts.
 
@@ -272,7 +298,7 @@ class EngineConfig:
         ray_address: Ray cluster to join for world size > 1 (None: start a local one on 127.0.0.1).
         fanout: how a step reaches the ranks: ``"remote"`` (actor calls) or ``"compiled"`` (Ray Compiled Graph).
         step_timeout_s: bound on one step across all ranks, seconds (a hung rank fails the step).
-        overlap: two-batch / single-batch overlap of MoE layers.
+        overlap: two-batch / single-batch overlap of MoE layers. graph: decode graph capture.
     """
 
     model: str
@@ -287,6 +313,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    graph: GraphConfig = field(default_factory=GraphConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

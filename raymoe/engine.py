@@ -12,7 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from raymoe.actors.factory import build_driver
-from raymoe.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from raymoe.config import (
+    CacheConfig,
+    EngineConfig,
+    GraphConfig,
+    ModelConfig,
+    OverlapConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from raymoe.errors import EngineUnhealthyError, InvalidRequestError
 from raymoe.scheduler.model_worker_batch import TokenLogprobs
 from raymoe.scheduler.req import FinishKind, Req
@@ -43,7 +51,8 @@ class RequestOutput:
 
 
 def _split_options(model: str, options: dict) -> EngineConfig:
-    nested = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+    nested = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
+              "overlap": OverlapConfig, "graph": GraphConfig}
     owner = {f.name: key for key, cls in nested.items() for f in dataclasses.fields(cls)}
     top_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", *nested}
     parts: dict[str, dict] = {key: {} for key in nested}
@@ -67,7 +76,10 @@ class Engine:
             ``CacheConfig`` (``max_total_tokens``, ``max_context_len``, ``enable_radix_cache``) and
             ``SchedulerConfig`` (``max_running_requests``, ``chunked_prefill_size``, ``max_prefill_tokens``,
             ``schedule_policy``, ``max_queued_requests``) and ``ParallelConfig`` (``tp_size``, ``dp_size``,
-            ``ep_size``; world size > 1 runs the ranks as Ray actors, on ``ray_address`` or a local cluster).
+            ``ep_size``; world size > 1 runs the ranks as Ray actors, on ``ray_address`` or a local cluster),
+            ``OverlapConfig`` (``enable_tbo``, ``tbo_min_tokens_decode``, ``tbo_min_tokens_extend``,
+            ``tbo_token_distribution_threshold``, ``enable_sbo``) and ``GraphConfig`` (``disable_cuda_graph``,
+            ``cuda_graph_max_bs``, ``cuda_graph_bs``, ``enable_torch_compile``).
 
     Raises:
         CheckpointError: missing or broken model folder. InvalidRequestError: a bad option (names it).

@@ -104,3 +104,17 @@ def test_killed_rank_fails_requests_then_recovers(ray_cluster, tiny_model, refer
 
         assert asyncio.run(again()) == reference[PROMPTS[0]]
         service.shutdown()
+
+
+@pytest.mark.parametrize("overlap", [{"enable_tbo": True, "tbo_min_tokens_decode": 2, "tbo_min_tokens_extend": 4},
+                                     {"enable_sbo": True}])
+def test_overlap_engine_matches_single_rank(ray_cluster, tiny_model, reference, overlap):
+    """TBO (decode and extend steps, with graphs) and SBO on ep=2, dp=2 give the single-rank greedy tokens."""
+    with Engine(tiny_model, tp_size=1, dp_size=2, ep_size=2, **overlap) as e:
+        outs = e.generate(PROMPTS, GREEDY)
+        staggered = run_staggered(e, PROMPTS)
+        tbo_steps, graph_steps = e.driver.num_tbo_steps, e.driver.num_graph_steps
+    assert [o.token_ids for o in outs] == [reference[p] for p in PROMPTS]
+    assert staggered == reference
+    if overlap.get("enable_tbo"):
+        assert tbo_steps > 0 and graph_steps > 0

@@ -84,12 +84,15 @@ def test_prefill_logits_match_transformers(tiny_model, engine, hf_model):
 
 
 def test_greedy_generation_matches_transformers(engine, reference):
+    graph_steps = engine.driver.num_graph_steps
     outs = engine.generate(PROMPTS, GREEDY)
     assert_matches(outs, PROMPTS, reference)
+    assert engine.driver.num_graph_steps > graph_steps, "decode steps should replay captured graphs"
 
 
 def test_chunked_prefill_matches(tiny_model, reference):
-    with Engine(tiny_model, chunked_prefill_size=5) as e:
+    # Also the eager decode path: graphs off.
+    with Engine(tiny_model, chunked_prefill_size=5, disable_cuda_graph=True) as e:
         outs = e.generate(PROMPTS, GREEDY)
     assert_matches(outs, PROMPTS, reference)
 

@@ -16,6 +16,8 @@ from dataclasses import replace
 from typing import Protocol
 
 from raymoe.config import EngineConfig
+from raymoe.overlap.decision import apply_tbo_decision
+from raymoe.runner.graph_buckets import apply_graph_plan
 from raymoe.scheduler.model_worker_batch import ModelWorkerBatch, StepOutput
 from raymoe.scheduler.req import Req
 from raymoe.scheduler.sampling_params import SamplingParams
@@ -37,12 +39,15 @@ class Driver:
         eos_token_ids: the model's end-of-sequence ids.
         detokenize: token ids -> text (stop strings).
         dp_size: number of DP-attention groups.
+        graph_capture_sizes: decode-graph buckets the ranks captured (empty: always eager).
     """
 
     def __init__(self, config: EngineConfig, executor: StepExecutor, eos_token_ids: Sequence[int],
-                 detokenize: Callable[[Sequence[int]], str] | None, dp_size: int = 1):
+                 detokenize: Callable[[Sequence[int]], str] | None, dp_size: int = 1,
+                 graph_capture_sizes: Sequence[int] = ()):
         self.config = config
         self.executor = executor
+        self.graph_capture_sizes = tuple(graph_capture_sizes)
         self.schedulers = [Scheduler(config.scheduler, config.cache, eos_token_ids=eos_token_ids,
                                      detokenize=detokenize) for _ in range(dp_size)]
         self.reqs: dict[str, Req] = {}
@@ -50,6 +55,8 @@ class Driver:
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_idle_group_steps = 0
+        self.num_tbo_steps = 0
+        self.num_graph_steps = 0
 
     def new_rid(self) -> str:
         return f"req-{next(self._ids)}"
@@ -108,6 +115,11 @@ class Driver:
             else replace(b.to_model_worker_batch(), global_num_tokens=global_tokens)
             for b in sched_batches
         ]
+        # Decisions every rank must share, made once here: two-batch overlap on/off, then the graph bucket.
+        worker_batches = apply_tbo_decision(worker_batches, self.config.overlap)
+        worker_batches = apply_graph_plan(worker_batches, self.graph_capture_sizes)
+        self.num_tbo_steps += worker_batches[0].use_tbo
+        self.num_graph_steps += worker_batches[0].graph_bs is not None
         outputs = self.executor.execute(worker_batches)
         self.num_steps += 1
         self.num_idle_group_steps += sum(b is None for b in sched_batches)

@@ -11,10 +11,13 @@ from raymoe.tokenizer import eos_token_ids
 
 def runner_config_for(config: EngineConfig) -> RunnerConfig:
     """The per-rank runner settings implied by ``config`` (KV and row sizes are per DP group)."""
+    g = config.graph
     return RunnerConfig(
         model_path=config.model, dtype=config.dtype, num_kv_slots=config.cache.max_total_tokens,
         max_req_rows=config.scheduler.req_pool_rows, max_context_len=config.cache.max_context_len,
-        attention_backend=config.attention_backend, seed=config.seed, device=config.device or "cpu")
+        attention_backend=config.attention_backend, seed=config.seed, device=config.device or "cpu",
+        disable_cuda_graph=g.disable_cuda_graph, cuda_graph_max_bs=g.cuda_graph_max_bs, cuda_graph_bs=g.cuda_graph_bs,
+        enable_torch_compile=g.enable_torch_compile, overlap=config.overlap)
 
 
 def build_executor(config: EngineConfig):
@@ -35,4 +38,4 @@ def build_driver(config: EngineConfig, model_config: ModelConfig, tokenizer) -> 
         return tokenizer.decode(list(ids), skip_special_tokens=True)
 
     return Driver(config, build_executor(config), eos_token_ids(model_config, tokenizer), detokenize,
-                  dp_size=config.parallel.dp_size)
+                  dp_size=config.parallel.dp_size, graph_capture_sizes=runner_config_for(config).graph_capture_sizes)

@@ -6,12 +6,16 @@ and sent back. Both directions are split into an ``_a`` half that starts the tra
 and a ``_b`` half that waits for it, so overlap schedules (two-batch overlap, DESIGN section 4) can run
 other work in between. With ``ep_size == 1`` nothing is sent; the same records flow locally.
 
+The combine can also be sent in ``num_parts`` parts (single-batch overlap, ``raymoe.overlap.sbo``): part ``p``
+holds, of every peer's chunk of received rows, the slice ``[c * p // n, c * (p + 1) // n)`` (``c`` the chunk's
+row count, :func:`part_row_index`), so both sides know each part's counts without another exchange.
+
 Backends are chosen by name in :func:`get_all_to_all_backend` and imported lazily (``deepep`` needs CUDA).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,7 +30,8 @@ class DispatchHandle:
 
     ``order`` [P] int64 sorts the P = N * k routing pairs by destination rank; ``send_counts`` /
     ``recv_counts`` are pairs per peer rank; ``recv_hidden`` [R, H] and ``recv_expert_ids`` [R] (local expert
-    ids) are filled when the transfer completes; ``works`` are pending async collective handles.
+    ids) are filled when the transfer completes; ``works`` are pending async collective handles;
+    ``combine_parts`` are (part, num_parts, receive buffer) of a combine sent in parts.
     """
 
     num_tokens: int
@@ -38,6 +43,7 @@ class DispatchHandle:
     recv_expert_ids: torch.Tensor
     works: list[Any]
     combined: torch.Tensor | None = None
+    combine_parts: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
 
 
 class TorchAllToAll:
@@ -94,8 +100,15 @@ class TorchAllToAll:
         handle.works = []
         return handle.recv_hidden, handle.recv_expert_ids - self.local_expert_start
 
-    def combine_a(self, handle: DispatchHandle, expert_out: torch.Tensor) -> None:
-        """Start sending expert outputs ``expert_out`` [R, H] back to the ranks the pairs came from."""
+    def combine_a(self, handle: DispatchHandle, expert_out: torch.Tensor, part: int = 0, num_parts: int = 1) -> None:
+        """Start sending expert outputs ``expert_out`` [R, H] back to the ranks the pairs came from.
+
+        With ``num_parts > 1``, ``expert_out`` holds only the rows of part ``part`` (in the order of
+        :func:`part_row_index` over ``handle.recv_counts``); every part must be sent before :meth:`combine_b`.
+        """
+        if num_parts > 1:
+            self._combine_part_a(handle, expert_out, part, num_parts)
+            return
         if self.ep_size == 1:
             handle.combined = expert_out
             return
@@ -105,18 +118,49 @@ class TorchAllToAll:
         handle.combined = back
         handle.works = [w]
 
+    def _combine_part_a(self, handle: DispatchHandle, rows: torch.Tensor, part: int, num_parts: int) -> None:
+        if self.ep_size == 1:
+            handle.combine_parts.append((part, num_parts, rows))
+            return
+        recv = rows.new_empty((sum(part_counts(handle.send_counts, part, num_parts)), rows.shape[1]))
+        w = dist.all_to_all_single(recv, rows.contiguous(), part_counts(handle.send_counts, part, num_parts),
+                                   part_counts(handle.recv_counts, part, num_parts), group=self.groups.ep_group,
+                                   async_op=True)
+        handle.combine_parts.append((part, num_parts, recv))
+        handle.works.append(w)
+
     def combine_b(self, handle: DispatchHandle) -> torch.Tensor:
         """Wait for the combine; returns per-pair outputs [N, k, H] in the original (token, k) order."""
         for w in handle.works:
             w.wait()
         handle.works = []
+        if handle.combine_parts:
+            first = handle.combine_parts[0][2]
+            back = first.new_empty((sum(handle.send_counts), first.shape[1]))
+            for part, num_parts, recv in handle.combine_parts:
+                back[part_row_index(handle.send_counts, part, num_parts, back.device)] = recv
+            handle.combined, handle.combine_parts = back, []
         out = handle.combined
         assert out is not None, "combine_a must run before combine_b"
         if self.ep_size > 1:
             unsorted = torch.empty_like(out)
             unsorted[handle.order] = out
             out = unsorted
-        return out.view(handle.num_tokens, handle.top_k, -1)
+        return out.view(handle.num_tokens, handle.top_k, out.shape[-1])  # num_tokens may be 0 (IDLE)
+
+
+def part_counts(counts: list[int], part: int, num_parts: int) -> list[int]:
+    """Rows of part ``part`` (of ``num_parts``) in each per-peer chunk of ``counts`` rows."""
+    return [c * (part + 1) // num_parts - c * part // num_parts for c in counts]
+
+
+def part_row_index(counts: list[int], part: int, num_parts: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Indices [sum(part_counts)] int64 of part ``part``'s rows in a buffer of per-peer chunks of ``counts`` rows."""
+    pieces, start = [], 0
+    for c in counts:
+        pieces.append(torch.arange(start + c * part // num_parts, start + c * (part + 1) // num_parts, device=device))
+        start += c
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64, device=device)
 
 
 def get_all_to_all_backend(name: str, groups: ParallelGroups, num_experts: int):

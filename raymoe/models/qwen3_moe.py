@@ -19,7 +19,8 @@ from raymoe.layers.linear import QKVParallelLinear, RowParallelLinear
 from raymoe.layers.moe import DenseMLP, SparseMoeBlock
 from raymoe.layers.norm import RMSNorm
 from raymoe.layers.rotary import RotaryEmbedding
-from raymoe.overlap.operations import ForwardState, execute_operations
+from raymoe.overlap.forward import forward_layers
+from raymoe.overlap.operations import ForwardState
 
 
 def load_norm(norm: RMSNorm, reader, name: str) -> None:
@@ -62,7 +63,7 @@ class Qwen3MoeAttention(nn.Module):
     def op_core(self, state: ForwardState) -> None:
         fb = state.forward_batch
         o = fb.attn_backend.forward(state.q, state.k, state.v, self.layer_id, fb)
-        state.hidden_states = self.o_proj(o.reshape(o.shape[0], -1))
+        state.hidden_states = self.o_proj(o.reshape(o.shape[0], self.num_heads * self.head_dim))  # T may be 0 (IDLE)
         state.q = state.k = state.v = None
 
     def load(self, reader, prefix: str) -> None:
@@ -126,12 +127,14 @@ class Qwen3MoeForCausalLM(nn.Module):
         groups: the rank's process groups (TP for attention/dense, EP for experts).
         dtype: parameter and activation dtype.
         a2a_backend: MoE all-to-all backend name.
+        enable_sbo: single-batch overlap inside MoE layers (``raymoe.overlap.sbo``; same on every rank).
     """
 
     def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
-                 a2a_backend: str = "torch"):
+                 a2a_backend: str = "torch", enable_sbo: bool = False):
         super().__init__()
         self.config = config
+        self.enable_sbo = enable_sbo
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, groups, dtype)
         rotary = RotaryEmbedding(config, dtype)
         self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i, groups, rotary, dtype, a2a_backend)
@@ -150,10 +153,9 @@ class Qwen3MoeForCausalLM(nn.Module):
                             forward_batch=forward_batch)
 
     def forward(self, forward_batch) -> torch.Tensor:
-        """Run all layers eagerly; returns final-normed hidden states [T, H]."""
-        state = self.embed(forward_batch)
-        for layer in self.layers:
-            execute_operations(state, layer.operations())
+        """Run all layers eagerly (two-batch overlapped when ``forward_batch.tbo_children`` is set); returns
+        final-normed hidden states [T, H] in token order."""
+        state = forward_layers(self.layers, self.embed(forward_batch), self.enable_sbo)
         return self.norm(state.hidden_states)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,10 @@ class ForwardBatch:
 
     Shapes: ``input_ids``, ``positions``, ``out_cache_loc`` [T] int64; ``req_pool_indices``, ``seq_lens`` [bs]
     int64. The ``*_cpu`` lists mirror lengths in tokens for host-side loops. ``sample_indices`` [bs] int64 are
-    the rows of the hidden states whose logits are sampled (each request's last token this step).
+    the rows of the hidden states whose logits are sampled (each request's last token this step). ``graph_bs``: the
+    driver's padded decode-graph bucket for this step (``None``: eager). Two-batch overlap
+    (``raymoe.overlap.split``): ``tbo_children`` are the two halves of a TBO step; a child's
+    ``tbo_parent_token_range`` (start, end) are the parent rows it covers.
     """
 
     forward_mode: ForwardMode
@@ -68,6 +71,9 @@ class ForwardBatch:
     sampling: SamplingBatchInfo | None
     attn_backend: Any = None
     use_tbo: bool = False
+    graph_bs: int | None = None
+    tbo_children: list[ForwardBatch] | None = None
+    tbo_parent_token_range: tuple[int, int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -99,5 +105,5 @@ class ForwardBatch:
             seq_lens_cpu=list(b.seq_lens), prefix_lens_cpu=list(b.prefix_lens),
             extend_lens_cpu=list(b.extend_lens),
             sampling=SamplingBatchInfo.from_worker_batch(b, device) if b.batch_size else None,
-            use_tbo=b.use_tbo,
+            use_tbo=b.use_tbo, graph_bs=b.graph_bs,
         )

@@ -8,21 +8,26 @@ captured graph) and samples, answering with a ``StepOutput``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from raymoe.attention.base import get_attention_backend
+from raymoe.attention.tbo import TboAttnBackend
 from raymoe.comm.groups import ParallelGroups
-from raymoe.config import ModelConfig
+from raymoe.comm.latency import inject_a2a_latency
+from raymoe.config import ModelConfig, OverlapConfig
 from raymoe.kvcache.pools import ReqToTokenPool, TokenToKVPool
 from raymoe.models.loader import CheckpointReader
 from raymoe.models.registry import get_model_class
+from raymoe.overlap.split import TboForwardBatchPreparer
 from raymoe.runner.forward_batch import ForwardBatch
+from raymoe.runner.graph_buckets import capture_sizes
 from raymoe.runner.sampler import Sampler
 from raymoe.scheduler.model_worker_batch import ModelWorkerBatch, StepOutput
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}  # float64: exactness tests (e.g. graph replay vs eager)
 
 
 @dataclass(frozen=True)
@@ -30,10 +35,19 @@ class RunnerConfig:
     """What a rank needs to build its runner (plain data, sent to each RankWorker).
 
     Attributes:
-        model_path: Hugging Face folder. dtype: ``"float32"`` | ``"bfloat16"`` | ``"float16"``.
+        model_path: Hugging Face folder. dtype: ``"float32"`` | ``"bfloat16"`` | ``"float16"`` (| ``"float64"``,
+            for exactness tests).
         num_kv_slots: KV slots of the pool (without dummy slot 0), tokens.
         max_req_rows: rows of the ReqToTokenPool table. max_context_len: tokens per row.
         attention_backend, a2a_backend: backend names. seed: sampler seed. device: ``"cpu"`` or ``"cuda"``.
+        disable_cuda_graph: run every decode eagerly (no capture at start-up). On CPU the "graphs" are
+            static-buffer callables with the same contract (``raymoe.runner.graph_runner``).
+        cuda_graph_max_bs: largest captured batch size (``None``: ``max_req_rows``).
+        cuda_graph_bs: explicit batch sizes to capture (``None``: 1, 2, 4, 8, 16, 24, 32, 48, 64, ... up to the max).
+        enable_torch_compile: run each captured bucket's forward through ``torch.compile``.
+        overlap: two-batch / single-batch overlap options (the engine's ``OverlapConfig``; same on every rank).
+        inject_a2a_latency_ms: benchmarks only: delay each MoE dispatch/combine completion by this one-way
+            latency, milliseconds (``raymoe.comm.latency``; 0 = off).
     """
 
     model_path: str
@@ -45,12 +59,29 @@ class RunnerConfig:
     a2a_backend: str = "torch"
     seed: int = 0
     device: str = "cpu"
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: tuple[int, ...] | None = None
+    enable_torch_compile: bool = False
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    inject_a2a_latency_ms: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.inject_a2a_latency_ms < 0:
+            raise ValueError("inject_a2a_latency_ms must be >= 0")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}")
         if self.num_kv_slots < 1 or self.max_req_rows < 1 or self.max_context_len < 2:
             raise ValueError("num_kv_slots, max_req_rows must be >= 1 and max_context_len >= 2")
+        _ = self.graph_capture_sizes  # validates the graph options
+
+    @property
+    def graph_capture_sizes(self) -> tuple[int, ...]:
+        """Decode-graph buckets every rank captures, ascending (empty when disabled); the driver passes them to
+        ``raymoe.runner.graph_buckets.plan_graph_bs``."""
+        if self.disable_cuda_graph:
+            return ()
+        return tuple(capture_sizes(self.max_req_rows, self.cuda_graph_bs, self.cuda_graph_max_bs))
 
 
 class ModelRunner:
@@ -69,20 +100,44 @@ class ModelRunner:
         with CheckpointReader(cfg.model_path) as reader:
             model_cls = get_model_class(self.model_config.model_type)
             with torch.device(self.device):
-                self.model = model_cls(self.model_config, self.groups, self.dtype, cfg.a2a_backend)
+                self.model = model_cls(self.model_config, self.groups, self.dtype, cfg.a2a_backend,
+                                       enable_sbo=cfg.overlap.enable_sbo)
             self.model.load_weights(reader)
         self.model.eval()
+        if cfg.inject_a2a_latency_ms > 0:
+            inject_a2a_latency(self.model, cfg.inject_a2a_latency_ms)
         mc = self.model_config
         self.req_to_token_pool = ReqToTokenPool(cfg.max_req_rows, cfg.max_context_len, self.device)
         self.token_to_kv_pool = TokenToKVPool(cfg.num_kv_slots, mc.num_hidden_layers, self.model.num_local_kv_heads,
                                               mc.head_dim, self.dtype, self.device)
-        self.attn_backend = get_attention_backend(
-            cfg.attention_backend, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
-            num_heads=self.model.num_local_heads, num_kv_heads=self.model.num_local_kv_heads, head_dim=mc.head_dim)
-        self.sampler = Sampler(cfg.seed, self.device)
+        def make_backend():
+            return get_attention_backend(
+                cfg.attention_backend, req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool=self.token_to_kv_pool, num_heads=self.model.num_local_heads,
+                num_kv_heads=self.model.num_local_kv_heads, head_dim=mc.head_dim)
 
-    def prepare(self, batch: ModelWorkerBatch) -> ForwardBatch:
-        """Write the slot table for ``batch`` and build its ForwardBatch with attention metadata."""
+        self.attn_backend = TboAttnBackend.create(make_backend) if cfg.overlap.enable_tbo else make_backend()
+        self.sampler = Sampler(cfg.seed, self.device)
+        self.graph_runner = None
+        if cfg.graph_capture_sizes:
+            from raymoe.runner.graph_runner import GraphRunner
+
+            def tbo_prepare(fb: ForwardBatch) -> None:  # TBO buckets: the split of the padded batch
+                TboForwardBatchPreparer.prepare(fb, cfg.overlap.tbo_token_distribution_threshold,
+                                                self.attn_backend.children)
+
+            tbo = cfg.overlap.enable_tbo
+            self.graph_runner = GraphRunner(self.forward, self.attn_backend, cfg.graph_capture_sizes, self.device,
+                                            max_kv_len=cfg.max_context_len,
+                                            tbo_modes=(False, True) if tbo else (False,),
+                                            tbo_prepare=tbo_prepare if tbo else None,
+                                            use_compile=cfg.enable_torch_compile,
+                                            show_progress=self.groups.world_rank == 0)
+
+    def prepare(self, batch: ModelWorkerBatch, for_graph: bool = False) -> ForwardBatch:
+        """Write the slot table for ``batch`` and build its ForwardBatch with attention metadata and TBO children.
+        ``for_graph``: only the table and tensors (a graph replay has its own metadata and its own TBO split of
+        the padded batch)."""
         fb = ForwardBatch.from_worker_batch(batch, self.device)
         if batch.forward_mode.is_extend():
             prefix_slots = torch.tensor(batch.prefix_slots, dtype=torch.int64, device=self.device)
@@ -91,6 +146,13 @@ class ModelRunner:
         elif batch.forward_mode.is_decode():
             self.req_to_token_pool.write_decode(fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc)
         fb.attn_backend = self.attn_backend
+        if for_graph:
+            return fb
+        if fb.use_tbo:  # two children with their own attention backends (raymoe.overlap.split)
+            if not isinstance(self.attn_backend, TboAttnBackend):
+                raise ValueError("batch.use_tbo is set but this rank was built without overlap.enable_tbo")
+            TboForwardBatchPreparer.prepare(fb, self.cfg.overlap.tbo_token_distribution_threshold,
+                                            self.attn_backend.children)
         self.attn_backend.init_forward_metadata(fb)
         return fb
 
@@ -106,10 +168,12 @@ class ModelRunner:
     @torch.no_grad()
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> StepOutput:
         """One step: prepare, forward, sample. An IDLE batch runs the layers on zero tokens (so collectives
-        match) and answers with no tokens."""
+        match) and answers with no tokens. With ``batch.graph_bs`` set and a matching capture, the forward is a
+        graph replay of that bucket (an IDLE batch then replays it with padding rows only)."""
         t0 = time.perf_counter()
-        fb = self.prepare(batch)
-        logits = self.forward(fb)
+        use_graph = self.graph_runner is not None and batch.graph_bs is not None and self.graph_runner.can_run(batch)
+        fb = self.prepare(batch, for_graph=use_graph)
+        logits = self.graph_runner.replay(fb) if use_graph else self.forward(fb)
         if fb.batch_size == 0:
             return StepOutput([], [], time.perf_counter() - t0)
         next_ids, logprobs = self.sampler(logits, fb.sampling)

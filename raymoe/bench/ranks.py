@@ -1,0 +1,71 @@
+"""Spawn gloo ranks for benchmarks below the Ray layer (same idea as the tests' ``dist_harness``).
+
+``spawn_ranks(fn, parallel, *args)`` starts ``parallel.world_size`` processes on 127.0.0.1; each sets
+``torch.set_num_threads(threads_per_rank)``, joins the process groups (``init_parallel_groups``), runs
+``fn(groups, *args)`` and sends its return value back; results come back in rank order. ``fn`` must be a
+module-level function (it is pickled into spawned processes).
+"""
+
+from __future__ import annotations
+
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+from raymoe.config import ParallelConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, parallel, port, threads, fn, args, queue):
+    import os
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+
+    from raymoe.cluster.topology import init_parallel_groups
+
+    torch.set_num_threads(threads)
+    try:
+        groups = init_parallel_groups(rank, parallel, f"tcp://127.0.0.1:{port}", "gloo", timeout_s=300)
+        queue.put((rank, "ok", fn(groups, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_ranks(fn, parallel: ParallelConfig, *args, threads_per_rank: int = 1, timeout_s: float = 3600.0) -> list:
+    """Run ``fn(groups, *args)`` on every rank of ``parallel``; returns the per-rank results in rank order.
+
+    Raises:
+        RuntimeError: a rank raised (its traceback is in the message).
+        queue.Empty: no answer within ``timeout_s`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, parallel, port, threads_per_rank, fn, args, queue), daemon=True)
+             for r in range(parallel.world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    try:
+        for _ in procs:
+            rank, status, value = queue.get(timeout=timeout_s)
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(parallel.world_size)]

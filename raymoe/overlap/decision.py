@@ -1,0 +1,62 @@
+"""The driver's per-step two-batch-overlap decision, one answer for every rank.
+
+Under TBO each rank runs two half-batches through an interleaved schedule, and the order of the MoE all-to-all
+collectives follows that schedule; ranks that disagree on whether TBO runs, or on its schedule, would pair
+mismatched collectives and hang. So the driver decides once per step from every DP group's batch
+(:func:`decide_tbo`) and ships the answer as ``ModelWorkerBatch.use_tbo`` (:func:`apply_tbo_decision`).
+
+TBO runs when all of these hold:
+
+* ``OverlapConfig.enable_tbo``;
+* at least one group has tokens (an all-IDLE step runs plainly) and no group runs MIXED;
+* the non-IDLE groups share one mode, and an EXTEND step has no IDLE group: a rank picks its schedule from its
+  own mode (``raymoe.overlap.strategy.tbo_schedule_mode``: IDLE ranks follow the DECODE schedule), so DECODE
+  and EXTEND schedules, whose collective orders differ, never meet in one step;
+* the busiest group has at least ``tbo_min_tokens_decode`` / ``tbo_min_tokens_extend`` tokens;
+* every group with tokens can give both children tokens (same split code as the ranks, same threshold).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from raymoe.config import OverlapConfig
+from raymoe.overlap.split import compute_split, split_is_usable
+from raymoe.runner.forward_mode import ForwardMode
+from raymoe.scheduler.model_worker_batch import ModelWorkerBatch
+
+
+def decide_tbo(batches: Sequence[ModelWorkerBatch], cfg: OverlapConfig) -> bool:
+    """Whether this step runs two-batch overlap on every rank (see the module docstring for the rules).
+
+    Args:
+        batches: one ``ModelWorkerBatch`` per DP group, IDLE batches included.
+        cfg: the engine's overlap options (the same values the ranks were built with).
+    """
+    if not cfg.enable_tbo:
+        return False
+    active = [b for b in batches if b.forward_mode != ForwardMode.IDLE]
+    if not active:
+        return False
+    modes = {b.forward_mode for b in active}
+    if len(modes) != 1:
+        return False
+    mode = modes.pop()
+    if mode == ForwardMode.DECODE:
+        min_tokens = cfg.tbo_min_tokens_decode
+    elif mode == ForwardMode.EXTEND and len(active) == len(batches):
+        min_tokens = cfg.tbo_min_tokens_extend
+    else:  # MIXED, or EXTEND next to IDLE groups
+        return False
+    if max(b.num_tokens for b in active) < min_tokens:
+        return False
+    threshold = cfg.tbo_token_distribution_threshold
+    return all(split_is_usable(compute_split(b.forward_mode, b.extend_lens, threshold), b.num_tokens)
+               for b in active)
+
+
+def apply_tbo_decision(batches: Sequence[ModelWorkerBatch], cfg: OverlapConfig) -> list[ModelWorkerBatch]:
+    """``batches`` with ``use_tbo`` set to :func:`decide_tbo` on every one of them (IDLE batches included)."""
+    use_tbo = decide_tbo(batches, cfg)
+    return [b if b.use_tbo == use_tbo else dataclasses.replace(b, use_tbo=use_tbo) for b in batches]

@@ -1,0 +1,93 @@
+"""Decode graph buckets: which batch sizes are captured, and which bucket a step replays.
+
+Pure functions over plain numbers (no torch), shared by both sides of the step boundary:
+
+* the rank's ``GraphRunner`` captures one graph per size in :func:`capture_sizes` (``RunnerConfig`` exposes the
+  result as ``RunnerConfig.graph_capture_sizes``);
+* the driver calls :func:`apply_graph_plan` (:func:`plan_graph_bs` + ``replace``) once per global step with
+  every DP group's ``ModelWorkerBatch``, after the TBO decision, and ships the answer in
+  ``ModelWorkerBatch.graph_bs`` to all ranks, so every rank pads to the same size and the MoE collectives of
+  all ranks see the same number of rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from bisect import bisect_left
+from collections.abc import Sequence
+
+from raymoe.runner.forward_mode import ForwardMode
+
+SMALL_SIZES = (1, 2, 4, 8)
+
+
+def default_capture_sizes(max_bs: int) -> list[int]:
+    """The default bucket ladder up to ``max_bs``: 1, 2, 4, 8, then 16, 24, 32, 48, 64, 96, 128, ...
+    (each power of two and the midpoint to the next), always ending with ``max_bs`` itself so that every
+    batch up to ``max_bs`` has a bucket.
+
+    Raises:
+        ValueError: ``max_bs < 1``.
+    """
+    if max_bs < 1:
+        raise ValueError(f"max_bs must be >= 1, got {max_bs}")
+    sizes = list(SMALL_SIZES)
+    p = 16
+    while p <= max_bs:
+        sizes += [p, p + p // 2]
+        p *= 2
+    return sorted({s for s in sizes if s <= max_bs} | {max_bs})
+
+
+def capture_sizes(max_running: int, cuda_graph_bs: Sequence[int] | None = None,
+                  cuda_graph_max_bs: int | None = None) -> list[int]:
+    """Resolve the batch sizes to capture, ascending and unique.
+
+    Args:
+        max_running: rows of the rank's ReqToTokenPool (no decode batch is larger).
+        cuda_graph_bs: explicit sizes; ``None`` uses :func:`default_capture_sizes`. Explicit sizes are kept
+            as given (minus those above the cap), so a batch above the largest one runs eagerly.
+        cuda_graph_max_bs: cap on the largest size; ``None`` caps at ``max_running``.
+    Raises:
+        ValueError: a size or the cap is below 1.
+    """
+    cap = max_running if cuda_graph_max_bs is None else min(cuda_graph_max_bs, max_running)
+    if cap < 1:
+        raise ValueError(f"cuda_graph_max_bs must be >= 1, got {cuda_graph_max_bs}")
+    if cuda_graph_bs is None:
+        return default_capture_sizes(cap)
+    if any(s < 1 for s in cuda_graph_bs):
+        raise ValueError(f"cuda_graph_bs sizes must be >= 1, got {list(cuda_graph_bs)}")
+    return sorted({int(s) for s in cuda_graph_bs if s <= cap})
+
+
+def select_graph_bs(batch_size: int, sizes: Sequence[int]) -> int | None:
+    """Smallest captured size >= ``batch_size`` (``sizes`` ascending), or ``None`` when the batch is larger
+    than every captured size (or nothing was captured): run eagerly."""
+    i = bisect_left(sizes, batch_size)
+    return sizes[i] if i < len(sizes) else None
+
+
+def plan_graph_bs(batches: Sequence, sizes: Sequence[int]) -> int | None:
+    """The one bucket every rank replays this step, or ``None`` for an eager step.
+
+    Graphs run only when every DP group is DECODE or IDLE and at least one decodes; the bucket covers the
+    largest group, and IDLE groups replay it with padding rows only (so collective sizes match).
+
+    Args:
+        batches: one ``ModelWorkerBatch`` per DP group (anything with ``forward_mode`` and ``batch_size``).
+        sizes: the ranks' captured sizes, ascending (``RunnerConfig.graph_capture_sizes``).
+    """
+    if not sizes or not batches:
+        return None
+    if any(b.forward_mode not in (ForwardMode.DECODE, ForwardMode.IDLE) for b in batches):
+        return None
+    if all(b.forward_mode == ForwardMode.IDLE for b in batches):
+        return None
+    return select_graph_bs(max(b.batch_size for b in batches), sizes)
+
+
+def apply_graph_plan(batches: Sequence, sizes: Sequence[int]) -> list:
+    """``batches`` (``ModelWorkerBatch`` per DP group) with ``graph_bs`` set to :func:`plan_graph_bs` on each."""
+    graph_bs = plan_graph_bs(batches, sizes)
+    return [b if b.graph_bs == graph_bs else dataclasses.replace(b, graph_bs=graph_bs) for b in batches]

@@ -1,0 +1,228 @@
+"""GraphRunner: capture decode forwards once per batch-size bucket, replay them with padded static inputs.
+
+Ownership: one per ``ModelRunner`` (rank side). The driver picks the bucket of a step for all ranks
+(``raymoe.runner.graph_buckets.plan_graph_bs``, shipped as ``ModelWorkerBatch.graph_bs``); the runner asks
+:meth:`GraphRunner.can_run` and then calls :meth:`GraphRunner.replay`, else runs eagerly.
+
+Capture (largest bucket first): point the attention backend's metadata at its graph buffers
+(``init_forward_metadata_capture_cuda_graph``), then
+
+* on CUDA: warm-up runs on a side stream, then ``torch.cuda.CUDAGraph`` capture into one memory pool shared
+  by every bucket (the largest graph sizes the pool, the smaller ones reuse it);
+* on CPU: record a callable over the bucket's static ``ForwardBatch`` (optionally ``torch.compile``-d) and run
+  it once. It reads only the static buffers and the backend's graph buffers, exactly what a CUDA graph would
+  read, so buffer, padding and metadata bugs show up in CPU tests.
+
+Replay: copy the real rows into the static buffers and pad the rest (``GraphInputBuffers.populate``), refresh
+the attention metadata in place (``init_forward_metadata_replay_cuda_graph``), replay, and return the first
+``batch_size`` rows of the output. Graphs are keyed by ``(bucket, use_tbo)``: with two-batch overlap a bucket is
+captured with the split of its padded size (children are views of the static buffers, each child refreshes its
+own attention backend's graph buffers), so replay needs the same TBO decision as capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from tqdm import tqdm
+
+from raymoe.runner.forward_batch import ForwardBatch
+from raymoe.runner.forward_mode import ForwardMode
+from raymoe.runner.graph_buckets import select_graph_bs
+from raymoe.runner.graph_buffers import GraphInputBuffers
+
+logger = logging.getLogger(__name__)
+
+ForwardFn = Callable[[ForwardBatch], torch.Tensor]
+
+
+class _CpuStep:
+    """CPU stand-in for a CUDA graph: a callable bound to one bucket's static ForwardBatch."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor]):
+        self.fn = fn
+
+    def replay(self) -> torch.Tensor:
+        return self.fn()
+
+
+class _CudaStep:
+    """A captured ``torch.cuda.CUDAGraph`` and the output tensor it writes (fixed address in the graph pool)."""
+
+    def __init__(self, graph, output: torch.Tensor):
+        self.graph = graph
+        self.output = output
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.output
+
+
+def _capture_cuda(fn: Callable[[], torch.Tensor], pool, stream, warmup_runs: int) -> _CudaStep:
+    """Warm up ``fn`` on ``stream`` (lazy inits, allocator, kernel selection), then capture it into ``pool``."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup_runs):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        output = fn()
+    return _CudaStep(graph, output)
+
+
+class GraphRunner:
+    """Decode graphs of one rank.
+
+    Args:
+        forward_fn: ``fb -> logits`` [bs, V] float32 of every row (the runner's eager forward); it must read
+            the batch only through its tensors and the attention backend.
+        attn_backend: the backend the forward uses; must implement the graph hooks of ``AttentionBackend``.
+        sizes: bucket sizes to capture (any order; ``graph_buckets.capture_sizes``).
+        device: the rank's device; ``cuda`` captures CUDA graphs, anything else records CPU callables.
+        max_kv_len: longest sequence a graph attends over, tokens (the ReqToTokenPool row width).
+        tbo_modes: which ``use_tbo`` values to capture per bucket (``(False,)``: TBO steps run eagerly). TBO
+            is captured for buckets of 2 rows or more (a decode split at ``bs // 2`` needs both halves).
+        tbo_prepare: ``fb -> None`` attaching ``fb.tbo_children`` (each with its own attention backend) to a
+            static batch; required when ``tbo_modes`` contains True.
+        use_compile: run each bucket's forward through ``torch.compile`` (static shapes per bucket).
+        warmup_runs: eager runs before each CUDA capture.
+        show_progress: show a tqdm bar while capturing.
+    Raises:
+        NotImplementedError: the attention backend cannot be captured.
+        ValueError: ``sizes`` is empty or has a size below 1, or TBO capture without ``tbo_prepare``.
+    """
+
+    def __init__(self, forward_fn: ForwardFn, attn_backend, sizes: Sequence[int], device: torch.device | str,
+                 max_kv_len: int, tbo_modes: Sequence[bool] = (False,),
+                 tbo_prepare: Callable[[ForwardBatch], None] | None = None, use_compile: bool = False,
+                 warmup_runs: int = 2, show_progress: bool = True):
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"graph batch sizes must be a non-empty list of sizes >= 1, got {list(sizes)}")
+        if True in tbo_modes and tbo_prepare is None:
+            raise ValueError("capturing TBO graphs needs tbo_prepare")
+        self.sizes = sorted(set(sizes))
+        self.max_bs = self.sizes[-1]
+        self.device = torch.device(device)
+        self.attn_backend = attn_backend
+        self.tbo_modes = tuple(dict.fromkeys(tbo_modes))
+        self.tbo_prepare = tbo_prepare
+        self.max_kv_len = max_kv_len
+        self.use_compile = use_compile
+        self.warmup_runs = warmup_runs
+        self.forward_fn = torch.compile(forward_fn, dynamic=False) if use_compile else forward_fn
+        attn_backend.init_cuda_graph_state(self.max_bs, max_kv_len)
+        self._backends_with_state = {id(attn_backend)}
+        self.buffers = GraphInputBuffers.create(self.max_bs, self.device,
+                                                attn_backend.get_cuda_graph_seq_len_fill_value())
+        self.static_batches: dict[tuple[int, bool], ForwardBatch] = {}
+        self.graphs: dict[tuple[int, bool], _CpuStep | _CudaStep] = {}
+        self.capture_seconds = 0.0
+        self.capture(show_progress)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def capture(self, show_progress: bool = True) -> None:
+        """Capture every (bucket, use_tbo), largest bucket first, and log the sizes and the time taken."""
+        keys = [(bs, tbo) for bs in reversed(self.sizes) for tbo in self.tbo_modes if bs >= 2 or not tbo]
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle() if self.is_cuda else None
+        stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        with self._compile_limits(len(keys)):
+            for bs, tbo in tqdm(keys, desc="capture decode graphs", unit="graph", disable=not show_progress):
+                self.graphs[(bs, tbo)] = self._capture_one(bs, tbo, pool, stream)
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - t0
+        logger.info("captured %d decode graphs on %s (batch sizes %s, tbo %s%s) in %.2f s", len(keys),
+                    self.device, self.sizes, list(self.tbo_modes), ", torch.compile" if self.use_compile else "",
+                    self.capture_seconds)
+
+    def _compile_limits(self, num_graphs: int):
+        """Let torch.compile keep one specialization per bucket (its default limit is 8 per function)."""
+        if not self.use_compile:
+            return contextlib.nullcontext()
+        limit = num_graphs + 8
+        return torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, 8 * limit))
+
+    def _capture_one(self, bs: int, use_tbo: bool, pool, stream) -> _CpuStep | _CudaStep:
+        fb = self.buffers.forward_batch(bs, self.attn_backend, use_tbo)
+        self.static_batches[(bs, use_tbo)] = fb
+        self.buffers.pad(0, bs)
+        if use_tbo:
+            self.tbo_prepare(fb)
+            for child in fb.tbo_children:
+                if id(child.attn_backend) not in self._backends_with_state:
+                    child.attn_backend.init_cuda_graph_state(self.max_bs, self.max_kv_len)
+                    self._backends_with_state.add(id(child.attn_backend))
+        for part in fb.tbo_children or [fb]:
+            part.attn_backend.init_forward_metadata_capture_cuda_graph(part.batch_size, part.req_pool_indices,
+                                                                       part.seq_lens, ForwardMode.DECODE)
+        forward_fn = self.forward_fn
+
+        def run() -> torch.Tensor:
+            return forward_fn(fb)
+
+        if self.is_cuda:
+            try:
+                return _capture_cuda(run, pool, stream, self.warmup_runs)
+            except RuntimeError as e:  # e.g. a host sync (.tolist(), .item()) inside the forward
+                raise RuntimeError(f"CUDA graph capture of decode batch size {bs} (tbo={use_tbo}) failed: {e}. "
+                                   "The forward must not sync with the host; or set disable_cuda_graph=True") from e
+        run()  # CPU "capture": prove the bucket runs (and compile it when use_compile)
+        return _CpuStep(run)
+
+    def bucket_for(self, forward_batch: ForwardBatch) -> int | None:
+        """The bucket ``forward_batch`` replays: its ``graph_bs`` when set (must be a captured size that holds
+        the batch), else the smallest captured size that holds it; ``None`` when there is none. An IDLE
+        batch has a bucket only when the driver gave it one. Accepts a ``ModelWorkerBatch`` too."""
+        fb = forward_batch
+        if fb.graph_bs is not None:
+            return fb.graph_bs if fb.graph_bs in self.sizes and fb.batch_size <= fb.graph_bs else None
+        if fb.forward_mode.is_idle():
+            return None
+        return select_graph_bs(fb.batch_size, self.sizes)
+
+    def can_run(self, forward_batch: ForwardBatch) -> bool:
+        """Whether ``forward_batch`` can replay a graph: DECODE (or IDLE with a driver-chosen bucket), one
+        token per row, a captured bucket that holds it, and a capture with the same TBO decision. Accepts a
+        ``ModelWorkerBatch`` too (the same fields), so the runner can decide before building tensors.
+
+        Every input to this decision except the row count is shared by all ranks of the step (mode family,
+        ``graph_bs``, ``use_tbo``), so ranks given the same ``graph_bs`` agree.
+        """
+        fb = forward_batch
+        if not fb.forward_mode.is_decode_or_idle() or fb.num_tokens != fb.batch_size:
+            return False
+        bs = self.bucket_for(fb)
+        return bs is not None and (bs, fb.use_tbo) in self.graphs
+
+    @torch.no_grad()
+    def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Run ``forward_batch`` through its bucket's graph.
+
+        Returns:
+            float32 logits [batch_size, V] (on CUDA a view of the graph's output, valid until the next replay).
+        Raises:
+            ValueError: :meth:`can_run` is false for this batch.
+        """
+        fb = forward_batch
+        if not self.can_run(fb):
+            raise ValueError(f"no captured graph for a {fb.forward_mode.name} batch of {fb.batch_size} rows "
+                             f"(graph_bs={fb.graph_bs}, use_tbo={fb.use_tbo}); check can_run first")
+        bs = self.bucket_for(fb)
+        static = self.static_batches[(bs, fb.use_tbo)]
+        seq_lens_cpu = self.buffers.populate(fb, bs)
+        for part in static.tbo_children or [static]:
+            r0, r1 = part.tbo_parent_token_range or (0, bs)  # decode: one token per row
+            part.attn_backend.init_forward_metadata_replay_cuda_graph(part.batch_size, part.req_pool_indices,
+                                                                      part.seq_lens, seq_lens_cpu[r0:r1],
+                                                                      ForwardMode.DECODE)
+        out = self.graphs[(bs, fb.use_tbo)].replay()
+        return out[:fb.batch_size]
