@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install test lint demo bench-offline clean
+.PHONY: install test lint demo serve generate bench-offline bench-serve clean
 
 install: $(VENV)/.installed
 
@@ -21,11 +21,24 @@ lint: install
 test: install lint
 	$(PY) -m pytest -q
 
+# The main job: the OpenAI-compatible server (demo checkpoint, dp=2 x ep=2 rank actors, two-batch overlap) on
+# 127.0.0.1:8000; once ready it answers one chat completion itself and prints a curl line. Ctrl-C stops it.
 demo: install
+	$(VENV)/bin/raymoe serve --demo-request
+
+serve: install
+	$(VENV)/bin/raymoe serve
+
+generate: install
 	$(VENV)/bin/raymoe generate --prompt "def fib(n):" --max-tokens 32
 
 bench-offline: install
 	$(VENV)/bin/raymoe bench offline --num-prompts 64 --input-len 10 --output-len 64
+
+# Against a running server (make serve in another terminal): MT-Bench two-turn chats.
+bench-serve: install
+	$(VENV)/bin/raymoe bench serve --base-url http://127.0.0.1:8000 --concurrency 16 --num-prompts 80 \
+		--dataset-path ../shared/data/mt_bench_questions.jsonl --output-len 64
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache bench_results

@@ -57,6 +57,7 @@ class Driver:
         self.num_idle_group_steps = 0
         self.num_tbo_steps = 0
         self.num_graph_steps = 0
+        self.last_step_seconds: list[float] = []  # forward+sample seconds of each DP group's tp-rank 0
 
     def new_rid(self) -> str:
         return f"req-{next(self._ids)}"
@@ -121,6 +122,7 @@ class Driver:
         self.num_tbo_steps += worker_batches[0].use_tbo
         self.num_graph_steps += worker_batches[0].graph_bs is not None
         outputs = self.executor.execute(worker_batches)
+        self.last_step_seconds = [o.forward_seconds for o in outputs]
         self.num_steps += 1
         self.num_idle_group_steps += sum(b is None for b in sched_batches)
         updated: list[Req] = early

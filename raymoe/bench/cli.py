@@ -19,11 +19,76 @@ def add_bench_parser(sub, model_arg) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per engine (best is reported)")
     p.add_argument("--skip-hf", action="store_true", help="do not run transformers generate")
     p.add_argument("--profile", action="store_true", help="profile raymoe decode steps (torch.profiler)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (world > 1 runs Ray rank actors)")
+    p.add_argument("--dp", type=int, default=1, help="DP-attention groups")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (1 or tp*dp)")
+    p.add_argument("--fanout", default="remote", choices=["remote", "compiled"])
     p.add_argument("--output-json", default="bench_results/offline.json")
     p.set_defaults(func=_run_offline)
+
+    p = bench.add_parser("fanout", help="per-step fan-out overhead: Ray Compiled Graph vs plain actor calls")
+    model_arg(p)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=2)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
+    p.add_argument("--output-json", default="bench_results/fanout.json")
+    p.set_defaults(func=_run_fanout)
+
+    p = bench.add_parser("graph", help="decode step time: graph replay vs eager, per bucket")
+    model_arg(p)
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,24,32,48,64", help="buckets to capture and time")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per request, the decoded one included")
+    p.add_argument("--max-context-len", type=int, default=128, help="table width a graph attends over")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true", help="also time replay through torch.compile")
+    p.add_argument("--output-json", default="bench_results/graph.json")
+    p.set_defaults(func=_run_graph)
+
+    p = bench.add_parser("overlap", help="two-batch overlap efficiency on gloo ranks with injected a2a latency")
+    p.add_argument("--model", default=None, help="Hugging Face model folder (default: a seeded benchmark "
+                                                 "checkpoint of the sizes below, built on first use)")
+    from raymoe.bench.overlap import add_overlap_args
+
+    add_overlap_args(p)
+    p.set_defaults(func=_run_overlap)
+
+    p = bench.add_parser("serve", help="streaming load against an OpenAI-compatible server: TTFT, ITL, throughput")
+    from raymoe.bench.serve import add_serve_bench_args
+
+    add_serve_bench_args(p)
+    p.set_defaults(func=_run_serve)
 
 
 def _run_offline(a: argparse.Namespace) -> None:
     from raymoe.bench.offline import run_offline
 
     run_offline(a)
+
+
+def _run_fanout(a: argparse.Namespace) -> None:
+    from raymoe.bench.fanout import run_fanout
+
+    run_fanout(a)
+
+
+def _run_graph(a: argparse.Namespace) -> None:
+    from raymoe.bench.graph import run_graph_bench
+
+    run_graph_bench(a)
+
+
+def _run_overlap(a: argparse.Namespace) -> None:
+    from raymoe.bench.overlap import run_overlap_bench
+
+    run_overlap_bench(a)
+
+
+def _run_serve(a: argparse.Namespace) -> None:
+    from raymoe.bench.serve import run_serve_bench
+
+    run_serve_bench(a)

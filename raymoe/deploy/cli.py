@@ -1,11 +1,12 @@
-"""The ``raymoe`` command line: make-checkpoint, generate, bench."""
+"""The ``raymoe`` command line: make-checkpoint, generate, serve, bench."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from raymoe.errors import RaymoeError
+from raymoe.errors import InvalidRequestError, RaymoeError
 
 
 def _model_arg(p: argparse.ArgumentParser) -> None:
@@ -42,6 +43,52 @@ def _cmd_generate(a: argparse.Namespace) -> None:
             print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
 
 
+def _cmd_serve(a: argparse.Namespace) -> None:
+    from pydantic import ValidationError
+
+    from raymoe.deploy.server import run_server
+    from raymoe.deploy.server_config import ServeOptions
+
+    try:
+        opts = ServeOptions(
+            model=a.model, served_model_name=a.served_model_name, tp_size=a.tp, dp_size=a.dp, ep_size=a.ep,
+            enable_tbo=a.enable_tbo, dtype=a.dtype, seed=a.seed, max_total_tokens=a.max_total_tokens,
+            max_context_len=a.max_context_len, max_running_requests=a.max_running_requests,
+            max_queued_requests=a.max_queued_requests, max_in_flight=a.max_in_flight,
+            api_key=a.api_key or os.environ.get("RAYMOE_API_KEY"), ray_address=a.address)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise InvalidRequestError(".".join(map(str, first["loc"])), first["msg"]) from None
+    run_server(opts, host=a.host, port=a.port, demo_request=a.demo_request, log_level=a.log_level)
+
+
+def _add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible API (default: demo model, dp=2 ep=2, TBO on)")
+    _model_arg(p)
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: folder name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per DP group")
+    p.add_argument("--dp", type=int, default=2, help="DP-attention groups")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks: 1 or dp*tp (default: dp*tp)")
+    p.add_argument("--enable-tbo", action=argparse.BooleanOptionalAction, default=True,
+                   help="two-batch overlap of MoE layers (default: on)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per DP group")
+    p.add_argument("--max-context-len", type=int, default=None, help="longest prompt + output, tokens")
+    p.add_argument("--max-running-requests", type=int, default=None, help="decode batch limit per DP group")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="waiting requests per DP group before 429")
+    p.add_argument("--max-in-flight", type=int, default=None, help="HTTP requests served at once before 429")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $RAYMOE_API_KEY)")
+    p.add_argument("--address", default=None, help="Ray cluster to join, e.g. ray://head:10001 (default: a "
+                                                   "local Ray on 127.0.0.1)")
+    p.add_argument("--demo-request", action="store_true", help="once ready, send one chat completion and print it")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=_cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raymoe", description="Ray-native MoE serving engine")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -69,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp", type=int, default=1, help="DP-attention groups")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size: 1 or tp*dp")
     p.set_defaults(func=_cmd_generate)
+
+    _add_serve_parser(sub)
 
     from raymoe.bench.cli import add_bench_parser
 

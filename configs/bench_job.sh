@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Multi-node serving benchmark as a Ray job: starts `raymoe serve` on the cluster (rank actors placed on the GPU
+# nodes, the HTTP server on the job's node, bound to 127.0.0.1), waits until it is healthy, runs
+# `raymoe bench serve` with MT-Bench two-turn chats, prints the figures and stops the server.
+#   ray job submit --address http://HEAD:8265 --working-dir configs \
+#       --runtime-env-json '{"env_vars": {"MODEL": "/models/Qwen3-30B-A3B", "DP": "8"}}' -- bash bench_job.sh
+# Against an already deployed Serve app (configs/serve.yaml, configs/kuberay-rayservice.yaml), run only the
+# benchmark:  ray job submit --address http://HEAD:8265 -- raymoe bench serve --base-url http://SERVE:8000 ...
+set -euo pipefail
+
+MODEL="${MODEL:?set MODEL to a model folder readable on every node}"
+DP="${DP:-4}"
+TP="${TP:-1}"
+PORT="${PORT:-8000}"
+CONCURRENCY="${CONCURRENCY:-64}"
+NUM_PROMPTS="${NUM_PROMPTS:-80}"
+DATASET="${DATASET:-mt_bench_questions.jsonl}"
+OUT="${OUT:-/tmp/raymoe-bench-serve.json}"
+
+raymoe serve --address auto --model "$MODEL" --dp "$DP" --tp "$TP" --host 127.0.0.1 --port "$PORT" &
+SERVER=$!
+trap 'kill -INT "$SERVER" 2>/dev/null; wait "$SERVER" || true' EXIT
+
+for _ in $(seq 1 900); do
+  if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; then break; fi
+  kill -0 "$SERVER" 2>/dev/null || { echo "raymoe serve exited" >&2; exit 1; }
+  sleep 2
+done
+
+DATASET_ARGS=()
+if [[ -f "$DATASET" ]]; then DATASET_ARGS=(--dataset-path "$DATASET"); fi
+raymoe bench serve --base-url "http://127.0.0.1:$PORT" --concurrency "$CONCURRENCY" --num-prompts "$NUM_PROMPTS" \
+  --output-len 256 "${DATASET_ARGS[@]}" --output-json "$OUT"
+cat "$OUT"

@@ -1,0 +1,143 @@
+"""Prometheus metrics of the server (``raymoe:`` prefix, ``model_name`` label), with prometheus-client.
+
+Two sources:
+- per-request figures observed by the front end (:class:`RequestMetrics`): time to first token, inter-token
+  latency, end-to-end latency, prompt/generation tokens, finished requests by finish reason, error answers;
+- engine state (:class:`EngineStats`), fetched when ``/metrics`` is scraped and exposed by a custom collector:
+  running/waiting requests, KV cache usage, engine steps, two-batch-overlap steps, radix cache hit tokens,
+  per-rank step time.
+
+Each :class:`ServerMetrics` has its own registry, so several apps (tests, Serve replicas) never collide.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from raymoe.actors.driver_service import EngineStats
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class _EngineStatsCollector:
+    """Exposes the latest :class:`EngineStats` snapshot (set by :meth:`ServerMetrics.render`)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats: EngineStats | None = None
+
+    def collect(self):
+        """The engine metric families of the latest snapshot (families without samples when unknown)."""
+        s, m = self.stats, [self.model_name]
+
+        def gauge(name: str, doc: str, value: float | None):
+            fam = GaugeMetricFamily(f"raymoe:{name}", doc, labels=["model_name"])
+            if value is not None:
+                fam.add_metric(m, float(value))
+            return fam
+
+        def counter(name: str, doc: str, value: float | None):
+            fam = CounterMetricFamily(f"raymoe:{name}", doc, labels=["model_name"])
+            if value is not None:
+                fam.add_metric(m, float(value))
+            return fam
+
+        yield gauge("num_requests_running", "Requests holding KV (decoding or prefilling).", s and s.num_running)
+        yield gauge("num_requests_waiting", "Requests queued in the schedulers.", s and s.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV slots in use (max over DP groups; cached free "
+                                           "prefixes count as free), 0..1.", s and s.kv_usage)
+        yield gauge("engine_healthy", "1 when every rank is up, else 0.", 0.0 if s is None else float(s.healthy))
+        yield counter("engine_steps", "Global engine steps run.", s and s.num_steps)
+        yield counter("tbo_steps", "Engine steps that ran two-batch overlap.", s and s.num_tbo_steps)
+        yield counter("radix_cache_hit_tokens", "Prompt tokens served from the radix (prefix) cache.",
+                      s and s.radix_hit_tokens)
+        step = GaugeMetricFamily("raymoe:step_duration_seconds",
+                                 "Forward + sampling time of the last step on each DP group's tp-rank 0 "
+                                 "(label rank = DP group index).", labels=["model_name", "rank"])
+        for rank, seconds in enumerate(s.step_seconds if s else ()):
+            step.add_metric([self.model_name, str(rank)], float(seconds))
+        yield step
+
+
+class RequestMetrics:
+    """Timing of one request; call :meth:`tokens` per delta and :meth:`finish` once."""
+
+    def __init__(self, parent: ServerMetrics):
+        self.parent = parent
+        self.start = time.perf_counter()
+        self.last: float | None = None
+
+    def tokens(self, n: int) -> None:
+        """``n`` new tokens arrived now."""
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        p = self.parent
+        if self.last is None:
+            p.ttft.observe(now - self.start)
+            n -= 1
+        if n > 0:
+            gap = (now - (self.last if self.last is not None else now)) / n
+            for _ in range(n):
+                p.itl.observe(gap)
+        self.last = now
+
+    def finish(self, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """Count the finished request (``finish_reason``: stop, length or abort)."""
+        p = self.parent
+        p.e2e.observe(time.perf_counter() - self.start)
+        p.prompt_tokens.inc(prompt_tokens)
+        p.generation_tokens.inc(completion_tokens)
+        p.request_success.labels(p.model_name, finish_reason).inc()
+
+
+class ServerMetrics:
+    """The server's metrics registry.
+
+    Args:
+        model_name: value of the ``model_name`` label.
+    """
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        label, r = ["model_name"], self.registry
+        self.ttft = Histogram("raymoe:time_to_first_token_seconds", "Time from request arrival to its first token.",
+                              label, buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("raymoe:inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             label, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("raymoe:e2e_request_latency_seconds", "Time from request arrival to its last token.",
+                             label, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("raymoe:prompt_tokens", "Prompt tokens of finished requests.", label,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("raymoe:generation_tokens", "Generated tokens of finished requests.",
+                                         label, registry=r).labels(model_name)
+        self.request_success = Counter("raymoe:request_success", "Finished requests by finish reason.",
+                                       ["model_name", "finish_reason"], registry=r)
+        self.request_errors = Counter("raymoe:request_errors", "Requests answered with an error, by status.",
+                                      ["model_name", "status"], registry=r)
+        self.in_flight = Gauge("raymoe:num_requests_in_flight", "Requests the HTTP front end is serving.", label,
+                               registry=r).labels(model_name)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(model_name, reason)
+        self._engine = _EngineStatsCollector(model_name)
+        r.register(self._engine)
+
+    def request(self) -> RequestMetrics:
+        """Start timing a request (now)."""
+        return RequestMetrics(self)
+
+    def error(self, status: int) -> None:
+        """Count a request answered with HTTP ``status``."""
+        self.request_errors.labels(self.model_name, str(status)).inc()
+
+    def render(self, stats: EngineStats | None) -> bytes:
+        """The text exposition, with the engine gauges taken from ``stats`` (``None``: engine unreachable)."""
+        self._engine.stats = stats
+        return generate_latest(self.registry)

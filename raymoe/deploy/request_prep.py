@@ -1,0 +1,111 @@
+"""From a validated request body to what the engine takes: prompt token ids and ``SamplingParams``.
+
+Applies the tokenizer's chat template (control tokens inside messages are encoded as text, so a user cannot
+forge a turn), checks the prompt against the vocabulary and the context length, refuses features the engine
+does not have (``echo``, ``logit_bias``, tools ...) with a 400 naming the field, and fills the defaults
+(completions: 16 tokens; chat: the rest of the context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raymoe.deploy.http_errors import APIError
+from raymoe.deploy.protocol import ChatCompletionRequest, CompletionRequest
+from raymoe.errors import InvalidRequestError
+from raymoe.scheduler.sampling_params import SamplingParams
+
+_COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """What one HTTP request asks of the engine.
+
+    Attributes:
+        prompt_ids: prompt token ids. params: sampling parameters (``max_tokens`` fits the context).
+        logprobs: top log-probabilities per token to return (None: none).
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    logprobs: int | None
+
+
+def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    # n, best_of and the penalties are limited to their neutral values by the schema (protocol.py).
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_value")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+
+
+def _completion_prompt(req: CompletionRequest, tokenizer) -> list[int]:
+    if req.echo:
+        raise APIError(400, "echo is not supported", param="echo", code="unsupported_value")
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_value")
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    return [int(t) for t in prompt]
+
+
+def _chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
+    if req.tools:
+        raise APIError(400, "tools are not supported", param="tools", code="unsupported_value")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False, sanitize_control_tokens=True)
+    except Exception as e:  # noqa: BLE001 - jinja raises its own errors for conversations a template refuses
+        raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from e
+    return [int(t) for t in ids]
+
+
+def _check_prompt(ids: list[int], vocab_size: int, max_context_len: int, field: str) -> None:
+    if not ids:
+        raise APIError(400, "the prompt is empty", param=field)
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise APIError(400, f"token ids must be in [0, {vocab_size})", param=field)
+    if len(ids) >= max_context_len:
+        raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context holds {max_context_len} "
+                            "tokens (prompt + output)", param=field,
+                       code="context_length_exceeded")
+
+
+def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_size: int,
+            max_context_len: int) -> PreparedRequest:
+    """Tokenize and validate ``req``.
+
+    Raises:
+        APIError: 400 naming the field (unsupported feature, empty or too long prompt, bad sampling value).
+    """
+    _refuse_unsupported(req)
+    chat = isinstance(req, ChatCompletionRequest)
+    ids = _chat_prompt(req, tokenizer) if chat else _completion_prompt(req, tokenizer)
+    _check_prompt(ids, vocab_size, max_context_len, "messages" if chat else "prompt")
+    room = max_context_len - len(ids)
+    if chat:
+        asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = min(asked, room) if asked is not None else room
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        asked = req.max_tokens if req.max_tokens is not None else _COMPLETION_DEFAULT_MAX_TOKENS
+        max_tokens = min(asked, room)
+        logprobs = req.logprobs
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
+            min_p=req.min_p or 0.0, seed=req.seed, stop=tuple(stop), ignore_eos=req.ignore_eos, logprobs=logprobs)
+    except InvalidRequestError as e:
+        raise APIError(400, e.message, param=e.field, code="invalid_value") from e
+    return PreparedRequest(ids, params, logprobs)

@@ -1,0 +1,120 @@
+"""``raymoe serve``: start the engine and serve the OpenAI API with uvicorn until Ctrl-C / SIGTERM.
+
+Start-up, each step with a progress bar: the demo checkpoint (built on first use), a local Ray on 127.0.0.1 (or
+the cluster at ``--address``), the driver actor and its rank actors (weights, decode graphs), then uvicorn.
+When the server answers, the URL and a ``curl`` line are printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import threading
+import urllib.request
+
+from tqdm import tqdm
+
+from raymoe.deploy.server_config import ServeOptions
+
+
+def curl_example(base_url: str, model: str, api_key: str | None) -> str:
+    """A copy-pasteable ``curl`` chat completion against the server."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "def fib(n):"}], "max_tokens": 32})
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    return f"curl {base_url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
+
+
+def _demo_request(base_url: str, model: str, api_key: str | None) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": "def fib(n):"}], "max_tokens": 32,
+            "temperature": 0}
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(f"{base_url}/v1/chat/completions", json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            answer = json.loads(r.read())
+        print(f"demo request -> {json.dumps(answer['choices'][0]['message']['content'])} "
+              f"(usage {answer['usage']['prompt_tokens']}+{answer['usage']['completion_tokens']} tokens)",
+              flush=True)
+    except Exception as e:  # noqa: BLE001 - a demo nicety; the server keeps running
+        print(f"demo request failed: {e}", file=sys.stderr, flush=True)
+
+
+def _raise_system_exit(signum, frame) -> None:
+    raise SystemExit(0)  # a requested, graceful stop
+
+
+async def _serve(server, base_url: str, banner: str, on_ready) -> None:
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        print(banner, flush=True)
+        if on_ready is not None:
+            threading.Thread(target=on_ready, daemon=True).start()
+    await task
+
+
+def run_server(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, demo_request: bool = False,
+               log_level: str = "info") -> None:
+    """Start the engine described by ``opts`` and serve it on ``host:port`` until interrupted."""
+    import uvicorn
+
+    from raymoe.deploy.openai_api import build_openai_app
+
+    stages = tqdm(total=3, desc="raymoe serve", unit="step", bar_format="{desc}: {n}/{total}{postfix} [{elapsed}]")
+    stages.set_postfix_str("demo checkpoint" if opts.model is None else "model folder")
+    model = opts.resolved_model(progress=True)
+    opts = opts.model_copy(update={"model": model})
+    opts.engine_config(model)  # bad options fail here, before anything starts
+    stages.update()
+    started_ray = False
+    if opts.world_size > 1 or opts.ray_address is not None:
+        stages.set_postfix_str(f"Ray ({opts.ray_address or 'local, 127.0.0.1'})")
+        import ray
+
+        from raymoe.cluster.bootstrap import init_ray
+
+        started_ray = not ray.is_initialized() and opts.ray_address is None
+        init_ray(opts.ray_address)
+    stages.update()
+    stages.set_postfix_str(f"driver + {opts.world_size} rank(s): load weights, capture graphs")
+    try:
+        engine = opts.engine_client(progress=True)
+    except BaseException:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+        raise
+    stages.update()
+    stages.set_postfix_str("ready")
+    stages.close()
+    try:
+        app = build_openai_app(engine, api_key=opts.api_key, max_in_flight=opts.max_in_flight)
+        base_url = f"http://{host}:{port}"
+        cfg = engine.config
+        banner = (f"\nraymoe is serving {engine.model_name!r} at {base_url}/v1 "
+                  f"(dp={cfg.parallel.dp_size} tp={cfg.parallel.tp_size} ep={cfg.parallel.ep_size}, "
+                  f"two-batch overlap {'on' if cfg.overlap.enable_tbo else 'off'})\n"
+                  f"  try:     {curl_example(base_url, engine.model_name, opts.api_key)}\n"
+                  f"  metrics: {base_url}/metrics    health: {base_url}/health    stop: Ctrl-C\n")
+        on_ready = (lambda: _demo_request(base_url, engine.model_name, opts.api_key)) if demo_request else None
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                               timeout_graceful_shutdown=5))
+        # uvicorn re-raises the signal that stopped it once it has shut down: make SIGTERM, like Ctrl-C, unwind
+        # through the ``finally`` below so the ranks and the local Ray are stopped too.
+        signal.signal(signal.SIGTERM, _raise_system_exit)
+        asyncio.run(_serve(server, base_url, banner, on_ready))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("raymoe serve: stopping the engine", flush=True)
+        engine.shutdown()
+        if started_ray:
+            import ray
+
+            ray.shutdown()

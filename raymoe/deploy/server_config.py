@@ -1,0 +1,90 @@
+"""Options of a serving deployment, shared by ``raymoe serve`` and the Ray Serve app (``serve_app.build_app``).
+
+:class:`ServeOptions` is a pydantic model so the ``args`` of a Serve config file are validated with clear errors;
+:meth:`ServeOptions.engine_config` turns it into the engine's frozen ``EngineConfig`` (through the same option
+mapping as ``Engine(model, **options)``). Defaults are the main job: two DP-attention groups of one rank each,
+experts sharded over both (``ep_size`` = world size), two-batch overlap on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from raymoe.config import EngineConfig
+
+
+class ServeOptions(BaseModel):
+    """A served engine.
+
+    Attributes:
+        model: Hugging Face model folder (None: the demo checkpoint, built on first use).
+        served_model_name: the OpenAI ``model`` id (default: the folder name).
+        tp_size, dp_size, ep_size: parallel layout (``ep_size`` None: the world size ``dp_size * tp_size``).
+        enable_tbo: two-batch overlap of MoE layers.
+        dtype, seed, device: engine options. max_total_tokens, max_context_len: KV slots and context per group.
+        max_running_requests, max_queued_requests: scheduler limits per DP group (a full queue answers 429).
+        max_in_flight: requests the HTTP front end serves at once before 429 (None: from the scheduler limits).
+        api_key: bearer token required on ``/v1/*`` (None: open).
+        ray_address: Ray cluster to join (None: a local one on 127.0.0.1, or the Serve cluster).
+    """
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str | None = None
+    served_model_name: str | None = None
+    tp_size: int = Field(1, ge=1)
+    dp_size: int = Field(2, ge=1)
+    ep_size: int | None = Field(None, ge=1)
+    enable_tbo: bool = True
+    dtype: str = "float32"
+    seed: int = 0
+    device: str | None = None
+    max_total_tokens: int | None = Field(None, ge=2)
+    max_context_len: int | None = Field(None, ge=2)
+    max_running_requests: int | None = Field(None, ge=1)
+    max_queued_requests: int | None = Field(None, ge=1)
+    max_in_flight: int | None = Field(None, ge=1)
+    api_key: str | None = None
+    ray_address: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the engine: ``dp_size * tp_size``."""
+        return self.tp_size * self.dp_size
+
+    def resolved_model(self, progress: bool = True) -> str:
+        """``model``, or the demo checkpoint (built with progress bars the first time)."""
+        if self.model:
+            return self.model
+        from raymoe.models.checkpoint import default_model_path
+
+        return str(default_model_path(progress=progress))
+
+    def engine_config(self, model: str) -> EngineConfig:
+        """The engine configuration for the model folder ``model``.
+
+        Raises:
+            InvalidRequestError: an option out of range (names it).
+        """
+        from raymoe.engine import _split_options
+
+        options = {"tp_size": self.tp_size, "dp_size": self.dp_size,
+                   "ep_size": self.ep_size if self.ep_size is not None else self.world_size,
+                   "dtype": self.dtype, "seed": self.seed, "device": self.device,
+                   "ray_address": self.ray_address}
+        for name in ("max_total_tokens", "max_context_len", "max_running_requests", "max_queued_requests"):
+            if getattr(self, name) is not None:
+                options[name] = getattr(self, name)
+        config = _split_options(model, options)
+        return dataclasses.replace(config, overlap=dataclasses.replace(config.overlap, enable_tbo=self.enable_tbo))
+
+    def engine_client(self, progress: bool = True):
+        """Start the engine: in this process for one rank on a local machine, else a driver actor on Ray."""
+        from raymoe.deploy.engine_client import LocalEngineClient, RayEngineClient
+
+        config = self.engine_config(self.resolved_model(progress))
+        if self.world_size == 1 and self.ray_address is None:
+            return LocalEngineClient(config, model_name=self.served_model_name)
+        return RayEngineClient(config, model_name=self.served_model_name)

@@ -1,0 +1,241 @@
+"""The OpenAI-compatible server through the official ``openai`` client and raw HTTP: completions and chat,
+streaming and not, stop strings, seeds, usage, logprobs, 64 concurrent streams, client disconnects, bad input.
+
+One engine (in-process rank, tiny model) behind uvicorn on 127.0.0.1 serves the whole module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import httpx
+import pytest
+from openai import OpenAI
+from server_harness import engine_idle, metrics, uvicorn_server, wait_for
+
+KEY = "test-key"
+NO_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    from raymoe.deploy.engine_client import LocalEngineClient
+    from raymoe.engine import _split_options
+
+    e = LocalEngineClient(_split_options(tiny_model, {"max_running_requests": 16, "max_context_len": 160}))
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base_url(engine):
+    from raymoe.deploy.openai_api import build_openai_app
+
+    with uvicorn_server(build_openai_app(engine, api_key=KEY)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url) -> OpenAI:
+    return OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(engine) -> str:
+    return engine.model_name
+
+
+def test_models_and_health(client, base_url, model):
+    assert [m.id for m in client.models.list()] == [model]
+    assert httpx.get(f"{base_url}/health").status_code == 200
+
+
+def test_completion_stream_equals_non_stream_and_usage_counts_tokens(client, engine, model):
+    prompt = "def fib(n):"
+    full = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, logprobs=2,
+                                     extra_body=NO_EOS)
+    choice = full.choices[0]
+    assert choice.finish_reason == "length"
+    assert full.usage.completion_tokens == 12 == len(choice.logprobs.tokens)
+    assert full.usage.prompt_tokens == len(engine.tokenizer.encode(prompt, add_special_tokens=False))
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 12
+    assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=NO_EOS))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_stream_equals_non_stream(client, model):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "import os"}]
+    full = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=10, temperature=0,
+                                          extra_body=NO_EOS)
+    assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens == 10
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}, extra_body=NO_EOS)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_sse_ends_with_done(base_url, model):
+    body = {"model": model, "prompt": "x = 1", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+
+
+def test_stop_strings_cut_text_and_never_stream_a_part(client, model):
+    base = client.completions.create(model=model, prompt="class Foo(object):", max_tokens=40, temperature=0,
+                                     extra_body=NO_EOS).choices[0].text
+    k = next(i for i in range(len(base) // 2, len(base) - 3) if "\ufffd" not in base[i:i + 3])
+    stop = base[k:k + 3]
+    expected = base[:base.find(stop)]
+    for stream in (False, True):
+        kwargs = {"model": model, "prompt": "class Foo(object):", "max_tokens": 40, "temperature": 0,
+                  "stop": [stop, "@@never@@"], "extra_body": NO_EOS}
+        if stream:
+            chunks = list(client.completions.create(stream=True, **kwargs))
+            text = "".join(c.choices[0].text for c in chunks)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            out = client.completions.create(**kwargs).choices[0]
+            text, reason = out.text, out.finish_reason
+        assert text == expected, (stream, stop)
+        assert reason == "stop"
+
+
+def test_seed_gives_identical_samples(client, model):
+    def sample(seed):
+        return client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}],
+                                              max_tokens=16, temperature=0.9, seed=seed,
+                                              extra_body=NO_EOS).choices[0].message.content
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert any(sample(s) != first for s in (1, 2, 3))
+
+
+def test_64_concurrent_streams_complete_and_release_everything(base_url, model):
+    before = metrics(base_url)
+
+    async def one(http: httpx.AsyncClient, i: int):
+        body = {"model": model, "prompt": f"x{i} = [i for i in", "max_tokens": 8 + i % 8, "stream": True,
+                "temperature": 0.7, "seed": i, "ignore_eos": True}
+        async with http.stream("POST", f"{base_url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = [line async for line in r.aiter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        assert not any("error" in json.loads(line[6:]) for line in lines[:-1])
+        return sum(1 for line in lines[:-1] if json.loads(line[6:])["choices"][0]["finish_reason"])
+
+    async def run():
+        limits = httpx.Limits(max_connections=70)
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {KEY}"}, timeout=120, limits=limits) as h:
+            return await asyncio.gather(*(one(h, i) for i in range(64)))
+
+    assert asyncio.run(run()) == [1] * 64
+    wait_for(lambda: engine_idle(base_url), timeout_s=10)
+    after = metrics(base_url)
+    done = after["raymoe:request_success_total{finish_reason=length}"]
+    assert done - before["raymoe:request_success_total{finish_reason=length}"] == 64
+    expected_tokens = sum(8 + i % 8 for i in range(64))
+    assert after["raymoe:generation_tokens_total"] - before["raymoe:generation_tokens_total"] == expected_tokens
+    assert after["raymoe:time_to_first_token_seconds_count"] - before["raymoe:time_to_first_token_seconds_count"] == 64
+
+
+def _raw_post(base_url: str, path: str, body: dict) -> socket.socket:
+    host, port = base_url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_the_request(base_url, model, stream):
+    aborted = metrics(base_url)["raymoe:request_success_total{finish_reason=abort}"]
+    body = {"model": model, "prompt": "def long(", "max_tokens": 140, "temperature": 0, "stream": stream,
+            "ignore_eos": True}
+    sock = _raw_post(base_url, "/v1/completions", body)
+    if stream:
+        received = b""
+        while b"data: " not in received:  # the stream started
+            received += sock.recv(4096)
+    wait_for(lambda: metrics(base_url)["raymoe:num_requests_running"] == 1, timeout_s=10, interval_s=0.02)
+    sock.close()
+    wait_for(lambda: engine_idle(base_url), timeout_s=10, interval_s=0.05)
+    assert metrics(base_url)["raymoe:request_success_total{finish_reason=abort}"] == aborted + 1
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", {"model": "M", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "M", "messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("/v1/completions", {"model": "M", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "M", "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": "M", "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "M", "prompt": "x", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"model": "M", "prompt": [5, 99999]}, 400, "prompt"),
+    ("/v1/completions", {"model": "M", "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": "M", "prompt": "word " * 400}, 400, "prompt"),
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "hi " * 400}]}, 400,
+     "messages"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ("/v1/nothing", {}, 404, None),
+])
+def test_bad_requests_get_openai_error_bodies(base_url, model, path, body, status, param):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    if isinstance(body, dict) and body.get("model") == "M":
+        body = {**body, "model": model}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{base_url}{path}", content=content, headers=headers)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    if "word" in content.decode():
+        assert err["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("auth", [None, "Bearer wrong", "Basic dGVzdC1rZXk=", "Bearer", "test-key"])
+def test_missing_or_wrong_api_key_is_401(base_url, model, auth):
+    headers = {"Authorization": auth} if auth else {}
+    for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
+        r = httpx.request(method, f"{base_url}{path}", json={"model": model, "prompt": "x"}, headers=headers)
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_openai_client_raises_typed_errors(base_url, client, model):
+    import openai
+
+    with pytest.raises(openai.AuthenticationError):
+        OpenAI(base_url=f"{base_url}/v1", api_key="nope", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="missing", prompt="x")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="x", max_tokens=-3)
+    assert e.value.body["param"] == "max_tokens"
+
+
+def test_dashboard_queries_only_exported_metrics(base_url):
+    from server_harness import dashboard_metrics, exported_names
+
+    samples, declared = exported_names(httpx.get(f"{base_url}/metrics").text)
+    queried = dashboard_metrics()
+    assert len(queried) >= 12
+    assert queried <= declared, queried - declared
+    # Every series has samples after the requests of the tests above (step times included).
+    assert queried <= samples, queried - samples

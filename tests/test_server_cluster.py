@@ -1,0 +1,72 @@
+"""The real thing: the Ray Serve app (``serve_app.build_app``) on the session cluster, one replica holding a
+``RayEngineClient`` whose driver actor runs dp=2 x ep=2 rank actors in placement groups, answering a streaming
+chat completion from the official ``openai`` client through the Serve proxy on 127.0.0.1."""
+
+from __future__ import annotations
+
+import httpx
+import pydantic
+import pytest
+from openai import OpenAI
+from server_harness import free_port, metrics
+
+KEY = "serve-key"
+
+
+def test_build_app_validates_args_and_returns_an_application():
+    from ray.serve import Application
+
+    from raymoe.deploy.serve_app import build_app
+
+    assert isinstance(build_app({"dp_size": 2, "tp_size": 1, "enable_tbo": True}), Application)
+    assert isinstance(build_app(), Application)
+    with pytest.raises(pydantic.ValidationError):
+        build_app({"dp_sizes": 2})
+    with pytest.raises(pydantic.ValidationError):
+        build_app({"dp_size": 0})
+
+
+@pytest.fixture(scope="module")
+def serve_url(ray_cluster, tiny_model):
+    from ray import serve
+
+    from raymoe.deploy.serve_app import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+    app = build_app({"model": tiny_model, "served_model_name": "tiny-moe", "dp_size": 2, "ep_size": 2,
+                     "enable_tbo": True, "max_running_requests": 8, "api_key": KEY})
+    serve.run(app, name="raymoe", route_prefix="/", blocking=False)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+
+
+def test_streaming_chat_through_ray_serve_on_dp2_ep2_ranks(serve_url):
+    import ray
+
+    client = OpenAI(base_url=f"{serve_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    stream = client.chat.completions.create(model="tiny-moe", messages=[{"role": "user", "content": "def fib(n):"}],
+                                            max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    full = client.chat.completions.create(model="tiny-moe", messages=[{"role": "user", "content": "def fib(n):"}],
+                                          max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    assert full.choices[0].message.content == text
+
+    # The ranks sit in one placement group per TP group (dp=2, tp=1: two groups of one bundle).
+    pgs = [pg for pg in ray.util.placement_group_table().values() if pg["state"] == "CREATED"
+           and pg["name"].startswith("raymoe-tp")]
+    assert len(pgs) == 2 and all(len(pg["bundles"]) == 1 for pg in pgs)
+
+    m = metrics(serve_url)
+    assert m["raymoe:request_success_total{finish_reason=length}"] == 2
+    assert m["raymoe:num_requests_running"] == 0 and m["raymoe:kv_cache_usage_perc"] == 0
+    assert httpx.get(f"{serve_url}/health").status_code == 200
+    assert httpx.get(f"{serve_url}/v1/models").status_code == 401

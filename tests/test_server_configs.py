@@ -1,0 +1,108 @@
+"""Deployment files: every config in configs/ parses and names only entrypoints that exist (Serve import paths
+and their args, CLI commands of the benchmark job), and the Grafana dashboard queries only exported metrics."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+from server_harness import dashboard_metrics, exported_names
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+
+
+def _serve_applications() -> list[tuple[str, dict]]:
+    apps = [("serve.yaml", a) for a in yaml.safe_load((CONFIGS / "serve.yaml").read_text())["applications"]]
+    service = yaml.safe_load((CONFIGS / "kuberay-rayservice.yaml").read_text())
+    apps += [("kuberay-rayservice.yaml", a) for a in yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]]
+    return apps
+
+
+def test_every_yaml_parses():
+    files = sorted(CONFIGS.glob("*.yaml"))
+    assert {f.name for f in files} >= {"serve.yaml", "cluster.yaml", "kuberay-rayservice.yaml"}
+    for f in files:
+        assert isinstance(yaml.safe_load(f.read_text()), dict), f
+
+
+@pytest.mark.parametrize(("source", "app"), _serve_applications(), ids=lambda x: x if isinstance(x, str) else "")
+def test_serve_applications_name_a_builder_with_valid_args(source, app):
+    from ray.serve import Application
+
+    from raymoe.deploy.server_config import ServeOptions
+
+    module, _, attr = app["import_path"].partition(":")
+    builder = getattr(importlib.import_module(module), attr)
+    ServeOptions(**app["args"])  # every arg is a known option with a valid value
+    assert isinstance(builder(app["args"]), Application)
+    from raymoe.deploy.serve_app import RaymoeDeployment
+
+    assert {d["name"] for d in app["deployments"]} <= {RaymoeDeployment.name}
+
+
+def test_cluster_launcher_has_an_autoscaling_gpu_group():
+    cfg = yaml.safe_load((CONFIGS / "cluster.yaml").read_text())
+    assert cfg["head_node_type"] in cfg["available_node_types"]
+    workers = [t for n, t in cfg["available_node_types"].items() if n != cfg["head_node_type"]]
+    assert any(t["min_workers"] < t["max_workers"] and "g5" in t["node_config"]["InstanceType"] for t in workers)
+    assert any("raymoe" in c for c in cfg["setup_commands"])
+
+    service = yaml.safe_load((CONFIGS / "kuberay-rayservice.yaml").read_text())["spec"]["rayClusterConfig"]
+    assert service["enableInTreeAutoscaling"]
+    gpu = service["workerGroupSpecs"][0]
+    assert gpu["minReplicas"] < gpu["maxReplicas"]
+    limits = gpu["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert int(limits["nvidia.com/gpu"]) >= 1
+    docker_tag = re.search(r"rayproject/ray:([0-9.]+)", (CONFIGS / "Dockerfile").read_text()).group(1)
+    assert service["rayVersion"] == docker_tag
+
+
+_NUMERIC = ("DP", "TP", "PORT", "CONCURRENCY", "NUM_PROMPTS")
+
+
+def _env_value(m: re.Match) -> str:
+    return "8" if m.group(1) in _NUMERIC else "x"
+
+
+def _raymoe_commands(script: str) -> list[list[str]]:
+    joined = re.sub(r"\\\n\s*", " ", script)
+    cmds = []
+    for line in joined.splitlines():
+        line = line.split(" &")[0].strip()
+        if line.startswith("raymoe "):
+            line = re.sub(r'"\$\{DATASET_ARGS\[@\]\}"', "--dataset-path data.jsonl", line)
+            line = re.sub(r"\$\{?([A-Z_]+)\}?", _env_value, line)
+            cmds.append(shlex.split(line)[1:])
+    return cmds
+
+
+def test_benchmark_job_runs_existing_commands():
+    from raymoe.deploy.cli import build_parser
+
+    cmds = _raymoe_commands((CONFIGS / "bench_job.sh").read_text())
+    assert [c[:2] for c in cmds] == [["serve", "--address"], ["bench", "serve"]]
+    for argv in cmds:
+        args = build_parser().parse_args(argv)
+        assert callable(args.func)
+
+
+def test_dashboard_queries_only_metrics_the_server_exports():
+    from raymoe.actors.driver_service import EngineStats
+    from raymoe.deploy.metrics import ServerMetrics
+
+    m = ServerMetrics("tiny")
+    r = m.request()
+    r.tokens(1)
+    r.tokens(2)
+    r.finish("stop", prompt_tokens=5, completion_tokens=3)
+    m.error(429)
+    stats = EngineStats(num_running=1, num_waiting=2, kv_usage=0.25, radix_hit_tokens=7, num_steps=10,
+                        num_tbo_steps=4, healthy=True, step_seconds=[0.01, 0.02])
+    samples, _ = exported_names(m.render(stats).decode())
+    queried = dashboard_metrics()
+    assert queried <= samples, queried - samples
