@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from raymoe.attention.base import AttentionBackend
 from raymoe.kvcache.pools import ReqToTokenPool, TokenToKVPool
 
-_CPU_WIDTH_STEP = 64  # tokens: granularity of the attended width of a CPU graph replay
+_CPU_WIDTH_STEP = 16  # tokens: granularity of the attended width of a CPU graph replay
 
 
 class TorchNativeAttnBackend(AttentionBackend):
