@@ -134,6 +134,27 @@ class RadixCache:
         return self._next_id
 
     # ----------------------------------------------------------------------------------------------- lookups
+    def peek_prefix_len(self, token_ids: Sequence[int]) -> int:
+        """Tokens of ``token_ids`` cached as a prefix, read-only: no node split, no LRU refresh, no hit counters
+        (used to order the waiting queue). Returns 0 for a disabled or empty cache."""
+        node = self.root_node
+        i, n = 0, len(token_ids)
+        while i < n:
+            child = node.children.get(token_ids[i])
+            if child is None:
+                break
+            key = child.key
+            k = 0
+            for a, b in zip(key, token_ids[i : i + len(key)], strict=False):
+                if a != b:
+                    break
+                k += 1
+            i += k
+            if k < len(key):
+                break
+            node = child
+        return i
+
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
         """Find the longest cached prefix of ``token_ids``.
 

@@ -22,30 +22,6 @@ LPM_MAX_QUEUE = 128
 POLICIES = ("fcfs", "lpm")
 
 
-def cached_prefix_len(tree: RadixCache, token_ids: Sequence[int]) -> int:
-    """Tokens of ``token_ids`` that the radix cache holds as a prefix, without changing the cache.
-
-    Returns 0 for a disabled or empty cache.
-    """
-    node = tree.root_node
-    i, n = 0, len(token_ids)
-    while i < n:
-        child = node.children.get(token_ids[i])
-        if child is None:
-            break
-        key = child.key
-        k = 0
-        for a, b in zip(key, token_ids[i : i + len(key)], strict=False):
-            if a != b:
-                break
-            k += 1
-        i += k
-        if k < len(key):
-            break
-        node = child
-    return i
-
-
 def order_waiting(waiting: Sequence[Req], policy: str, tree: RadixCache) -> list[Req]:
     """Return the waiting requests in the order the ``PrefillAdder`` should try them.
 
@@ -62,6 +38,6 @@ def order_waiting(waiting: Sequence[Req], policy: str, tree: RadixCache) -> list
     if policy == "fcfs" or len(waiting) > LPM_MAX_QUEUE or tree.disable:
         return sorted(waiting, key=lambda r: r.arrival)
     # Cap at len - 1 like admission does: the last token is always computed.
-    keyed = [(-cached_prefix_len(tree, r.fill_ids[: r.seq_len - 1]), r.arrival, r) for r in waiting]
+    keyed = [(-tree.peek_prefix_len(r.fill_ids[: r.seq_len - 1]), r.arrival, r) for r in waiting]
     keyed.sort(key=lambda t: (t[0], t[1]))
     return [t[2] for t in keyed]
