@@ -173,16 +173,7 @@ class Engine:
             raise InvalidRequestError("prompt", "no prompt given")
         if not out:
             raise InvalidRequestError("prompt", "no prompt given")
-        vocab = self.model_config.vocab_size
-        for ids in out:
-            if not ids:
-                raise InvalidRequestError("prompt", "prompt is empty")
-            if min(ids) < 0 or max(ids) >= vocab:
-                raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
-            if len(ids) >= self.config.cache.max_context_len:
-                raise InvalidRequestError("prompt", f"prompt has {len(ids)} tokens; the context holds "
-                                                    f"{self.config.cache.max_context_len} (prompt + output)")
-        return out
+        return out  # per-prompt checks (empty, length, vocabulary) are the driver's and scheduler's
 
     @staticmethod
     def _params(sampling_params, n: int) -> list[SamplingParams]:

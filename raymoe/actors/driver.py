@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from raymoe.config import EngineConfig
+from raymoe.errors import InvalidRequestError
 from raymoe.overlap.decision import apply_tbo_decision
 from raymoe.runner.graph_buckets import apply_graph_plan
 from raymoe.scheduler.model_worker_batch import ModelWorkerBatch, StepOutput
@@ -40,14 +41,17 @@ class Driver:
         detokenize: token ids -> text (stop strings).
         dp_size: number of DP-attention groups.
         graph_capture_sizes: decode-graph buckets the ranks captured (empty: always eager).
+        vocab_size: token ids must lie in ``[0, vocab_size)`` (None: unchecked); checked here so that no front end
+            can send a rank an id its embedding cannot look up.
     """
 
     def __init__(self, config: EngineConfig, executor: StepExecutor, eos_token_ids: Sequence[int],
                  detokenize: Callable[[Sequence[int]], str] | None, dp_size: int = 1,
-                 graph_capture_sizes: Sequence[int] = ()):
+                 graph_capture_sizes: Sequence[int] = (), vocab_size: int | None = None):
         self.config = config
         self.executor = executor
         self.graph_capture_sizes = tuple(graph_capture_sizes)
+        self.vocab_size = vocab_size
         self.schedulers = [Scheduler(config.scheduler, config.cache, eos_token_ids=eos_token_ids,
                                      detokenize=detokenize) for _ in range(dp_size)]
         self.reqs: dict[str, Req] = {}
@@ -75,6 +79,8 @@ class Driver:
         """
         if rid in self.reqs:
             raise ValueError(f"duplicate request id {rid!r}")
+        if self.vocab_size is not None and input_ids and not 0 <= min(input_ids) <= max(input_ids) < self.vocab_size:
+            raise InvalidRequestError("prompt", f"token ids must be in [0, {self.vocab_size})")
         group = self._route(input_ids)
         req = Req(rid, list(input_ids), params)
         self.schedulers[group].add_request(req)

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -92,7 +91,6 @@ class DriverService:
         self.idle_sleep_s = idle_sleep_s
         self.auto_recover = auto_recover
         self.num_recoveries = 0
-        self.last_step_seconds = 0.0
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._error: str | None = None
@@ -136,8 +134,8 @@ class DriverService:
         return EngineStats(
             num_running=sum(s.num_running for s in scheds), num_waiting=sum(s.num_waiting for s in scheds),
             kv_usage=max(s.kv_usage() for s in scheds), radix_hit_tokens=sum(s.hit_tokens for s in scheds),
-            num_steps=self.driver.num_steps, num_tbo_steps=getattr(self.driver, "num_tbo_steps", 0),
-            healthy=self._error is None, step_seconds=list(getattr(self.driver, "last_step_seconds", [])))
+            num_steps=self.driver.num_steps, num_tbo_steps=self.driver.num_tbo_steps,
+            healthy=self._error is None, step_seconds=list(self.driver.last_step_seconds))
 
     def healthy(self) -> bool:
         return self._error is None and self._thread.is_alive()
@@ -237,9 +235,7 @@ class DriverService:
             if not self.driver.has_unfinished():
                 continue
             try:
-                t0 = time.perf_counter()
                 updated = self.driver.step()
-                self.last_step_seconds = time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001 - a rank or the executor failed: fail requests, go unhealthy
                 log.exception("driver step failed")
                 self._fail_all(f"engine step failed: {type(e).__name__}: {e}")

@@ -38,4 +38,5 @@ def build_driver(config: EngineConfig, model_config: ModelConfig, tokenizer) -> 
         return tokenizer.decode(list(ids), skip_special_tokens=True)
 
     return Driver(config, build_executor(config), eos_token_ids(model_config, tokenizer), detokenize,
-                  dp_size=config.parallel.dp_size, graph_capture_sizes=runner_config_for(config).graph_capture_sizes)
+                  dp_size=config.parallel.dp_size, graph_capture_sizes=runner_config_for(config).graph_capture_sizes,
+                  vocab_size=model_config.vocab_size)

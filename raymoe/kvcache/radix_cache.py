@@ -143,14 +143,9 @@ class RadixCache:
             child = node.children.get(token_ids[i])
             if child is None:
                 break
-            key = child.key
-            k = 0
-            for a, b in zip(key, token_ids[i : i + len(key)], strict=False):
-                if a != b:
-                    break
-                k += 1
+            k = _common_prefix_len(child.key, token_ids, i)
             i += k
-            if k < len(key):
+            if k < len(child.key):
                 break
             node = child
         return i
