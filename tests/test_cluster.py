@@ -3,7 +3,6 @@ and rank failure handling."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -66,43 +65,56 @@ def test_multi_node_placement(ray_cluster, tiny_model, reference):
     assert [o.token_ids for o in outs] == [reference[p] for p in PROMPTS[:2]]
 
 
+class _Collector:
+    """A DriverService ``publish`` target: routes each published batch's deltas to per-request lists (on the
+    loop thread) and counts the batches."""
+
+    def __init__(self):
+        self.deltas: dict[str, list] = {}
+        self.num_batches = 0
+
+    def __call__(self, batch) -> None:
+        self.num_batches += 1
+        for d in batch:
+            self.deltas.setdefault(d.request_id, []).append(d)
+
+    def finished(self, rid: str) -> bool:
+        return any(d.finished for d in self.deltas.get(rid, ()))
+
+
+def _wait(predicate, timeout_s: float) -> float:
+    t0 = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - t0 < timeout_s, "condition not reached"
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
 def test_killed_rank_fails_requests_then_recovers(ray_cluster, tiny_model, reference):
     import ray
 
-    from raymoe.actors.driver_service import DriverService
+    from raymoe.actors.driver_service import AddRequest, DriverService
 
     with Engine(tiny_model, tp_size=1, dp_size=2, ep_size=2) as e:
-        service = DriverService(e.driver)
+        out = _Collector()
+        service = DriverService(e.driver, publish=out)
         long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-
-        async def consume(i: int):
-            async for _ in service.generate(f"r{i}", e.encode(PROMPTS[i]), long):
-                pass
-
-        async def scenario():
-            tasks = [asyncio.create_task(consume(i)) for i in range(4)]
-            while service.driver.num_steps < 5:
-                await asyncio.sleep(0.05)
-            ray.kill(e.driver.executor.workers[1])
-            t0 = time.monotonic()
-            results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=60)
-            return results, time.monotonic() - t0
-
-        results, elapsed = asyncio.run(scenario())
-        assert all(isinstance(r, EngineUnhealthyError) for r in results), results
+        service.submit([AddRequest(f"r{i}", e.encode(PROMPTS[i]), long) for i in range(4)])
+        _wait(lambda: service.driver.num_steps >= 5, 60)
+        # Batched publishing: one message per step carries every request's tokens.
+        assert out.num_batches <= service.driver.num_steps + 1
+        ray.kill(e.driver.executor.workers[1])
+        elapsed = _wait(lambda: all(out.finished(f"r{i}") for i in range(4)), 60)
         assert elapsed < 30
-        deadline = time.monotonic() + 180
-        while not service.healthy() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert service.healthy() and service.num_recoveries == 1
+        last = [out.deltas[f"r{i}"][-1] for i in range(4)]
+        assert all(d.error is not None and d.error.kind == "unhealthy" for d in last), last
+        assert isinstance(last[0].error.to_exception(), EngineUnhealthyError)
+        _wait(service.healthy, 180)
+        assert service.num_recoveries == 1
 
-        async def again():
-            out = []
-            async for delta in service.generate("after", e.encode(PROMPTS[0]), GREEDY):
-                out += delta.token_ids
-            return out
-
-        assert asyncio.run(again()) == reference[PROMPTS[0]]
+        service.submit([AddRequest("after", e.encode(PROMPTS[0]), GREEDY)])
+        _wait(lambda: out.finished("after"), 60)
+        assert [t for d in out.deltas["after"] for t in d.token_ids] == reference[PROMPTS[0]]
         service.shutdown()
 
 

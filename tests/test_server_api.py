@@ -1,7 +1,8 @@
 """The OpenAI-compatible server through the official ``openai`` client and raw HTTP: completions and chat,
 streaming and not, stop strings, seeds, usage, logprobs, 64 concurrent streams, client disconnects, bad input.
 
-One engine (in-process rank, tiny model) behind uvicorn on 127.0.0.1 serves the whole module.
+One engine (a driver actor whose single rank runs in its process, tiny model) behind uvicorn on 127.0.0.1
+serves the whole module.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ NO_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model):
-    from raymoe.deploy.engine_client import LocalEngineClient
+def engine(ray_cluster, tiny_model):
+    from raymoe.deploy.engine_client import EngineClient
     from raymoe.engine import _split_options
 
-    e = LocalEngineClient(_split_options(tiny_model, {"max_running_requests": 16, "max_context_len": 160}))
+    e = EngineClient(_split_options(tiny_model, {"max_running_requests": 16, "max_context_len": 160}))
     yield e
     e.shutdown()
 

@@ -1,5 +1,5 @@
 """The real thing: the Ray Serve app (``serve_app.build_app``) on the session cluster, one replica holding a
-``RayEngineClient`` whose driver actor runs dp=2 x ep=2 rank actors in placement groups, answering a streaming
+``EngineClient`` whose driver actor runs dp=2 x ep=2 rank actors in placement groups, answering a streaming
 chat completion from the official ``openai`` client through the Serve proxy on 127.0.0.1."""
 
 from __future__ import annotations

@@ -21,21 +21,21 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def _engine(model: str, **options):
-    from raymoe.deploy.engine_client import LocalEngineClient
+    from raymoe.deploy.engine_client import EngineClient
     from raymoe.engine import _split_options
 
-    return LocalEngineClient(_split_options(model, options))
+    return EngineClient(_split_options(model, options))
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model):
+def engine(ray_cluster, tiny_model):
     e = _engine(tiny_model, max_running_requests=1, max_queued_requests=1, max_context_len=1024)
     yield e
     e.shutdown()
 
 
 @pytest.fixture(scope="module")
-def fuzz_engine(tiny_model):
+def fuzz_engine(ray_cluster, tiny_model):
     e = _engine(tiny_model, max_running_requests=2, max_context_len=64)
     yield e
     e.shutdown()

@@ -2,7 +2,7 @@
 
 ``build_app(args)`` is the application builder named by the config's ``import_path``; ``args`` are
 :class:`~raymoe.deploy.server_config.ServeOptions` fields, validated when the app is built. Each replica of
-:class:`RaymoeDeployment` starts one engine: a ``RayEngineClient`` whose driver actor owns the rank actors (one
+:class:`RaymoeDeployment` starts one engine: an ``EngineClient`` whose driver actor owns the rank actors (one
 STRICT_PACK placement group per TP group, GPU bundles when the cluster has GPUs), and serves the FastAPI app of
 ``openai_api`` over it. A replica whose driver actor died fails its health check, and Serve replaces it (which
 starts a fresh driver and ranks); a rank failure alone is recovered by the driver itself.
@@ -38,8 +38,10 @@ class RaymoeDeployment:
         return build_openai_app(self.engine, api_key=self.options.api_key, max_in_flight=self.options.max_in_flight)
 
     async def check_health(self) -> None:
-        """Raise when the driver cannot be reached (Serve then restarts this replica)."""
-        await asyncio.wait_for(self.engine.stats(), timeout=20.0)
+        """Raise when the driver cannot be reached or reports itself unhealthy (Serve then restarts this replica;
+        the driver restarts a failed rank group itself, which takes less than the health-check timeout)."""
+        if not await asyncio.wait_for(self.engine.healthy(), timeout=20.0):
+            raise RuntimeError("the raymoe engine is unhealthy")
 
     def __del__(self):
         engine = getattr(self, "engine", None)

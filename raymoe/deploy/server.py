@@ -71,23 +71,20 @@ def run_server(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, de
     opts = opts.model_copy(update={"model": model})
     opts.engine_config(model)  # bad options fail here, before anything starts
     stages.update()
-    started_ray = False
-    if opts.world_size > 1 or opts.ray_address is not None:
-        stages.set_postfix_str(f"Ray ({opts.ray_address or 'local, 127.0.0.1'})")
-        import ray
+    # The engine's step loop runs in a driver actor (its own process), so Ray is started for every topology.
+    stages.set_postfix_str(f"Ray ({opts.ray_address or 'local, 127.0.0.1'})")
+    import ray
 
-        from raymoe.cluster.bootstrap import init_ray
+    from raymoe.cluster.bootstrap import init_ray
 
-        started_ray = not ray.is_initialized() and opts.ray_address is None
-        init_ray(opts.ray_address)
+    started_ray = not ray.is_initialized() and opts.ray_address is None
+    init_ray(opts.ray_address)
     stages.update()
     stages.set_postfix_str(f"driver + {opts.world_size} rank(s): load weights, capture graphs")
     try:
         engine = opts.engine_client(progress=True)
     except BaseException:
         if started_ray:
-            import ray
-
             ray.shutdown()
         raise
     stages.update()
@@ -115,6 +112,4 @@ def run_server(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, de
         print("raymoe serve: stopping the engine", flush=True)
         engine.shutdown()
         if started_ray:
-            import ray
-
             ray.shutdown()

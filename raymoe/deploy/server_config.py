@@ -81,10 +81,7 @@ class ServeOptions(BaseModel):
         return dataclasses.replace(config, overlap=dataclasses.replace(config.overlap, enable_tbo=self.enable_tbo))
 
     def engine_client(self, progress: bool = True):
-        """Start the engine: in this process for one rank on a local machine, else a driver actor on Ray."""
-        from raymoe.deploy.engine_client import LocalEngineClient, RayEngineClient
+        """Start the engine: a driver actor on Ray (its own process, also for a single rank) and its ranks."""
+        from raymoe.deploy.engine_client import EngineClient
 
-        config = self.engine_config(self.resolved_model(progress))
-        if self.world_size == 1 and self.ray_address is None:
-            return LocalEngineClient(config, model_name=self.served_model_name)
-        return RayEngineClient(config, model_name=self.served_model_name)
+        return EngineClient(self.engine_config(self.resolved_model(progress)), model_name=self.served_model_name)
