@@ -22,7 +22,7 @@ def add_bench_parser(sub, model_arg) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (world > 1 runs Ray rank actors)")
     p.add_argument("--dp", type=int, default=1, help="DP-attention groups")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (1 or tp*dp)")
-    p.add_argument("--fanout", default="remote", choices=["remote", "compiled"])
+    p.add_argument("--fanout", default="compiled", choices=["remote", "compiled"])
     p.add_argument("--output-json", default="bench_results/offline.json")
     p.set_defaults(func=_run_offline)
 
@@ -56,6 +56,12 @@ def add_bench_parser(sub, model_arg) -> None:
 
     add_overlap_args(p)
     p.set_defaults(func=_run_overlap)
+
+    p = bench.add_parser("compare", help="raymoe serve vs the vLLM-CPU peer: same model, same client, one run")
+    from raymoe.bench.compare import add_compare_args
+
+    add_compare_args(p)
+    p.set_defaults(func=_run_compare)
 
     p = bench.add_parser("serve", help="streaming load against an OpenAI-compatible server: TTFT, ITL, throughput")
     from raymoe.bench.serve import add_serve_bench_args
@@ -92,3 +98,9 @@ def _run_serve(a: argparse.Namespace) -> None:
     from raymoe.bench.serve import run_serve_bench
 
     run_serve_bench(a)
+
+
+def _run_compare(a: argparse.Namespace) -> None:
+    from raymoe.bench.compare import run_compare
+
+    run_compare(a)

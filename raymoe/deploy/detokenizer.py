@@ -1,9 +1,8 @@
 """Streamed text of one request: incremental detokenization and stop-string hold-back.
 
 :class:`IncrementalDetokenizer` turns token ids arriving a few at a time into text without splitting multi-byte
-characters: byte-level BPE tokens may end in the middle of a UTF-8 character, which the tokenizer decodes as
-U+FFFD. It decodes a short window (the tokens already shown plus the new ones) instead of the whole output, and
-shows new text only once the window no longer ends in an incomplete character (or cannot complete it any more).
+characters: byte-level BPE tokens may end in the middle of a UTF-8 character, which a plain decode shows as
+U+FFFD. It streams through the tokenizers library's ``DecodeStream`` (constant work per token).
 
 :class:`StopStringFilter` keeps text that could still become a stop string from being shown: a streamed client
 must never see part of a matched stop string. When a stop string appears, the text is cut before it.
@@ -15,54 +14,54 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-_INCOMPLETE = "\ufffd"
-# An incomplete UTF-8 character at the end of the text has at most 3 bytes, so it comes from at most 3 tokens.
-_MAX_TAIL_TOKENS = 3
-
 
 class IncrementalDetokenizer:
     """Decode a growing list of token ids piece by piece.
 
+    Built on ``tokenizers.decoders.DecodeStream`` (the tokenizers library's streaming decoder, one Rust call per
+    token): it holds back the bytes of an incomplete UTF-8 character until the character is complete, so no piece
+    ever ends in U+FFFD because a character was split across tokens.
+
     Args:
-        tokenizer: a Hugging Face tokenizer (``decode``).
+        tokenizer: a Hugging Face *fast* tokenizer (one with ``backend_tokenizer``).
         skip_special_tokens: leave special tokens (end of turn ...) out of the text.
 
-    The concatenation of everything :meth:`push` returns equals ``tokenizer.decode(all_ids)`` for byte-level
-    tokenizers (up to a trailing invalid byte sequence, which :meth:`push` with ``final=True`` flushes).
+    The concatenation of everything :meth:`push` returns equals ``tokenizer.decode(all_ids)``: ``final=True``
+    flushes what the stream still holds (a trailing invalid byte sequence then shows as the decoder shows it).
+
+    Raises:
+        TypeError: the tokenizer is not a fast tokenizer.
     """
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        from tokenizers.decoders import DecodeStream
+
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise TypeError(f"incremental detokenization needs a fast tokenizer, got {type(tokenizer).__name__}")
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._backend = backend
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.ids: list[int] = []
-        self._window_start = 0  # first id of the window; ids before it are shown and never decoded again
-        self._shown_end = 0  # ids[:_shown_end] are shown as text
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
-
-    def _complete_end(self) -> int:
-        """End of the longest run of ids whose window text does not end in an incomplete character (the last
-        few ids may be the first bytes of a character); all ids once no such tail can explain a U+FFFD."""
-        pending = len(self.ids) - self._shown_end
-        for k in range(min(_MAX_TAIL_TOKENS, pending - 1) + 1):
-            end = len(self.ids) - k
-            if not self._decode(self.ids[self._window_start:end]).endswith(_INCOMPLETE):
-                return end
-        return len(self.ids) if pending > _MAX_TAIL_TOKENS else self._shown_end
+        self._shown_chars = 0
 
     def push(self, new_ids: Sequence[int], final: bool = False) -> str:
         """Add ``new_ids``; return the text they complete (may be empty while a character is incomplete)."""
-        self.ids.extend(int(t) for t in new_ids)
-        end = len(self.ids) if final else self._complete_end()
-        if end <= self._shown_end:
-            return ""
-        shown = self._decode(self.ids[self._window_start:self._shown_end])
-        full = self._decode(self.ids[self._window_start:end])
-        # The shown ids decode to a prefix of the window's text (same leading bytes, and the window starts
-        # after a complete character).
-        self._window_start, self._shown_end = self._shown_end, end
-        return full[len(shown):]
+        parts = []
+        for t in new_ids:
+            self.ids.append(int(t))
+            piece = self._stream.step(self._backend, int(t))
+            if piece:
+                parts.append(piece)
+        text = "".join(parts)
+        self._shown_chars += len(text)
+        if final:
+            full = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
+            rest = full[self._shown_chars:]
+            self._shown_chars = len(full)
+            text += rest
+        return text
 
 
 class StopStringFilter:

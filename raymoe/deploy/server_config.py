@@ -3,7 +3,7 @@
 :class:`ServeOptions` is a pydantic model so the ``args`` of a Serve config file are validated with clear errors;
 :meth:`ServeOptions.engine_config` turns it into the engine's frozen ``EngineConfig`` (through the same option
 mapping as ``Engine(model, **options)``). Defaults are the main job: two DP-attention groups of one rank each,
-experts sharded over both (``ep_size`` = world size), two-batch overlap on.
+experts sharded over both (``ep_size`` = world size), two-batch overlap on (whenever ``ep_size > 1``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ class ServeOptions(BaseModel):
         model: Hugging Face model folder (None: the demo checkpoint, built on first use).
         served_model_name: the OpenAI ``model`` id (default: the folder name).
         tp_size, dp_size, ep_size: parallel layout (``ep_size`` None: the world size ``dp_size * tp_size``).
-        enable_tbo: two-batch overlap of MoE layers.
+        enable_tbo: two-batch overlap of MoE layers (None: on exactly when experts are sharded, ``ep_size > 1``;
+            with one EP rank there is no all-to-all to hide and the split only costs compute).
         dtype, seed, device: engine options. max_total_tokens, max_context_len: KV slots and context per group.
         max_running_requests, max_queued_requests: scheduler limits per DP group (a full queue answers 429).
         max_in_flight: requests the HTTP front end serves at once before 429 (None: from the scheduler limits).
@@ -37,7 +38,7 @@ class ServeOptions(BaseModel):
     tp_size: int = Field(1, ge=1)
     dp_size: int = Field(2, ge=1)
     ep_size: int | None = Field(None, ge=1)
-    enable_tbo: bool = True
+    enable_tbo: bool | None = None
     dtype: str = "float32"
     seed: int = 0
     device: str | None = None
@@ -78,7 +79,8 @@ class ServeOptions(BaseModel):
             if getattr(self, name) is not None:
                 options[name] = getattr(self, name)
         config = _split_options(model, options)
-        return dataclasses.replace(config, overlap=dataclasses.replace(config.overlap, enable_tbo=self.enable_tbo))
+        tbo = self.enable_tbo if self.enable_tbo is not None else config.parallel.ep_size > 1
+        return dataclasses.replace(config, overlap=dataclasses.replace(config.overlap, enable_tbo=tbo))
 
     def engine_client(self, progress: bool = True):
         """Start the engine: a driver actor on Ray (its own process, also for a single rank) and its ranks."""

@@ -38,6 +38,11 @@ class Sampler:
         return noise
 
     @staticmethod
+    def _needs_filter(info: SamplingBatchInfo) -> bool:
+        """Whether any row restricts the candidates (top-k > 0, top-p < 1 or min-p > 0)."""
+        return bool((info.top_ks > 0).any() or (info.top_ps < 1.0).any() or (info.min_ps > 0.0).any())
+
+    @staticmethod
     def _filter(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
         vocab = probs.shape[-1]
@@ -69,7 +74,8 @@ class Sampler:
             greedy_rows = (info.temperatures == 0.0) | (info.top_ks == 1)
             temps = torch.where(greedy_rows, torch.ones_like(info.temperatures), info.temperatures)
             probs = torch.softmax(logits / temps[:, None], dim=-1)
-            probs = self._filter(probs, info)
+            if self._needs_filter(info):  # sorting the vocabulary is the costliest part: only when asked
+                probs = self._filter(probs, info)
             sampled = torch.argmax(probs / self._noise(*logits.shape, info), dim=-1)
             next_ids = torch.where(greedy_rows, greedy_ids, sampled)
         return next_ids, self._logprobs(logits, next_ids, info)

