@@ -48,6 +48,9 @@ def test_out_of_vocab_token(engine):
     ({"top_p": 1.5}, "top_p"),
     ({"min_p": 2.0}, "min_p"),
     ({"top_k": -5}, "top_k"),
+    ({"top_k": 2**63}, "top_k"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
 ])
 def test_sampling_params_out_of_range(kwargs, field):
     with pytest.raises(InvalidRequestError) as ei:

@@ -187,6 +187,7 @@ def test_client_disconnect_aborts_the_request(base_url, model, stream):
     ("/v1/completions", {"model": "M", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": "M", "prompt": "x", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": "M", "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "M", "prompt": "x", "top_k": 2**63}, 400, "top_k"),
     ("/v1/completions", {"model": "M", "prompt": "x", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"model": "M", "prompt": [5, 99999]}, 400, "prompt"),
     ("/v1/completions", {"model": "M", "prompt": ""}, 400, "prompt"),

@@ -14,6 +14,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from raymoe.scheduler.sampling_params import MAX_TOP_K
+
 # Largest seed accepted: the samplers seed a torch.Generator, which takes a signed 64-bit value.
 MAX_SEED = 2**63 - 1
 # Largest number of top log-probabilities a request may ask for per token.
@@ -48,7 +50,8 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, description="not supported (must be empty)")
     user: str | None = None
     # raymoe extensions (sent by OpenAI clients through ``extra_body``).
-    top_k: int | None = Field(None, ge=-1, description="keep the k most likely tokens; -1 or 0 disables it")
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K,
+                              description="keep the k most likely tokens; -1 or 0 disables it")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token")
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from raymoe.errors import InvalidRequestError
 
+MAX_TOP_K = 2**31 - 1  # ranks hold top_k in an int64 tensor; anything past the vocabulary means "off" anyway
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -47,12 +49,13 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not (self.temperature >= 0.0):
-            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not (0.0 <= self.temperature < float("inf")):
+            raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise InvalidRequestError("top_k", f"must be -1, 0 or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k <= MAX_TOP_K:
+            raise InvalidRequestError("top_k", f"must be -1, 0 or a positive integer <= {MAX_TOP_K}, "
+                                               f"got {self.top_k!r}")
         if not (0.0 <= self.min_p <= 1.0):
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
