@@ -10,12 +10,13 @@ from hypothesis import strategies as st
 
 from raymoe.config import CacheConfig, SchedulerConfig
 from raymoe.errors import InvalidRequestError
-from raymoe.runner.forward_mode import ForwardMode
-from raymoe.scheduler.model_worker_batch import ModelWorkerBatch, StepOutput
 from raymoe.scheduler.policy import order_waiting
 from raymoe.scheduler.req import FinishKind, Req
 from raymoe.scheduler.sampling_params import SamplingParams
 from raymoe.scheduler.scheduler import Scheduler
+from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.step_output import StepOutput
+from raymoe.step.worker_batch import ModelWorkerBatch
 
 VOCAB = 64
 NO_EOS = (999,)
@@ -62,8 +63,7 @@ class FakeRank:
         bs = b.batch_size
         assert b.forward_mode in (ForwardMode.EXTEND, ForwardMode.DECODE) and bs > 0
         assert len(b.input_ids) == sum(b.extend_lens) == len(b.out_cache_loc)
-        for name in ("temperatures", "top_ps", "top_ks", "min_ps", "seeds", "output_lens", "logprobs"):
-            assert len(getattr(b, name)) == bs, name
+        assert b.sampling.batch_size == bs
         assert all(sl == p + e and e >= 1 for sl, p, e in zip(b.seq_lens, b.prefix_lens, b.extend_lens, strict=True))
         assert all(sl <= s.cache_config.max_context_len for sl in b.seq_lens)
         assert bs <= s.config.max_running_requests and s.num_running <= s.config.max_running_requests

@@ -19,10 +19,11 @@ from raymoe.config import EngineConfig
 from raymoe.errors import InvalidRequestError
 from raymoe.overlap.decision import apply_tbo_decision
 from raymoe.runner.graph_buckets import apply_graph_plan
-from raymoe.scheduler.model_worker_batch import ModelWorkerBatch, StepOutput
 from raymoe.scheduler.req import Req
 from raymoe.scheduler.sampling_params import SamplingParams
 from raymoe.scheduler.scheduler import Scheduler
+from raymoe.step.step_output import StepOutput
+from raymoe.step.worker_batch import ModelWorkerBatch
 
 
 class StepExecutor(Protocol):

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 from raymoe.actors.driver import Driver
 from raymoe.errors import EngineUnhealthyError, RaymoeError
-from raymoe.scheduler.model_worker_batch import TokenLogprobs
 from raymoe.scheduler.req import Req
 from raymoe.scheduler.sampling_params import SamplingParams
+from raymoe.step.step_output import TokenLogprobs
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from raymoe.runner.forward_mode import ForwardMode
+from raymoe.step.forward_mode import ForwardMode
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-from raymoe.runner.forward_mode import ForwardMode
-from raymoe.scheduler.model_worker_batch import ModelWorkerBatch
+from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.sampling_inputs import SamplingInputs
+from raymoe.step.worker_batch import ModelWorkerBatch
 
 
 @dataclass
@@ -33,14 +34,16 @@ class SamplingBatchInfo:
     all_greedy: bool
 
     @classmethod
-    def from_worker_batch(cls, b: ModelWorkerBatch, device: torch.device | str) -> "SamplingBatchInfo":
-        greedy = all(t == 0.0 or k == 1 for t, k in zip(b.temperatures, b.top_ks, strict=True))
+    def from_inputs(cls, s: SamplingInputs, device: torch.device | str) -> SamplingBatchInfo:
+        """Tensorize the driver's per-row sampling record on ``device``."""
+        def t(x: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(x, dtype=dtype, device=device)
+
         return cls(
-            temperatures=torch.tensor(b.temperatures, dtype=torch.float32, device=device),
-            top_ps=torch.tensor(b.top_ps, dtype=torch.float32, device=device),
-            top_ks=torch.tensor(b.top_ks, dtype=torch.int64, device=device),
-            min_ps=torch.tensor(b.min_ps, dtype=torch.float32, device=device),
-            seeds=list(b.seeds), output_lens=list(b.output_lens), logprobs=list(b.logprobs), all_greedy=greedy,
+            temperatures=t(s.temperatures, torch.float32), top_ps=t(s.top_ps, torch.float32),
+            top_ks=t(s.top_ks, torch.int64), min_ps=t(s.min_ps, torch.float32),
+            seeds=list(s.seeds), output_lens=list(s.output_lens), logprobs=list(s.logprobs),
+            all_greedy=s.all_greedy,
         )
 
 
@@ -104,6 +107,6 @@ class ForwardBatch:
             sample_indices=sample_indices, req_pool_indices_cpu=list(b.req_pool_indices),
             seq_lens_cpu=list(b.seq_lens), prefix_lens_cpu=list(b.prefix_lens),
             extend_lens_cpu=list(b.extend_lens),
-            sampling=SamplingBatchInfo.from_worker_batch(b, device) if b.batch_size else None,
+            sampling=SamplingBatchInfo.from_inputs(b.sampling, device) if b.batch_size else None,
             use_tbo=b.use_tbo, graph_bs=b.graph_bs,
         )

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from raymoe.runner.forward_batch import ForwardBatch
-from raymoe.runner.forward_mode import ForwardMode
+from raymoe.step.forward_mode import ForwardMode
 
 DUMMY_SLOT = 0  # TokenToKVPool row reserved for padding writes (see raymoe.kvcache.pools)
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from raymoe.runner.forward_mode import ForwardMode
-from raymoe.scheduler.model_worker_batch import ModelWorkerBatch
 from raymoe.scheduler.req import Req
+from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.sampling_inputs import SamplingInputs
+from raymoe.step.worker_batch import ModelWorkerBatch
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,15 @@ class ScheduleBatch:
     def to_model_worker_batch(self) -> ModelWorkerBatch:
         """The plain-data record ranks receive (fresh lists; no scheduler objects), built from the snapshot."""
         params = [r.sampling_params for r in self.reqs]
+        sampling = SamplingInputs(
+            temperatures=[float(p.temperature) for p in params],
+            top_ps=[float(p.top_p) for p in params],
+            top_ks=[int(p.top_k) for p in params],
+            min_ps=[float(p.min_p) for p in params],
+            seeds=[p.seed for p in params],
+            output_lens=list(self.output_lens),
+            logprobs=[p.logprobs for p in params],
+        )
         return ModelWorkerBatch(
             forward_mode=self.forward_mode,
             input_ids=list(self.input_ids),
@@ -112,11 +122,5 @@ class ScheduleBatch:
             extend_lens=list(self.extend_lens),
             out_cache_loc=list(self.out_cache_loc),
             prefix_slots=list(self.prefix_slots) if self.forward_mode.is_extend() else [],
-            temperatures=[float(p.temperature) for p in params],
-            top_ps=[float(p.top_p) for p in params],
-            top_ks=[int(p.top_k) for p in params],
-            min_ps=[float(p.min_p) for p in params],
-            seeds=[p.seed for p in params],
-            output_lens=list(self.output_lens),
-            logprobs=[p.logprobs for p in params],
+            sampling=sampling,
         )

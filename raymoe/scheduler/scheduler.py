@@ -27,12 +27,12 @@ from raymoe.config import CacheConfig, SchedulerConfig
 from raymoe.errors import InvalidRequestError
 from raymoe.kvcache.allocator import ReqSlotAllocator, TokenSlotAllocator
 from raymoe.kvcache.radix_cache import RadixCache
-from raymoe.runner.forward_mode import ForwardMode
-from raymoe.scheduler.model_worker_batch import StepOutput
 from raymoe.scheduler.policy import order_waiting
 from raymoe.scheduler.prefill_adder import AddResult, PrefillAdder, decode_reservation
 from raymoe.scheduler.req import FinishKind, Req
 from raymoe.scheduler.schedule_batch import ScheduleBatch
+from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.step_output import StepOutput
 
 
 class Scheduler:
