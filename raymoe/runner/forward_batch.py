@@ -2,12 +2,19 @@
 
 Built from the driver's plain-data ``ModelWorkerBatch``; attention backends and model layers read it, the
 sampler reads its ``sampling`` record. Nothing here refers to scheduler objects.
+
+The per-token and per-row fields are declared once, in :attr:`ForwardBatch.TOKEN_TENSORS`,
+:attr:`ForwardBatch.ROW_TENSORS` and :attr:`ForwardBatch.ROW_LISTS`: the decode-graph buffers
+(``raymoe.runner.graph_buffers``) allocate, pad and copy by these names, and :meth:`ForwardBatch.narrow` (the
+two-batch-overlap children, ``raymoe.overlap.split``) slices by them. A new per-token or per-row field is one
+edit here (plus its padding value in ``graph_buffers.PADDING``, which is checked at import).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -20,8 +27,9 @@ from raymoe.step.worker_batch import ModelWorkerBatch
 class SamplingBatchInfo:
     """Per-row sampling parameters as tensors (``bs`` rows).
 
-    ``temperatures``/``top_ps``/``min_ps`` [bs] float32, ``top_ks`` [bs] int64 (<= 0: off); ``seeds`` and
-    ``output_lens`` stay Python lists (used to build per-row generators); ``all_greedy`` skips sampling.
+    ``temperatures``/``top_ps``/``min_ps`` [bs] float32, ``top_ks`` [bs] int64 (<= 0: off); ``seeds``,
+    ``output_lens`` and ``logprobs`` stay Python lists (used to build per-row generators and log-prob answers);
+    ``all_greedy`` skips sampling.
     """
 
     temperatures: torch.Tensor
@@ -57,7 +65,19 @@ class ForwardBatch:
     driver's padded decode-graph bucket for this step (``None``: eager). Two-batch overlap
     (``raymoe.overlap.split``): ``tbo_children`` are the two halves of a TBO step; a child's
     ``tbo_parent_token_range`` (start, end) are the parent rows it covers.
+
+    Raises:
+        ValueError: a token tensor does not have as many rows as ``input_ids``, or a row tensor or host list
+            does not have ``batch_size`` entries (the message names the field).
     """
+
+    TOKEN_TENSORS: ClassVar[tuple[str, ...]] = ("input_ids", "positions", "out_cache_loc")
+    """Device tensors with one entry per token, [T]."""
+    ROW_TENSORS: ClassVar[tuple[str, ...]] = ("req_pool_indices", "seq_lens", "sample_indices")
+    """Device tensors with one entry per request, [bs]."""
+    ROW_LISTS: ClassVar[tuple[str, ...]] = ("req_pool_indices_cpu", "seq_lens_cpu", "prefix_lens_cpu",
+                                            "extend_lens_cpu")
+    """Host lists with one entry per request (``bs``)."""
 
     forward_mode: ForwardMode
     batch_size: int
@@ -78,22 +98,46 @@ class ForwardBatch:
     tbo_children: list[ForwardBatch] | None = None
     tbo_parent_token_range: tuple[int, int] | None = None
 
+    def __post_init__(self) -> None:
+        num_tokens = self.num_tokens
+        for name in self.TOKEN_TENSORS:
+            if getattr(self, name).shape[0] != num_tokens:
+                raise ValueError(f"ForwardBatch.{name} has {getattr(self, name).shape[0]} rows, expected {num_tokens}")
+        for name in self.ROW_TENSORS + self.ROW_LISTS:
+            if len(getattr(self, name)) != self.batch_size:
+                raise ValueError(f"ForwardBatch.{name} has {len(getattr(self, name))} entries, "
+                                 f"expected {self.batch_size}")
+
     @property
     def num_tokens(self) -> int:
+        """Tokens computed this step (T)."""
         return int(self.input_ids.shape[0])
 
+    def narrow(self, token_range: tuple[int, int], row_range: tuple[int, int], **changes: Any) -> ForwardBatch:
+        """A batch over tokens ``[t0, t1)`` and requests ``[s0, s1)`` of this one.
+
+        Token and row tensors are views (no copy); host lists are sliced; other fields are shared, then
+        ``changes`` replaces any field (e.g. a child's own ``seq_lens`` or ``attn_backend``).
+
+        Raises:
+            ValueError: the result breaks the shape invariants (ranges that do not match, or bad ``changes``).
+        """
+        (t0, t1), (s0, s1) = token_range, row_range
+        sliced: dict[str, Any] = {name: getattr(self, name)[t0:t1] for name in self.TOKEN_TENSORS}
+        sliced.update({name: getattr(self, name)[s0:s1] for name in self.ROW_TENSORS + self.ROW_LISTS})
+        return dataclasses.replace(self, batch_size=s1 - s0, **{**sliced, **changes})
+
     @classmethod
-    def from_worker_batch(cls, b: ModelWorkerBatch, device: torch.device | str) -> "ForwardBatch":
+    def from_worker_batch(cls, b: ModelWorkerBatch, device: torch.device | str) -> ForwardBatch:
         """Tensorize ``b``; positions are ``[prefix_len, seq_len)`` per request."""
         def t(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64, device=device)
 
+        seq_lens = t(b.seq_lens)
         if b.forward_mode.is_decode():
-            seq_lens = t(b.seq_lens)
             positions = seq_lens - 1
             sample_indices = torch.arange(b.batch_size, device=device)
         else:
-            seq_lens = t(b.seq_lens)
             pos: list[int] = []
             last: list[int] = []
             for pre, sl in zip(b.prefix_lens, b.seq_lens, strict=True):
