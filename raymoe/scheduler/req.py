@@ -117,10 +117,6 @@ class Req:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
-    def remaining_new_tokens(self) -> int:
-        """Tokens this request may still generate under ``max_tokens`` (ignores stop conditions)."""
-        return max(0, self.sampling_params.max_tokens - len(self.output_ids))
-
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         """Record one sampled token (and its log-probabilities, if any)."""
         self.output_ids.append(int(token_id))
