@@ -145,11 +145,11 @@ def drive(s: Scheduler, arrivals: dict[int, list[Req]], max_steps: int = 20000, 
             continue
         # A request that lives on across scheduling keeps its slots; nobody else may get them.
         after = live_slots(s)
-        new = set(batch.out_cache_loc)
+        new = set(batch.worker_batch.out_cache_loc)
         for key, slots in before.items():
             if key in after:
                 assert not slots & new, "a live request's slot was handed out again"
-        done = s.process_batch_result(batch, rank.step(batch.to_model_worker_batch()))
+        done = s.process_batch_result(batch, rank.step(batch.worker_batch))
         s.check_memory_invariants()
         for r in done:
             if r.finished:
@@ -301,7 +301,7 @@ def test_last_request_without_a_slot_is_finished_not_hung():
     s.add_request(Req("a", list(range(6)), SamplingParams(max_tokens=5)))
     rank = FakeRank(s)
     batch = s.get_next_batch_to_run()
-    assert [r.rid for r in s.process_batch_result(batch, rank.step(batch.to_model_worker_batch()))] == ["a"]
+    assert [r.rid for r in s.process_batch_result(batch, rank.step(batch.worker_batch))] == ["a"]
     stolen = s.token_allocator.alloc(s.token_allocator.available_size())
     assert s.get_next_batch_to_run() is None
     (r,) = s.drain_finished()
@@ -380,7 +380,7 @@ def test_abort_waiting_running_chunked_and_in_flight():
 
     def step():
         b = s.get_next_batch_to_run()
-        out = s.process_batch_result(b, rank.step(b.to_model_worker_batch()))
+        out = s.process_batch_result(b, rank.step(b.worker_batch))
         s.check_memory_invariants()
         return out
 
@@ -408,7 +408,7 @@ def test_abort_waiting_running_chunked_and_in_flight():
     s.add_request(Req("y", [5, 6], SamplingParams(max_tokens=5)))
     b = s.get_next_batch_to_run()
     s.abort_request("x")
-    out = s.process_batch_result(b, rank.step(b.to_model_worker_batch()))
+    out = s.process_batch_result(b, rank.step(b.worker_batch))
     assert [r.rid for r in out] == ["y"]
     s.check_memory_invariants()
     while s.has_unfinished():

@@ -1,6 +1,6 @@
 """SamplingInputs: the per-row sampling numbers of one step, as one record (plain data, no tensors).
 
-Ownership: the scheduler builds it from each request's ``SamplingParams`` (``ScheduleBatch.to_model_worker_batch``)
+Ownership: the scheduler builds it from each request's ``SamplingParams`` (``ScheduleBatch.build``)
 and ships it inside the ``ModelWorkerBatch``; the rank's ``SamplingBatchInfo.from_inputs`` turns it into tensors
 for the ``Sampler``. The values themselves are validated once, in ``SamplingParams``; this record only checks
 that every list has one entry per row.
