@@ -22,9 +22,9 @@ from raymoe.config import (
     SchedulerConfig,
 )
 from raymoe.errors import EngineUnhealthyError, InvalidRequestError
-from raymoe.scheduler.model_worker_batch import TokenLogprobs
 from raymoe.scheduler.req import FinishKind, Req
 from raymoe.scheduler.sampling_params import SamplingParams
+from raymoe.step.step_output import TokenLogprobs
 from raymoe.tokenizer import load_tokenizer
 
 

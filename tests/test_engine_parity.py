@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from raymoe import Engine, SamplingParams
-from raymoe.runner.forward_mode import ForwardMode
 from raymoe.runner.model_runner import ModelRunner, RunnerConfig
-from raymoe.scheduler.model_worker_batch import ModelWorkerBatch
+from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.sampling_inputs import SamplingInputs
+from raymoe.step.worker_batch import ModelWorkerBatch
 
 PROMPTS = [
     "def fib(n):",
@@ -72,8 +73,7 @@ def test_prefill_logits_match_transformers(tiny_model, engine, hf_model):
         sl.append(len(p))
     n = len(prompts)
     batch = ModelWorkerBatch(ForwardMode.EXTEND, ids, list(range(n)), sl, [0] * n, sl, loc,
-                             temperatures=[0.0] * n, top_ps=[1.0] * n, top_ks=[-1] * n, min_ps=[0.0] * n,
-                             seeds=[None] * n, output_lens=[0] * n, logprobs=[None] * n)
+                             sampling=SamplingInputs.greedy(n))
     logits = runner.forward(runner.prepare(batch), return_all_logits=True)
     off = 0
     for p in prompts:

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from raymoe.config import OverlapConfig, ParallelConfig
-from raymoe.runner.forward_mode import ForwardMode
 from raymoe.runner.graph_buckets import (
     apply_graph_plan,
     capture_sizes,
@@ -25,7 +24,9 @@ from raymoe.runner.graph_buckets import (
     select_graph_bs,
 )
 from raymoe.runner.model_runner import ModelRunner, RunnerConfig
-from raymoe.scheduler.model_worker_batch import ModelWorkerBatch
+from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.sampling_inputs import SamplingInputs
+from raymoe.step.worker_batch import ModelWorkerBatch
 
 CTX = 48  # ReqToTokenPool row width and KV slots reserved per request
 
@@ -38,11 +39,6 @@ def _prompt_len(req: int) -> int:
     return 3 + (req * 5) % 11
 
 
-def _sampling(n: int) -> dict:
-    return dict(temperatures=[0.0] * n, top_ps=[1.0] * n, top_ks=[-1] * n, min_ps=[0.0] * n, seeds=[None] * n,
-                output_lens=[0] * n, logprobs=[None] * n)
-
-
 def _prefill(reqs: list[int], salt: int = 0) -> ModelWorkerBatch:
     ids, loc, lens = [], [], []
     for r in reqs:
@@ -51,7 +47,7 @@ def _prefill(reqs: list[int], salt: int = 0) -> ModelWorkerBatch:
         loc += [_slot(r, i) for i in range(n)]
         lens.append(n)
     return ModelWorkerBatch(ForwardMode.EXTEND, ids, list(reqs), lens, [0] * len(reqs), lens, loc,
-                            **_sampling(len(reqs)))
+                            sampling=SamplingInputs.greedy(len(reqs)))
 
 
 def _decode(reqs: list[int], step: int = 0, graph_bs: int | None = None, use_tbo: bool = False) -> ModelWorkerBatch:
@@ -60,7 +56,7 @@ def _decode(reqs: list[int], step: int = 0, graph_bs: int | None = None, use_tbo
     slots = [_slot(r, n - 1) for r, n in zip(reqs, lens, strict=True)]
     return ModelWorkerBatch(ForwardMode.DECODE, [(11 * r + step) % 1900 + 10 for r in reqs], list(reqs), lens,
                             [n - 1 for n in lens], [1] * len(reqs), slots,
-                            graph_bs=graph_bs, use_tbo=use_tbo, **_sampling(len(reqs)))
+                            sampling=SamplingInputs.greedy(len(reqs)), graph_bs=graph_bs, use_tbo=use_tbo)
 
 
 TOL = {"float64": 1e-5, "float32": 1e-4}

@@ -17,7 +17,7 @@ from raymoe.overlap.operations import (
     split_into_stages,
 )
 from raymoe.overlap.strategy import OperationsStrategy
-from raymoe.runner.forward_mode import ForwardMode
+from raymoe.step.forward_mode import ForwardMode
 
 MOE_OPS = ["op_gate", "op_select_experts", "op_dispatch_a", "op_dispatch_b", "op_experts", "op_combine_a",
            "op_combine_b", "op_output"]

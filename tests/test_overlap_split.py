@@ -18,8 +18,9 @@ from raymoe.overlap.split import (
     split_is_usable,
 )
 from raymoe.runner.forward_batch import ForwardBatch
-from raymoe.runner.forward_mode import ForwardMode
-from raymoe.scheduler.model_worker_batch import ModelWorkerBatch
+from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.sampling_inputs import SamplingInputs
+from raymoe.step.worker_batch import ModelWorkerBatch
 
 thresholds = st.floats(min_value=0.0, max_value=0.5)
 extend_lens_st = st.lists(st.integers(1, 60), min_size=1, max_size=12)
@@ -35,8 +36,7 @@ def worker_batch(mode: ForwardMode, extend_lens: list[int], prefix_lens: list[in
     n = sum(extend_lens)
     prefix_slots = list(range(1000, 1000 + sum(prefix_lens))) if mode == ForwardMode.EXTEND else []
     return ModelWorkerBatch(mode, list(range(7, 7 + n)), list(range(bs)), seq_lens, prefix_lens, list(extend_lens),
-                            list(range(1, n + 1)), prefix_slots, [0.0] * bs, [1.0] * bs, [-1] * bs, [0.0] * bs,
-                            [None] * bs, [0] * bs, [None] * bs)
+                            list(range(1, n + 1)), prefix_slots, SamplingInputs.greedy(bs))
 
 
 def positions_of(prefix_lens: list[int], seq_lens: list[int]) -> list[int]:

@@ -10,12 +10,13 @@ from hypothesis import strategies as st
 
 from raymoe.config import CacheConfig, SchedulerConfig
 from raymoe.errors import InvalidRequestError
-from raymoe.runner.forward_mode import ForwardMode
-from raymoe.scheduler.model_worker_batch import ModelWorkerBatch, StepOutput
 from raymoe.scheduler.policy import order_waiting
 from raymoe.scheduler.req import FinishKind, Req
 from raymoe.scheduler.sampling_params import SamplingParams
 from raymoe.scheduler.scheduler import Scheduler
+from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.step_output import StepOutput
+from raymoe.step.worker_batch import ModelWorkerBatch
 
 VOCAB = 64
 NO_EOS = (999,)
@@ -62,8 +63,7 @@ class FakeRank:
         bs = b.batch_size
         assert b.forward_mode in (ForwardMode.EXTEND, ForwardMode.DECODE) and bs > 0
         assert len(b.input_ids) == sum(b.extend_lens) == len(b.out_cache_loc)
-        for name in ("temperatures", "top_ps", "top_ks", "min_ps", "seeds", "output_lens", "logprobs"):
-            assert len(getattr(b, name)) == bs, name
+        assert b.sampling.batch_size == bs
         assert all(sl == p + e and e >= 1 for sl, p, e in zip(b.seq_lens, b.prefix_lens, b.extend_lens, strict=True))
         assert all(sl <= s.cache_config.max_context_len for sl in b.seq_lens)
         assert bs <= s.config.max_running_requests and s.num_running <= s.config.max_running_requests
@@ -145,11 +145,11 @@ def drive(s: Scheduler, arrivals: dict[int, list[Req]], max_steps: int = 20000, 
             continue
         # A request that lives on across scheduling keeps its slots; nobody else may get them.
         after = live_slots(s)
-        new = set(batch.out_cache_loc)
+        new = set(batch.worker_batch.out_cache_loc)
         for key, slots in before.items():
             if key in after:
                 assert not slots & new, "a live request's slot was handed out again"
-        done = s.process_batch_result(batch, rank.step(batch.to_model_worker_batch()))
+        done = s.process_batch_result(batch, rank.step(batch.worker_batch))
         s.check_memory_invariants()
         for r in done:
             if r.finished:
@@ -301,7 +301,7 @@ def test_last_request_without_a_slot_is_finished_not_hung():
     s.add_request(Req("a", list(range(6)), SamplingParams(max_tokens=5)))
     rank = FakeRank(s)
     batch = s.get_next_batch_to_run()
-    assert [r.rid for r in s.process_batch_result(batch, rank.step(batch.to_model_worker_batch()))] == ["a"]
+    assert [r.rid for r in s.process_batch_result(batch, rank.step(batch.worker_batch))] == ["a"]
     stolen = s.token_allocator.alloc(s.token_allocator.available_size())
     assert s.get_next_batch_to_run() is None
     (r,) = s.drain_finished()
@@ -380,7 +380,7 @@ def test_abort_waiting_running_chunked_and_in_flight():
 
     def step():
         b = s.get_next_batch_to_run()
-        out = s.process_batch_result(b, rank.step(b.to_model_worker_batch()))
+        out = s.process_batch_result(b, rank.step(b.worker_batch))
         s.check_memory_invariants()
         return out
 
@@ -408,7 +408,7 @@ def test_abort_waiting_running_chunked_and_in_flight():
     s.add_request(Req("y", [5, 6], SamplingParams(max_tokens=5)))
     b = s.get_next_batch_to_run()
     s.abort_request("x")
-    out = s.process_batch_result(b, rank.step(b.to_model_worker_batch()))
+    out = s.process_batch_result(b, rank.step(b.worker_batch))
     assert [r.rid for r in out] == ["y"]
     s.check_memory_invariants()
     while s.has_unfinished():

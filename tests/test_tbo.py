@@ -18,8 +18,9 @@ import torch
 from raymoe.config import OverlapConfig, ParallelConfig
 from raymoe.overlap.decision import decide_tbo
 from raymoe.overlap.split import compute_split
-from raymoe.runner.forward_mode import ForwardMode
-from raymoe.scheduler.model_worker_batch import ModelWorkerBatch
+from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.sampling_inputs import SamplingInputs
+from raymoe.step.worker_batch import ModelWorkerBatch
 
 TBO_CFG = OverlapConfig(enable_tbo=True, tbo_min_tokens_decode=2, tbo_min_tokens_extend=4)
 IDLE = ("idle",)
@@ -73,8 +74,7 @@ class _Group:
             self.slots.setdefault(row, []).extend(new_slots)
         bs = len(rows)
         return ModelWorkerBatch(mode, ids, rows, [p + e for p, e in zip(prefix_lens, ext, strict=True)], prefix_lens,
-                                ext, locs, prefix_slots, [0.0] * bs, [1.0] * bs, [-1] * bs, [0.0] * bs, [None] * bs,
-                                [0] * bs, [None] * bs)
+                                ext, locs, prefix_slots, SamplingInputs.greedy(bs))
 
 
 def _runners(path: str, groups, dtype: str):

@@ -19,10 +19,11 @@ from raymoe.config import EngineConfig
 from raymoe.errors import InvalidRequestError
 from raymoe.overlap.decision import apply_tbo_decision
 from raymoe.runner.graph_buckets import apply_graph_plan
-from raymoe.scheduler.model_worker_batch import ModelWorkerBatch, StepOutput
 from raymoe.scheduler.req import Req
 from raymoe.scheduler.sampling_params import SamplingParams
 from raymoe.scheduler.scheduler import Scheduler
+from raymoe.step.step_output import StepOutput
+from raymoe.step.worker_batch import ModelWorkerBatch
 
 
 class StepExecutor(Protocol):
@@ -116,10 +117,10 @@ class Driver:
         early = [r for s in self.schedulers for r in s.drain_finished()]
         if all(b is None for b in sched_batches):
             return self._forget_finished(early)
-        global_tokens = tuple(0 if b is None else len(b.input_ids) for b in sched_batches)
+        global_tokens = tuple(0 if b is None else len(b.worker_batch.input_ids) for b in sched_batches)
         worker_batches = [
             ModelWorkerBatch.idle(global_tokens) if b is None
-            else replace(b.to_model_worker_batch(), global_num_tokens=global_tokens)
+            else replace(b.worker_batch, global_num_tokens=global_tokens)
             for b in sched_batches
         ]
         # Decisions every rank must share, made once here: two-batch overlap on/off, then the graph bucket.

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 from raymoe.actors.driver import Driver
 from raymoe.errors import EngineUnhealthyError, InvalidRequestError, RaymoeError
-from raymoe.scheduler.model_worker_batch import TokenLogprobs
 from raymoe.scheduler.req import Req
 from raymoe.scheduler.sampling_params import SamplingParams
+from raymoe.step.step_output import TokenLogprobs
 
 log = logging.getLogger(__name__)
 

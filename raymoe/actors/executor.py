@@ -16,7 +16,8 @@ from raymoe.actors.rank_worker import RankWorker
 from raymoe.config import ParallelConfig
 from raymoe.errors import EngineUnhealthyError
 from raymoe.runner.model_runner import RunnerConfig
-from raymoe.scheduler.model_worker_batch import ModelWorkerBatch, StepOutput
+from raymoe.step.step_output import StepOutput
+from raymoe.step.worker_batch import ModelWorkerBatch
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ import socket
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ParallelConfig
 from raymoe.runner.model_runner import ModelRunner, RunnerConfig
-from raymoe.scheduler.model_worker_batch import ModelWorkerBatch, StepOutput
+from raymoe.step.step_output import StepOutput
+from raymoe.step.worker_batch import ModelWorkerBatch
 
 
 class RankWorker:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 def _measure(executor, dp: int, steps: int, warmup: int) -> dict:
-    from raymoe.scheduler.model_worker_batch import ModelWorkerBatch
+    from raymoe.step.worker_batch import ModelWorkerBatch
 
     batches = [ModelWorkerBatch.idle(tuple([0] * dp)) for _ in range(dp)]
     for _ in range(warmup):

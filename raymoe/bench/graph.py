@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from raymoe.runner.forward_mode import ForwardMode
 from raymoe.runner.model_runner import ModelRunner, RunnerConfig
-from raymoe.scheduler.model_worker_batch import ModelWorkerBatch
+from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.sampling_inputs import SamplingInputs
+from raymoe.step.worker_batch import ModelWorkerBatch
 
 
 def _batches(bs: int, seq_len: int, width: int, vocab: int, seed: int) -> tuple[ModelWorkerBatch, ModelWorkerBatch]:
@@ -31,14 +32,14 @@ def _batches(bs: int, seq_len: int, width: int, vocab: int, seed: int) -> tuple[
     table row ``r`` and slots ``1 + r * width + position``."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(10, vocab, (bs, seq_len), generator=g).tolist()
-    greedy = dict(temperatures=[0.0] * bs, top_ps=[1.0] * bs, top_ks=[-1] * bs, min_ps=[0.0] * bs,
-                  seeds=[None] * bs, output_lens=[0] * bs, logprobs=[None] * bs)
+    greedy = SamplingInputs.greedy(bs)
     plen = seq_len - 1
     rows = list(range(bs))
     prefill = ModelWorkerBatch(ForwardMode.EXTEND, [t for p in ids for t in p[:plen]], rows, [plen] * bs,
-                               [0] * bs, [plen] * bs, [1 + r * width + i for r in rows for i in range(plen)], **greedy)
+                               [0] * bs, [plen] * bs, [1 + r * width + i for r in rows for i in range(plen)],
+                               sampling=greedy)
     decode = ModelWorkerBatch(ForwardMode.DECODE, [p[plen] for p in ids], rows, [seq_len] * bs, [plen] * bs,
-                              [1] * bs, [1 + r * width + plen for r in rows], **greedy)
+                              [1] * bs, [1 + r * width + plen for r in rows], sampling=greedy)
     return prefill, decode
 
 

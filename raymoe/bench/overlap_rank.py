@@ -36,9 +36,10 @@ from raymoe.comm.all_to_all import DispatchHandle, TorchAllToAll
 from raymoe.comm.groups import ParallelGroups
 from raymoe.comm.latency import LatencyInjectedAllToAll, wrap_moe_all_to_all
 from raymoe.config import OverlapConfig
-from raymoe.runner.forward_mode import ForwardMode
 from raymoe.runner.model_runner import ModelRunner, RunnerConfig
-from raymoe.scheduler.model_worker_batch import ModelWorkerBatch
+from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.sampling_inputs import SamplingInputs
+from raymoe.step.worker_batch import ModelWorkerBatch
 
 
 def _cyclic_rows(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -110,8 +111,7 @@ def decode_batch(runner: ModelRunner, bs: int, context_len: int, seed: int) -> M
     ids = torch.randint(10, runner.model_config.vocab_size, (bs,), generator=g).tolist()
     return ModelWorkerBatch(
         ForwardMode.DECODE, ids, list(range(bs)), [width] * bs, [context_len] * bs, [1] * bs,
-        [1 + r * width + context_len for r in range(bs)], [], [0.0] * bs, [1.0] * bs, [-1] * bs, [0.0] * bs,
-        [None] * bs, [0] * bs, [None] * bs)
+        [1 + r * width + context_len for r in range(bs)], [], SamplingInputs.greedy(bs))
 
 
 def _timed_step(groups: ParallelGroups, step) -> float:

@@ -23,7 +23,7 @@ from raymoe.deploy.engine_client import EngineClient
 from raymoe.deploy.metrics import RequestMetrics
 from raymoe.deploy.request_prep import PreparedRequest
 from raymoe.errors import EngineUnhealthyError, InvalidRequestError
-from raymoe.scheduler.model_worker_batch import TokenLogprobs
+from raymoe.step.step_output import TokenLogprobs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -13,7 +13,7 @@ import time
 import uuid
 
 from raymoe.deploy.generation import Piece
-from raymoe.scheduler.model_worker_batch import TokenLogprobs
+from raymoe.step.step_output import TokenLogprobs
 
 
 def sse(payload: dict | str) -> str:

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 from raymoe.config import OverlapConfig
 from raymoe.overlap.split import compute_split, split_is_usable
-from raymoe.runner.forward_mode import ForwardMode
-from raymoe.scheduler.model_worker_batch import ModelWorkerBatch
+from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.worker_batch import ModelWorkerBatch
 
 
 def decide_tbo(batches: Sequence[ModelWorkerBatch], cfg: OverlapConfig) -> bool:

@@ -18,13 +18,12 @@ order restores the parent's token order.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from raymoe.runner.forward_mode import ForwardMode
+from raymoe.step.forward_mode import ForwardMode
 
 
 @dataclass(frozen=True)
@@ -158,16 +157,16 @@ class TboForwardBatchPreparer:
 
     @staticmethod
     def _child(parent, lens: ChildLens, token_range: tuple[int, int], backend):
+        """Child over parent tokens ``token_range`` and sequences ``lens.seq_start..seq_end``: views of the
+        parent's tensors (``ForwardBatch.narrow``) with the child's own lengths, sample rows and backend."""
         t0, t1 = token_range
         s0, s1 = lens.seq_start, lens.seq_end
         seq_lens = parent.seq_lens[s0:s1]
-        if lens.seq_lens != parent.seq_lens_cpu[s0:s1]:
+        if lens.seq_lens != parent.seq_lens_cpu[s0:s1]:  # a cut sequence: child A's part ends early
             seq_lens = torch.tensor(lens.seq_lens, dtype=seq_lens.dtype, device=seq_lens.device)
         ext = torch.tensor(lens.extend_lens, dtype=torch.int64, device=parent.input_ids.device)
-        return dataclasses.replace(
-            parent, batch_size=s1 - s0, input_ids=parent.input_ids[t0:t1], positions=parent.positions[t0:t1],
-            out_cache_loc=parent.out_cache_loc[t0:t1], req_pool_indices=parent.req_pool_indices[s0:s1],
-            seq_lens=seq_lens, sample_indices=torch.cumsum(ext, 0) - 1,
-            req_pool_indices_cpu=parent.req_pool_indices_cpu[s0:s1], seq_lens_cpu=lens.seq_lens,
-            prefix_lens_cpu=lens.prefix_lens, extend_lens_cpu=lens.extend_lens, sampling=None,
-            attn_backend=backend, use_tbo=False, graph_bs=None, tbo_children=None, tbo_parent_token_range=(t0, t1))
+        return parent.narrow(
+            (t0, t1), (s0, s1), seq_lens=seq_lens, sample_indices=torch.cumsum(ext, 0) - 1,
+            seq_lens_cpu=lens.seq_lens, prefix_lens_cpu=lens.prefix_lens, extend_lens_cpu=lens.extend_lens,
+            sampling=None, attn_backend=backend, use_tbo=False, graph_bs=None, tbo_children=None,
+            tbo_parent_token_range=(t0, t1))

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from raymoe.overlap.operations import Operation, YieldOperation
-from raymoe.runner.forward_mode import ForwardMode
+from raymoe.step.forward_mode import ForwardMode
 
 # Yields go right before these ops (matched by the op's ``__name__``).
 _DECODE_YIELD_BEFORE = frozenset({"op_core", "op_dispatch_a", "op_dispatch_b", "op_combine_b", "op_output"})

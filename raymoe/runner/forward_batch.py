@@ -2,25 +2,34 @@
 
 Built from the driver's plain-data ``ModelWorkerBatch``; attention backends and model layers read it, the
 sampler reads its ``sampling`` record. Nothing here refers to scheduler objects.
+
+The per-token and per-row fields are declared once, in :attr:`ForwardBatch.TOKEN_TENSORS`,
+:attr:`ForwardBatch.ROW_TENSORS` and :attr:`ForwardBatch.ROW_LISTS`: the decode-graph buffers
+(``raymoe.runner.graph_buffers``) allocate, pad and copy by these names, and :meth:`ForwardBatch.narrow` (the
+two-batch-overlap children, ``raymoe.overlap.split``) slices by them. A new per-token or per-row field is one
+edit here (plus its padding value in ``graph_buffers.PADDING``, which is checked at import).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from raymoe.runner.forward_mode import ForwardMode
-from raymoe.scheduler.model_worker_batch import ModelWorkerBatch
+from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.sampling_inputs import SamplingInputs
+from raymoe.step.worker_batch import ModelWorkerBatch
 
 
 @dataclass
 class SamplingBatchInfo:
     """Per-row sampling parameters as tensors (``bs`` rows).
 
-    ``temperatures``/``top_ps``/``min_ps`` [bs] float32, ``top_ks`` [bs] int64 (<= 0: off); ``seeds`` and
-    ``output_lens`` stay Python lists (used to build per-row generators); ``all_greedy`` skips sampling.
+    ``temperatures``/``top_ps``/``min_ps`` [bs] float32, ``top_ks`` [bs] int64 (<= 0: off); ``seeds``,
+    ``output_lens`` and ``logprobs`` stay Python lists (used to build per-row generators and log-prob answers);
+    ``all_greedy`` skips sampling.
     """
 
     temperatures: torch.Tensor
@@ -33,14 +42,16 @@ class SamplingBatchInfo:
     all_greedy: bool
 
     @classmethod
-    def from_worker_batch(cls, b: ModelWorkerBatch, device: torch.device | str) -> "SamplingBatchInfo":
-        greedy = all(t == 0.0 or k == 1 for t, k in zip(b.temperatures, b.top_ks, strict=True))
+    def from_inputs(cls, s: SamplingInputs, device: torch.device | str) -> SamplingBatchInfo:
+        """Tensorize the driver's per-row sampling record on ``device``."""
+        def t(x: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(x, dtype=dtype, device=device)
+
         return cls(
-            temperatures=torch.tensor(b.temperatures, dtype=torch.float32, device=device),
-            top_ps=torch.tensor(b.top_ps, dtype=torch.float32, device=device),
-            top_ks=torch.tensor(b.top_ks, dtype=torch.int64, device=device),
-            min_ps=torch.tensor(b.min_ps, dtype=torch.float32, device=device),
-            seeds=list(b.seeds), output_lens=list(b.output_lens), logprobs=list(b.logprobs), all_greedy=greedy,
+            temperatures=t(s.temperatures, torch.float32), top_ps=t(s.top_ps, torch.float32),
+            top_ks=t(s.top_ks, torch.int64), min_ps=t(s.min_ps, torch.float32),
+            seeds=list(s.seeds), output_lens=list(s.output_lens), logprobs=list(s.logprobs),
+            all_greedy=s.all_greedy,
         )
 
 
@@ -54,7 +65,19 @@ class ForwardBatch:
     driver's padded decode-graph bucket for this step (``None``: eager). Two-batch overlap
     (``raymoe.overlap.split``): ``tbo_children`` are the two halves of a TBO step; a child's
     ``tbo_parent_token_range`` (start, end) are the parent rows it covers.
+
+    Raises:
+        ValueError: a token tensor does not have as many rows as ``input_ids``, or a row tensor or host list
+            does not have ``batch_size`` entries (the message names the field).
     """
+
+    TOKEN_TENSORS: ClassVar[tuple[str, ...]] = ("input_ids", "positions", "out_cache_loc")
+    """Device tensors with one entry per token, [T]."""
+    ROW_TENSORS: ClassVar[tuple[str, ...]] = ("req_pool_indices", "seq_lens", "sample_indices")
+    """Device tensors with one entry per request, [bs]."""
+    ROW_LISTS: ClassVar[tuple[str, ...]] = ("req_pool_indices_cpu", "seq_lens_cpu", "prefix_lens_cpu",
+                                            "extend_lens_cpu")
+    """Host lists with one entry per request (``bs``)."""
 
     forward_mode: ForwardMode
     batch_size: int
@@ -75,22 +98,46 @@ class ForwardBatch:
     tbo_children: list[ForwardBatch] | None = None
     tbo_parent_token_range: tuple[int, int] | None = None
 
+    def __post_init__(self) -> None:
+        num_tokens = self.num_tokens
+        for name in self.TOKEN_TENSORS:
+            if getattr(self, name).shape[0] != num_tokens:
+                raise ValueError(f"ForwardBatch.{name} has {getattr(self, name).shape[0]} rows, expected {num_tokens}")
+        for name in self.ROW_TENSORS + self.ROW_LISTS:
+            if len(getattr(self, name)) != self.batch_size:
+                raise ValueError(f"ForwardBatch.{name} has {len(getattr(self, name))} entries, "
+                                 f"expected {self.batch_size}")
+
     @property
     def num_tokens(self) -> int:
+        """Tokens computed this step (T)."""
         return int(self.input_ids.shape[0])
 
+    def narrow(self, token_range: tuple[int, int], row_range: tuple[int, int], **changes: Any) -> ForwardBatch:
+        """A batch over tokens ``[t0, t1)`` and requests ``[s0, s1)`` of this one.
+
+        Token and row tensors are views (no copy); host lists are sliced; other fields are shared, then
+        ``changes`` replaces any field (e.g. a child's own ``seq_lens`` or ``attn_backend``).
+
+        Raises:
+            ValueError: the result breaks the shape invariants (ranges that do not match, or bad ``changes``).
+        """
+        (t0, t1), (s0, s1) = token_range, row_range
+        sliced: dict[str, Any] = {name: getattr(self, name)[t0:t1] for name in self.TOKEN_TENSORS}
+        sliced.update({name: getattr(self, name)[s0:s1] for name in self.ROW_TENSORS + self.ROW_LISTS})
+        return dataclasses.replace(self, batch_size=s1 - s0, **{**sliced, **changes})
+
     @classmethod
-    def from_worker_batch(cls, b: ModelWorkerBatch, device: torch.device | str) -> "ForwardBatch":
+    def from_worker_batch(cls, b: ModelWorkerBatch, device: torch.device | str) -> ForwardBatch:
         """Tensorize ``b``; positions are ``[prefix_len, seq_len)`` per request."""
         def t(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64, device=device)
 
+        seq_lens = t(b.seq_lens)
         if b.forward_mode.is_decode():
-            seq_lens = t(b.seq_lens)
             positions = seq_lens - 1
             sample_indices = torch.arange(b.batch_size, device=device)
         else:
-            seq_lens = t(b.seq_lens)
             pos: list[int] = []
             last: list[int] = []
             for pre, sl in zip(b.prefix_lens, b.seq_lens, strict=True):
@@ -104,6 +151,6 @@ class ForwardBatch:
             sample_indices=sample_indices, req_pool_indices_cpu=list(b.req_pool_indices),
             seq_lens_cpu=list(b.seq_lens), prefix_lens_cpu=list(b.prefix_lens),
             extend_lens_cpu=list(b.extend_lens),
-            sampling=SamplingBatchInfo.from_worker_batch(b, device) if b.batch_size else None,
+            sampling=SamplingBatchInfo.from_inputs(b.sampling, device) if b.batch_size else None,
             use_tbo=b.use_tbo, graph_bs=b.graph_bs,
         )

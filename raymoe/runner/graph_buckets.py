@@ -16,7 +16,7 @@ import dataclasses
 from bisect import bisect_left
 from collections.abc import Sequence
 
-from raymoe.runner.forward_mode import ForwardMode
+from raymoe.step.forward_mode import ForwardMode
 
 SMALL_SIZES = (1, 2, 4, 8)
 

@@ -31,9 +31,9 @@ import torch
 from tqdm import tqdm
 
 from raymoe.runner.forward_batch import ForwardBatch
-from raymoe.runner.forward_mode import ForwardMode
 from raymoe.runner.graph_buckets import select_graph_bs
 from raymoe.runner.graph_buffers import GraphInputBuffers
+from raymoe.step.forward_mode import ForwardMode
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ from raymoe.overlap.split import TboForwardBatchPreparer
 from raymoe.runner.forward_batch import ForwardBatch
 from raymoe.runner.graph_buckets import capture_sizes
 from raymoe.runner.sampler import Sampler
-from raymoe.scheduler.model_worker_batch import ModelWorkerBatch, StepOutput
+from raymoe.step.step_output import StepOutput
+from raymoe.step.worker_batch import ModelWorkerBatch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}  # float64: exactness tests (e.g. graph replay vs eager)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from raymoe.runner.forward_batch import SamplingBatchInfo
-from raymoe.scheduler.model_worker_batch import TokenLogprobs
+from raymoe.step.step_output import TokenLogprobs
 
 _SEED_MIX = 1_000_003
 

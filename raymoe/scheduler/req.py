@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from raymoe.scheduler.model_worker_batch import TokenLogprobs
 from raymoe.scheduler.sampling_params import SamplingParams
+from raymoe.step.step_output import TokenLogprobs
 
 # A token decodes to at least one byte and a character takes at most four UTF-8 bytes, so the text of a stop
 # string of n characters comes from at most 4 * n tokens; one more token gives the decoder its left context.
@@ -116,10 +116,6 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finished_reason is not None
-
-    def remaining_new_tokens(self) -> int:
-        """Tokens this request may still generate under ``max_tokens`` (ignores stop conditions)."""
-        return max(0, self.sampling_params.max_tokens - len(self.output_ids))
 
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         """Record one sampled token (and its log-probabilities, if any)."""

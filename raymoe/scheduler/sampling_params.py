@@ -64,8 +64,3 @@ class SamplingParams:
             raise InvalidRequestError("stop", "stop strings must be non-empty strings")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise InvalidRequestError("logprobs", f"must be in [0, 20], got {self.logprobs!r}")
-
-    @property
-    def is_greedy(self) -> bool:
-        """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
-        return self.temperature == 0.0 or self.top_k == 1

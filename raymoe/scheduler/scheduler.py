@@ -3,7 +3,7 @@
 Ownership: the Driver owns one ``Scheduler`` per DP-attention group. The scheduler owns that group's
 ``TokenSlotAllocator`` (KV slots), ``ReqSlotAllocator`` (ReqToTokenPool rows), ``RadixCache`` and every accepted
 ``Req``. Each step the driver calls :meth:`Scheduler.get_next_batch_to_run`, ships
-``batch.to_model_worker_batch()`` to the ranks, and hands their ``StepOutput`` to
+``batch.worker_batch`` to the ranks, and hands their ``StepOutput`` to
 :meth:`Scheduler.process_batch_result`. Exactly one batch may be in flight.
 
 Request life cycle: ``waiting`` -> admitted by the ``PrefillAdder`` (a long prompt stays ``chunked_req`` until its
@@ -27,12 +27,12 @@ from raymoe.config import CacheConfig, SchedulerConfig
 from raymoe.errors import InvalidRequestError
 from raymoe.kvcache.allocator import ReqSlotAllocator, TokenSlotAllocator
 from raymoe.kvcache.radix_cache import RadixCache
-from raymoe.runner.forward_mode import ForwardMode
-from raymoe.scheduler.model_worker_batch import StepOutput
 from raymoe.scheduler.policy import order_waiting
 from raymoe.scheduler.prefill_adder import AddResult, PrefillAdder, decode_reservation
 from raymoe.scheduler.req import FinishKind, Req
 from raymoe.scheduler.schedule_batch import ScheduleBatch
+from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.step_output import StepOutput
 
 
 class Scheduler:
@@ -272,9 +272,8 @@ class Scheduler:
         """
         if batch is not self._inflight:
             raise ValueError("process_batch_result: this batch is not the one in flight")
-        if len(output.next_token_ids) != batch.batch_size or len(output.logprobs) not in (0, batch.batch_size):
-            raise ValueError(f"StepOutput has {len(output.next_token_ids)} tokens and {len(output.logprobs)} "
-                             f"logprob entries for {batch.batch_size} requests")
+        if len(output.next_token_ids) != batch.batch_size:  # StepOutput itself checks logprobs against its tokens
+            raise ValueError(f"StepOutput has {len(output.next_token_ids)} tokens for {batch.batch_size} requests")
         self._inflight = None
         logprobs = output.logprobs or [None] * batch.batch_size
         out: list[Req] = []

@@ -1,15 +1,17 @@
-"""Typed handoff records between the scheduler (driver side) and the runner (rank side).
+"""ModelWorkerBatch: one step's work for one DP-attention group, the typed driver -> rank handoff.
 
-Ownership: the scheduler builds a :class:`ModelWorkerBatch` from its ``ScheduleBatch``; it holds only plain
-Python numbers and lists (no tensors, no scheduler objects), so it can cross a Ray actor boundary cheaply.
-The rank's ``ModelRunner`` turns it into a tensor ``ForwardBatch`` and answers with a :class:`StepOutput`.
+Ownership: the scheduler builds it from its ``ScheduleBatch`` (the driver builds IDLE batches and sets the
+step-wide decisions ``use_tbo``, ``graph_bs`` and ``global_num_tokens``). It holds only plain Python numbers and
+lists (no tensors, no scheduler objects), so it crosses a Ray actor boundary cheaply. The rank's ``ModelRunner``
+turns it into a tensor ``ForwardBatch`` and answers with a ``StepOutput``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from raymoe.runner.forward_mode import ForwardMode
+from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.sampling_inputs import SamplingInputs
 
 
 @dataclass(frozen=True)
@@ -28,13 +30,13 @@ class ModelWorkerBatch:
         out_cache_loc: ``T`` KV slots that receive this step's keys/values (slot 0 is the dummy slot).
         prefix_slots: for EXTEND/MIXED, the concatenation over requests of the KV slots of positions
             ``[0, prefix_len)`` (so ``len == sum(prefix_lens)``), written into the rank's table; empty for DECODE.
-        temperatures, top_ps, top_ks, min_ps: ``bs`` sampling parameters (``top_k <= 0`` disables top-k).
-        seeds: ``bs`` per-request seeds or ``None`` (unseeded rows use the rank's generator).
-        output_lens: ``bs`` tokens generated so far per request (seeded sampling draws from ``(seed, output_len)``).
-        logprobs: ``bs`` number of top log-probs wanted per request, ``None`` for none.
+        sampling: ``bs`` rows of sampling parameters (default: zero rows, for IDLE).
         use_tbo: run this step with two-batch overlap (decided once by the driver for all ranks).
         graph_bs: padded batch size of the captured graph to replay, or ``None`` for eager.
         global_num_tokens: tokens per DP group this step (all ranks agree; used for MoE buffer sizing).
+    Raises:
+        ValueError: a per-request list or ``sampling`` does not have ``bs`` entries, ``out_cache_loc`` does not
+            have ``T``, or an IDLE batch carries requests or tokens.
     """
 
     forward_mode: ForwardMode
@@ -45,13 +47,7 @@ class ModelWorkerBatch:
     extend_lens: list[int]
     out_cache_loc: list[int]
     prefix_slots: list[int] = field(default_factory=list)
-    temperatures: list[float] = field(default_factory=list)
-    top_ps: list[float] = field(default_factory=list)
-    top_ks: list[int] = field(default_factory=list)
-    min_ps: list[float] = field(default_factory=list)
-    seeds: list[int | None] = field(default_factory=list)
-    output_lens: list[int] = field(default_factory=list)
-    logprobs: list[int | None] = field(default_factory=list)
+    sampling: SamplingInputs = field(default_factory=SamplingInputs.greedy)
     use_tbo: bool = False
     graph_bs: int | None = None
     global_num_tokens: tuple[int, ...] = ()
@@ -61,6 +57,8 @@ class ModelWorkerBatch:
         for name in ("seq_lens", "prefix_lens", "extend_lens"):
             if len(getattr(self, name)) != bs:
                 raise ValueError(f"ModelWorkerBatch.{name} has {len(getattr(self, name))} entries, expected {bs}")
+        if self.sampling.batch_size != bs:
+            raise ValueError(f"ModelWorkerBatch.sampling has {self.sampling.batch_size} rows, expected {bs}")
         num_tokens = len(self.input_ids)
         if len(self.out_cache_loc) != num_tokens:
             raise ValueError("ModelWorkerBatch.out_cache_loc must have one slot per input token")
@@ -69,41 +67,18 @@ class ModelWorkerBatch:
 
     @property
     def batch_size(self) -> int:
+        """Number of requests (rows)."""
         return len(self.req_pool_indices)
 
     @property
     def num_tokens(self) -> int:
+        """Number of tokens computed this step."""
         return len(self.input_ids)
 
     @classmethod
-    def idle(cls, global_num_tokens: tuple[int, ...] = (), use_tbo: bool = False) -> "ModelWorkerBatch":
+    def idle(cls, global_num_tokens: tuple[int, ...] = (), use_tbo: bool = False) -> ModelWorkerBatch:
         """An IDLE batch: zero requests and tokens, so the rank still enters every MoE collective."""
         return cls(
             forward_mode=ForwardMode.IDLE, input_ids=[], req_pool_indices=[], seq_lens=[], prefix_lens=[],
             extend_lens=[], out_cache_loc=[], global_num_tokens=global_num_tokens, use_tbo=use_tbo,
         )
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Log-probabilities of one sampled token: its own and the ``k`` most likely alternatives."""
-
-    logprob: float
-    top_token_ids: list[int]
-    top_logprobs: list[float]
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """What a rank answers for one step (only tp-rank 0 of each DP group answers with tokens).
-
-    Attributes:
-        next_token_ids: ``bs`` sampled token ids (for chunked-prefill rows that are not finished the driver
-            discards them).
-        logprobs: ``bs`` entries, ``None`` where the request asked for none.
-        forward_seconds: wall time of forward + sampling on the rank, seconds.
-    """
-
-    next_token_ids: list[int]
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    forward_seconds: float = 0.0

@@ -1,0 +1,59 @@
+"""SamplingInputs: the per-row sampling numbers of one step, as one record (plain data, no tensors).
+
+Ownership: the scheduler builds it from each request's ``SamplingParams`` (``ScheduleBatch.build``)
+and ships it inside the ``ModelWorkerBatch``; the rank's ``SamplingBatchInfo.from_inputs`` turns it into tensors
+for the ``Sampler``. The values themselves are validated once, in ``SamplingParams``; this record only checks
+that every list has one entry per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class SamplingInputs:
+    """Sampling parameters of ``bs`` rows, one entry per row in batch order.
+
+    Attributes:
+        temperatures: softmax temperatures (``0.0``: greedy).
+        top_ps: nucleus mass in ``(0, 1]`` (``1.0``: off).
+        top_ks: most likely tokens kept (``<= 0``: off; ``1``: greedy).
+        min_ps: minimum probability relative to the most likely token, in ``[0, 1]`` (``0.0``: off).
+        seeds: per-request seeds, or ``None`` (unseeded rows use the rank's generator).
+        output_lens: tokens generated so far per request (seeded sampling draws from ``(seed, output_len)``).
+        logprobs: number of top log-probs wanted per request, ``None`` for none.
+    Raises:
+        ValueError: the lists differ in length (the message names the field).
+    """
+
+    temperatures: list[float]
+    top_ps: list[float]
+    top_ks: list[int]
+    min_ps: list[float]
+    seeds: list[int | None]
+    output_lens: list[int]
+    logprobs: list[int | None]
+
+    def __post_init__(self) -> None:
+        bs = len(self.temperatures)
+        for f in fields(self):
+            n = len(getattr(self, f.name))
+            if n != bs:
+                raise ValueError(f"SamplingInputs.{f.name} has {n} entries, expected {bs} (one per row)")
+
+    @property
+    def batch_size(self) -> int:
+        """Number of rows."""
+        return len(self.temperatures)
+
+    @property
+    def all_greedy(self) -> bool:
+        """Every row takes the most likely token (temperature 0 or top-k 1), so the sampler can skip sampling."""
+        return all(t == 0.0 or k == 1 for t, k in zip(self.temperatures, self.top_ks, strict=True))
+
+    @classmethod
+    def greedy(cls, bs: int = 0) -> SamplingInputs:
+        """``bs`` greedy rows without seeds or log-probs (``bs = 0``: the empty record of an IDLE batch)."""
+        return cls(temperatures=[0.0] * bs, top_ps=[1.0] * bs, top_ks=[-1] * bs, min_ps=[0.0] * bs,
+                   seeds=[None] * bs, output_lens=[0] * bs, logprobs=[None] * bs)

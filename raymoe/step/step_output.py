@@ -1,0 +1,42 @@
+"""StepOutput: what a rank answers for one step (rank side -> driver side), with per-token log-probs.
+
+Ownership: the rank's ``ModelRunner`` builds it; the scheduler applies it to its requests
+(``Scheduler.process_batch_result``) and the front ends stream the :class:`TokenLogprobs` it carries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities (natural log) of one sampled token: its own and the ``k`` most likely alternatives
+    (``top_token_ids`` and ``top_logprobs`` have ``k`` entries each, most likely first)."""
+
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What a rank answers for one step (only tp-rank 0 of each DP group answers with tokens).
+
+    Attributes:
+        next_token_ids: ``bs`` sampled token ids (for chunked-prefill rows that are not finished the driver
+            discards them).
+        logprobs: ``bs`` entries, ``None`` where the request asked for none.
+        forward_seconds: wall time of forward + sampling on the rank, seconds.
+    Raises:
+        ValueError: ``logprobs`` is neither empty nor one entry per token.
+    """
+
+    next_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    forward_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if len(self.logprobs) not in (0, len(self.next_token_ids)):
+            raise ValueError(f"StepOutput.logprobs has {len(self.logprobs)} entries for "
+                             f"{len(self.next_token_ids)} tokens (expected none or one per token)")
