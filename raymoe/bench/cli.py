@@ -63,6 +63,12 @@ def add_bench_parser(sub, model_arg) -> None:
     add_compare_args(p)
     p.set_defaults(func=_run_compare)
 
+    p = bench.add_parser("profile-serve", help="py-spy breakdown of a served step over every engine process")
+    from raymoe.bench.profile_serve import add_profile_args
+
+    add_profile_args(p)
+    p.set_defaults(func=_run_profile_serve)
+
     p = bench.add_parser("serve", help="streaming load against an OpenAI-compatible server: TTFT, ITL, throughput")
     from raymoe.bench.serve import add_serve_bench_args
 
@@ -104,3 +110,9 @@ def _run_compare(a: argparse.Namespace) -> None:
     from raymoe.bench.compare import run_compare
 
     run_compare(a)
+
+
+def _run_profile_serve(a: argparse.Namespace) -> None:
+    from raymoe.bench.profile_serve import run_profile
+
+    run_profile(a)

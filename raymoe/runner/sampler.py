@@ -1,8 +1,10 @@
 """Token sampling: greedy, temperature, top-k, top-p (Holtzman et al. 2020), min-p (Nguyen et al. 2024).
 
-Sampling uses the exponential race (Gumbel-max in another form): ``argmax(p_i / E_i)`` with ``E_i ~ Exp(1)``
-draws token i with probability ``p_i``. The noise of a seeded request comes from a generator seeded by
-``(seed, tokens generated so far)``, so a seeded request gives the same tokens whatever batch it shares.
+Sampling inverts each row's cumulative distribution at one uniform draw ``u``: the token is the first ``i`` with
+``cdf_i > u * cdf_V`` (zero-probability tokens never win: the cdf does not rise there). One random number per row,
+instead of one per vocabulary entry for a Gumbel/exponential race, which on CPU cost more than the sampling math
+itself. The draw of a seeded request comes from a generator seeded by ``(seed, tokens generated so far)``, so a
+seeded request gives the same tokens whatever batch it shares.
 """
 
 from __future__ import annotations
@@ -20,22 +22,29 @@ class Sampler:
 
     Args:
         seed: seed of the generator used by unseeded rows.
-        device: where the noise is drawn.
+        device: where the random draws are made.
     """
 
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
-    def _noise(self, bs: int, vocab: int, info: SamplingBatchInfo) -> torch.Tensor:
-        noise = torch.empty((bs, vocab), dtype=torch.float32, device=self.device)
-        noise.exponential_(generator=self.generator)
+    def _uniforms(self, bs: int, info: SamplingBatchInfo) -> torch.Tensor:
+        """One draw in [0, 1) per row, [bs] float32 (seeded rows from their own generator)."""
+        u = torch.rand(bs, generator=self.generator, device=self.device)
         for i, seed in enumerate(info.seeds):
             if seed is not None:
                 mixed = (seed * _SEED_MIX + info.output_lens[i]) % 2**63
                 g = torch.Generator(device=self.device).manual_seed(mixed)
-                noise[i].exponential_(generator=g)
-        return noise
+                u[i] = torch.rand(1, generator=g, device=self.device)[0]
+        return u
+
+    def _draw(self, probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """Token ids [bs] int64 drawn from the (unnormalized) rows of ``probs`` [bs, V] by inverse CDF."""
+        cdf = probs.cumsum(dim=-1)
+        target = self._uniforms(probs.shape[0], info) * cdf[:, -1]
+        ids = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+        return ids.clamp_(max=probs.shape[-1] - 1)
 
     @staticmethod
     def _needs_filter(info: SamplingBatchInfo) -> bool:
@@ -76,7 +85,7 @@ class Sampler:
             probs = torch.softmax(logits / temps[:, None], dim=-1)
             if self._needs_filter(info):  # sorting the vocabulary is the costliest part: only when asked
                 probs = self._filter(probs, info)
-            sampled = torch.argmax(probs / self._noise(*logits.shape, info), dim=-1)
+            sampled = self._draw(probs, info)
             next_ids = torch.where(greedy_rows, greedy_ids, sampled)
         return next_ids, self._logprobs(logits, next_ids, info)
 

@@ -1,0 +1,151 @@
+"""``raymoe bench profile-serve``: where a served step's time goes, from py-spy samples of every engine process.
+
+Starts ``raymoe serve`` (given topology) on 127.0.0.1, warms it up, then records py-spy (``--threads``, active
+samples only, native frames off) of the HTTP front end, the driver actor and every rank actor for
+``--seconds`` while the ``vllm bench serve`` client of the peers install keeps ``--concurrency`` streams busy.
+Each sample is put in one category by the deepest frame that names one (:data:`CATEGORIES`); samples in Ray's own
+code that no raymoe frame claims count as "ray runtime". The table gives, per process and category, CPU
+milliseconds per engine step (steps counted from ``raymoe:engine_steps_total`` over the window), so the numbers
+add up to the CPU an average step costs across processes. Needs ``py-spy`` (``pip install py-spy``).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from raymoe.bench.compare import _client, _peer_env, _stop, _wait_healthy
+
+# (category, frame patterns); a sample's deepest frame matching any pattern decides its category.
+CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
+    ("forward", ("ModelRunner.forward ", "GraphRunner.replay", "ModelRunner.prepare")),
+    ("sampling", ("Sampler.__call__",)),
+    ("scheduling", ("Scheduler.", "apply_tbo_decision", "apply_graph_plan", "Driver._forget_finished",
+                    "Driver.add_request", "Driver.abort_request")),
+    ("fan-out", ("RayExecutor.execute", "RankWorker.step", "LocalExecutor.execute")),
+    ("output handling", ("DriverService._delta", "DriverService._flush", "DriverActor.outputs",
+                         "DriverActor._publish", "EngineClient._run_pump", "DriverService._apply",
+                         "EngineClient._send")),
+    ("detokenization", ("IncrementalDetokenizer.push",)),
+    ("stop strings / pieces", ("StopStringFilter.push", "stream_pieces")),
+    ("SSE + HTTP", ("OpenAIServing._events", "ResponseBuilder.", "starlette/", "uvicorn/", "fastapi/", "h11",
+                    "httptools", "sse (")),
+    ("request intake", ("request_prep", "OpenAIServing.generate", "EngineClient.generate")),
+    ("metrics", ("metrics.py", "prometheus_client")),
+]
+
+
+def classify(frames: list[str]) -> str:
+    """Category of one sample; ``frames`` run from the thread root to the leaf."""
+    for frame in reversed(frames):
+        for name, patterns in CATEGORIES:
+            if any(p in frame for p in patterns):
+                return name
+    return "ray runtime" if any("ray/" in f for f in frames) else "other"
+
+
+def summarize(raw_file: Path) -> collections.Counter:
+    """Samples per category in a py-spy ``--format raw`` file."""
+    counts: collections.Counter = collections.Counter()
+    for line in raw_file.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if stack and n.isdigit():
+            counts[classify(stack.split(";")[1:])] += int(n)
+    return counts
+
+
+def _pids(pattern: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _steps(url: str) -> float:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    m = re.search(r"^raymoe:engine_steps_total\{[^}]*\} ([0-9.e+]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def add_profile_args(p) -> None:
+    p.add_argument("--model", default=None, help="model folder (default: the peers' tiny Qwen3-MoE)")
+    p.add_argument("--peers", default="/tmp/peers")
+    p.add_argument("--topology", default="dp=1", help="'dp=D,tp=T,ep=E' as in bench compare")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=15.0, help="py-spy window")
+    p.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
+    p.add_argument("--port", type=int, default=8032)
+    p.add_argument("--out", default="bench_results/profile_serve.json")
+    p.add_argument("--keep-raw", default=None, help="folder to keep the raw py-spy samples in")
+
+
+def run_profile(a) -> dict:
+    """Run the profile described by ``a``; prints the table and writes JSON."""
+    peers = Path(a.peers)
+    model = a.model or str(peers / "models/tiny-qwen3moe")
+    url = f"http://127.0.0.1:{a.port}"
+    layout = dict(kv.split("=") for kv in a.topology.split(","))
+    cmd = [sys.executable, "-m", "raymoe.deploy.cli", "serve", "--model", model, "--served-model-name", "tiny",
+           "--port", str(a.port)] + [x for k in ("dp", "tp", "ep") if k in layout for x in (f"--{k}", layout[k])]
+    env = _peer_env(peers)
+    with tempfile.TemporaryDirectory(prefix="raymoe-profile-") as work:
+        log = open(Path(work) / "serve.log", "w")  # noqa: SIM115
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_healthy(url, proc, 600)
+            _client(a, peers, env, url, model, 4, work)  # warm-up
+            procs = {"front end": [proc.pid], "driver actor": _pids("ray::DriverActor"),
+                     "rank actors": _pids("ray::RankWorker")}
+            load = subprocess.Popen(
+                [str(peers / "vllm/bin/python"), str(peers / "vllm_cli.py"), "bench", "serve", "--backend",
+                 "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", "tiny", "--tokenizer",
+                 model, "--dataset-name", "random", "--random-input-len", str(a.input_len),
+                 "--random-output-len", str(a.output_len), "--num-prompts", str(a.num_prompts), "--ignore-eos",
+                 "--max-concurrency", str(a.concurrency)], env=env, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL)
+            time.sleep(8.0)  # the client's own start-up, then steady load
+            s0 = _steps(url)
+            spies = [(name, pid, subprocess.Popen(
+                ["py-spy", "record", "-p", str(pid), "-o", f"{work}/{pid}.txt", "-f", "raw", "--threads",
+                 "--nonblocking", "-r", str(a.rate), "-d", str(int(a.seconds))], stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL)) for name, pids in procs.items() for pid in pids]
+            for _, _, spy in spies:
+                spy.wait(timeout=a.seconds + 60)
+            steps = max(1.0, _steps(url) - s0)
+            load.wait(timeout=1800)
+            table: dict[str, dict[str, float]] = {}
+            for name, pid, _ in spies:
+                raw = Path(f"{work}/{pid}.txt")
+                if a.keep_raw:
+                    Path(a.keep_raw).mkdir(parents=True, exist_ok=True)
+                    (Path(a.keep_raw) / f"{name.replace(' ', '_')}-{pid}.txt").write_bytes(raw.read_bytes())
+                if raw.exists():
+                    for cat, n in summarize(raw).items():
+                        row = table.setdefault(name, {})
+                        row[cat] = row.get(cat, 0.0) + 1000.0 * n / a.rate / steps
+        finally:
+            _stop(proc)
+            log.close()
+    cats = [c for c, _ in CATEGORIES] + ["ray runtime", "other"]
+    print(f"CPU ms per engine step ({steps:.0f} steps in {a.seconds:.0f} s, {a.topology}, "
+          f"concurrency {a.concurrency}):")
+    print(f"{'category':<24}" + "".join(f"{p:>14}" for p in table))
+    for c in cats:
+        vals = [table[p].get(c, 0.0) for p in table]
+        if any(v >= 0.005 for v in vals):
+            print(f"{c:<24}" + "".join(f"{v:>14.2f}" for v in vals))
+    print(f"{'total':<24}" + "".join(f"{sum(table[p].values()):>14.2f}" for p in table))
+    print(f"wall ms per step: {1000.0 * a.seconds / steps:.2f}")
+    result = {"topology": a.topology, "concurrency": a.concurrency, "steps": steps, "seconds": a.seconds,
+              "wall_ms_per_step": 1000.0 * a.seconds / steps, "cpu_ms_per_step": table}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=2))
+    return result
