@@ -244,7 +244,8 @@ class DriverService:
                     updated = self.driver.step()
                 except Exception as e:  # noqa: BLE001 - a rank or the executor failed: fail requests, go unhealthy
                     log.exception("driver step failed")
-                    self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                    # Clients see the error type only; the details (tracebacks, hosts, actor ids) stay in the log.
+                    self._fail_all(f"engine step failed ({type(e).__name__}); the rank group is restarting")
                 else:
                     self._out.extend(d for r in updated if (d := self._delta(r)) is not None)
             self._flush()

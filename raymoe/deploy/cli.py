@@ -55,7 +55,7 @@ def _cmd_serve(a: argparse.Namespace) -> None:
             enable_tbo=a.enable_tbo, dtype=a.dtype, seed=a.seed, max_total_tokens=a.max_total_tokens,
             max_context_len=a.max_context_len, max_running_requests=a.max_running_requests,
             max_queued_requests=a.max_queued_requests, max_in_flight=a.max_in_flight,
-            api_key=a.api_key or os.environ.get("RAYMOE_API_KEY"), ray_address=a.address)
+            api_key=a.api_key or os.environ.get("RAYMOE_API_KEY"), ray_address=a.address, fanout=a.fanout)
     except ValidationError as e:
         first = e.errors()[0]
         raise InvalidRequestError(".".join(map(str, first["loc"])), first["msg"]) from None
@@ -82,6 +82,8 @@ def _add_serve_parser(sub) -> None:
                    help="waiting requests per DP group before 429")
     p.add_argument("--max-in-flight", type=int, default=None, help="HTTP requests served at once before 429")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $RAYMOE_API_KEY)")
+    p.add_argument("--fanout", default=None, choices=["compiled", "remote"],
+                   help="how steps reach the rank actors: Ray Compiled Graph or plain actor calls")
     p.add_argument("--address", default=None, help="Ray cluster to join, e.g. ray://head:10001 (default: a "
                                                    "local Ray on 127.0.0.1)")
     p.add_argument("--demo-request", action="store_true", help="once ready, send one chat completion and print it")

@@ -29,6 +29,7 @@ class ServeOptions(BaseModel):
         max_in_flight: requests the HTTP front end serves at once before 429 (None: from the scheduler limits).
         api_key: bearer token required on ``/v1/*`` (None: open).
         ray_address: Ray cluster to join (None: a local one on 127.0.0.1, or the Serve cluster).
+        fanout: how steps reach multi-rank worlds, ``"compiled"`` | ``"remote"`` (None: the engine default).
     """
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
@@ -49,6 +50,7 @@ class ServeOptions(BaseModel):
     max_in_flight: int | None = Field(None, ge=1)
     api_key: str | None = None
     ray_address: str | None = None
+    fanout: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -75,7 +77,8 @@ class ServeOptions(BaseModel):
                    "ep_size": self.ep_size if self.ep_size is not None else self.world_size,
                    "dtype": self.dtype, "seed": self.seed, "device": self.device,
                    "ray_address": self.ray_address}
-        for name in ("max_total_tokens", "max_context_len", "max_running_requests", "max_queued_requests"):
+        for name in ("max_total_tokens", "max_context_len", "max_running_requests", "max_queued_requests",
+                     "fanout"):
             if getattr(self, name) is not None:
                 options[name] = getattr(self, name)
         config = _split_options(model, options)
