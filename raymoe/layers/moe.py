@@ -73,11 +73,13 @@ class LocalExperts(nn.Module):
         Rows are sorted by expert into contiguous segments and both projections run as one grouped GEMM over
         the segments (:meth:`forward_grouped`): no Python loop over experts and no host sync, so its cost
         does not depend on how many experts got rows. Where grouped GEMMs are unavailable (non-CPU devices,
-        float64) it runs one GEMM per non-empty expert (:meth:`forward_loop`); both give the same rows.
+        float64, under ``torch.compile``) it runs one GEMM per non-empty expert (:meth:`forward_loop`); both give
+        the same rows.
         """
         if x.shape[0] == 0:
             return torch.empty_like(x)
-        if x.device.type == "cpu" and x.dtype in _GROUPED_MM_DTYPES and hasattr(torch, "_grouped_mm"):
+        if (x.device.type == "cpu" and x.dtype in _GROUPED_MM_DTYPES and hasattr(torch, "_grouped_mm")
+                and not torch.compiler.is_compiling()):  # torch.compile's shape rule for it takes bf16 only
             return self.forward_grouped(x, local_ids)
         return self.forward_loop(x, local_ids)
 
