@@ -5,6 +5,10 @@ masks the padding; grouped-query heads are folded into the query-length dim so K
 Extend runs one SDPA call per request with a causal mask shifted by the cached prefix length.
 Under a decode graph (``raymoe.runner.graph_runner``) the same decode kernel reads fixed-size index/mask buffers
 that span the whole table width, refreshed in place by the graph hooks before each replay.
+
+On CPU the decode gather writes into two buffers the backend keeps (grown on demand, shared by every layer): a
+fresh multi-megabyte tensor per layer would come from ``mmap`` and be page-faulted in on every call, which made
+the gather at 256 requests cost ten times the copy itself.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.kv_indices: torch.Tensor | None = None
         self.kv_mask: torch.Tensor | None = None
         self.extend_meta: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]] = []
+        self._gather_k: torch.Tensor | None = None  # CPU decode gather buffers [rows, Hkv, D], see module doc
+        self._gather_v: torch.Tensor | None = None
 
     def init_forward_metadata(self, forward_batch) -> None:
         fb = forward_batch
@@ -75,16 +81,33 @@ class TorchNativeAttnBackend(AttentionBackend):
         return out
 
     def forward_decode(self, q, k, v, layer_id, forward_batch):
+        """Decode attention: ``q`` [bs, Hq, D], ``k``/``v`` [bs, Hkv, D] (written to ``out_cache_loc`` first)
+        -> [bs, Hq, D]; keys/values of each row are gathered over ``kv_indices`` [bs, L] and masked by ``kv_mask``."""
         self.kv_pool.set_kv_buffer(layer_id, forward_batch.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
         bs = q.shape[0]
         idx = self.kv_indices.reshape(-1)  # index_select is far faster than advanced indexing on CPU
         shape = (*self.kv_indices.shape, self.num_kv_heads, self.head_dim)
-        keys = k_buf.index_select(0, idx).view(shape).transpose(1, 2).to(q.dtype)      # [bs, Hkv, L, D]
-        values = v_buf.index_select(0, idx).view(shape).transpose(1, 2).to(q.dtype)
+        keys, values = self._gather(k_buf, v_buf, idx)
+        keys = keys.view(shape).transpose(1, 2).to(q.dtype)      # [bs, Hkv, L, D]
+        values = values.view(shape).transpose(1, 2).to(q.dtype)
         qg = q.view(bs, self.num_kv_heads, self.group, self.head_dim)     # [bs, Hkv, G, D]
         o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.kv_mask)
         return o.reshape(bs, self.num_heads, self.head_dim)
+
+    def _gather(self, k_buf: torch.Tensor, v_buf: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``idx`` [N] of ``k_buf``/``v_buf`` [slots, Hkv, D] -> two [N, Hkv, D] tensors. On CPU they are
+        views of the backend's gather buffers (valid until the next call); elsewhere fresh tensors (a CUDA graph
+        must own what it reads, and the caching allocator makes them cheap)."""
+        if k_buf.device.type != "cpu":
+            return k_buf.index_select(0, idx), v_buf.index_select(0, idx)
+        n = idx.shape[0]
+        if self._gather_k is None or self._gather_k.shape[0] < n or self._gather_k.dtype != k_buf.dtype:
+            self._gather_k = k_buf.new_empty((n, *k_buf.shape[1:]))
+            self._gather_v = v_buf.new_empty((n, *v_buf.shape[1:]))
+        keys = torch.index_select(k_buf, 0, idx, out=self._gather_k[:n])
+        values = torch.index_select(v_buf, 0, idx, out=self._gather_v[:n])
+        return keys, values
 
     # ---- decode graph hooks: fixed [max_bs, W] index/mask buffers, refreshed in place before each replay ----
     def init_cuda_graph_state(self, max_bs: int, max_kv_len: int) -> None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def add_bench_parser(sub, model_arg) -> None:
     """Register ``raymoe bench <kind>`` on the top-level subparsers ``sub``."""
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
 
-    p = bench.add_parser("offline", help="offline throughput vs transformers generate")
+    p = bench.add_parser("offline", help="offline throughput vs the vLLM-CPU peer and transformers generate")
     model_arg(p)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=10)
@@ -18,6 +19,15 @@ def add_bench_parser(sub, model_arg) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per engine (best is reported)")
     p.add_argument("--skip-hf", action="store_true", help="do not run transformers generate")
+    p.add_argument("--skip-peer", action="store_true", help="do not run the vLLM-CPU peer")
+    p.add_argument("--peers-dir", default=os.environ.get("RAYMOE_PEERS_DIR", "/tmp/peers"),
+                   help="where ../shared/peers/setup.sh installed the peer (default: $RAYMOE_PEERS_DIR or /tmp/peers)")
+    p.add_argument("--peer-modes", default="float32-eager,bfloat16-compiled",
+                   help="peer runs, comma-separated <float32|bfloat16>-<eager|compiled>")
+    p.add_argument("--decode-batches", default="64,128,256",
+                   help="running-request counts N for raymoe's per-token decode cost (empty: skip)")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="raymoe KV slots (default: enough for every prompt at once)")
     p.add_argument("--profile", action="store_true", help="profile raymoe decode steps (torch.profiler)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (world > 1 runs Ray rank actors)")
     p.add_argument("--dp", type=int, default=1, help="DP-attention groups")

@@ -24,6 +24,8 @@ from raymoe.errors import CheckpointError
 from raymoe.layers.activation import silu_and_mul
 from raymoe.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm takes on CPU
+
 
 class DenseMLP(nn.Module):
     """SwiGLU MLP, tensor-parallel: ``x`` [T, H] -> [T, H]."""
@@ -65,7 +67,39 @@ class LocalExperts(nn.Module):
                                requires_grad=False)
 
     def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """Apply expert ``local_ids[i]`` to row ``x[i]``: ``x`` [R, H], ``local_ids`` [R] int64 -> [R, H]."""
+        """Apply expert ``local_ids[i]`` to row ``x[i]``: ``x`` [R, H], ``local_ids`` [R] int64 in
+        ``[0, E_local)`` -> [R, H] in ``x``'s dtype (R may be 0).
+
+        Rows are sorted by expert into contiguous segments and both projections run as one grouped GEMM over
+        the segments (:meth:`forward_grouped`): no Python loop over experts and no host sync, so its cost
+        does not depend on how many experts got rows. Where grouped GEMMs are unavailable (non-CPU devices,
+        float64, under ``torch.compile``) it runs one GEMM per non-empty expert (:meth:`forward_loop`); both give
+        the same rows.
+        """
+        if x.shape[0] == 0:
+            return torch.empty_like(x)
+        if (x.device.type == "cpu" and x.dtype in _GROUPED_MM_DTYPES and hasattr(torch, "_grouped_mm")
+                and not torch.compiler.is_compiling()):  # torch.compile's shape rule for it takes bf16 only
+            return self.forward_grouped(x, local_ids)
+        return self.forward_loop(x, local_ids)
+
+    def forward_grouped(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` as two ``torch._grouped_mm`` calls over expert-sorted rows (float32/bfloat16/float16).
+
+        Segment ends are cumulative per-expert row counts [E_local] int32 computed on the device (an empty
+        expert is an empty segment), so the shapes depend on R only.
+        """
+        order = torch.argsort(local_ids, stable=True)
+        counts = torch.zeros(self.num_local, dtype=torch.int64, device=x.device)
+        counts.index_add_(0, local_ids, torch.ones_like(local_ids))
+        ends = counts.cumsum(0).to(torch.int32)
+        xs = x.index_select(0, order)                                                   # [R, H] by expert
+        h = silu_and_mul(torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=ends))    # [R, I_local]
+        y = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=ends)                    # [R, H]
+        return torch.empty_like(x).index_copy_(0, order, y)
+
+    def forward_loop(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` with one pair of GEMMs per non-empty expert (any dtype; syncs for the row counts)."""
         out = torch.empty_like(x)
         if x.shape[0] == 0:
             return out

