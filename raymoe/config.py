@@ -9,10 +9,12 @@ what ``Engine(model, **options)`` accepts.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from raymoe.config_arch import MLAConfig, RouterConfig
 from raymoe.errors import CheckpointError, InvalidRequestError
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -29,8 +31,11 @@ def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
 class ModelConfig:
     """Architecture of a decoder-only MoE model, normalized from a Hugging Face ``config.json``.
 
-    Sizes are in elements; ``head_dim`` is per attention head. ``rope_parameters`` always has ``rope_type`` and
-    ``rope_theta``. ``hf_config`` keeps the raw dict (used for RoPE scaling variants).
+    Sizes are in elements; ``head_dim`` is per attention head (the rotary part for MLA, as transformers sets it).
+    ``rope_parameters`` always has ``rope_type`` and ``rope_theta``. ``hf_config`` keeps the raw dict (used for RoPE
+    scaling variants). ``mla`` is set for multi-head latent attention (DeepSeek-V2/V3); ``router`` says how experts
+    are chosen; ``n_shared_experts`` shared experts of ``moe_intermediate_size`` each run on every token of a MoE
+    layer. Dense layers are listed in ``mlp_only_layers`` whatever the family's own rule (normalized here).
     """
 
     model_type: str
@@ -55,8 +60,15 @@ class ModelConfig:
     hidden_act: str
     eos_token_ids: tuple[int, ...]
     hf_config: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    mla: MLAConfig | None = None
+    router: RouterConfig = field(default_factory=RouterConfig)
+    n_shared_experts: int = 0
 
     def __post_init__(self) -> None:
+        if self.n_shared_experts < 0:
+            raise ValueError("n_shared_experts must be >= 0")
+        if self.router.topk_method == "group_limited" and self.num_experts % self.router.n_group:
+            raise ValueError("num_experts must be a multiple of n_group")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts):
@@ -76,7 +88,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        """Normalize a Hugging Face config dict."""
+        """Normalize a Hugging Face config dict (Qwen3-MoE, Mixtral, DeepSeek-V2/V3 key names)."""
         hidden = int(d["hidden_size"])
         heads = int(d["num_attention_heads"])
         rope = dict(_first(d, "rope_parameters", "rope_scaling", default={}) or {})
@@ -84,21 +96,27 @@ class ModelConfig:
         rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        model_type = str(d.get("model_type", ""))
+        # Qwen3-MoE: softmax top-k, renormalized iff norm_topk_prob; Mixtral always renormalizes.
+        extra: dict[str, Any] = {"router": RouterConfig(
+            norm_topk_prob=model_type == "mixtral" or bool(d.get("norm_topk_prob", False)))}
+        if model_type in ("deepseek_v2", "deepseek_v3"):
+            extra = _deepseek_fields(d, rope, heads)
         return cls(
-            model_type=str(d.get("model_type", "")),
+            model_type=model_type,
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
             num_hidden_layers=int(d["num_hidden_layers"]),
             num_attention_heads=heads,
-            num_key_value_heads=int(_first(d, "num_key_value_heads", default=heads)),
-            head_dim=int(_first(d, "head_dim", default=hidden // heads)),
+            num_key_value_heads=int(extra.pop("num_key_value_heads", _first(d, "num_key_value_heads", default=heads))),
+            head_dim=int(extra.pop("head_dim", _first(d, "head_dim", default=hidden // heads))),
             intermediate_size=int(d.get("intermediate_size", 0)),
             moe_intermediate_size=int(_first(d, "moe_intermediate_size", default=d.get("intermediate_size", 0))),
             num_experts=int(_first(d, "num_experts", "num_local_experts", "n_routed_experts", default=0)),
             num_experts_per_tok=int(_first(d, "num_experts_per_tok", default=1)),
             norm_topk_prob=bool(d.get("norm_topk_prob", False)),
             decoder_sparse_step=int(_first(d, "decoder_sparse_step", default=1)),
-            mlp_only_layers=tuple(int(x) for x in (d.get("mlp_only_layers") or ())),
+            mlp_only_layers=tuple(int(x) for x in extra.pop("mlp_only_layers", d.get("mlp_only_layers") or ())),
             rms_norm_eps=float(_first(d, "rms_norm_eps", default=1e-6)),
             rope_parameters=rope,
             max_position_embeddings=int(_first(d, "max_position_embeddings", default=4096)),
@@ -107,6 +125,7 @@ class ModelConfig:
             hidden_act=str(d.get("hidden_act", "silu")),
             eos_token_ids=eos_ids,
             hf_config=dict(d),
+            **extra,
         )
 
     @classmethod
@@ -138,6 +157,49 @@ class ModelConfig:
             return cls.from_dict(d)
         except (KeyError, ValueError, TypeError) as e:
             raise CheckpointError(str(cfg), f"unsupported or incomplete config: {e}") from e
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    """YaRN attention-temperature factor ``0.1 * mscale * ln(scale) + 1`` (Peng et al. 2023, arXiv:2309.00071,
+    as parameterized by DeepSeek-V2); 1 when ``scale <= 1``."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _deepseek_fields(d: dict[str, Any], rope: dict[str, Any], heads: int) -> dict[str, Any]:
+    """DeepSeek-V2/V3 quirks: MLA sizes and softmax scale (YaRN ``mscale_all_dim`` squared), rotary size as
+    ``head_dim``, one latent "kv head" (kv head counts in these configs are meaningless), dense layers from
+    ``first_k_dense_replace``/``moe_layer_freq``, and the routing variant (V2: softmax, ``topk_method`` greedy or
+    ``group_limited_greedy``; V3: sigmoid, group-limited with top-2-sum group scores and a correction bias)."""
+    v3 = d.get("model_type") == "deepseek_v3"
+    nope, rope_dim = int(d["qk_nope_head_dim"]), int(d["qk_rope_head_dim"])
+    scale = (nope + rope_dim) ** -0.5
+    if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
+        m = _yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"]))
+        scale = scale * m * m
+    q_lora = d.get("q_lora_rank")
+    mla = MLAConfig(q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=int(d["kv_lora_rank"]),
+                    qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim, v_head_dim=int(d["v_head_dim"]),
+                    rope_interleave=bool(d.get("rope_interleave", True)) if v3 else True, softmax_scale=scale)
+    n_group, topk_group = int(d.get("n_group") or 1), int(d.get("topk_group") or 1)
+    if v3:
+        router = RouterConfig(scoring_func="sigmoid", topk_method="group_limited", n_group=n_group,
+                              topk_group=topk_group, group_score="top2_sum", use_correction_bias=True,
+                              norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+                              routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+                              masked_fill=float("-inf"))
+    else:
+        method = d.get("topk_method") or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"topk_method {method!r} is not supported for deepseek_v2")
+        grouped = method == "group_limited_greedy"
+        router = RouterConfig(scoring_func="softmax", topk_method="group_limited" if grouped else "greedy",
+                              n_group=n_group if grouped else 1, topk_group=topk_group if grouped else 1,
+                              norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                              routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)))
+    first_dense, freq = int(d.get("first_k_dense_replace") or 0), int(d.get("moe_layer_freq") or 1)
+    dense = [i for i in range(int(d["num_hidden_layers"])) if i < first_dense or i % freq]
+    return {"mla": mla, "router": router, "n_shared_experts": int(d.get("n_shared_experts") or 0),
+            "head_dim": rope_dim, "num_key_value_heads": heads, "mlp_only_layers": dense}
 
 
 @dataclass(frozen=True)
