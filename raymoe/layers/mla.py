@@ -23,6 +23,7 @@ from raymoe.errors import CheckpointError
 from raymoe.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from raymoe.layers.norm import RMSNorm
 from raymoe.layers.rotary import RotaryEmbedding
+from raymoe.overlap.operations import OpRole, stage_op
 
 _LORA_NORM_EPS = 1e-6  # DeepSeek's q_a/kv_a RMSNorms use the default eps, not rms_norm_eps
 
@@ -103,6 +104,7 @@ class MLAAttention(nn.Module):
             state.q = torch.cat((q_nope, q_pe), dim=-1)
             state.v = self.expand_kv
 
+    @stage_op(OpRole.ATTN_CORE)
     def op_core(self, state) -> None:
         fb = state.forward_batch
         o = fb.attn_backend.forward(state.q, state.k, state.v, self.layer_id, fb)

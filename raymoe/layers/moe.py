@@ -27,6 +27,7 @@ from raymoe.errors import CheckpointError
 from raymoe.layers.activation import silu_and_mul
 from raymoe.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from raymoe.layers.router import select_experts
+from raymoe.overlap.operations import OpRole, stage_op
 
 
 class DenseMLP(nn.Module):
@@ -143,28 +144,35 @@ class SparseMoeBlock(nn.Module):
         state.topk_weights = weights.to(state.hidden_states.dtype)
         state.topk_ids = ids
 
+    @stage_op(OpRole.SHARED_EXPERTS)
     def op_shared_experts(self, state) -> None:
         """Shared experts on the block input: ``hidden_states`` [T, H] -> ``shared_output`` [T, H] (TP-reduced)."""
         state.shared_output = self.shared_experts(state.hidden_states)
 
+    @stage_op(OpRole.DISPATCH_A)
     def op_dispatch_a(self, state) -> None:
         state.dispatch_handle = self.a2a.dispatch_a(state.hidden_states, state.topk_ids)
 
+    @stage_op(OpRole.DISPATCH_B)
     def op_dispatch_b(self, state) -> None:
         state.expert_input, state.expert_ids = self.a2a.dispatch_b(state.dispatch_handle)
 
+    @stage_op(OpRole.EXPERTS)
     def op_experts(self, state) -> None:
         state.expert_output = self.experts(state.expert_input, state.expert_ids)
         state.expert_input = state.expert_ids = None
 
+    @stage_op(OpRole.COMBINE_A)
     def op_combine_a(self, state) -> None:
         self.a2a.combine_a(state.dispatch_handle, state.expert_output)
         state.expert_output = None
 
+    @stage_op(OpRole.COMBINE_B)
     def op_combine_b(self, state) -> None:
         state.combined = self.a2a.combine_b(state.dispatch_handle)
         state.dispatch_handle = None
 
+    @stage_op(OpRole.OUTPUT)
     def op_output(self, state) -> None:
         out = (state.combined * state.topk_weights.unsqueeze(-1)).sum(dim=1)
         if self.experts.tp_split > 1:

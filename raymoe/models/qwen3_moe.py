@@ -20,7 +20,7 @@ from raymoe.layers.moe import DenseMLP, SparseMoeBlock
 from raymoe.layers.norm import RMSNorm
 from raymoe.layers.rotary import RotaryEmbedding
 from raymoe.overlap.forward import forward_layers
-from raymoe.overlap.operations import ForwardState
+from raymoe.overlap.operations import ForwardState, OpRole, stage_op
 
 
 def load_norm(norm: RMSNorm, reader, name: str) -> None:
@@ -65,6 +65,7 @@ class Qwen3MoeAttention(nn.Module):
         state.q, state.k = self.rotary(state.forward_batch.positions, q, k)
         state.v = v.reshape(t, self.num_kv_heads, self.head_dim)
 
+    @stage_op(OpRole.ATTN_CORE)
     def op_core(self, state: ForwardState) -> None:
         fb = state.forward_batch
         o = fb.attn_backend.forward(state.q, state.k, state.v, self.layer_id, fb)
