@@ -65,18 +65,21 @@ def test_prefill_logits_match_transformers(hf_case):
 
 
 def test_greedy_tokens_match_transformers(hf_case):
-    """32 greedy tokens for 8 prompts: graphs on (decode replays), then chunked prefill + radix hits, graphs off.
-    (``deepseek_v3_yarn`` is covered by the logits test only, to keep the suite short.)"""
+    """32 greedy tokens for 8 prompts: graphs on (decode replays); then, for one config of each attention/routing
+    family, chunked prefill + radix hits with graphs off. (``deepseek_v3_yarn`` is covered by the logits test only,
+    and the other families' chunked/radix paths by ``test_models_topology``, to keep the suite short.)"""
     name, path, hf = hf_case
     if name == "deepseek_v3_yarn":
         pytest.skip("logits parity only")
+    shared = [SHARED + q for q in PROMPTS[:3]] if name in ("deepseek_v3", "deepseek_v2_no_q_lora", "mixtral") else []
     with Engine(path, max_context_len=256, max_running_requests=8) as e:
-        ref = {p: _hf_greedy(hf, e.encode(p)) for p in PROMPTS + [SHARED + q for q in PROMPTS[:3]]}
+        ref = {p: _hf_greedy(hf, e.encode(p)) for p in PROMPTS + shared}
         graph_steps = e.driver.num_graph_steps
         outs = e.generate(PROMPTS, GREEDY)
         assert e.driver.num_graph_steps > graph_steps
     assert {p: o.token_ids for p, o in zip(PROMPTS, outs, strict=True)} == {p: ref[p] for p in PROMPTS}
-    shared = [SHARED + q for q in PROMPTS[:3]]
+    if not shared:
+        return
     with Engine(path, max_context_len=256, max_running_requests=8, chunked_prefill_size=7,
                 disable_cuda_graph=True) as e:
         first = e.generate(shared[:1], GREEDY)
