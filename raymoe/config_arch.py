@@ -1,13 +1,16 @@
-"""Frozen sub-records of ``ModelConfig`` for architecture variants: multi-head latent attention and MoE routing.
+"""Frozen sub-records of ``ModelConfig`` for architecture variants (multi-head latent attention, MoE routing) and the
+DeepSeek-specific part of config normalization.
 
-``ModelConfig.from_dict`` fills them from a Hugging Face config (the one place that knows each family's key
-names); layers read only these normalized fields. This module imports nothing from raymoe, so both
-``raymoe.config`` and ``raymoe.layers`` may import it.
+``ModelConfig.from_dict`` fills them from a Hugging Face config (it is the one entry point that knows each
+family's key names; :func:`deepseek_fields` is its DeepSeek branch); layers read only these normalized fields.
+This module imports nothing from raymoe, so both ``raymoe.config`` and ``raymoe.layers`` may import it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited")
@@ -98,3 +101,52 @@ class RouterConfig:
             raise ValueError(f"need n_group >= 1 and 1 <= topk_group <= n_group, got {self.n_group}, {self.topk_group}")
         if self.routed_scaling_factor <= 0:
             raise ValueError("routed_scaling_factor must be > 0")
+
+
+def yarn_mscale(scale: float, mscale: float) -> float:
+    """YaRN attention-temperature factor ``0.1 * mscale * ln(scale) + 1`` (Peng et al. 2023, arXiv:2309.00071,
+    as parameterized by DeepSeek-V2); 1 when ``scale <= 1``."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def deepseek_fields(d: dict[str, Any], rope: dict[str, Any], heads: int) -> dict[str, Any]:
+    """``ModelConfig`` fields of a DeepSeek-V2/V3 config dict ``d`` (``rope``: its normalized rope parameters;
+    ``heads``: attention heads). Called by ``ModelConfig.from_dict`` only. Quirks handled: MLA sizes and softmax
+    scale (YaRN ``mscale_all_dim`` squared), rotary size as ``head_dim``, one latent "kv head" (kv head counts in
+    these configs are meaningless), dense layers from ``first_k_dense_replace``/``moe_layer_freq``, and the routing
+    variant (V2: softmax, ``topk_method`` greedy or ``group_limited_greedy``; V3: sigmoid, group-limited with
+    top-2-sum group scores and a correction bias).
+
+    Raises:
+        KeyError: an MLA size is missing. ValueError: an unsupported ``topk_method`` or invalid sizes.
+    """
+    v3 = d.get("model_type") == "deepseek_v3"
+    nope, rope_dim = int(d["qk_nope_head_dim"]), int(d["qk_rope_head_dim"])
+    scale = (nope + rope_dim) ** -0.5
+    if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
+        m = yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"]))
+        scale = scale * m * m
+    q_lora = d.get("q_lora_rank")
+    mla = MLAConfig(q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=int(d["kv_lora_rank"]),
+                    qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim, v_head_dim=int(d["v_head_dim"]),
+                    rope_interleave=bool(d.get("rope_interleave", True)) if v3 else True, softmax_scale=scale)
+    n_group, topk_group = int(d.get("n_group") or 1), int(d.get("topk_group") or 1)
+    if v3:
+        router = RouterConfig(scoring_func="sigmoid", topk_method="group_limited", n_group=n_group,
+                              topk_group=topk_group, group_score="top2_sum", use_correction_bias=True,
+                              norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+                              routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+                              masked_fill=float("-inf"))
+    else:
+        method = d.get("topk_method") or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"topk_method {method!r} is not supported for deepseek_v2")
+        grouped = method == "group_limited_greedy"
+        router = RouterConfig(scoring_func="softmax", topk_method="group_limited" if grouped else "greedy",
+                              n_group=n_group if grouped else 1, topk_group=topk_group if grouped else 1,
+                              norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                              routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)))
+    first_dense, freq = int(d.get("first_k_dense_replace") or 0), int(d.get("moe_layer_freq") or 1)
+    dense = [i for i in range(int(d["num_hidden_layers"])) if i < first_dense or i % freq]
+    return {"mla": mla, "router": router, "n_shared_experts": int(d.get("n_shared_experts") or 0),
+            "head_dim": rope_dim, "num_key_value_heads": heads, "mlp_only_layers": dense}
