@@ -1,5 +1,6 @@
 """DeepSeek-V3 and Mixtral across topologies: (tp, dp, ep) = (1, 2, 2) and (2, 2, 4), two-batch overlap on and
-off, decode graphs on, chunked prefill and radix-cache hits all give the single-rank engine's greedy tokens."""
+off, and (2, 1, 1) (experts tensor-parallel, MLA heads split), with decode graphs on, chunked prefill and
+radix-cache hits, all give the single-rank engine's greedy tokens."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def _run(engine: Engine) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(("tp", "dp", "ep", "tbo"), [(1, 2, 2, False), (1, 2, 2, True), (2, 2, 4, False),
-                                                     (2, 2, 4, True)])
+                                                     (2, 2, 4, True), (2, 1, 1, False)])
 def test_topologies_match_single_rank(ray_cluster, model_and_reference, tp, dp, ep, tbo):
     _, path, ref = model_and_reference
     with Engine(path, tp_size=tp, dp_size=dp, ep_size=ep, **OPTS, **(TBO if tbo else {})) as e:
