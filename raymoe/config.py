@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from raymoe.config_arch import MLAConfig, RouterConfig, deepseek_fields
 from raymoe.errors import CheckpointError, InvalidRequestError
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -29,8 +30,11 @@ def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
 class ModelConfig:
     """Architecture of a decoder-only MoE model, normalized from a Hugging Face ``config.json``.
 
-    Sizes are in elements; ``head_dim`` is per attention head. ``rope_parameters`` always has ``rope_type`` and
-    ``rope_theta``. ``hf_config`` keeps the raw dict (used for RoPE scaling variants).
+    Sizes are in elements; ``head_dim`` is per attention head (the rotary part for MLA, as transformers sets it).
+    ``rope_parameters`` always has ``rope_type`` and ``rope_theta``. ``hf_config`` keeps the raw dict (used for RoPE
+    scaling variants). ``mla`` is set for multi-head latent attention (DeepSeek-V2/V3); ``router`` says how experts
+    are chosen; ``n_shared_experts`` shared experts of ``moe_intermediate_size`` each run on every token of a MoE
+    layer. Dense layers are listed in ``mlp_only_layers`` whatever the family's own rule (normalized here).
     """
 
     model_type: str
@@ -55,8 +59,15 @@ class ModelConfig:
     hidden_act: str
     eos_token_ids: tuple[int, ...]
     hf_config: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    mla: MLAConfig | None = None
+    router: RouterConfig = field(default_factory=RouterConfig)
+    n_shared_experts: int = 0
 
     def __post_init__(self) -> None:
+        if self.n_shared_experts < 0:
+            raise ValueError("n_shared_experts must be >= 0")
+        if self.router.topk_method == "group_limited" and self.num_experts % self.router.n_group:
+            raise ValueError("num_experts must be a multiple of n_group")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts):
@@ -76,7 +87,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        """Normalize a Hugging Face config dict."""
+        """Normalize a Hugging Face config dict (Qwen3-MoE, Mixtral, DeepSeek-V2/V3 key names)."""
         hidden = int(d["hidden_size"])
         heads = int(d["num_attention_heads"])
         rope = dict(_first(d, "rope_parameters", "rope_scaling", default={}) or {})
@@ -84,21 +95,27 @@ class ModelConfig:
         rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        model_type = str(d.get("model_type", ""))
+        # Qwen3-MoE: softmax top-k, renormalized iff norm_topk_prob; Mixtral always renormalizes.
+        extra: dict[str, Any] = {"router": RouterConfig(
+            norm_topk_prob=model_type == "mixtral" or bool(d.get("norm_topk_prob", False)))}
+        if model_type in ("deepseek_v2", "deepseek_v3"):
+            extra = deepseek_fields(d, rope, heads)
         return cls(
-            model_type=str(d.get("model_type", "")),
+            model_type=model_type,
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
             num_hidden_layers=int(d["num_hidden_layers"]),
             num_attention_heads=heads,
-            num_key_value_heads=int(_first(d, "num_key_value_heads", default=heads)),
-            head_dim=int(_first(d, "head_dim", default=hidden // heads)),
+            num_key_value_heads=int(extra.pop("num_key_value_heads", _first(d, "num_key_value_heads", default=heads))),
+            head_dim=int(extra.pop("head_dim", _first(d, "head_dim", default=hidden // heads))),
             intermediate_size=int(d.get("intermediate_size", 0)),
             moe_intermediate_size=int(_first(d, "moe_intermediate_size", default=d.get("intermediate_size", 0))),
             num_experts=int(_first(d, "num_experts", "num_local_experts", "n_routed_experts", default=0)),
             num_experts_per_tok=int(_first(d, "num_experts_per_tok", default=1)),
             norm_topk_prob=bool(d.get("norm_topk_prob", False)),
             decoder_sparse_step=int(_first(d, "decoder_sparse_step", default=1)),
-            mlp_only_layers=tuple(int(x) for x in (d.get("mlp_only_layers") or ())),
+            mlp_only_layers=tuple(int(x) for x in extra.pop("mlp_only_layers", d.get("mlp_only_layers") or ())),
             rms_norm_eps=float(_first(d, "rms_norm_eps", default=1e-6)),
             rope_parameters=rope,
             max_position_embeddings=int(_first(d, "max_position_embeddings", default=4096)),
@@ -107,6 +124,7 @@ class ModelConfig:
             hidden_act=str(d.get("hidden_act", "silu")),
             eos_token_ids=eos_ids,
             hf_config=dict(d),
+            **extra,
         )
 
     @classmethod

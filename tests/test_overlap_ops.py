@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,16 +13,21 @@ from raymoe.comm.all_to_all import part_counts, part_row_index
 from raymoe.comm.latency import LatencyInjectedAllToAll
 from raymoe.overlap.operations import (
     ForwardState,
+    OpRole,
     YieldOperation,
     execute_operations,
     execute_overlapped_operations,
     split_into_stages,
+    stage_op,
 )
 from raymoe.overlap.strategy import OperationsStrategy
 from raymoe.step.forward_mode import ForwardMode
 
 MOE_OPS = ["op_gate", "op_select_experts", "op_dispatch_a", "op_dispatch_b", "op_experts", "op_combine_a",
            "op_combine_b", "op_output"]
+ROLES = {"op_core": OpRole.ATTN_CORE, "op_dispatch_a": OpRole.DISPATCH_A, "op_dispatch_b": OpRole.DISPATCH_B,
+         "op_experts": OpRole.EXPERTS, "op_combine_a": OpRole.COMBINE_A, "op_combine_b": OpRole.COMBINE_B,
+         "op_shared_experts": OpRole.SHARED_EXPERTS, "op_output": OpRole.OUTPUT}
 
 
 class _Recorder:
@@ -35,19 +42,22 @@ class _Recorder:
         def op(state):
             state.log.append((state.name, self.layer_id, name))
         op.__name__ = name
-        return op
+        return stage_op(ROLES[name])(op) if name in ROLES else op
 
 
 class _FakeLayer:
-    def __init__(self, layer_id: int, is_moe: bool):
+    def __init__(self, layer_id: int, is_moe: bool, shared: bool = False):
         self.is_moe = is_moe
+        self.layer_id = layer_id
         self.own = _Recorder(layer_id, ["op_comm_prepare_attn", "op_comm_prepare_mlp", "op_dense_mlp",
                                         "op_comm_postprocess_layer"])
         self.self_attn = _Recorder(layer_id, ["op_prepare", "op_core"])
-        self.mlp = _Recorder(layer_id, MOE_OPS)
+        # DeepSeek-like blocks list their shared experts right after the dispatch start.
+        self.moe_ops = MOE_OPS[:3] + ["op_shared_experts"] + MOE_OPS[3:] if shared else MOE_OPS
+        self.mlp = _Recorder(layer_id, self.moe_ops)
 
     def operations(self):
-        mlp = [getattr(self.mlp, n) for n in MOE_OPS] if self.is_moe else [self.own.op_dense_mlp]
+        mlp = [getattr(self.mlp, n) for n in self.moe_ops] if self.is_moe else [self.own.op_dense_mlp]
         return [self.own.op_comm_prepare_attn, self.self_attn.op_prepare, self.self_attn.op_core,
                 self.own.op_comm_prepare_mlp, *mlp, self.own.op_comm_postprocess_layer]
 
@@ -55,7 +65,7 @@ class _FakeLayer:
 def _run(layers, mode):
     strategy = OperationsStrategy.tbo(layers, mode)
     log: list = []
-    states = [ForwardState(name=n, log=log) for n in "AB"]
+    states = [SimpleNamespace(name=n, log=log) for n in "AB"]
     execute_overlapped_operations(states, [strategy.operations] * 2, [0, strategy.tbo_delta_stages])
     return strategy, log
 
@@ -66,7 +76,7 @@ def test_tbo_schedule_keeps_op_order_and_overlaps_transfers(mode):
     strategy, log = _run(layers, mode)
     assert strategy.tbo_delta_stages == (0 if mode == ForwardMode.EXTEND else 2)
     plain_log: list = []
-    execute_operations(ForwardState(name="A", log=plain_log), OperationsStrategy.plain(layers).operations)
+    execute_operations(SimpleNamespace(name="A", log=plain_log), OperationsStrategy.plain(layers).operations)
     for child in "AB":  # each child runs exactly the plain op sequence
         assert [e[1:] for e in log if e[0] == child] == [e[1:] for e in plain_log]
     # Every transfer except child B's very last combine has the other child's work while it is in flight.
@@ -82,6 +92,55 @@ def test_tbo_schedule_keeps_op_order_and_overlaps_transfers(mode):
                 overlapped = any(e[0] == other for e in log[i + 1:j])
                 tail = child == "B" and layer_id == last_moe and start_op == "op_combine_a"
                 assert overlapped or (tail and mode != ForwardMode.EXTEND), (mode, child, layer_id, start_op)
+
+
+def _stage_names(layer, mode) -> list[list[str]]:
+    strategy = OperationsStrategy.tbo([layer], mode)
+    return [[op.__name__ for op in stage] for stage in split_into_stages(strategy.operations)]
+
+
+def test_deepseek_schedules_place_shared_experts_per_mode():
+    """Decode: shared experts in the dispatch stage; prefill: after the combine start, before its wait (SGLang's
+    DeepSeek schedules). Dense layers (DeepSeek's first layers) add no stage."""
+    layer = _FakeLayer(0, True, shared=True)
+    assert _stage_names(layer, ForwardMode.DECODE) == [
+        ["op_comm_prepare_attn", "op_prepare"], ["op_core", "op_comm_prepare_mlp", "op_gate", "op_select_experts"],
+        ["op_dispatch_a", "op_shared_experts"], ["op_dispatch_b", "op_experts", "op_combine_a"], ["op_combine_b"],
+        ["op_output", "op_comm_postprocess_layer"]]
+    assert _stage_names(layer, ForwardMode.EXTEND) == [
+        ["op_comm_prepare_attn", "op_prepare", "op_core", "op_comm_prepare_mlp", "op_gate", "op_select_experts",
+         "op_dispatch_a"], ["op_dispatch_b", "op_experts", "op_combine_a"],
+        ["op_shared_experts", "op_combine_b", "op_output", "op_comm_postprocess_layer"]]
+    mixed = [_FakeLayer(0, False), _FakeLayer(1, True, shared=True), _FakeLayer(2, True, shared=True)]
+    for mode in (ForwardMode.DECODE, ForwardMode.EXTEND):
+        strategy, log = _run(mixed, mode)
+        per_moe = len(split_into_stages(OperationsStrategy.tbo(mixed[1:2], mode).operations))
+        assert len(split_into_stages(strategy.operations)) == 2 * per_moe - 1  # the dense layer adds no stage
+        assert sum(1 for e in log if e[2] == "op_shared_experts") == 4
+
+
+def test_stage_boundaries_follow_op_marks_not_names():
+    layer = _FakeLayer(0, True, shared=True)
+    before = {m: _stage_names(layer, m) for m in (ForwardMode.DECODE, ForwardMode.EXTEND)}
+    for name in ("op_dispatch_b", "op_combine_b", "op_shared_experts"):  # rename ops: the stages stay the same
+        getattr(layer.mlp, name).__name__ = "renamed_" + name
+    for mode, stages in before.items():
+        assert [len(s) for s in _stage_names(layer, mode)] == [len(s) for s in stages]
+    unmarked = _FakeLayer(1, True)
+    plain_op = unmarked.mlp.op_combine_b
+
+    def op_combine_b(state):  # same name, no mark: refused instead of silently merging two stages
+        plain_op(state)
+    unmarked.mlp.op_combine_b = op_combine_b
+    with pytest.raises(ValueError, match="COMBINE_B"):
+        OperationsStrategy.tbo([unmarked], ForwardMode.DECODE)
+
+
+def test_forward_state_declares_its_fields():
+    state = ForwardState(hidden_states=torch.zeros(2, 4))
+    state.shared_output = torch.ones(2, 4)
+    with pytest.raises(AttributeError):
+        state.shared_outptu = torch.ones(2, 4)  # a typo is an error, not a new attribute
 
 
 def test_schedules_of_all_ranks_agree_on_collective_order():
@@ -103,9 +162,9 @@ def test_stage_splitting_and_executor_errors():
 
     assert split_into_stages([y, f, y, y, f, f, y]) == [[f], [f, f]]
     with pytest.raises(ValueError):
-        execute_overlapped_operations([ForwardState(), ForwardState()], [[f], [f, y, f]], [0, 1])
+        execute_overlapped_operations([SimpleNamespace(), SimpleNamespace()], [[f], [f, y, f]], [0, 1])
     with pytest.raises(ValueError):
-        execute_overlapped_operations([ForwardState(), ForwardState()], [[f], [f]], [1, 0])
+        execute_overlapped_operations([SimpleNamespace(), SimpleNamespace()], [[f], [f]], [1, 0])
 
 
 @settings(max_examples=200, deadline=None)

@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("make-checkpoint", help="write a seeded tiny Hugging Face checkpoint")
-    p.add_argument("--arch", default="qwen3_moe")
+    p.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "deepseek_v3", "deepseek_v2", "mixtral"])
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-layers", type=int, default=4)

@@ -6,10 +6,12 @@ Each op reads ``state.<attr>`` written by the previous one:
 
 ``op_gate`` (hidden_states -> router_logits) -> ``op_select_experts`` (-> topk_weights, topk_ids) ->
 ``op_dispatch_a`` / ``op_dispatch_b`` (-> expert inputs) -> ``op_experts`` -> ``op_combine_a`` /
-``op_combine_b`` -> ``op_output`` (-> moe_output [T, H]).
+``op_combine_b`` -> ``op_output`` (-> moe_output [T, H]). A block with shared experts (DeepSeek) also has
+``op_shared_experts`` (hidden_states -> shared_output), which only needs the block's input, so overlap strategies
+may place it anywhere between ``op_gate`` and ``op_output``; ``op_output`` adds it to the routed sum.
 
-Routing follows Qwen3-MoE / Mixtral: softmax over all experts in float32, top-k, optional renormalization
-(``norm_topk_prob``), weights cast to the hidden dtype.
+Routing is ``raymoe.layers.router.select_experts`` (softmax/sigmoid scores, greedy or group-limited top-k,
+correction bias, renormalization, scaling factor); weights are cast to the hidden dtype.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ from torch import nn
 
 from raymoe.comm.all_to_all import get_all_to_all_backend
 from raymoe.comm.groups import ParallelGroups, divide, tp_all_reduce
+from raymoe.config_arch import RouterConfig
 from raymoe.errors import CheckpointError
 from raymoe.layers.activation import silu_and_mul
 from raymoe.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from raymoe.layers.router import select_experts
+from raymoe.overlap.operations import OpRole, stage_op
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm takes on CPU
 
@@ -139,19 +144,29 @@ class SparseMoeBlock(nn.Module):
 
     Args:
         num_experts, top_k, hidden_size, intermediate_size: from the model config.
-        norm_topk_prob: renormalize the top-k probabilities to sum to 1.
+        norm_topk_prob: renormalize the top-k probabilities to sum to 1 (used when ``router`` is None).
         groups: explicit process groups (EP group for dispatch/combine, TP group when experts are TP-split).
         a2a_backend: name of the all-to-all backend (``"torch"``).
+        router: routing variant (None: softmax greedy top-k with ``norm_topk_prob``, the Qwen3-MoE rule).
+        shared_intermediate_size: intermediate size of the shared-experts MLP (DeepSeek: ``n_shared *
+            moe_intermediate_size``), tensor-parallel like a dense MLP; 0: no shared experts.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 norm_topk_prob: bool, groups: ParallelGroups, dtype: torch.dtype, a2a_backend: str = "torch"):
+                 norm_topk_prob: bool, groups: ParallelGroups, dtype: torch.dtype, a2a_backend: str = "torch",
+                 router: RouterConfig | None = None, shared_intermediate_size: int = 0):
         super().__init__()
         self.groups = groups
         self.top_k = top_k
-        self.norm_topk_prob = norm_topk_prob
+        self.router = router or RouterConfig(norm_topk_prob=norm_topk_prob)
         self.gate = ReplicatedLinear(hidden_size, num_experts, dtype)
+        if self.router.use_correction_bias:  # float32, as DeepSeek keeps it
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
         self.experts = LocalExperts(num_experts, hidden_size, intermediate_size, groups, dtype)
+        self.shared_experts = (DenseMLP(hidden_size, shared_intermediate_size, groups, dtype)
+                               if shared_intermediate_size else None)
         self.a2a = get_all_to_all_backend(a2a_backend, groups, num_experts)
 
     # ---- operations (see module docstring) ----
@@ -159,43 +174,64 @@ class SparseMoeBlock(nn.Module):
         state.router_logits = self.gate(state.hidden_states)
 
     def op_select_experts(self, state) -> None:
-        probs = torch.softmax(state.router_logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, ids = select_experts(state.router_logits, self.top_k, self.router, self.e_score_correction_bias)
         state.topk_weights = weights.to(state.hidden_states.dtype)
         state.topk_ids = ids
 
+    @stage_op(OpRole.SHARED_EXPERTS)
+    def op_shared_experts(self, state) -> None:
+        """Shared experts on the block input: ``hidden_states`` [T, H] -> ``shared_output`` [T, H] (TP-reduced)."""
+        state.shared_output = self.shared_experts(state.hidden_states)
+
+    @stage_op(OpRole.DISPATCH_A)
     def op_dispatch_a(self, state) -> None:
         state.dispatch_handle = self.a2a.dispatch_a(state.hidden_states, state.topk_ids)
 
+    @stage_op(OpRole.DISPATCH_B)
     def op_dispatch_b(self, state) -> None:
         state.expert_input, state.expert_ids = self.a2a.dispatch_b(state.dispatch_handle)
 
+    @stage_op(OpRole.EXPERTS)
     def op_experts(self, state) -> None:
         state.expert_output = self.experts(state.expert_input, state.expert_ids)
         state.expert_input = state.expert_ids = None
 
+    @stage_op(OpRole.COMBINE_A)
     def op_combine_a(self, state) -> None:
         self.a2a.combine_a(state.dispatch_handle, state.expert_output)
         state.expert_output = None
 
+    @stage_op(OpRole.COMBINE_B)
     def op_combine_b(self, state) -> None:
         state.combined = self.a2a.combine_b(state.dispatch_handle)
         state.dispatch_handle = None
 
+    @stage_op(OpRole.OUTPUT)
     def op_output(self, state) -> None:
         out = (state.combined * state.topk_weights.unsqueeze(-1)).sum(dim=1)
         if self.experts.tp_split > 1:
             tp_all_reduce(out, self.groups)
+        if self.shared_experts is not None:
+            out = out + state.shared_output
+            state.shared_output = None
         state.moe_output = out
         state.combined = state.router_logits = state.topk_weights = state.topk_ids = None
 
     def operations(self) -> list:
-        """The block's op list, in execution order."""
-        return [self.op_gate, self.op_select_experts, self.op_dispatch_a, self.op_dispatch_b, self.op_experts,
-                self.op_combine_a, self.op_combine_b, self.op_output]
+        """The block's op list, in execution order (shared experts, when present, right after ``op_dispatch_a``
+        so they compute while the dispatch is in flight)."""
+        shared = [self.op_shared_experts] if self.shared_experts is not None else []
+        return [self.op_gate, self.op_select_experts, self.op_dispatch_a, *shared, self.op_dispatch_b,
+                self.op_experts, self.op_combine_a, self.op_combine_b, self.op_output]
 
     def load(self, reader, prefix: str) -> None:
         self.gate.load(reader, f"{prefix}.gate.weight")
+        if self.e_score_correction_bias is not None:
+            name = f"{prefix}.gate.e_score_correction_bias"
+            bias = reader.get(name, dtype=torch.float32)
+            if tuple(bias.shape) != tuple(self.e_score_correction_bias.shape):
+                raise CheckpointError(name, f"unexpected shape {tuple(bias.shape)}")
+            self.e_score_correction_bias.copy_(bias)
         self.experts.load(reader, f"{prefix}.experts")
+        if self.shared_experts is not None:
+            self.shared_experts.load(reader, f"{prefix}.shared_experts")

@@ -1,4 +1,8 @@
-"""Rotary position embedding (Su et al. 2021, RoFormer), neox layout (rotate halves).
+"""Rotary position embedding (Su et al. 2021, RoFormer): neox layout (rotate halves) or interleaved pairs.
+
+The interleaved layout (DeepSeek-V2/V3 MLA) rotates adjacent channel pairs ``(x0, x1), (x2, x3) ...`` by one
+frequency each and writes the result de-interleaved (all first members, then all second members). Queries and
+keys get the same permutation, so their dot products equal those of the reference's interleaved output.
 
 The inverse frequencies of scaled variants (``linear``, ``yarn``, ``llama3``, ``longrope`` ...) come from
 ``transformers.modeling_rope_utils`` so they match the checkpoint's reference implementation exactly;
@@ -43,10 +47,13 @@ class RotaryEmbedding(nn.Module):
 
     Shapes: ``positions`` [T] int64; ``q`` [T, Hq, D], ``k`` [T, Hk, D] (D = head_dim, rotated over all of D).
     The table is float32 [max_position_embeddings, D] and cast to ``q``'s dtype, as Hugging Face does.
+    ``interleaved``: rotate adjacent pairs (see the module docstring) instead of halves.
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 interleaved: bool = False):
         super().__init__()
+        self.interleaved = interleaved
         inv_freq, scale = _inv_freq(config)
         pos = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
         freqs = pos[:, None] * inv_freq[None, :]
@@ -62,6 +69,15 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
+        if self.interleaved:
+            half = cos.shape[-1] // 2
+            cos, sin = cos[..., :half], sin[..., :half]
+
+            def rot(x: torch.Tensor) -> torch.Tensor:
+                x1, x2 = x[..., 0::2], x[..., 1::2]
+                return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+            return rot(q), rot(k)
         q = q * cos + self._rotate_half(q) * sin
         k = k * cos + self._rotate_half(k) * sin
         return q, k

@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -25,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from raymoe.errors import InvalidRequestError
+from raymoe.models import tiny_archs
 from raymoe.models.tokenizer_builder import ENDOFTEXT_ID, IM_END_ID, build_tokenizer
 
 DEMO_VERSION = 1
@@ -166,8 +168,11 @@ def _qwen3_moe_weights(s: TinyModelSpec, gen: torch.Generator) -> Iterator[Tenso
 
 ARCHS: dict[str, _Arch] = {
     "qwen3_moe": _Arch(_qwen3_moe_config, _qwen3_moe_weights),
+    "deepseek_v2": _Arch(partial(tiny_archs.deepseek_config, v3=False), partial(tiny_archs.deepseek_weights, v3=False)),
+    "deepseek_v3": _Arch(partial(tiny_archs.deepseek_config, v3=True), partial(tiny_archs.deepseek_weights, v3=True)),
+    "mixtral": _Arch(tiny_archs.mixtral_config, tiny_archs.mixtral_weights),
 }
-"""Architectures ``make_checkpoint`` can build (``mixtral``, ``deepseek_v2`` to be added)."""
+"""Architectures ``make_checkpoint`` can build (builders of the others than Qwen3-MoE: ``raymoe.models.tiny_archs``)."""
 
 
 def _write_weights(tensors: Tensors, folder: Path, max_shard_bytes: int | None) -> None:
@@ -251,7 +256,7 @@ def make_checkpoint(
     It is built in a temporary folder next to ``out`` and renamed into place, replacing an older ``out``.
 
     Args:
-        arch: architecture key of ``ARCHS`` (``"qwen3_moe"``).
+        arch: architecture key of ``ARCHS``: ``"qwen3_moe"``, ``"deepseek_v3"``, ``"deepseek_v2"``, ``"mixtral"``.
         out: destination folder.
         seed: seed of the weight generator; equal arguments give byte-identical tensors.
         max_shard_bytes: split the weights into ``model-0000i-of-0000K.safetensors`` files of at most this many

@@ -20,7 +20,7 @@ from raymoe.layers.moe import DenseMLP, SparseMoeBlock
 from raymoe.layers.norm import RMSNorm
 from raymoe.layers.rotary import RotaryEmbedding
 from raymoe.overlap.forward import forward_layers
-from raymoe.overlap.operations import ForwardState
+from raymoe.overlap.operations import ForwardState, OpRole, stage_op
 
 
 def load_norm(norm: RMSNorm, reader, name: str) -> None:
@@ -32,10 +32,11 @@ def load_norm(norm: RMSNorm, reader, name: str) -> None:
 
 
 class Qwen3MoeAttention(nn.Module):
-    """GQA self-attention with q/k RMSNorm. Ops: ``op_prepare`` (qkv, norms, RoPE), ``op_core`` (attention, o_proj)."""
+    """GQA self-attention with q/k RMSNorm (``qk_norm=False``: without, as Mixtral). Ops: ``op_prepare`` (qkv,
+    norms, RoPE), ``op_core`` (attention, o_proj)."""
 
     def __init__(self, config: ModelConfig, layer_id: int, groups: ParallelGroups, rotary: RotaryEmbedding,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, qk_norm: bool = True):
         super().__init__()
         self.layer_id = layer_id
         self.head_dim = config.head_dim
@@ -45,8 +46,10 @@ class Qwen3MoeAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, groups,
                                         dtype, bias=config.attention_bias)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
         self.rotary = rotary
 
     def op_prepare(self, state: ForwardState) -> None:
@@ -55,11 +58,14 @@ class Qwen3MoeAttention(nn.Module):
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         state.q, state.k = self.rotary(state.forward_batch.positions, q, k)
         state.v = v.reshape(t, self.num_kv_heads, self.head_dim)
 
+    @stage_op(OpRole.ATTN_CORE)
     def op_core(self, state: ForwardState) -> None:
         fb = state.forward_batch
         o = fb.attn_backend.forward(state.q, state.k, state.v, self.layer_id, fb)
@@ -69,8 +75,9 @@ class Qwen3MoeAttention(nn.Module):
     def load(self, reader, prefix: str) -> None:
         self.qkv_proj.load(reader, [f"{prefix}.{p}_proj.weight" for p in ("q", "k", "v")])
         self.o_proj.load(reader, f"{prefix}.o_proj.weight")
-        load_norm(self.q_norm, reader, f"{prefix}.q_norm.weight")
-        load_norm(self.k_norm, reader, f"{prefix}.k_norm.weight")
+        if self.qk_norm:
+            load_norm(self.q_norm, reader, f"{prefix}.q_norm.weight")
+            load_norm(self.k_norm, reader, f"{prefix}.k_norm.weight")
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
@@ -146,6 +153,19 @@ class Qwen3MoeForCausalLM(nn.Module):
 
     def layer_operations(self, layer_id: int) -> list:
         return self.layers[layer_id].operations()
+
+    def create_kv_pool(self, num_slots: int, dtype: torch.dtype, device: torch.device | str):
+        """Per-head K/V cache of this rank's kv heads (``TokenToKVPool``)."""
+        from raymoe.models.decoder import gqa_kv_pool
+
+        return gqa_kv_pool(self.config, self.num_local_kv_heads, num_slots, dtype, device)
+
+    def create_attn_backend(self, name: str, req_to_token_pool, token_to_kv_pool):
+        """The registry's attention backend ``name`` for this rank's heads."""
+        from raymoe.models.decoder import gqa_attn_backend
+
+        return gqa_attn_backend(name, req_to_token_pool, token_to_kv_pool, self.num_local_heads,
+                                self.num_local_kv_heads, self.config.head_dim)
 
     def embed(self, forward_batch) -> ForwardState:
         """Start a forward: embeddings of ``forward_batch.input_ids`` [T] -> state with hidden_states [T, H]."""

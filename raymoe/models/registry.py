@@ -8,6 +8,9 @@ from raymoe.errors import CheckpointError
 
 _MODELS = {
     "qwen3_moe": ("raymoe.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "mixtral": ("raymoe.models.mixtral", "MixtralForCausalLM"),
+    "deepseek_v2": ("raymoe.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "deepseek_v3": ("raymoe.models.deepseek_v2", "DeepseekV3ForCausalLM"),
 }
 
 

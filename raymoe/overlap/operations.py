@@ -8,12 +8,22 @@ computes. The per-layer op list is the single source of truth for both executors
 Stages: an op list ``[o1, o2, Y, o3, Y, o4]`` has the stages ``[o1, o2]``, ``[o3]``, ``[o4]``; a leading, trailing
 or doubled yield adds no empty stage. :class:`StageExecutor` runs one state through its stages one ``next()`` at a
 time; :func:`execute_overlapped_operations` interleaves two executors (the two-batch overlap schedule).
+
+Typed state and marked ops: :class:`ForwardState` declares every field an op may read or write (a slotted
+dataclass, so a misspelt field raises instead of creating a new attribute). Ops whose position matters to an overlap
+schedule carry an :class:`OpRole` set by the :func:`stage_op` decorator; strategies place stage boundaries by role
+(``raymoe.overlap.strategy``), so renaming an op cannot move a yield, and a MoE layer whose op list lacks a role
+is refused instead of silently getting another stage structure (which could deadlock ranks).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
+
+import torch
 
 
 class YieldOperation:
@@ -26,14 +36,80 @@ class YieldOperation:
 Operation = Callable[[Any], None] | YieldOperation
 
 
+class OpRole(Enum):
+    """What an op does, as far as overlap schedules care (stage boundaries are placed before roles)."""
+
+    ATTN_CORE = "attn_core"            # attention over the KV cache + output projection
+    DISPATCH_A = "dispatch_a"          # start the MoE dispatch transfer
+    DISPATCH_B = "dispatch_b"          # wait for it
+    EXPERTS = "experts"                # local expert compute
+    COMBINE_A = "combine_a"            # start the combine transfer
+    COMBINE_B = "combine_b"            # wait for it
+    SHARED_EXPERTS = "shared_experts"  # shared experts (need only the MoE input; placement is free)
+    OUTPUT = "output"                  # weighted sum of the expert outputs (+ shared)
+
+
+def stage_op(role: OpRole) -> Callable[[Callable], Callable]:
+    """Decorator marking an op function (or method) with ``role``; bound methods expose it as ``op.op_role``."""
+
+    def mark(fn: Callable) -> Callable:
+        fn.op_role = role
+        return fn
+
+    return mark
+
+
+def op_role(op: Operation) -> OpRole | None:
+    """The role an op was marked with (None: unmarked, no schedule constraint)."""
+    return getattr(op, "op_role", None)
+
+
+def move_before(operations: Sequence[Operation], role: OpRole, anchor: OpRole) -> list[Operation]:
+    """Copy of ``operations`` with the op marked ``role`` (if any) moved right before the op marked ``anchor``."""
+    ops = list(operations)
+    moving = [op for op in ops if op_role(op) == role]
+    if not moving:
+        return ops
+    ops = [op for op in ops if op_role(op) != role]
+    i = next(i for i, op in enumerate(ops) if op_role(op) == anchor)
+    return [*ops[:i], *moving, *ops[i:]]
+
+
+@dataclass(slots=True)
 class ForwardState:
-    """Mutable scratch record of one (half-)batch flowing through the op list (attributes set by the ops)."""
+    """Scratch record of one (half-)batch flowing through a layer op list. Owned by the executor running it;
+    every op reads and writes only these declared fields (tensor shapes per op in the layers' docstrings).
 
-    def __init__(self, **kwargs: Any):
-        self.__dict__.update(kwargs)
+    Attributes:
+        hidden_states: [T, H] activations between ops. forward_batch: the (child) ``ForwardBatch``.
+        residual: [T, H] residual stream (None before the first layer).
+        q, k, v: attention scratch (layouts set by the attention module; ``v`` may be MLA's ``expand_kv``).
+        router_logits, topk_weights, topk_ids: MoE routing ([T, E], [T, k], [T, k]).
+        dispatch_handle: the all-to-all handle between dispatch and combine.
+        expert_input, expert_ids, expert_output: received rows [R, H], their local expert ids [R], outputs [R, H].
+        combined: [T, k, H] expert outputs back in token order. shared_output: [T, H] shared experts' output.
+        moe_output: [T, H] the MLP's result, added to the residual by the layer.
+    """
+
+    hidden_states: torch.Tensor | None = None
+    forward_batch: Any = None
+    residual: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+    v: Any = None
+    router_logits: torch.Tensor | None = None
+    topk_weights: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+    dispatch_handle: Any = None
+    expert_input: torch.Tensor | None = None
+    expert_ids: torch.Tensor | None = None
+    expert_output: torch.Tensor | None = None
+    combined: torch.Tensor | None = None
+    shared_output: torch.Tensor | None = None
+    moe_output: torch.Tensor | None = None
 
 
-def execute_operations(state: ForwardState, operations: Sequence[Operation]) -> ForwardState:
+def execute_operations(state: Any, operations: Sequence[Operation]) -> ForwardState:
     """Run ``operations`` on ``state`` in order, skipping yields; returns ``state``."""
     for op in operations:
         if not isinstance(op, YieldOperation):

@@ -6,8 +6,9 @@ part ``p`` takes, of every peer's chunk of received rows, the slice ``[c * p // 
 (``raymoe.comm.all_to_all.part_row_index``); as soon as a part's expert outputs exist its combine transfer is
 started (``combine_a(..., part=p, num_parts=n)``), then the next part computes while it is in flight.
 ``combine_b`` waits for all parts and reassembles them, so the result equals the plain path's (every expert
-output row depends only on its own input row). A layer with ``op_shared_experts`` keeps it where its op list
-places it (after ``op_combine_a`` it overlaps the last part's transfer).
+output row depends only on its own input row). A block with shared experts (DeepSeek) runs them right after the
+last part's combine started and before ``op_combine_b`` waits, so they compute while that transfer is in flight
+(SGLang's combine/shared-experts overlap).
 
 Every rank must use the same setting (the number of combine collectives per layer changes); it is a per-engine
 option (``OverlapConfig.enable_sbo``), mutually exclusive with two-batch overlap.
@@ -16,7 +17,7 @@ option (``OverlapConfig.enable_sbo``), mutually exclusive with two-batch overlap
 from __future__ import annotations
 
 from raymoe.comm.all_to_all import part_row_index
-from raymoe.overlap.operations import Operation
+from raymoe.overlap.operations import Operation, OpRole, move_before
 
 DEFAULT_NUM_PARTS = 2
 
@@ -51,7 +52,8 @@ class SboExpertsCombine:
 
 def sbo_operations(layer, num_parts: int = DEFAULT_NUM_PARTS) -> list[Operation]:
     """``layer.operations()`` with its MoE block's ``op_experts, op_combine_a`` pair replaced by
-    :class:`SboExpertsCombine`; a layer without a MoE block is returned unchanged.
+    :class:`SboExpertsCombine` (and shared experts, if any, moved right before ``op_combine_b``); a layer without a
+    MoE block is returned unchanged.
 
     Raises:
         ValueError: a MoE layer whose op list lacks ``op_experts`` directly followed by ``op_combine_a``.
@@ -62,5 +64,6 @@ def sbo_operations(layer, num_parts: int = DEFAULT_NUM_PARTS) -> list[Operation]
     mlp = layer.mlp
     for i in range(len(ops) - 1):
         if ops[i] == mlp.op_experts and ops[i + 1] == mlp.op_combine_a:
-            return [*ops[:i], SboExpertsCombine(mlp, num_parts), *ops[i + 2:]]
+            fused = [*ops[:i], SboExpertsCombine(mlp, num_parts), *ops[i + 2:]]
+            return move_before(fused, OpRole.SHARED_EXPERTS, OpRole.COMBINE_B)
     raise ValueError(f"layer {getattr(layer, 'layer_id', '?')}: no op_experts -> op_combine_a pair to overlap")

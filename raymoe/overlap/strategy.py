@@ -1,22 +1,28 @@
 """OperationsStrategy: where the stage boundaries of each layer go, per layer type and forward mode.
 
 The per-layer op list (``layer.operations()``) stays the single source of truth; a strategy only inserts
-:class:`YieldOperation` s before named ops and picks ``tbo_delta_stages`` (DESIGN section 4; stage boundaries
-follow SGLang's Qwen3-MoE schedules as described in the TBO reference write-ups):
+:class:`YieldOperation` s before ops of given roles (:class:`~raymoe.overlap.operations.OpRole`, marked on the ops
+themselves, never matched by name), may move the shared-experts op (it needs only the MoE input), and picks
+``tbo_delta_stages`` (DESIGN section 4; stage boundaries follow SGLang's DeepSeek/Qwen3 schedules as described in
+the TBO reference write-ups):
 
 * DECODE (``delta = 2``): ``[prepare_attn, attn.prepare] | [attn.core, prepare_mlp, gate, select] |
-  [dispatch_a (+ shared experts)] | [dispatch_b, experts, combine_a] | [combine_b] | [output, postprocess]``.
+  [dispatch_a, shared experts] | [dispatch_b, experts, combine_a] | [combine_b] | [output, postprocess]``.
   The last stage merges with the next layer's first one. With child B two stages behind child A, A's dispatch
-  is in flight during B's output + attention prepare, A's combine during B's attention core + gate, and
-  symmetrically for B's transfers.
-* EXTEND (``delta = 0``): ``[attention ... dispatch_a] | [dispatch_b, experts, combine_a] | [combine_b, output,
-  postprocess]`` (merging with the next layer's attention). A's dispatch is in flight during B's attention,
-  B's dispatch during A's experts, A's combine during B's experts, B's combine during A's next attention.
-* Dense layers (no MoE) get no yields: each child runs the whole layer inside its current stage.
+  is in flight during B's output + attention prepare (and A's shared experts), A's combine during B's attention
+  core + gate, and symmetrically for B's transfers.
+* EXTEND (``delta = 0``): ``[attention ... dispatch_a] | [dispatch_b, experts, combine_a] | [shared experts,
+  combine_b, output, postprocess]`` (merging with the next layer's attention): the shared experts move after the
+  combine start, so they compute while the other child's combine is in flight. A's dispatch is in flight during
+  B's attention, B's dispatch during A's experts, A's combine during B's experts, B's combine during A's next
+  attention (and shared experts).
+* Dense layers (no MoE; e.g. DeepSeek's first layers) get no yields: each child runs the whole layer inside its
+  current stage.
 
 Every rank of a step must build the same stage structure (the stage order fixes the order of collectives), so
 the schedule follows :func:`tbo_schedule_mode`, under which an IDLE rank uses the DECODE schedule; the driver's
-decision (``raymoe.overlap.decision``) never runs an EXTEND TBO step next to IDLE or DECODE groups.
+decision (``raymoe.overlap.decision``) never runs an EXTEND TBO step next to IDLE or DECODE groups. A MoE layer
+whose ops lack one of the roles a schedule needs is refused (:func:`check_roles`).
 """
 
 from __future__ import annotations
@@ -24,19 +30,31 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from raymoe.overlap.operations import Operation, YieldOperation
+from raymoe.overlap.operations import Operation, OpRole, YieldOperation, move_before, op_role
 from raymoe.step.forward_mode import ForwardMode
 
-# Yields go right before these ops (matched by the op's ``__name__``).
-_DECODE_YIELD_BEFORE = frozenset({"op_core", "op_dispatch_a", "op_dispatch_b", "op_combine_b", "op_output"})
-_EXTEND_YIELD_BEFORE = frozenset({"op_dispatch_b", "op_combine_b"})
+_DECODE_YIELD_BEFORE = frozenset({OpRole.ATTN_CORE, OpRole.DISPATCH_A, OpRole.DISPATCH_B, OpRole.COMBINE_B,
+                                  OpRole.OUTPUT})
+_EXTEND_YIELD_BEFORE = frozenset({OpRole.DISPATCH_B, OpRole.COMBINE_B})
+_REQUIRED_ROLES = (OpRole.ATTN_CORE, OpRole.DISPATCH_A, OpRole.DISPATCH_B, OpRole.EXPERTS, OpRole.COMBINE_A,
+                   OpRole.COMBINE_B, OpRole.OUTPUT)
 DECODE_DELTA_STAGES = 2
 EXTEND_DELTA_STAGES = 0
 
 
-def op_name(op: Operation) -> str:
-    """Name of an op (bound method or callable object) used to place stage boundaries."""
-    return getattr(op, "__name__", type(op).__name__)
+def check_roles(operations: Sequence[Operation], layer_id: object = "?") -> None:
+    """Check that a MoE layer's ops carry each role a schedule needs exactly once (shared experts at most once).
+
+    Raises:
+        ValueError: a role is missing or repeated (names the layer and the role).
+    """
+    roles = [op_role(op) for op in operations]
+    for role in _REQUIRED_ROLES:
+        if roles.count(role) != 1:
+            raise ValueError(f"layer {layer_id}: MoE op list has {roles.count(role)} ops marked {role.name}; "
+                             "overlap schedules need exactly one")
+    if roles.count(OpRole.SHARED_EXPERTS) > 1:
+        raise ValueError(f"layer {layer_id}: more than one shared-experts op")
 
 
 def tbo_schedule_mode(forward_mode: ForwardMode) -> ForwardMode:
@@ -53,14 +71,30 @@ def tbo_schedule_mode(forward_mode: ForwardMode) -> ForwardMode:
     raise ValueError(f"two-batch overlap does not support {forward_mode.name} batches")
 
 
-def insert_yields(operations: Sequence[Operation], before: frozenset[str]) -> list[Operation]:
-    """Copy of ``operations`` with a yield before every op whose name is in ``before``."""
+def insert_yields(operations: Sequence[Operation], before: frozenset[OpRole]) -> list[Operation]:
+    """Copy of ``operations`` with a yield before every op whose role is in ``before``."""
     out: list[Operation] = []
     for op in operations:
-        if op_name(op) in before:
+        if op_role(op) in before:
             out.append(YieldOperation())
         out.append(op)
     return out
+
+
+def tbo_layer_operations(layer, mode: ForwardMode) -> list[Operation]:
+    """One MoE layer's ops with the yields of ``mode``'s schedule (DECODE or EXTEND; see the module docstring).
+
+    Raises:
+        ValueError: the layer's ops lack a required role.
+    """
+    ops = layer.operations()
+    check_roles(ops, getattr(layer, "layer_id", "?"))
+    if mode == ForwardMode.DECODE:
+        return insert_yields(ops, _DECODE_YIELD_BEFORE)
+    ops = move_before(ops, OpRole.SHARED_EXPERTS, OpRole.COMBINE_B)
+    has_shared = any(op_role(op) == OpRole.SHARED_EXPERTS for op in ops)
+    before = {OpRole.DISPATCH_B, OpRole.SHARED_EXPERTS if has_shared else OpRole.COMBINE_B}
+    return insert_yields(ops, frozenset(before))
 
 
 @dataclass(frozen=True)
@@ -95,14 +129,13 @@ class OperationsStrategy:
             ValueError: MIXED mode.
         """
         mode = tbo_schedule_mode(forward_mode)
-        before, delta = ((_DECODE_YIELD_BEFORE, DECODE_DELTA_STAGES) if mode == ForwardMode.DECODE
-                         else (_EXTEND_YIELD_BEFORE, EXTEND_DELTA_STAGES))
         ops: list[Operation] = []
         has_moe = False
         for layer in layers:
             if getattr(layer, "is_moe", False):
                 has_moe = True
-                ops.extend(insert_yields(layer.operations(), before))
+                ops.extend(tbo_layer_operations(layer, mode))
             else:
                 ops.extend(layer.operations())
+        delta = DECODE_DELTA_STAGES if mode == ForwardMode.DECODE else EXTEND_DELTA_STAGES
         return cls(ops, delta if has_moe else 0)

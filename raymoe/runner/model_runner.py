@@ -12,12 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from raymoe.attention.base import get_attention_backend
 from raymoe.attention.tbo import TboAttnBackend
 from raymoe.comm.groups import ParallelGroups
 from raymoe.comm.latency import inject_a2a_latency
 from raymoe.config import ModelConfig, OverlapConfig
-from raymoe.kvcache.pools import ReqToTokenPool, TokenToKVPool
+from raymoe.kvcache.pools import ReqToTokenPool
 from raymoe.models.loader import CheckpointReader
 from raymoe.models.registry import get_model_class
 from raymoe.overlap.split import TboForwardBatchPreparer
@@ -107,15 +106,13 @@ class ModelRunner:
         self.model.eval()
         if cfg.inject_a2a_latency_ms > 0:
             inject_a2a_latency(self.model, cfg.inject_a2a_latency_ms)
-        mc = self.model_config
         self.req_to_token_pool = ReqToTokenPool(cfg.max_req_rows, cfg.max_context_len, self.device)
-        self.token_to_kv_pool = TokenToKVPool(cfg.num_kv_slots, mc.num_hidden_layers, self.model.num_local_kv_heads,
-                                              mc.head_dim, self.dtype, self.device)
+        # The model knows its cache layout (per-head K/V, or the MLA latent) and the backend that reads it.
+        self.token_to_kv_pool = self.model.create_kv_pool(cfg.num_kv_slots, self.dtype, self.device)
+
         def make_backend():
-            return get_attention_backend(
-                cfg.attention_backend, req_to_token_pool=self.req_to_token_pool,
-                token_to_kv_pool=self.token_to_kv_pool, num_heads=self.model.num_local_heads,
-                num_kv_heads=self.model.num_local_kv_heads, head_dim=mc.head_dim)
+            return self.model.create_attn_backend(cfg.attention_backend, self.req_to_token_pool,
+                                                  self.token_to_kv_pool)
 
         self.attn_backend = TboAttnBackend.create(make_backend) if cfg.overlap.enable_tbo else make_backend()
         self.sampler = Sampler(cfg.seed, self.device)

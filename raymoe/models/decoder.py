@@ -1,0 +1,170 @@
+"""Shared skeleton of pre-norm MoE decoders (DeepSeek-V2/V3, Mixtral): a decoder layer written as an op list and
+a causal LM around it (embedding, layers, final norm, LM head, KV pool and attention backend factories).
+
+A family supplies its attention module (``op_prepare``/``op_core``/``load``) and its MLP (a ``SparseMoeBlock`` or
+a ``DenseMLP``); the layer's op list (DESIGN section 4) is the same for all of them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from raymoe.comm.groups import ParallelGroups
+from raymoe.config import ModelConfig
+from raymoe.errors import CheckpointError
+from raymoe.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from raymoe.layers.moe import DenseMLP, SparseMoeBlock
+from raymoe.layers.norm import RMSNorm
+from raymoe.overlap.forward import forward_layers
+from raymoe.overlap.operations import ForwardState
+
+
+def load_norm(norm: RMSNorm, reader, name: str) -> None:
+    """Copy a replicated norm weight [hidden] from the checkpoint.
+
+    Raises:
+        CheckpointError: missing tensor or wrong shape.
+    """
+    w = reader.get(name, dtype=norm.weight.dtype)
+    if tuple(w.shape) != tuple(norm.weight.shape):
+        raise CheckpointError(name, f"shape {tuple(w.shape)} does not match {tuple(norm.weight.shape)}")
+    norm.weight.data.copy_(w)
+
+
+def build_mlp(config: ModelConfig, layer_id: int, groups: ParallelGroups, dtype: torch.dtype,
+              a2a_backend: str) -> nn.Module:
+    """The layer's MLP: a ``SparseMoeBlock`` (with the config's router and shared experts) for MoE layers, else a
+    tensor-parallel ``DenseMLP`` of ``intermediate_size``."""
+    if not config.is_moe_layer(layer_id):
+        return DenseMLP(config.hidden_size, config.intermediate_size, groups, dtype)
+    return SparseMoeBlock(config.num_experts, config.num_experts_per_tok, config.hidden_size,
+                          config.moe_intermediate_size, config.router.norm_topk_prob, groups, dtype, a2a_backend,
+                          router=config.router,
+                          shared_intermediate_size=config.n_shared_experts * config.moe_intermediate_size)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer; ``state.hidden_states`` [T, H] in and out.
+
+    Args:
+        layer_id: layer index. self_attn: attention module with ``op_prepare``/``op_core``/``load``.
+        mlp: ``SparseMoeBlock`` or ``DenseMLP``. hidden_size, eps: of the two RMSNorms. dtype: parameter dtype.
+        mlp_name: checkpoint name of the MLP (``"mlp"``; Mixtral: ``"block_sparse_moe"``).
+    """
+
+    def __init__(self, layer_id: int, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float,
+                 dtype: torch.dtype, mlp_name: str = "mlp"):
+        super().__init__()
+        self.layer_id = layer_id
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.is_moe = isinstance(mlp, SparseMoeBlock)
+        self.mlp_name = mlp_name
+        self.input_layernorm = RMSNorm(hidden_size, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype)
+
+    def op_comm_prepare_attn(self, state: ForwardState) -> None:
+        state.residual = state.hidden_states
+        state.hidden_states = self.input_layernorm(state.hidden_states)
+
+    def op_comm_prepare_mlp(self, state: ForwardState) -> None:
+        h = state.residual + state.hidden_states
+        state.residual = h
+        state.hidden_states = self.post_attention_layernorm(h)
+
+    def op_dense_mlp(self, state: ForwardState) -> None:
+        state.moe_output = self.mlp(state.hidden_states)
+
+    def op_comm_postprocess_layer(self, state: ForwardState) -> None:
+        state.hidden_states = state.residual + state.moe_output
+        state.residual = state.moe_output = None
+
+    def operations(self) -> list:
+        """This layer's op list in execution order (no yields; strategies insert them)."""
+        mlp_ops = self.mlp.operations() if self.is_moe else [self.op_dense_mlp]
+        return [self.op_comm_prepare_attn, self.self_attn.op_prepare, self.self_attn.op_core,
+                self.op_comm_prepare_mlp, *mlp_ops, self.op_comm_postprocess_layer]
+
+    def load(self, reader, prefix: str) -> None:
+        self.self_attn.load(reader, f"{prefix}.self_attn")
+        self.mlp.load(reader, f"{prefix}.{self.mlp_name}")
+        load_norm(self.input_layernorm, reader, f"{prefix}.input_layernorm.weight")
+        load_norm(self.post_attention_layernorm, reader, f"{prefix}.post_attention_layernorm.weight")
+
+
+def gqa_kv_pool(config: ModelConfig, num_kv_heads: int, num_slots: int, dtype: torch.dtype,
+                device: torch.device | str):
+    """Per-head K/V cache (``TokenToKVPool``) of ``num_kv_heads`` local kv heads of ``config.head_dim``."""
+    from raymoe.kvcache.pools import TokenToKVPool
+
+    return TokenToKVPool(num_slots, config.num_hidden_layers, num_kv_heads, config.head_dim, dtype, device)
+
+
+def gqa_attn_backend(name: str, req_to_token_pool, token_to_kv_pool, num_heads: int, num_kv_heads: int,
+                     head_dim: int):
+    """The registry's backend ``name`` for grouped-query attention (``raymoe.attention.base``)."""
+    from raymoe.attention.base import get_attention_backend
+
+    return get_attention_backend(name, req_to_token_pool=req_to_token_pool, token_to_kv_pool=token_to_kv_pool,
+                                 num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+
+
+class MoeCausalLM(nn.Module):
+    """Embedding -> decoder layers -> RMSNorm -> LM head, on one rank. Subclasses build ``self.layers`` (a
+    ``ModuleList`` of :class:`DecoderLayer`) after calling this constructor, and define the KV pool/backend
+    factories ``create_kv_pool`` / ``create_attn_backend`` the runner calls.
+
+    Args:
+        config: normalized model config. groups: the rank's process groups. dtype: parameter/activation dtype.
+        enable_sbo: single-batch overlap inside MoE layers (same on every rank).
+    """
+
+    def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype, enable_sbo: bool):
+        super().__init__()
+        self.config = config
+        self.enable_sbo = enable_sbo
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, groups, dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, groups, dtype)
+        self.layers = nn.ModuleList()
+
+    def layer_operations(self, layer_id: int) -> list:
+        return self.layers[layer_id].operations()
+
+    def create_kv_pool(self, num_slots: int, dtype: torch.dtype, device: torch.device | str):
+        """KV cache of ``num_slots`` tokens for this rank (GQA models: per-head K/V of the local kv heads)."""
+        return gqa_kv_pool(self.config, self.num_local_kv_heads, num_slots, dtype, device)
+
+    def create_attn_backend(self, name: str, req_to_token_pool, token_to_kv_pool):
+        """Attention backend ``name`` over this model's cache (GQA models: the registry's backend)."""
+        return gqa_attn_backend(name, req_to_token_pool, token_to_kv_pool, self.num_local_heads,
+                                self.num_local_kv_heads, self.config.head_dim)
+
+    def embed(self, forward_batch) -> ForwardState:
+        """Start a forward: embeddings of ``forward_batch.input_ids`` [T] -> state with hidden_states [T, H]."""
+        return ForwardState(hidden_states=self.embed_tokens(forward_batch.input_ids), residual=None,
+                            forward_batch=forward_batch)
+
+    def forward(self, forward_batch) -> torch.Tensor:
+        """All layers (two-batch overlapped when ``forward_batch.tbo_children`` is set) -> final-normed [T, H]."""
+        state = forward_layers(self.layers, self.embed(forward_batch), self.enable_sbo)
+        return self.norm(state.hidden_states)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head: [N, H] -> float32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, reader) -> None:
+        """Load this rank's shard from a ``CheckpointReader``.
+
+        Raises:
+            CheckpointError: a tensor is missing or has the wrong shape (names the tensor).
+        """
+        self.embed_tokens.load(reader, "model.embed_tokens.weight")
+        for i, layer in enumerate(self.layers):
+            layer.load(reader, f"model.layers.{i}")
+        load_norm(self.norm, reader, "model.norm.weight")
+        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        self.lm_head.load(reader, head)

@@ -1,0 +1,75 @@
+"""DeepSeek-V2 (arXiv:2405.04434) and DeepSeek-V3 (arXiv:2412.19437) on raymoe's parallel layers.
+
+Architecture: embedding -> N pre-norm decoder layers (multi-head latent attention, ``raymoe.layers.mla``; then a
+dense SwiGLU MLP for the first ``first_k_dense_replace`` layers and layers off ``moe_layer_freq``, else a MoE
+block with routed experts sharded over the EP group plus always-on shared experts) -> RMSNorm -> LM head.
+Routing (``raymoe.layers.router``): V2 softmax with greedy or group-limited top-k; V3 sigmoid with a correction
+bias and group-limited top-k; both scale by ``routed_scaling_factor``. RoPE covers only the decoupled
+``qk_rope_head_dim`` channels, in interleaved pairs; YaRN scaling (cos/sin attention factor and the softmax
+``mscale**2``) follows the reference implementation (``ModelConfig.from_dict`` and ``raymoe.layers.rotary``).
+
+The KV cache holds the compressed latent and the rotary key per token (``MLATokenToKVPool``); decode runs the
+weight-absorbed form. Checkpoint names are Hugging Face's (per-expert ``mlp.experts.E.*_proj``,
+``mlp.shared_experts.*``, ``mlp.gate.e_score_correction_bias`` for V3). DeepSeek-V3's multi-token-prediction
+layers are not loaded (serving uses the main model only).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from raymoe.comm.groups import ParallelGroups
+from raymoe.config import ModelConfig
+from raymoe.layers.mla import MLAAttention
+from raymoe.layers.rotary import RotaryEmbedding
+from raymoe.models.decoder import DecoderLayer, MoeCausalLM, build_mlp
+
+
+class DeepseekV2ForCausalLM(MoeCausalLM):
+    """The whole DeepSeek-V2/V3 model on one rank (see the module docstring).
+
+    Args:
+        config: normalized config with ``config.mla`` set. groups: the rank's process groups.
+        dtype: parameter dtype. a2a_backend: MoE all-to-all backend. enable_sbo: single-batch overlap.
+    Raises:
+        ValueError: the config has no MLA section.
+    """
+
+    def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
+                 a2a_backend: str = "torch", enable_sbo: bool = False):
+        super().__init__(config, groups, dtype, enable_sbo)
+        if config.mla is None:
+            raise ValueError(f"{config.model_type}: config has no MLA section (kv_lora_rank ...)")
+        rotary = RotaryEmbedding(config, dtype, interleaved=config.mla.rope_interleave)
+        self.layers = nn.ModuleList(
+            DecoderLayer(i, MLAAttention(config, i, groups, rotary, dtype), build_mlp(config, i, groups, dtype,
+                                                                                        a2a_backend),
+                         config.hidden_size, config.rms_norm_eps, dtype)
+            for i in range(config.num_hidden_layers))
+        self.num_local_heads = self.layers[0].self_attn.num_heads
+
+    def create_kv_pool(self, num_slots: int, dtype: torch.dtype, device: torch.device | str):
+        """The latent cache: ``kv_lora_rank + qk_rope_head_dim`` values per token per layer."""
+        from raymoe.kvcache.mla_pool import MLATokenToKVPool
+
+        m = self.config.mla
+        return MLATokenToKVPool(num_slots, self.config.num_hidden_layers, m.kv_lora_rank, m.qk_rope_head_dim,
+                                dtype, device)
+
+    def create_attn_backend(self, name: str, req_to_token_pool, token_to_kv_pool):
+        """An MLA backend over the latent cache.
+
+        Raises:
+            ValueError: ``name`` has no MLA implementation (only ``"torch_native"``).
+        """
+        if name != "torch_native":
+            raise ValueError(f"attention backend {name!r} has no MLA implementation; use 'torch_native'")
+        from raymoe.attention.mla_torch_native import TorchNativeMLABackend
+
+        return TorchNativeMLABackend(req_to_token_pool, token_to_kv_pool, self.num_local_heads,
+                                     self.config.mla.softmax_scale)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """DeepSeek-V3: the V2 model with V3's router (normalized by ``ModelConfig.from_dict``)."""

@@ -1,0 +1,82 @@
+"""Tiny checkpoints built by transformers itself (``save_pretrained``), for oracle parity tests.
+
+transformers initializes with std 0.02, which makes tiny models' greedy choices near-ties; ``build`` therefore
+re-draws every weight from a seeded generator with fan-in scaled gains (as ``raymoe.models.checkpoint`` does) and
+gives DeepSeek-V3's ``e_score_correction_bias`` random values, then lets transformers write the folder (its own
+names and config.json). A trained tokenizer of the same vocabulary is added so the engine can run on it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from raymoe.models.tokenizer_builder import ENDOFTEXT_ID, IM_END_ID, build_tokenizer
+
+VOCAB = 512
+_COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+           "rms_norm_eps": 1e-6, "max_position_embeddings": 512, "bos_token_id": ENDOFTEXT_ID,
+           "eos_token_id": IM_END_ID, "pad_token_id": ENDOFTEXT_ID, "tie_word_embeddings": False}
+_MLA = {"kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1}
+
+CONFIGS = {
+    "deepseek_v3": ("deepseek_v3", {**_MLA, "q_lora_rank": 24, "num_hidden_layers": 3, "first_k_dense_replace": 1,
+                                    "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+                                    "norm_topk_prob": True}),
+    "deepseek_v2_no_q_lora": ("deepseek_v2", {**_MLA, "q_lora_rank": None, "num_hidden_layers": 3,
+                                              "first_k_dense_replace": 1, "n_shared_experts": 2,
+                                              "routed_scaling_factor": 1.0, "topk_method": "greedy"}),
+    "deepseek_v2_q_lora": ("deepseek_v2", {**_MLA, "q_lora_rank": 24, "num_hidden_layers": 2,
+                                           "first_k_dense_replace": 0, "routed_scaling_factor": 1.5,
+                                           "topk_method": "greedy"}),
+    # YaRN rope scaling (mscale / mscale_all_dim) and group-limited routing, V2 (softmax, max group score) style.
+    "deepseek_v2_yarn_grouped": ("deepseek_v2", {**_MLA, "q_lora_rank": 24, "num_hidden_layers": 2,
+                                                 "first_k_dense_replace": 1, "topk_method": "group_limited_greedy",
+                                                 "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.0,
+                                                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0,
+                                                                     "factor": 4.0,
+                                                                     "original_max_position_embeddings": 128,
+                                                                     "beta_fast": 32, "beta_slow": 1,
+                                                                     "mscale": 0.707, "mscale_all_dim": 0.707}}),
+    # YaRN and V3's grouped sigmoid routing together.
+    "deepseek_v3_yarn": ("deepseek_v3", {**_MLA, "q_lora_rank": None, "num_hidden_layers": 2,
+                                         "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2,
+                                         "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                                         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0,
+                                                             "factor": 4.0, "original_max_position_embeddings": 128,
+                                                             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                                                             "mscale_all_dim": 1.0}}),
+    "mixtral": ("mixtral", {"num_hidden_layers": 2, "num_key_value_heads": 2, "num_local_experts": 4,
+                            "num_experts_per_tok": 2, "rope_theta": 1e6}),
+}
+
+
+def _redraw(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # norms
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+                continue
+            gain = 6.0 if name.startswith("lm_head") else 3.0 if name.endswith("gate.weight") else 1.0
+            p.copy_(torch.randn(p.shape, generator=gen) * (gain / math.sqrt(p.shape[-1])))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+
+
+def build(name: str, out: Path, seed: int = 0) -> str:
+    """Build ``CONFIGS[name]`` with transformers into ``out`` (weights re-drawn from ``seed``); returns the path."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, kwargs = CONFIGS[name]
+    cfg = AutoConfig.for_model(model_type, **{**_COMMON, **kwargs})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _redraw(model, seed)
+    model.save_pretrained(out)
+    build_tokenizer(out, vocab_size=VOCAB)
+    return str(out)
