@@ -318,6 +318,10 @@ class EngineConfig:
             submission per rank and step; measured faster by ``raymoe bench fanout``) or ``"remote"`` (plain actor
             calls; also the fallback when a compiled graph cannot be built).
         step_timeout_s: bound on one step across all ranks, seconds (a hung rank fails the step).
+        cpu_threads: intra-op threads of each rank that computes on CPU in a served or multi-rank engine (None:
+            ``(cores - 1) // ranks``, at least 1, leaving a core to the HTTP front end, the driver and Ray; on
+            2 cores a second thread per rank halved served throughput). The offline single-rank ``Engine`` keeps
+            torch's default.
         overlap: two-batch / single-batch overlap of MoE layers. graph: decode graph capture.
     """
 
@@ -329,6 +333,7 @@ class EngineConfig:
     ray_address: str | None = None
     fanout: str = "compiled"
     step_timeout_s: float = 300.0
+    cpu_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -344,5 +349,7 @@ class EngineConfig:
             raise InvalidRequestError("attention_backend", f"unknown backend {self.attention_backend!r}")
         if self.fanout not in ("remote", "compiled"):
             raise InvalidRequestError("fanout", f"must be 'remote' or 'compiled', got {self.fanout!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise InvalidRequestError("cpu_threads", f"must be >= 1, got {self.cpu_threads!r}")
         if self.step_timeout_s <= 0:
             raise InvalidRequestError("step_timeout_s", "must be > 0")

@@ -16,13 +16,13 @@ Ray calls remain for the rest: :meth:`connect` (once), :meth:`stats`, :meth:`hea
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import ray
 
 from raymoe.actors.channel import connect_channel
 from raymoe.actors.driver_service import DriverService, EngineStats, OutputBatch
+from raymoe.actors.process_tuning import rank_cpu_threads
 from raymoe.config import EngineConfig, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class DriverActor:
         if config.parallel.world_size == 1:  # the rank computes in this process
             import torch
 
-            torch.set_num_threads(max(1, os.cpu_count() or 1))
+            torch.set_num_threads(rank_cpu_threads(config.cpu_threads, ranks_on_node=1))
         self._lock = threading.Lock()
         self._conn = None
         self._early: OutputBatch = []  # published before the front end connected

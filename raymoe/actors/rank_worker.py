@@ -55,7 +55,9 @@ class RankWorker:
         from raymoe.cluster.topology import init_parallel_groups
 
         backend = "nccl" if self._device() == "cuda" else "gloo"
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.parallel.world_size))
+        from raymoe.actors.process_tuning import rank_cpu_threads
+
+        torch.set_num_threads(rank_cpu_threads(self.runner_cfg.cpu_threads, self.parallel.world_size))
         self.groups = init_parallel_groups(self.rank, self.parallel, init_method, backend, timeout_s)
         return os.getpid()
 

@@ -48,6 +48,7 @@ class RunnerConfig:
         overlap: two-batch / single-batch overlap options (the engine's ``OverlapConfig``; same on every rank).
         inject_a2a_latency_ms: benchmarks only: delay each MoE dispatch/combine completion by this one-way
             latency, milliseconds (``raymoe.comm.latency``; 0 = off).
+        cpu_threads: intra-op threads of a rank process on CPU (None: derived, see ``EngineConfig.cpu_threads``).
     """
 
     model_path: str
@@ -65,6 +66,7 @@ class RunnerConfig:
     enable_torch_compile: bool = False
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     inject_a2a_latency_ms: float = 0.0
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.inject_a2a_latency_ms < 0:
