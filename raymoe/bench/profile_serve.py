@@ -61,6 +61,12 @@ def summarize(raw_file: Path) -> collections.Counter:
     return counts
 
 
+def _py_spy() -> str:
+    """The py-spy next to this Python (the ``dev`` extra installs it), else the one on PATH."""
+    local = Path(sys.executable).parent / "py-spy"
+    return str(local) if local.exists() else "py-spy"
+
+
 def _pids(pattern: str) -> list[int]:
     out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
@@ -114,7 +120,7 @@ def run_profile(a) -> dict:
             time.sleep(8.0)  # the client's own start-up, then steady load
             s0 = _steps(url)
             spies = [(name, pid, subprocess.Popen(
-                ["py-spy", "record", "-p", str(pid), "-o", f"{work}/{pid}.txt", "-f", "raw", "--threads",
+                [_py_spy(), "record", "-p", str(pid), "-o", f"{work}/{pid}.txt", "-f", "raw", "--threads",
                  "--nonblocking", "-r", str(a.rate), "-d", str(int(a.seconds))], stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL)) for name, pids in procs.items() for pid in pids]
             for _, _, spy in spies:
