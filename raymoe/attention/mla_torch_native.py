@@ -23,15 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from raymoe.attention.base import AttentionBackend
+from raymoe.attention.paged_graph_hooks import PagedDecodeGraphHooks
 from raymoe.kvcache.mla_pool import MLATokenToKVPool
 from raymoe.kvcache.pools import ReqToTokenPool
-
-_CPU_WIDTH_STEP = 16  # tokens: granularity of the attended width of a CPU graph replay
 
 ExpandKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-class TorchNativeMLABackend(AttentionBackend):
+class TorchNativeMLABackend(PagedDecodeGraphHooks, AttentionBackend):
     """SDPA-based paged MLA.
 
     Args:
@@ -129,28 +128,3 @@ class TorchNativeMLABackend(AttentionBackend):
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(q, k, v, layer_id, forward_batch)
         return self.forward_extend(q, k, v, layer_id, forward_batch)
-
-    # ---- decode graph hooks (same contract as TorchNativeAttnBackend) ----
-    def init_cuda_graph_state(self, max_bs: int, max_kv_len: int) -> None:
-        width = min(max_kv_len, self.req_to_token.shape[1])
-        dev = self.req_to_token.device
-        self.graph_kv_indices = torch.zeros((max_bs, width), dtype=torch.int64, device=dev)
-        self.graph_kv_mask = torch.zeros((max_bs, 1, 1, width), dtype=torch.bool, device=dev)
-        self.graph_positions = torch.arange(width, device=dev)
-
-    def init_forward_metadata_capture_cuda_graph(self, bs, req_pool_indices, seq_lens, forward_mode) -> None:
-        self.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens, [], forward_mode)
-
-    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_cpu,
-                                                forward_mode) -> None:
-        width = self.graph_kv_indices.shape[1]
-        if self.graph_kv_indices.device.type == "cpu" and len(seq_lens_cpu):
-            width = min(width, -(-max(seq_lens_cpu) // _CPU_WIDTH_STEP) * _CPU_WIDTH_STEP)
-        self.graph_kv_indices[:bs, :width].copy_(self.req_to_token[req_pool_indices[:bs], :width])
-        self.graph_kv_mask[:bs, 0, 0, :width].copy_(self.graph_positions[None, :width] < seq_lens[:bs, None])
-        self.kv_indices = self.graph_kv_indices[:bs, :width]
-        self.kv_mask = self.graph_kv_mask[:bs, :, :, :width]
-
-    def get_cuda_graph_seq_len_fill_value(self) -> int:
-        """1: a padding row attends to one slot (a fully masked row would make SDPA return NaN)."""
-        return 1
