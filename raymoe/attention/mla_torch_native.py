@@ -56,10 +56,7 @@ class TorchNativeMLABackend(PagedDecodeGraphHooks, AttentionBackend):
         if fb.forward_mode.is_idle() or fb.batch_size == 0:
             return
         if fb.forward_mode.is_decode():
-            max_len = max(fb.seq_lens_cpu)
-            self.kv_indices = self.req_to_token[fb.req_pool_indices, :max_len]
-            ar = torch.arange(max_len, device=fb.seq_lens.device)
-            self.kv_mask = (ar[None, :] < fb.seq_lens[:, None])[:, None, None, :]
+            self.init_decode_metadata(fb)
             return
         meta, start = [], 0
         for i in range(fb.batch_size):

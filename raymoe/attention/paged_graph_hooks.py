@@ -1,4 +1,7 @@
-"""Decode-graph hooks shared by the paged SDPA backends (``torch_native`` and ``mla_torch_native``).
+"""Decode metadata and decode-graph hooks shared by the paged SDPA backends (``torch_native``, ``mla_torch_native``).
+
+Eager decode: ``kv_indices`` [bs, L] int64 are the cache slots of each row's first L positions (L the step's
+longest sequence) and ``kv_mask`` [bs, 1, 1, L] bool marks positions below each row's seq_len.
 
 A captured decode graph reads fixed-address buffers: ``graph_kv_indices`` [max_bs, W] int64 (cache slots of each
 row's positions, from the ReqToTokenPool table) and ``graph_kv_mask`` [max_bs, 1, 1, W] bool (position <
@@ -14,12 +17,20 @@ _CPU_WIDTH_STEP = 16  # tokens: granularity of the attended width of a CPU graph
 
 
 class PagedDecodeGraphHooks:
-    """Mixin of the graph hooks of ``AttentionBackend`` for a backend holding ``req_to_token`` [rows, max_ctx]
-    int64 and reading ``kv_indices`` / ``kv_mask`` in its decode kernel."""
+    """Mixin of the eager decode metadata and the graph hooks of ``AttentionBackend``, for a backend holding
+    ``req_to_token`` [rows, max_ctx] int64 and reading ``kv_indices`` / ``kv_mask`` in its decode kernel."""
 
     req_to_token: torch.Tensor
     kv_indices: torch.Tensor | None
     kv_mask: torch.Tensor | None
+
+    def init_decode_metadata(self, forward_batch) -> None:
+        """Eager decode: ``kv_indices`` / ``kv_mask`` over the step's longest sequence (see the module docstring)."""
+        fb = forward_batch
+        max_len = max(fb.seq_lens_cpu)
+        self.kv_indices = self.req_to_token[fb.req_pool_indices, :max_len]
+        ar = torch.arange(max_len, device=fb.seq_lens.device)
+        self.kv_mask = (ar[None, :] < fb.seq_lens[:, None])[:, None, None, :]
 
     def init_cuda_graph_state(self, max_bs: int, max_kv_len: int) -> None:
         """Allocate the buffers with W = ``min(max_kv_len, max_context_len)``: a graph always attends over W slots
