@@ -278,6 +278,37 @@ class OverlapConfig:
 
 
 @dataclass(frozen=True)
+class MoeCommConfig:
+    """How MoE layers move tokens between expert-parallel ranks (``raymoe.comm.dispatcher``); same on every rank.
+
+    Attributes:
+        a2a_backend: ``"torch"`` (``torch.distributed`` all-to-all: gloo on CPU, NCCL on GPU) or ``"deepep"``
+            (DeepEP buffers; CUDA and the ``deep_ep`` package, checked here).
+        a2a_mode: ``"normal"`` (data-dependent shapes, one host sync per layer for the row counts),
+            ``"low_latency"`` (fixed shapes, counts stay on the device: capturable in decode graphs) or ``"auto"``
+            (low-latency for decode steps, normal for steps with extend tokens; the driver resolves it per step,
+            once for all ranks, ``raymoe.comm.a2a_plan``).
+        num_max_dispatch_tokens_per_rank: most tokens one rank may send in a low-latency step (sizes DeepEP's
+            buffers); a step with more tokens on some rank runs in normal mode. None: ``max_running_requests``.
+    """
+
+    a2a_backend: str = "torch"
+    a2a_mode: str = "auto"
+    num_max_dispatch_tokens_per_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        from raymoe.comm.expert_input import A2A_BACKENDS, A2A_MODES
+
+        if self.a2a_backend not in A2A_BACKENDS:
+            raise InvalidRequestError("a2a_backend", f"must be one of {A2A_BACKENDS}, got {self.a2a_backend!r}")
+        if self.a2a_mode not in A2A_MODES:
+            raise InvalidRequestError("a2a_mode", f"must be one of {A2A_MODES}, got {self.a2a_mode!r}")
+        m = self.num_max_dispatch_tokens_per_rank
+        if m is not None and (not isinstance(m, int) or m < 1):
+            raise InvalidRequestError("num_max_dispatch_tokens_per_rank", f"must be a positive integer, got {m!r}")
+
+
+@dataclass(frozen=True)
 class GraphConfig:
     """Decode graph capture (CUDA graphs on GPU, static-buffer callables on CPU; ``raymoe.runner.graph_runner``).
 
@@ -322,7 +353,10 @@ class EngineConfig:
             ``(cores - 1) // ranks``, at least 1, leaving a core to the HTTP front end, the driver and Ray; on
             2 cores a second thread per rank halved served throughput). The offline single-rank ``Engine`` keeps
             torch's default.
-        overlap: two-batch / single-batch overlap of MoE layers. graph: decode graph capture.
+        overlap: two-batch / single-batch overlap of MoE layers. graph: decode graph capture. moe_comm: the MoE
+            all-to-all backend and mode.
+    Raises:
+        InvalidRequestError: a bad option (names it), including a GPU backend without CUDA or its package.
     """
 
     model: str
@@ -339,6 +373,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     graph: GraphConfig = field(default_factory=GraphConfig)
+    moe_comm: MoeCommConfig = field(default_factory=MoeCommConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -353,3 +388,12 @@ class EngineConfig:
             raise InvalidRequestError("cpu_threads", f"must be >= 1, got {self.cpu_threads!r}")
         if self.step_timeout_s <= 0:
             raise InvalidRequestError("step_timeout_s", "must be > 0")
+        from raymoe.gpu_backends import check_gpu_backends
+
+        check_gpu_backends(self)
+
+    @property
+    def max_dispatch_tokens_per_rank(self) -> int:
+        """Per-rank token bound of eager low-latency steps, tokens (``moe_comm.num_max_dispatch_tokens_per_rank``
+        or ``max_running_requests``); decode-graph steps always fit (``raymoe.comm.a2a_plan``)."""
+        return self.moe_comm.num_max_dispatch_tokens_per_rank or self.scheduler.max_running_requests

@@ -17,6 +17,7 @@ from raymoe.config import (
     EngineConfig,
     GraphConfig,
     ModelConfig,
+    MoeCommConfig,
     OverlapConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -52,7 +53,7 @@ class RequestOutput:
 
 def _split_options(model: str, options: dict) -> EngineConfig:
     nested = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
-              "overlap": OverlapConfig, "graph": GraphConfig}
+              "overlap": OverlapConfig, "graph": GraphConfig, "moe_comm": MoeCommConfig}
     owner = {f.name: key for key, cls in nested.items() for f in dataclasses.fields(cls)}
     top_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", *nested}
     parts: dict[str, dict] = {key: {} for key in nested}
@@ -79,7 +80,8 @@ class Engine:
             ``ep_size``; world size > 1 runs the ranks as Ray actors, on ``ray_address`` or a local cluster),
             ``OverlapConfig`` (``enable_tbo``, ``tbo_min_tokens_decode``, ``tbo_min_tokens_extend``,
             ``tbo_token_distribution_threshold``, ``enable_sbo``) and ``GraphConfig`` (``disable_cuda_graph``,
-            ``cuda_graph_max_bs``, ``cuda_graph_bs``, ``enable_torch_compile``).
+            ``cuda_graph_max_bs``, ``cuda_graph_bs``, ``enable_torch_compile``) and ``MoeCommConfig``
+            (``a2a_backend``, ``a2a_mode``, ``num_max_dispatch_tokens_per_rank``).
 
     Raises:
         CheckpointError: missing or broken model folder. InvalidRequestError: a bad option (names it).

@@ -179,7 +179,7 @@ def test_sbo_parts_partition_every_peer_chunk(counts, num_parts):
 class _FakeA2A:
     ep_size = 2
 
-    def dispatch_a(self, hidden, topk_ids):
+    def dispatch_a(self, hidden, topk_ids, topk_weights, capacity=None):
         return object()
 
     def dispatch_b(self, handle):
@@ -202,7 +202,7 @@ def test_latency_wrapper_waits_only_for_the_remaining_latency():
 
     a2a = LatencyInjectedAllToAll(_FakeA2A(), 0.002, clock=lambda: now[0], sleep=sleep)
     assert a2a.ep_size == 2
-    h = a2a.dispatch_a(torch.zeros(1, 1), torch.zeros(1, 1))
+    h = a2a.dispatch_a(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1))
     now[0] += 0.0005  # compute between _a and _b hides part of the latency
     assert a2a.dispatch_b(h) == "dispatched"
     assert slept == [pytest.approx(0.0015)]

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
+from raymoe.comm.a2a_plan import apply_dispatch_plan
 from raymoe.config import EngineConfig
 from raymoe.errors import InvalidRequestError
 from raymoe.overlap.decision import apply_tbo_decision
@@ -62,6 +63,7 @@ class Driver:
         self.num_idle_group_steps = 0
         self.num_tbo_steps = 0
         self.num_graph_steps = 0
+        self.num_low_latency_steps = 0  # steps whose MoE dispatch ran in low-latency mode
         self.last_step_seconds: list[float] = []  # forward+sample seconds of each DP group's tp-rank 0
 
     def new_rid(self) -> str:
@@ -123,11 +125,15 @@ class Driver:
             else replace(b.worker_batch, global_num_tokens=global_tokens)
             for b in sched_batches
         ]
-        # Decisions every rank must share, made once here: two-batch overlap on/off, then the graph bucket.
+        # Decisions every rank must share, made once here: two-batch overlap on/off, the graph bucket, then the
+        # MoE all-to-all mode and its per-rank capacity.
         worker_batches = apply_tbo_decision(worker_batches, self.config.overlap)
         worker_batches = apply_graph_plan(worker_batches, self.graph_capture_sizes)
+        worker_batches = apply_dispatch_plan(worker_batches, self.config.moe_comm.a2a_mode,
+                                             self.config.max_dispatch_tokens_per_rank)
         self.num_tbo_steps += worker_batches[0].use_tbo
         self.num_graph_steps += worker_batches[0].graph_bs is not None
+        self.num_low_latency_steps += worker_batches[0].dispatch_capacity is not None
         outputs = self.executor.execute(worker_batches)
         self.last_step_seconds = [o.forward_seconds for o in outputs]
         self.num_steps += 1

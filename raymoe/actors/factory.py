@@ -17,7 +17,9 @@ def runner_config_for(config: EngineConfig) -> RunnerConfig:
         max_req_rows=config.scheduler.req_pool_rows, max_context_len=config.cache.max_context_len,
         attention_backend=config.attention_backend, seed=config.seed, device=config.device or "cpu",
         disable_cuda_graph=g.disable_cuda_graph, cuda_graph_max_bs=g.cuda_graph_max_bs, cuda_graph_bs=g.cuda_graph_bs,
-        enable_torch_compile=g.enable_torch_compile, overlap=config.overlap, cpu_threads=config.cpu_threads)
+        enable_torch_compile=g.enable_torch_compile, overlap=config.overlap, cpu_threads=config.cpu_threads,
+        a2a_backend=config.moe_comm.a2a_backend, a2a_mode=config.moe_comm.a2a_mode,
+        num_max_dispatch_tokens_per_rank=config.max_dispatch_tokens_per_rank)
 
 
 def build_executor(config: EngineConfig):

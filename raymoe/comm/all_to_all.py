@@ -1,4 +1,4 @@
-"""MoE token dispatch/combine over the expert-parallel group.
+"""MoE token dispatch/combine over the expert-parallel group, normal mode (data-dependent shapes).
 
 Each (token, k) routing pair is sent to the rank that owns expert ``topk_ids[token, k]`` (experts are
 assigned in contiguous blocks: rank r owns experts ``[r * E_local, (r + 1) * E_local)``), processed there,
@@ -10,7 +10,8 @@ The combine can also be sent in ``num_parts`` parts (single-batch overlap, ``ray
 holds, of every peer's chunk of received rows, the slice ``[c * p // n, c * (p + 1) // n)`` (``c`` the chunk's
 row count, :func:`part_row_index`), so both sides know each part's counts without another exchange.
 
-Backends are chosen by name in :func:`get_all_to_all_backend` and imported lazily (``deepep`` needs CUDA).
+The combine applies the top-k weights and returns one row per token. The low-latency (fixed-shape) mode is
+``raymoe.comm.low_latency``; ``raymoe.comm.dispatcher`` picks between them per step.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from raymoe.comm.expert_input import ExpertRows
 from raymoe.comm.groups import ParallelGroups
 
 
@@ -28,7 +30,8 @@ from raymoe.comm.groups import ParallelGroups
 class DispatchHandle:
     """State of a dispatch between ``dispatch_a`` and ``combine_b`` (owned by one MoE layer call).
 
-    ``order`` [P] int64 sorts the P = N * k routing pairs by destination rank; ``send_counts`` /
+    ``topk_weights`` [N, k] are applied by the combine. ``order`` [P] int64 sorts the P = N * k routing pairs by
+    destination rank; ``send_counts`` /
     ``recv_counts`` are pairs per peer rank; ``recv_hidden`` [R, H] and ``recv_expert_ids`` [R] (local expert
     ids) are filled when the transfer completes; ``works`` are pending async collective handles;
     ``combine_parts`` are (part, num_parts, receive buffer) of a combine sent in parts.
@@ -36,6 +39,7 @@ class DispatchHandle:
 
     num_tokens: int
     top_k: int
+    topk_weights: torch.Tensor
     order: torch.Tensor
     send_counts: list[int]
     recv_counts: list[int]
@@ -60,12 +64,12 @@ class TorchAllToAll:
         self.num_local_experts = num_experts // groups.ep_size
         self.local_expert_start = groups.ep_rank * self.num_local_experts
 
-    def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor) -> DispatchHandle:
-        """Start sending each routing pair's hidden row to its expert's owner.
+    def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchHandle:
+        """Start sending each routing pair's hidden row to its expert's owner (syncs once for the row counts).
 
         Args:
             hidden: [N, H] tokens of this rank.
-            topk_ids: [N, k] int64 global expert ids.
+            topk_ids: [N, k] int64 global expert ids. topk_weights: [N, k] hidden dtype, used by the combine.
         Returns:
             a handle whose ``recv_*`` tensors are valid after :meth:`dispatch_b`.
         """
@@ -74,7 +78,7 @@ class TorchAllToAll:
         if self.ep_size == 1:
             order = torch.arange(n * k, device=hidden.device)
             recv = hidden.repeat_interleave(k, dim=0) if k > 1 else hidden
-            return DispatchHandle(n, k, order, [n * k], [n * k], recv, flat_ids, [])
+            return DispatchHandle(n, k, topk_weights, order, [n * k], [n * k], recv, flat_ids, [])
         dest = torch.div(flat_ids, self.num_local_experts, rounding_mode="floor")
         order = torch.argsort(dest, stable=True)
         send_counts_t = torch.bincount(dest, minlength=self.ep_size)
@@ -91,14 +95,14 @@ class TorchAllToAll:
                                     group=self.groups.ep_group, async_op=True)
         w2 = dist.all_to_all_single(recv_ids, send_ids, recv_counts, send_counts,
                                     group=self.groups.ep_group, async_op=True)
-        return DispatchHandle(n, k, order, send_counts, recv_counts, recv_hidden, recv_ids, [w1, w2])
+        return DispatchHandle(n, k, topk_weights, order, send_counts, recv_counts, recv_hidden, recv_ids, [w1, w2])
 
-    def dispatch_b(self, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
-        """Wait for the dispatch; returns (``recv_hidden`` [R, H], local expert ids [R] int64)."""
+    def dispatch_b(self, handle: DispatchHandle) -> ExpertRows:
+        """Wait for the dispatch; returns the received rows ``x`` [R, H] and their local expert ids [R] int64."""
         for w in handle.works:
             w.wait()
         handle.works = []
-        return handle.recv_hidden, handle.recv_expert_ids - self.local_expert_start
+        return ExpertRows(handle.recv_hidden, handle.recv_expert_ids - self.local_expert_start)
 
     def combine_a(self, handle: DispatchHandle, expert_out: torch.Tensor, part: int = 0, num_parts: int = 1) -> None:
         """Start sending expert outputs ``expert_out`` [R, H] back to the ranks the pairs came from.
@@ -130,7 +134,7 @@ class TorchAllToAll:
         handle.works.append(w)
 
     def combine_b(self, handle: DispatchHandle) -> torch.Tensor:
-        """Wait for the combine; returns per-pair outputs [N, k, H] in the original (token, k) order."""
+        """Wait for the combine; returns ``sum_j topk_weights[t, j] * expert_out(t, j)`` as [N, H]."""
         for w in handle.works:
             w.wait()
         handle.works = []
@@ -146,7 +150,8 @@ class TorchAllToAll:
             unsorted = torch.empty_like(out)
             unsorted[handle.order] = out
             out = unsorted
-        return out.view(handle.num_tokens, handle.top_k, out.shape[-1])  # num_tokens may be 0 (IDLE)
+        pairs = out.view(handle.num_tokens, handle.top_k, out.shape[-1])  # num_tokens may be 0 (IDLE)
+        return (pairs * handle.topk_weights.unsqueeze(-1)).sum(dim=1)
 
 
 def part_counts(counts: list[int], part: int, num_parts: int) -> list[int]:
@@ -161,16 +166,3 @@ def part_row_index(counts: list[int], part: int, num_parts: int, device: torch.d
         pieces.append(torch.arange(start + c * part // num_parts, start + c * (part + 1) // num_parts, device=device))
         start += c
     return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64, device=device)
-
-
-def get_all_to_all_backend(name: str, groups: ParallelGroups, num_experts: int):
-    """Build the all-to-all backend ``name`` (``"torch"``; ``"deepep"`` is GPU-only and imported lazily).
-
-    Raises:
-        ValueError: unknown backend name.
-    """
-    if name == "torch":
-        return TorchAllToAll(groups, num_experts)
-    if name == "deepep":
-        raise ValueError("the deepep all-to-all backend needs CUDA and the deep_ep package; use 'torch' on CPU")
-    raise ValueError(f"unknown all-to-all backend {name!r}")

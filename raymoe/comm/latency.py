@@ -3,12 +3,12 @@
 This machine's kernel has no netem, so a slower interconnect is emulated in user space: each dispatch and each
 combine transfer completes no earlier than ``latency`` seconds after its ``_a`` call posted it. The ``_b`` half
 first waits for the real transfer, then sleeps until ``start + latency`` if that moment has not passed yet.
-``start`` is when the inner ``_a`` returns: for a dispatch that is after its blocking exchange of row counts,
-which lines the ranks up, so a rank that arrived early pays the wait for its peer *and* the latency, as on a
-real network, instead of hiding one behind the other. (A combine has no such exchange; a peer that posts late
-can still hide part of the latency there.) Work done between
-``_a`` and ``_b`` (the other half-batch under two-batch overlap) therefore hides the latency, exactly as it would
-hide a real one-way network latency; a serial schedule pays it in full. A combine sent in parts completes
+``start`` is when the inner ``_a`` returns: for a normal-mode dispatch that is after its blocking exchange of row
+counts, which lines the ranks up, so a rank that arrived early pays the wait for its peer *and* the latency, as on
+a real network, instead of hiding one behind the other. (A combine, and a low-latency dispatch, have no such
+exchange; a peer that posts late can still hide part of the latency there.) Work done between ``_a`` and ``_b``
+(the other half-batch under two-batch overlap) therefore hides the latency, exactly as it would hide a real
+one-way network latency; a serial schedule pays it in full. A combine sent in parts completes
 ``latency`` after its last part started. Sleeping releases the CPU, so the other rank's compute is not slowed.
 """
 
@@ -18,8 +18,6 @@ import time
 from collections.abc import Callable
 
 import torch
-
-from raymoe.comm.all_to_all import DispatchHandle
 
 
 class LatencyInjectedAllToAll:
@@ -60,21 +58,22 @@ class LatencyInjectedAllToAll:
             self.slept_s += remaining
             self.sleep(remaining)
 
-    def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor) -> DispatchHandle:
-        handle = self.inner.dispatch_a(hidden, topk_ids)
+    def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   capacity: int | None = None):
+        handle = self.inner.dispatch_a(hidden, topk_ids, topk_weights, capacity)
         self._dispatch_start[id(handle)] = self.clock()
         return handle
 
-    def dispatch_b(self, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
+    def dispatch_b(self, handle):
         out = self.inner.dispatch_b(handle)
         self._wait_until(self._dispatch_start.pop(id(handle)) + self.latency_s)
         return out
 
-    def combine_a(self, handle: DispatchHandle, expert_out: torch.Tensor, part: int = 0, num_parts: int = 1) -> None:
+    def combine_a(self, handle, expert_out: torch.Tensor, part: int = 0, num_parts: int = 1) -> None:
         self.inner.combine_a(handle, expert_out, part=part, num_parts=num_parts)
         self._combine_start[id(handle)] = self.clock()
 
-    def combine_b(self, handle: DispatchHandle) -> torch.Tensor:
+    def combine_b(self, handle) -> torch.Tensor:
         out = self.inner.combine_b(handle)
         self._wait_until(self._combine_start.pop(id(handle)) + self.latency_s)
         return out

@@ -6,7 +6,9 @@ Each op reads ``state.<attr>`` written by the previous one:
 
 ``op_gate`` (hidden_states -> router_logits) -> ``op_select_experts`` (-> topk_weights, topk_ids) ->
 ``op_dispatch_a`` / ``op_dispatch_b`` (-> expert inputs) -> ``op_experts`` -> ``op_combine_a`` /
-``op_combine_b`` -> ``op_output`` (-> moe_output [T, H]). A block with shared experts (DeepSeek) also has
+``op_combine_b`` (-> the top-k weighted sum [T, H]) -> ``op_output`` (-> moe_output [T, H]). The dispatch runs
+in normal or low-latency mode as the step says (``ForwardBatch.dispatch_capacity``, ``raymoe.comm.dispatcher``).
+A block with shared experts (DeepSeek) also has
 ``op_shared_experts`` (hidden_states -> shared_output), which only needs the block's input, so overlap strategies
 may place it anywhere between ``op_gate`` and ``op_output``; ``op_output`` adds it to the routed sum.
 
@@ -20,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raymoe.comm.all_to_all import get_all_to_all_backend
+from raymoe.comm.dispatcher import get_all_to_all_backend
+from raymoe.comm.expert_input import ExpertRows, MaskedExpertRows
 from raymoe.comm.groups import ParallelGroups, divide, tp_all_reduce
 from raymoe.config_arch import RouterConfig
 from raymoe.errors import CheckpointError
@@ -102,6 +105,23 @@ class LocalExperts(nn.Module):
         h = silu_and_mul(torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=ends))    # [R, I_local]
         y = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=ends)                    # [R, H]
         return torch.empty_like(x).index_copy_(0, order, y)
+
+    def forward_input(self, rows: ExpertRows | MaskedExpertRows) -> torch.Tensor:
+        """Apply the experts to a dispatch's answer, in its layout: [R, H] for :class:`ExpertRows`,
+        [E_local, C, H] for :class:`MaskedExpertRows` (:meth:`forward_masked`)."""
+        if isinstance(rows, MaskedExpertRows):
+            return self.forward_masked(rows.x)
+        return self(rows.x, rows.local_ids)
+
+    def forward_masked(self, x: torch.Tensor) -> torch.Tensor:
+        """Every row of the low-latency layout through its expert: ``x`` [E_local, C, H] -> [E_local, C, H].
+
+        Two batched GEMMs over all ``C`` rows of every expert, valid or not (a row's output depends on that row
+        only, so the invalid rows, which the combine never reads, cannot disturb the valid ones). Shapes depend
+        on ``C`` only, which is what a decode graph needs; a GPU masked grouped GEMM would skip the invalid rows.
+        """
+        h = silu_and_mul(torch.bmm(x, self.w13.transpose(1, 2)))       # [E_local, C, I_local]
+        return torch.bmm(h, self.w2.transpose(1, 2))                    # [E_local, C, H]
 
     def forward_loop(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` with one pair of GEMMs per non-empty expert (any dtype; syncs for the row counts)."""
@@ -185,16 +205,19 @@ class SparseMoeBlock(nn.Module):
 
     @stage_op(OpRole.DISPATCH_A)
     def op_dispatch_a(self, state) -> None:
-        state.dispatch_handle = self.a2a.dispatch_a(state.hidden_states, state.topk_ids)
+        """Start the dispatch; low-latency when the step's ``forward_batch.dispatch_capacity`` is set."""
+        capacity = getattr(state.forward_batch, "dispatch_capacity", None)
+        state.dispatch_handle = self.a2a.dispatch_a(state.hidden_states, state.topk_ids, state.topk_weights,
+                                                    capacity)
 
     @stage_op(OpRole.DISPATCH_B)
     def op_dispatch_b(self, state) -> None:
-        state.expert_input, state.expert_ids = self.a2a.dispatch_b(state.dispatch_handle)
+        state.expert_input = self.a2a.dispatch_b(state.dispatch_handle)
 
     @stage_op(OpRole.EXPERTS)
     def op_experts(self, state) -> None:
-        state.expert_output = self.experts(state.expert_input, state.expert_ids)
-        state.expert_input = state.expert_ids = None
+        state.expert_output = self.experts.forward_input(state.expert_input)
+        state.expert_input = None
 
     @stage_op(OpRole.COMBINE_A)
     def op_combine_a(self, state) -> None:
@@ -208,7 +231,7 @@ class SparseMoeBlock(nn.Module):
 
     @stage_op(OpRole.OUTPUT)
     def op_output(self, state) -> None:
-        out = (state.combined * state.topk_weights.unsqueeze(-1)).sum(dim=1)
+        out = state.combined  # [T, H], already weighted by the combine
         if self.experts.tp_split > 1:
             tp_all_reduce(out, self.groups)
         if self.shared_experts is not None:

@@ -86,8 +86,10 @@ class ForwardState:
         q, k, v: attention scratch (layouts set by the attention module; ``v`` may be MLA's ``expand_kv``).
         router_logits, topk_weights, topk_ids: MoE routing ([T, E], [T, k], [T, k]).
         dispatch_handle: the all-to-all handle between dispatch and combine.
-        expert_input, expert_ids, expert_output: received rows [R, H], their local expert ids [R], outputs [R, H].
-        combined: [T, k, H] expert outputs back in token order. shared_output: [T, H] shared experts' output.
+        expert_input: the dispatch's answer (``raymoe.comm.expert_input``: pair rows [R, H] with local expert
+            ids, or the low-latency [E_local, C, H] layout); expert_output: the experts' answer in the same layout.
+        combined: [T, H] top-k weighted expert outputs back in token order.
+        shared_output: [T, H] shared experts' output.
         moe_output: [T, H] the MLP's result, added to the residual by the layer.
     """
 
@@ -101,8 +103,7 @@ class ForwardState:
     topk_weights: torch.Tensor | None = None
     topk_ids: torch.Tensor | None = None
     dispatch_handle: Any = None
-    expert_input: torch.Tensor | None = None
-    expert_ids: torch.Tensor | None = None
+    expert_input: Any = None
     expert_output: torch.Tensor | None = None
     combined: torch.Tensor | None = None
     shared_output: torch.Tensor | None = None

@@ -17,6 +17,7 @@ option (``OverlapConfig.enable_sbo``), mutually exclusive with two-batch overlap
 from __future__ import annotations
 
 from raymoe.comm.all_to_all import part_row_index
+from raymoe.comm.expert_input import ExpertRows
 from raymoe.overlap.operations import Operation, OpRole, move_before
 
 DEFAULT_NUM_PARTS = 2
@@ -25,8 +26,9 @@ DEFAULT_NUM_PARTS = 2
 class SboExpertsCombine:
     """Op replacing a MoE block's ``op_experts`` + ``op_combine_a``: experts and combine start, part by part.
 
-    Reads ``state.expert_input`` [R, H], ``state.expert_ids`` [R] (local expert ids), ``state.dispatch_handle``;
-    leaves the combine in flight for the block's ``op_combine_b``.
+    Reads ``state.expert_input`` (pair rows [R, H] with local expert ids) and ``state.dispatch_handle``; leaves the
+    combine in flight for the block's ``op_combine_b``. A low-latency dispatch (masked layout) is combined in one
+    part: its message has a fixed layout that parts cannot cut.
 
     Args:
         mlp: the ``SparseMoeBlock`` (uses its ``experts`` and ``a2a``).
@@ -42,12 +44,16 @@ class SboExpertsCombine:
         self.num_parts = num_parts
 
     def __call__(self, state) -> None:
-        x, ids, handle = state.expert_input, state.expert_ids, state.dispatch_handle
+        rows, handle = state.expert_input, state.dispatch_handle
+        if not isinstance(rows, ExpertRows):  # low-latency layout: one combine message, no parts
+            self.mlp.a2a.combine_a(handle, self.mlp.experts.forward_input(rows))
+            state.expert_input = state.expert_output = None
+            return
         for part in range(self.num_parts):
-            rows = part_row_index(handle.recv_counts, part, self.num_parts, x.device)
-            out = self.mlp.experts(x[rows], ids[rows])
+            index = part_row_index(handle.recv_counts, part, self.num_parts, rows.x.device)
+            out = self.mlp.experts(rows.x[index], rows.local_ids[index])
             self.mlp.a2a.combine_a(handle, out, part=part, num_parts=self.num_parts)
-        state.expert_input = state.expert_ids = state.expert_output = None
+        state.expert_input = state.expert_output = None
 
 
 def sbo_operations(layer, num_parts: int = DEFAULT_NUM_PARTS) -> list[Operation]:

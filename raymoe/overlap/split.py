@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from raymoe.comm.a2a_plan import child_dispatch_capacity
 from raymoe.step.forward_mode import ForwardMode
 
 
@@ -169,4 +170,5 @@ class TboForwardBatchPreparer:
             (t0, t1), (s0, s1), seq_lens=seq_lens, sample_indices=torch.cumsum(ext, 0) - 1,
             seq_lens_cpu=lens.seq_lens, prefix_lens_cpu=lens.prefix_lens, extend_lens_cpu=lens.extend_lens,
             sampling=None, attn_backend=backend, use_tbo=False, graph_bs=None, tbo_children=None,
-            tbo_parent_token_range=(t0, t1))
+            tbo_parent_token_range=(t0, t1),
+            dispatch_capacity=child_dispatch_capacity(parent.dispatch_capacity, parent.forward_mode))

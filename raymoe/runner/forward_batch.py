@@ -64,7 +64,8 @@ class ForwardBatch:
     the rows of the hidden states whose logits are sampled (each request's last token this step). ``graph_bs``: the
     driver's padded decode-graph bucket for this step (``None``: eager). Two-batch overlap
     (``raymoe.overlap.split``): ``tbo_children`` are the two halves of a TBO step; a child's
-    ``tbo_parent_token_range`` (start, end) are the parent rows it covers.
+    ``tbo_parent_token_range`` (start, end) are the parent rows it covers. ``dispatch_capacity``: per-rank token
+    capacity of this (child) batch's low-latency MoE dispatch (None: normal mode; ``raymoe.comm.a2a_plan``).
 
     Raises:
         ValueError: a token tensor does not have as many rows as ``input_ids``, or a row tensor or host list
@@ -97,6 +98,7 @@ class ForwardBatch:
     graph_bs: int | None = None
     tbo_children: list[ForwardBatch] | None = None
     tbo_parent_token_range: tuple[int, int] | None = None
+    dispatch_capacity: int | None = None
 
     def __post_init__(self) -> None:
         num_tokens = self.num_tokens
@@ -152,5 +154,5 @@ class ForwardBatch:
             seq_lens_cpu=list(b.seq_lens), prefix_lens_cpu=list(b.prefix_lens),
             extend_lens_cpu=list(b.extend_lens),
             sampling=SamplingBatchInfo.from_inputs(b.sampling, device) if b.batch_size else None,
-            use_tbo=b.use_tbo, graph_bs=b.graph_bs,
+            use_tbo=b.use_tbo, graph_bs=b.graph_bs, dispatch_capacity=b.dispatch_capacity,
         )

@@ -11,7 +11,8 @@ Capture (largest bucket first): point the attention backend's metadata at its gr
   by every bucket (the largest graph sizes the pool, the smaller ones reuse it);
 * on CPU: record a callable over the bucket's static ``ForwardBatch`` (optionally ``torch.compile``-d) and run
   it once. It reads only the static buffers and the backend's graph buffers, exactly what a CUDA graph would
-  read, so buffer, padding and metadata bugs show up in CPU tests.
+  read, so buffer, padding and metadata bugs show up in CPU tests. With the low-latency MoE dispatch that run is
+  made under ``HostSyncGuard``, which raises on any host sync or data-dependent shape a CUDA graph could not hold.
 
 Replay: copy the real rows into the static buffers and pad the rest (``GraphInputBuffers.populate``), refresh
 the attention metadata in place (``init_forward_metadata_replay_cuda_graph``), replay, and return the first
@@ -33,6 +34,7 @@ from tqdm import tqdm
 from raymoe.runner.forward_batch import ForwardBatch
 from raymoe.runner.graph_buckets import select_graph_bs
 from raymoe.runner.graph_buffers import GraphInputBuffers
+from raymoe.runner.sync_guard import HostSyncGuard
 from raymoe.step.forward_mode import ForwardMode
 
 logger = logging.getLogger(__name__)
@@ -90,6 +92,9 @@ class GraphRunner:
         tbo_prepare: ``fb -> None`` attaching ``fb.tbo_children`` (each with its own attention backend) to a
             static batch; required when ``tbo_modes`` contains True.
         use_compile: run each bucket's forward through ``torch.compile`` (static shapes per bucket).
+        low_latency: capture the low-latency MoE dispatch (``ForwardBatch.dispatch_capacity`` = the bucket size,
+            as the driver plans decode steps, ``raymoe.comm.a2a_plan``); False: normal mode (CPU only: its shapes
+            depend on the routing, so a CUDA graph cannot hold it).
         warmup_runs: eager runs before each CUDA capture.
         show_progress: show a tqdm bar while capturing.
     Raises:
@@ -100,7 +105,7 @@ class GraphRunner:
     def __init__(self, forward_fn: ForwardFn, attn_backend, sizes: Sequence[int], device: torch.device | str,
                  max_kv_len: int, tbo_modes: Sequence[bool] = (False,),
                  tbo_prepare: Callable[[ForwardBatch], None] | None = None, use_compile: bool = False,
-                 warmup_runs: int = 2, show_progress: bool = True):
+                 low_latency: bool = False, warmup_runs: int = 2, show_progress: bool = True):
         if not sizes or min(sizes) < 1:
             raise ValueError(f"graph batch sizes must be a non-empty list of sizes >= 1, got {list(sizes)}")
         if True in tbo_modes and tbo_prepare is None:
@@ -113,6 +118,7 @@ class GraphRunner:
         self.tbo_prepare = tbo_prepare
         self.max_kv_len = max_kv_len
         self.use_compile = use_compile
+        self.low_latency = low_latency
         self.warmup_runs = warmup_runs
         self.forward_fn = torch.compile(forward_fn, dynamic=False) if use_compile else forward_fn
         attn_backend.init_cuda_graph_state(self.max_bs, max_kv_len)
@@ -153,6 +159,7 @@ class GraphRunner:
 
     def _capture_one(self, bs: int, use_tbo: bool, pool, stream) -> _CpuStep | _CudaStep:
         fb = self.buffers.forward_batch(bs, self.attn_backend, use_tbo)
+        fb.dispatch_capacity = bs if self.low_latency else None
         self.static_batches[(bs, use_tbo)] = fb
         self.buffers.pad(0, bs)
         if use_tbo:
@@ -175,7 +182,10 @@ class GraphRunner:
             except RuntimeError as e:  # e.g. a host sync (.tolist(), .item()) inside the forward
                 raise RuntimeError(f"CUDA graph capture of decode batch size {bs} (tbo={use_tbo}) failed: {e}. "
                                    "The forward must not sync with the host; or set disable_cuda_graph=True") from e
-        run()  # CPU "capture": prove the bucket runs (and compile it when use_compile)
+        # CPU "capture": prove the bucket runs (and compile it when use_compile); with the low-latency dispatch the
+        # forward must also be free of host syncs, as a CUDA graph needs, and the guard proves it.
+        with HostSyncGuard() if self.low_latency and not self.use_compile else contextlib.nullcontext():
+            run()
         return _CpuStep(run)
 
     def bucket_for(self, forward_batch: ForwardBatch) -> int | None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from raymoe.attention.tbo import TboAttnBackend
+from raymoe.comm.expert_input import resolve_a2a_mode
 from raymoe.comm.groups import ParallelGroups
 from raymoe.comm.latency import inject_a2a_latency
 from raymoe.config import ModelConfig, OverlapConfig
@@ -39,7 +40,9 @@ class RunnerConfig:
             for exactness tests).
         num_kv_slots: KV slots of the pool (without dummy slot 0), tokens.
         max_req_rows: rows of the ReqToTokenPool table. max_context_len: tokens per row.
-        attention_backend, a2a_backend: backend names. seed: sampler seed. device: ``"cpu"`` or ``"cuda"``.
+        attention_backend, a2a_backend: backend names. a2a_mode: the engine's MoE all-to-all mode (decode graphs
+            capture the mode a decode step resolves to). num_max_dispatch_tokens_per_rank: per-rank token bound
+            of low-latency dispatches (sizes DeepEP's buffers). seed: sampler seed. device: ``"cpu"`` or ``"cuda"``.
         disable_cuda_graph: run every decode eagerly (no capture at start-up). On CPU the "graphs" are
             static-buffer callables with the same contract (``raymoe.runner.graph_runner``).
         cuda_graph_max_bs: largest captured batch size (``None``: ``max_req_rows``).
@@ -58,6 +61,8 @@ class RunnerConfig:
     max_context_len: int
     attention_backend: str = "torch_native"
     a2a_backend: str = "torch"
+    a2a_mode: str = "auto"
+    num_max_dispatch_tokens_per_rank: int = 256
     seed: int = 0
     device: str = "cpu"
     disable_cuda_graph: bool = False
@@ -76,6 +81,7 @@ class RunnerConfig:
         if self.num_kv_slots < 1 or self.max_req_rows < 1 or self.max_context_len < 2:
             raise ValueError("num_kv_slots, max_req_rows must be >= 1 and max_context_len >= 2")
         _ = self.graph_capture_sizes  # validates the graph options
+        resolve_a2a_mode(self.a2a_mode, True)  # validates the mode
 
     @property
     def graph_capture_sizes(self) -> tuple[int, ...]:
@@ -132,6 +138,7 @@ class ModelRunner:
                                             tbo_modes=(False, True) if tbo else (False,),
                                             tbo_prepare=tbo_prepare if tbo else None,
                                             use_compile=cfg.enable_torch_compile,
+                                            low_latency=resolve_a2a_mode(cfg.a2a_mode, True) == "low_latency",
                                             show_progress=self.groups.world_rank == 0)
 
     def prepare(self, batch: ModelWorkerBatch, for_graph: bool = False) -> ForwardBatch:

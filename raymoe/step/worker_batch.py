@@ -34,6 +34,8 @@ class ModelWorkerBatch:
         use_tbo: run this step with two-batch overlap (decided once by the driver for all ranks).
         graph_bs: padded batch size of the captured graph to replay, or ``None`` for eager.
         global_num_tokens: tokens per DP group this step (all ranks agree; used for MoE buffer sizing).
+        dispatch_capacity: per-rank token capacity M of this step's low-latency MoE dispatch, the same on every
+            rank (``raymoe.comm.a2a_plan``); None: normal-mode dispatch.
     Raises:
         ValueError: a per-request list or ``sampling`` does not have ``bs`` entries, ``out_cache_loc`` does not
             have ``T``, or an IDLE batch carries requests or tokens.
@@ -51,6 +53,7 @@ class ModelWorkerBatch:
     use_tbo: bool = False
     graph_bs: int | None = None
     global_num_tokens: tuple[int, ...] = ()
+    dispatch_capacity: int | None = None
 
     def __post_init__(self) -> None:
         bs = len(self.req_pool_indices)
@@ -64,6 +67,10 @@ class ModelWorkerBatch:
             raise ValueError("ModelWorkerBatch.out_cache_loc must have one slot per input token")
         if self.forward_mode == ForwardMode.IDLE and (bs or num_tokens):
             raise ValueError("an IDLE ModelWorkerBatch carries no requests")
+        cap = self.dispatch_capacity
+        if cap is not None and (cap < 1 or num_tokens > cap):
+            raise ValueError(f"ModelWorkerBatch.dispatch_capacity {cap} must be >= 1 and hold its {num_tokens} "
+                             "tokens")
 
     @property
     def batch_size(self) -> int:

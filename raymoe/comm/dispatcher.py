@@ -1,0 +1,88 @@
+"""The MoE dispatcher a layer holds: normal and low-latency dispatch/combine behind one interface.
+
+Every backend (``torch`` here, ``deepep`` in ``raymoe.comm.deepep``) exposes the same four halves, so overlap
+schedules (two-batch and single-batch overlap) can run other work between an ``_a`` that starts a transfer and
+the ``_b`` that waits for it:
+
+* ``dispatch_a(hidden [N, H], topk_ids [N, k] int64, topk_weights [N, k], capacity: int | None) -> handle``:
+  ``capacity`` None runs the normal mode; an int M runs the low-latency mode with M tokens per rank (the same on
+  every rank of the step, chosen by the driver: ``ForwardBatch.dispatch_capacity``).
+* ``dispatch_b(handle) -> ExpertRows | MaskedExpertRows`` (``raymoe.comm.expert_input``).
+* ``combine_a(handle, expert_out, part=0, num_parts=1)``: ``expert_out`` in the layout ``dispatch_b`` gave;
+  parts (single-batch overlap) exist in normal mode only.
+* ``combine_b(handle) -> [N, H]``: the top-k weighted sum of the expert outputs of each token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raymoe.comm.all_to_all import DispatchHandle, TorchAllToAll
+from raymoe.comm.expert_input import A2A_BACKENDS, ExpertRows, MaskedExpertRows
+from raymoe.comm.groups import ParallelGroups
+from raymoe.comm.low_latency import LowLatencyHandle, TorchLowLatencyAllToAll
+
+
+class TorchDispatcher:
+    """Normal (:class:`~raymoe.comm.all_to_all.TorchAllToAll`) and low-latency
+    (:class:`~raymoe.comm.low_latency.TorchLowLatencyAllToAll`) modes over ``torch.distributed`` collectives.
+
+    Args:
+        groups: the rank's process groups (``ep_group`` is used). num_experts: routed experts E.
+    """
+
+    def __init__(self, groups: ParallelGroups, num_experts: int):
+        self.normal = TorchAllToAll(groups, num_experts)
+        self.low_latency = TorchLowLatencyAllToAll(groups, num_experts)
+        self.ep_size = groups.ep_size
+        self.num_local_experts = num_experts // groups.ep_size
+
+    def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   capacity: int | None = None) -> DispatchHandle | LowLatencyHandle:
+        """Start the dispatch (low-latency when ``capacity`` is set). Raises ValueError: N > capacity."""
+        if capacity is None:
+            return self.normal.dispatch_a(hidden, topk_ids, topk_weights)
+        return self.low_latency.dispatch_a(hidden, topk_ids, topk_weights, capacity)
+
+    def dispatch_b(self, handle: DispatchHandle | LowLatencyHandle) -> ExpertRows | MaskedExpertRows:
+        """Wait for the dispatch; returns the received pairs in the mode's layout."""
+        if isinstance(handle, LowLatencyHandle):
+            return self.low_latency.dispatch_b(handle)
+        return self.normal.dispatch_b(handle)
+
+    def combine_a(self, handle: DispatchHandle | LowLatencyHandle, expert_out: torch.Tensor, part: int = 0,
+                  num_parts: int = 1) -> None:
+        """Start the combine of ``expert_out`` (layout of ``dispatch_b``'s answer).
+
+        Raises:
+            ValueError: a low-latency combine sent in parts.
+        """
+        if isinstance(handle, LowLatencyHandle):
+            if num_parts != 1:
+                raise ValueError("a low-latency combine is sent in one part")
+            self.low_latency.combine_a(handle, expert_out)
+            return
+        self.normal.combine_a(handle, expert_out, part=part, num_parts=num_parts)
+
+    def combine_b(self, handle: DispatchHandle | LowLatencyHandle) -> torch.Tensor:
+        """Wait for the combine; returns the weighted per-token sums [N, H]."""
+        if isinstance(handle, LowLatencyHandle):
+            return self.low_latency.combine_b(handle)
+        return self.normal.combine_b(handle)
+
+
+def get_all_to_all_backend(name: str, groups: ParallelGroups, num_experts: int, **options):
+    """Build the dispatcher of backend ``name``: ``"torch"`` (CPU and GPU) or ``"deepep"`` (CUDA + ``deep_ep``,
+    imported lazily; ``options`` go to its constructor, e.g. ``num_max_dispatch_tokens_per_rank``).
+
+    Raises:
+        ValueError: unknown backend name.
+        ImportError: ``deepep`` without the ``deep_ep`` package (the message names it).
+    """
+    if name not in A2A_BACKENDS:
+        raise ValueError(f"unknown all-to-all backend {name!r} (expected one of {A2A_BACKENDS})")
+    if name == "torch":
+        return TorchDispatcher(groups, num_experts)
+    from raymoe.comm.deepep import DeepEPDispatcher  # lazy: needs CUDA and deep_ep
+
+    return DeepEPDispatcher(groups, num_experts, **options)

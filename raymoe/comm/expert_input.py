@@ -1,0 +1,55 @@
+"""What a dispatch hands the local experts: the two layouts of received routing pairs.
+
+* :class:`ExpertRows` (normal mode): one row per received (token, k) pair, ``x`` [R, H] with its local expert id
+  ``local_ids`` [R]; R depends on the routing, so shapes are data-dependent.
+* :class:`MaskedExpertRows` (low-latency mode, DeepEP's ``low_latency_dispatch`` layout): ``x`` [E_local, C, H]
+  with ``C = num_max_dispatch_tokens_per_rank * ep_size``; rows ``[0, counts[e])`` of expert ``e`` are valid and
+  the rest hold arbitrary values. Shapes depend only on the step's per-rank capacity, and ``counts`` stays on the
+  device, so a decode graph can capture it.
+
+The experts answer in the layout they were given (``LocalExperts.forward_input``), and the dispatcher's combine
+takes that answer back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+A2AMode = Literal["normal", "low_latency", "auto"]
+A2A_MODES: tuple[str, ...] = ("normal", "low_latency", "auto")
+A2A_BACKENDS: tuple[str, ...] = ("torch", "deepep")
+
+
+@dataclass
+class ExpertRows:
+    """Received pairs, one row each: ``x`` [R, H] (hidden dtype), ``local_ids`` [R] int64 in ``[0, E_local)``."""
+
+    x: torch.Tensor
+    local_ids: torch.Tensor
+
+
+@dataclass
+class MaskedExpertRows:
+    """Received pairs packed per local expert: ``x`` [E_local, C, H], ``counts`` [E_local] int32 valid rows each."""
+
+    x: torch.Tensor
+    counts: torch.Tensor
+
+
+def resolve_a2a_mode(mode: str, is_decode_step: bool) -> str:
+    """The concrete mode (``"normal"`` or ``"low_latency"``) of a step under engine option ``mode``.
+
+    ``auto`` means low-latency for decode steps (DECODE and IDLE groups only) and normal for steps with extend
+    tokens, as SGLang's DeepEP ``auto`` mode does.
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`A2A_MODES`.
+    """
+    if mode not in A2A_MODES:
+        raise ValueError(f"a2a_mode must be one of {A2A_MODES}, got {mode!r}")
+    if mode == "auto":
+        return "low_latency" if is_decode_step else "normal"
+    return mode

@@ -1,0 +1,100 @@
+"""Optional GPU backends: what each needs, the config-time check, and the ``raymoe env`` report.
+
+GPU backends are never needed to install, import or test raymoe. Each is imported lazily where it is built; this
+module only looks for the packages (``importlib.util.find_spec``: nothing is imported, so the check is cheap
+and works on a machine without CUDA) so that choosing a backend whose package is missing fails when the engine
+is configured, with the package named, instead of in the middle of a rank's start-up.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+from dataclasses import dataclass
+
+from raymoe.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class GpuBackend:
+    """One optional backend: the engine option that selects it, the module(s) that provide it (any one is
+    enough) and how to install it."""
+
+    option: str
+    value: str
+    modules: tuple[str, ...]
+    install: str
+
+
+GPU_BACKENDS: tuple[GpuBackend, ...] = (
+    GpuBackend("a2a_backend", "deepep", ("deep_ep",),
+               "build DeepEP from source (see README, 'GPU backends'): it needs CUDA and NVSHMEM"),
+    GpuBackend("attention_backend", "flash_attn", ("vllm",),
+               "pip install vllm (its vllm.vllm_flash_attn provides flash_attn_varlen_func)"),
+)
+
+
+def module_available(name: str) -> bool:
+    """Whether top-level module ``name`` can be imported (found on the path; not imported)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def check_gpu_backends(config) -> None:
+    """Refuse GPU backends that cannot run: on ``device="cpu"``, or without their package.
+
+    Args:
+        config: an ``EngineConfig`` (reads ``device``, ``attention_backend``, ``moe_comm.a2a_backend``).
+    Raises:
+        InvalidRequestError: naming the option, and the package to install when it is missing.
+    """
+    chosen = {"attention_backend": config.attention_backend, "a2a_backend": config.moe_comm.a2a_backend}
+    for backend in GPU_BACKENDS:
+        if chosen[backend.option] != backend.value:
+            continue
+        if config.device == "cpu":
+            raise InvalidRequestError(backend.option, f"{backend.value!r} runs on CUDA only; use device='cuda' "
+                                                      f"or the CPU backend")
+        if not any(module_available(m) for m in backend.modules):
+            raise InvalidRequestError(backend.option, f"{backend.value!r} needs the package providing "
+                                                      f"{' or '.join(backend.modules)}, which is not installed: "
+                                                      f"{backend.install}")
+
+
+def environment_report() -> dict[str, str]:
+    """Versions and capabilities relevant to raymoe on this machine (``raymoe env``), as printable strings:
+    python, torch, CUDA (compiled / driver-visible devices), NCCL, gloo, and whether each GPU backend's package
+    imports (an import is attempted here, so a broken install shows up)."""
+    import torch
+    import torch.distributed as dist
+
+    report = {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
+              "torch.version.cuda": str(torch.version.cuda), "cuda.is_available": str(torch.cuda.is_available()),
+              "cuda.device_count": str(torch.cuda.device_count() if torch.cuda.is_available() else 0),
+              "gloo": str(dist.is_available() and dist.is_gloo_available()),
+              "nccl": str(dist.is_available() and dist.is_nccl_available())}
+    if torch.cuda.is_available():
+        report["cuda.device0"] = torch.cuda.get_device_name(0)
+        try:
+            report["nccl.version"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception as e:  # noqa: BLE001 - report, never fail
+            report["nccl.version"] = f"unavailable ({type(e).__name__})"
+    for backend in GPU_BACKENDS:
+        report[f"{backend.option}={backend.value}"] = _import_status(backend.modules)
+    for name in ("ray", "transformers"):
+        report[name] = _import_status((name,))
+    return report
+
+
+def _import_status(modules: tuple[str, ...]) -> str:
+    for name in modules:
+        if not module_available(name):
+            continue
+        try:
+            module = importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - a broken install is reported, not raised
+            return f"broken ({type(e).__name__}: {e})"
+        return f"ok ({name} {getattr(module, '__version__', '?')})"
+    return f"missing ({' or '.join(modules)})"

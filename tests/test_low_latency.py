@@ -1,0 +1,181 @@
+"""Low-latency (fixed-shape) MoE dispatch/combine: the same result as the normal mode, on gloo ranks and through
+whole engines (greedy tokens equal transformers' at ep=2 and ep=4, TBO on and off, decode graphs captured under
+the host-sync guard)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from raymoe import Engine, SamplingParams
+from raymoe.comm.a2a_plan import child_dispatch_capacity, plan_dispatch_capacity
+from raymoe.comm.dispatcher import TorchDispatcher
+from raymoe.comm.expert_input import MaskedExpertRows, resolve_a2a_mode
+from raymoe.comm.groups import ParallelGroups
+from raymoe.config import ParallelConfig
+from raymoe.layers.moe import LocalExperts
+from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.sampling_inputs import SamplingInputs
+from raymoe.step.worker_batch import ModelWorkerBatch
+
+E, K, H, INTER = 8, 2, 16, 12
+
+
+def _experts(groups: ParallelGroups) -> tuple[LocalExperts, torch.Tensor, torch.Tensor]:
+    """This rank's experts, and every expert's weights (the same seed on all ranks) for the reference."""
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(E, 2 * INTER, H, generator=g) * 0.2
+    w2 = torch.randn(E, H, INTER, generator=g) * 0.2
+    local = LocalExperts(E, H, INTER, groups, torch.float32)
+    start = local.expert_start
+    local.w13.data.copy_(w13[start:start + local.num_local])
+    local.w2.data.copy_(w2[start:start + local.num_local])
+    return local, w13, w2
+
+
+def _inputs(rank: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(n, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n)]) if n else torch.empty(0, K).long()
+    w = torch.softmax(torch.randn(n, K, generator=g), dim=-1)
+    return x, ids, w
+
+
+def _moe_both_modes(groups: ParallelGroups, sizes: list[int]) -> dict:
+    """One MoE call per mode on this rank's tokens (``sizes[rank]`` of them; capacity = max over ranks)."""
+    n = sizes[groups.ep_rank]
+    x, ids, w = _inputs(groups.ep_rank, n)
+    experts, w13, w2 = _experts(groups)
+    a2a = TorchDispatcher(groups, E)
+    out = {}
+    for mode, capacity in (("normal", None), ("low_latency", max(sizes))):
+        handle = a2a.dispatch_a(x, ids, w, capacity)
+        rows = a2a.dispatch_b(handle)
+        if isinstance(rows, MaskedExpertRows):
+            out["counts"] = rows.counts.tolist()
+            assert rows.x.shape == (experts.num_local, capacity * groups.ep_size, H)
+        a2a.combine_a(handle, experts.forward_input(rows))
+        out[mode] = a2a.combine_b(handle)
+    ref = torch.zeros(n, H)
+    for t in range(n):
+        for j in range(K):
+            e = int(ids[t, j])
+            hidden = torch.nn.functional.silu(w13[e, :INTER] @ x[t]) * (w13[e, INTER:] @ x[t])
+            ref[t] += w[t, j] * (w2[e] @ hidden)
+    out["reference"] = ref
+    out["local_ids"] = ids
+    return out
+
+
+@pytest.mark.parametrize("sizes", [[5, 3], [4, 0, 7, 2]], ids=["ep2", "ep4_with_idle_rank"])
+def test_low_latency_combine_equals_normal_mode_and_reference(sizes):
+    from dist_harness import run_ranks
+
+    ep = len(sizes)
+    per_rank = run_ranks(_moe_both_modes, ParallelConfig(tp_size=1, dp_size=ep, ep_size=ep), sizes)
+    el = E // ep
+    for r, out in enumerate(per_rank):
+        assert out["low_latency"].shape == (sizes[r], H)
+        torch.testing.assert_close(out["low_latency"], out["normal"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out["low_latency"], out["reference"], rtol=1e-5, atol=1e-5)
+        # every rank's pairs for this rank's experts were counted, on the device, without an extra exchange
+        expected = [sum(int((o["local_ids"] == r * el + e).sum()) for o in per_rank) for e in range(el)]
+        assert out["counts"] == expected
+
+
+def test_low_latency_at_ep1_and_capacity_checks():
+    groups = ParallelGroups.single()
+    experts, _, _ = _experts(groups)
+    a2a = TorchDispatcher(groups, E)
+    x, ids, w = _inputs(0, 6)
+    results = []
+    for capacity in (None, 6, 9):
+        h = a2a.dispatch_a(x, ids, w, capacity)
+        a2a.combine_a(h, experts.forward_input(a2a.dispatch_b(h)))
+        results.append(a2a.combine_b(h))
+    torch.testing.assert_close(results[1], results[0])
+    torch.testing.assert_close(results[2], results[0])
+    with pytest.raises(ValueError, match="capacity"):
+        a2a.dispatch_a(x, ids, w, 5)
+    h = a2a.dispatch_a(x, ids, w, 6)
+    a2a.dispatch_b(h)
+    with pytest.raises(ValueError, match="one part"):
+        a2a.combine_a(h, torch.zeros(E, 6, H), part=0, num_parts=2)
+
+
+def _batch(mode: ForwardMode, n: int, graph_bs: int | None = None) -> ModelWorkerBatch:
+    if mode == ForwardMode.IDLE:
+        return ModelWorkerBatch.idle()
+    ext = [1] * n if mode == ForwardMode.DECODE else [n]
+    rows = n if mode == ForwardMode.DECODE else 1
+    return ModelWorkerBatch(forward_mode=mode, input_ids=[1] * n, req_pool_indices=list(range(rows)),
+                            seq_lens=[e + 3 for e in ext], prefix_lens=[3] * rows, extend_lens=ext,
+                            out_cache_loc=list(range(1, n + 1)),
+                            sampling=SamplingInputs.greedy(rows), graph_bs=graph_bs)
+
+
+def test_driver_plans_one_mode_and_capacity_for_every_rank():
+    decode = [_batch(ForwardMode.DECODE, 5), _batch(ForwardMode.IDLE, 0)]
+    extend = [_batch(ForwardMode.EXTEND, 40), _batch(ForwardMode.DECODE, 3)]
+    assert plan_dispatch_capacity(decode, "auto", 64) == 5          # busiest group's tokens
+    assert plan_dispatch_capacity(extend, "auto", 64) is None       # extend tokens: normal mode
+    assert plan_dispatch_capacity(extend, "low_latency", 64) == 40
+    assert plan_dispatch_capacity(extend, "low_latency", 32) is None  # above the bound: normal mode
+    assert plan_dispatch_capacity(decode, "normal", 64) is None
+    graphed = [_batch(ForwardMode.DECODE, 5, graph_bs=8), _batch(ForwardMode.IDLE, 0)]
+    assert plan_dispatch_capacity(graphed, "auto", 4) == 8          # the captured bucket, whatever the bound
+    assert child_dispatch_capacity(9, ForwardMode.DECODE) == 5 == child_dispatch_capacity(9, ForwardMode.IDLE)
+    assert child_dispatch_capacity(9, ForwardMode.EXTEND) == 9
+    assert resolve_a2a_mode("auto", True) == "low_latency" and resolve_a2a_mode("auto", False) == "normal"
+    with pytest.raises(ValueError):
+        resolve_a2a_mode("fast", True)
+    with pytest.raises(ValueError, match="dispatch_capacity"):
+        dataclasses.replace(_batch(ForwardMode.DECODE, 5), dispatch_capacity=4)
+
+
+PROMPTS = ["def fib(n):", "import os\nimport sys\n\n", "class Foo(object):\n    def __init__(self, x):\n",
+           "The quick brown fox jumps over the lazy dog. " * 2, "x", "return self._cache[key]"]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+OPTS = {"max_running_requests": 8, "chunked_prefill_size": 32, "max_context_len": 256, "cuda_graph_max_bs": 4,
+        "num_max_dispatch_tokens_per_rank": 64}
+TBO = {"enable_tbo": True, "tbo_min_tokens_decode": 2, "tbo_min_tokens_extend": 4}
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from raymoe.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_model)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    out = []
+    for p in PROMPTS:
+        ids = torch.tensor([tok.encode(p, add_special_tokens=False)])
+        with torch.no_grad():
+            gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY.max_tokens,
+                              do_sample=False)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+@pytest.mark.parametrize(("ep", "mode", "tbo"), [(2, "normal", False), (2, "low_latency", False),
+                                                  (2, "low_latency", True), (4, "low_latency", True),
+                                                  (4, "auto", False)])
+def test_engine_low_latency_greedy_matches_transformers(ray_cluster, tiny_model, oracle, ep, mode, tbo):
+    with Engine(tiny_model, dp_size=ep, ep_size=ep, a2a_mode=mode, **OPTS, **(TBO if tbo else {})) as e:
+        outs = [o.token_ids for o in e.generate(PROMPTS, GREEDY)]
+        d = e.driver
+        steps, ll_steps, graph_steps, tbo_steps = d.num_steps, d.num_low_latency_steps, d.num_graph_steps, \
+            d.num_tbo_steps
+    assert outs == oracle
+    assert graph_steps > 0  # decode graphs were captured (under the sync guard when low-latency) and replayed
+    assert (tbo_steps > 0) == tbo
+    if mode == "normal":
+        assert ll_steps == 0
+    elif mode == "low_latency":
+        assert ll_steps == steps  # every step fits the per-rank bound (64 >= the prefill chunk here)
+    else:
+        assert 0 < ll_steps < steps
