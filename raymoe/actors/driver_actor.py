@@ -34,8 +34,14 @@ def start_driver_actor(config: EngineConfig):
     minutes)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from raymoe.runner.device import engine_device
+
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    cls = ray.remote(DriverActor).options(num_cpus=0, max_restarts=0, max_concurrency=4, scheduling_strategy=here)
+    # World size 1: the rank computes in this actor, which then needs the GPU (Ray hides GPUs from actors that
+    # do not ask for one, and the rank would fail with RankDeviceError).
+    gpus = 1 if config.parallel.world_size == 1 and engine_device(config.device) == "cuda" else 0
+    cls = ray.remote(DriverActor).options(num_cpus=0, num_gpus=gpus, max_restarts=0, max_concurrency=4,
+                                          scheduling_strategy=here)
     return cls.remote(config)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from raymoe.actors.driver import Driver
 from raymoe.actors.executor import LocalExecutor, RayExecutor
 from raymoe.config import EngineConfig, ModelConfig
+from raymoe.runner.device import engine_device
 from raymoe.runner.model_runner import RunnerConfig
 from raymoe.tokenizer import eos_token_ids
 
@@ -15,7 +16,7 @@ def runner_config_for(config: EngineConfig) -> RunnerConfig:
     return RunnerConfig(
         model_path=config.model, dtype=config.dtype, num_kv_slots=config.cache.max_total_tokens,
         max_req_rows=config.scheduler.req_pool_rows, max_context_len=config.cache.max_context_len,
-        attention_backend=config.attention_backend, seed=config.seed, device=config.device or "cpu",
+        attention_backend=config.attention_backend, seed=config.seed, device=engine_device(config.device),
         disable_cuda_graph=g.disable_cuda_graph, cuda_graph_max_bs=g.cuda_graph_max_bs, cuda_graph_bs=g.cuda_graph_bs,
         enable_torch_compile=g.enable_torch_compile, overlap=config.overlap, cpu_threads=config.cpu_threads,
         a2a_backend=config.moe_comm.a2a_backend, a2a_mode=config.moe_comm.a2a_mode,
@@ -30,7 +31,7 @@ def build_executor(config: EngineConfig):
     from raymoe.cluster.bootstrap import init_ray
 
     init_ray(config.ray_address)
-    return RayExecutor(runner_cfg, config.parallel, use_gpu=config.device == "cuda", fanout=config.fanout,
+    return RayExecutor(runner_cfg, config.parallel, use_gpu=runner_cfg.device == "cuda", fanout=config.fanout,
                        step_timeout_s=config.step_timeout_s)
 
 

@@ -52,27 +52,29 @@ class RankWorker:
         """Join the world group and create the TP/EP groups; returns this process id."""
         import torch
 
+        from raymoe.actors.process_tuning import rank_cpu_threads
         from raymoe.cluster.topology import init_parallel_groups
 
-        backend = "nccl" if self._device() == "cuda" else "gloo"
-        from raymoe.actors.process_tuning import rank_cpu_threads
-
+        device = self._device()
+        backend = "nccl" if device.type == "cuda" else "gloo"
         torch.set_num_threads(rank_cpu_threads(self.runner_cfg.cpu_threads, self.parallel.world_size))
-        self.groups = init_parallel_groups(self.rank, self.parallel, init_method, backend, timeout_s)
+        self.groups = init_parallel_groups(self.rank, self.parallel, init_method, backend, timeout_s,
+                                           device_id=device if device.type == "cuda" else None)
         return os.getpid()
 
-    def _device(self) -> str:
-        import torch
+    def _device(self):
+        """This rank's ``torch.device`` (made current for CUDA). Raises RankDeviceError: CUDA configured but no
+        GPU visible (never a silent CPU fallback, which would hang a mixed NCCL/gloo group)."""
+        from raymoe.runner.device import rank_device
 
-        if self.runner_cfg.device == "cuda" and torch.cuda.is_available():
-            return "cuda"
-        return "cpu"
+        return rank_device(self.runner_cfg.device, self.rank)
 
     def load(self) -> bool:
-        """Build the runner (loads this rank's shard). Ranks without CUDA fall back to CPU tensors."""
+        """Build the runner (loads this rank's shard) on this rank's device."""
         from dataclasses import replace
 
-        self.runner = ModelRunner(replace(self.runner_cfg, device=self._device()), self.groups)
+        device = self._device()
+        self.runner = ModelRunner(replace(self.runner_cfg, device=str(device)), self.groups)
         return True
 
     def step(self, batch: ModelWorkerBatch) -> StepOutput:

@@ -18,7 +18,8 @@ import os
 import platform
 from pathlib import Path
 
-COLUMNS = [("batch_size", "bs", "{:d}"), ("latency_ms", "lat ms", "{:.1f}"), ("compute_ms", "compute", "{:.2f}"),
+COLUMNS = [("a2a_mode", "a2a", "{}"), ("batch_size", "bs", "{:d}"), ("latency_ms", "lat ms", "{:.1f}"),
+           ("compute_ms", "compute", "{:.2f}"),
            ("comm_ms", "comm", "{:.2f}"), ("serial_ms", "serial", "{:.2f}"), ("tbo_ms", "TBO", "{:.2f}"),
            ("tbo_compute_ms", "TBO cmp", "{:.2f}"), ("sbo_ms", "SBO", "{:.2f}"), ("efficiency", "eff", "{:.2f}"),
            ("efficiency_min", "eff min", "{:.2f}"), ("serial_latency_exposed", "lat exp", "{:.2f}"),
@@ -68,11 +69,14 @@ def save_plot(points: list[dict], path: Path) -> None:
     sizes = sorted({p["batch_size"] for p in points})
     fig, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes), 3.6), squeeze=False)
     for ax, bs in zip(axes[0], sizes, strict=True):
-        pts = sorted((p for p in points if p["batch_size"] == bs), key=lambda p: p["latency_ms"])
-        lat = [p["latency_ms"] for p in pts]
-        for key, label, style in (("serial_ms", "serial (TBO off)", "o-"), ("tbo_ms", "TBO", "s-"),
-                                  ("sbo_ms", "SBO", "^:"), ("compute_ms", "compute only", "k--")):
-            ax.plot(lat, [p[key] for p in pts], style, label=label)
+        for mode in sorted({p.get("a2a_mode", "normal") for p in points}):
+            pts = sorted((p for p in points if p["batch_size"] == bs and p.get("a2a_mode", "normal") == mode),
+                         key=lambda p: p["latency_ms"])
+            lat = [p["latency_ms"] for p in pts]
+            dash = "-" if mode == "normal" else "--"
+            for key, label, marker in (("serial_ms", "serial (TBO off)", "o"), ("tbo_ms", "TBO", "s"),
+                                       ("sbo_ms", "SBO", "^"), ("compute_ms", "compute only", "x")):
+                ax.plot(lat, [p[key] for p in pts], marker + dash, label=f"{label}, {mode}")
         ax.set_title(f"decode, bs {bs} per rank")
         ax.set_xlabel("injected one-way a2a latency (ms)")
         ax.set_ylabel("step time (ms)")
@@ -95,11 +99,16 @@ def run_overlap_bench(a: argparse.Namespace) -> dict:
     latencies = [float(x) for x in a.latency_ms.split(",")]
     parallel = ParallelConfig(tp_size=1, dp_size=a.ep, ep_size=a.ep)
     print(f"model {model}; ep={a.ep} ranks x {a.threads_per_rank} thread(s), context {a.context_len} tokens")
-    per_rank = spawn_ranks(measure_rank, parallel, model, sizes, latencies, a.context_len, a.warmup, a.iters,
-                           a.seed, threads_per_rank=a.threads_per_rank)
-    points = add_efficiency(per_rank[0])
+    modes = ["normal", "low_latency"] if a.a2a_mode == "both" else [a.a2a_mode]
+    points = []
+    for mode in modes:
+        print(f"a2a mode {mode}")
+        per_rank = spawn_ranks(measure_rank, parallel, model, sizes, latencies, a.context_len, a.warmup, a.iters,
+                               a.seed, mode, threads_per_rank=a.threads_per_rank)
+        points += add_efficiency(per_rank[0])
     print(format_table(points))
-    result = {"benchmark": "overlap", "model": model, "ep": a.ep, "threads_per_rank": a.threads_per_rank,
+    result = {"benchmark": "overlap", "model": model, "ep": a.ep, "a2a_mode": a.a2a_mode,
+              "threads_per_rank": a.threads_per_rank,
               "context_len": a.context_len, "iters": a.iters, "warmup": a.warmup, "cpu_count": os.cpu_count(),
               "platform": platform.platform(), "points": points}
     out = Path(a.output_json)
@@ -113,6 +122,8 @@ def run_overlap_bench(a: argparse.Namespace) -> dict:
 def add_overlap_args(p: argparse.ArgumentParser) -> None:
     """Options of ``raymoe bench overlap`` (``--model`` is added by the caller)."""
     p.add_argument("--ep", type=int, default=2, help="ranks (= expert-parallel size = DP groups)")
+    p.add_argument("--a2a-mode", default="both", choices=["normal", "low_latency", "both"],
+                   help="MoE dispatch mode of the decode steps (both: normal, then low-latency, in one run)")
     p.add_argument("--batch-sizes", default="16,64,128", help="decode requests per rank")
     p.add_argument("--latency-ms", default="0,1,2,5", help="injected one-way all-to-all latencies")
     p.add_argument("--context-len", type=int, default=32, help="cached tokens per request")

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from raymoe.comm.all_to_all import DispatchHandle, TorchAllToAll
+from raymoe.comm.all_to_all import DispatchHandle
+from raymoe.comm.expert_input import ExpertRows, MaskedExpertRows
 from raymoe.comm.groups import ParallelGroups
 from raymoe.comm.latency import LatencyInjectedAllToAll, wrap_moe_all_to_all
 from raymoe.config import OverlapConfig
@@ -49,18 +50,27 @@ def _cyclic_rows(x: torch.Tensor, n: int) -> torch.Tensor:
     return x[torch.arange(n, device=x.device) % x.shape[0]]
 
 
+@dataclass
+class _LoopbackMasked:
+    """Loopback stand-in of a low-latency dispatch: this rank's tokens and the recorded received layout."""
+
+    hidden: torch.Tensor
+    recorded: MaskedExpertRows
+    out: torch.Tensor | None = None
+
+
 class BenchAllToAll:
-    """Benchmark stand-in for one MoE block's all-to-all (modes in the module docstring).
+    """Benchmark stand-in for one MoE block's dispatcher (modes in the module docstring).
 
     Args:
-        real: the block's real backend (``TorchAllToAll`` over the EP group).
+        real: the block's real dispatcher (``TorchDispatcher`` over the EP group).
     """
 
-    def __init__(self, real: TorchAllToAll):
+    def __init__(self, real):
         self.real = LatencyInjectedAllToAll(real, 0.0)
         self.mode = "real"
-        self.tapes: dict[str, list[torch.Tensor]] = {}
-        self.tape: list[torch.Tensor] = []
+        self.tapes: dict[str, list] = {}
+        self.tape: list = []
         self.cursor = 0
 
     def start_step(self, mode: str, tape: str) -> None:
@@ -71,34 +81,45 @@ class BenchAllToAll:
         self.tape = self.tapes.get(tape, [])
         self.cursor = 0
 
-    def dispatch_a(self, hidden, topk_ids):
+    def dispatch_a(self, hidden, topk_ids, topk_weights, capacity=None):
         if self.mode != "loopback":
-            return self.real.dispatch_a(hidden, topk_ids)
-        ids = self.tape[self.cursor]
+            return self.real.dispatch_a(hidden, topk_ids, topk_weights, capacity)
+        recorded = self.tape[self.cursor]
         self.cursor += 1
+        if isinstance(recorded, MaskedExpertRows):
+            return _LoopbackMasked(hidden, recorded)
         n, k = topk_ids.shape
-        rows = _cyclic_rows(hidden, ids.numel())
-        return DispatchHandle(n, k, torch.empty(0), [n * k], [ids.numel()], rows, ids, [])
+        rows = _cyclic_rows(hidden, recorded.numel())
+        return DispatchHandle(n, k, topk_weights, torch.empty(0), [n * k], [recorded.numel()], rows, recorded, [])
 
     def dispatch_b(self, handle):
+        if isinstance(handle, _LoopbackMasked):
+            x = _cyclic_rows(handle.hidden, handle.recorded.x.shape[0] * handle.recorded.x.shape[1])
+            return MaskedExpertRows(x.view_as(handle.recorded.x), handle.recorded.counts)
         if self.mode == "loopback":
-            return handle.recv_hidden, handle.recv_expert_ids
-        x, ids = self.real.dispatch_b(handle)
+            return ExpertRows(handle.recv_hidden, handle.recv_expert_ids)
+        rows = self.real.dispatch_b(handle)
         if self.mode == "record":
-            self.tape.append(ids.clone())
-        return x, ids
+            self.tape.append(MaskedExpertRows(torch.empty_like(rows.x), rows.counts.clone())
+                             if isinstance(rows, MaskedExpertRows) else rows.local_ids.clone())
+        return rows
 
     def combine_a(self, handle, expert_out, part: int = 0, num_parts: int = 1):
-        if self.mode != "loopback":
-            self.real.combine_a(handle, expert_out, part=part, num_parts=num_parts)
-        else:
+        if isinstance(handle, _LoopbackMasked):
+            handle.out = expert_out.reshape(-1, expert_out.shape[-1])
+        elif self.mode == "loopback":
             handle.combine_parts.append((part, num_parts, expert_out))
+        else:
+            self.real.combine_a(handle, expert_out, part=part, num_parts=num_parts)
 
     def combine_b(self, handle):
+        if isinstance(handle, _LoopbackMasked):
+            return _cyclic_rows(handle.out, handle.hidden.shape[0])
         if self.mode != "loopback":
             return self.real.combine_b(handle)
         out = torch.cat([p[2] for p in sorted(handle.combine_parts, key=lambda p: p[0])])
-        return _cyclic_rows(out, handle.num_tokens * handle.top_k).view(handle.num_tokens, handle.top_k, -1)
+        pairs = _cyclic_rows(out, handle.num_tokens * handle.top_k).view(handle.num_tokens, handle.top_k, -1)
+        return (pairs * handle.topk_weights.unsqueeze(-1)).sum(dim=1)
 
 
 def decode_batch(runner: ModelRunner, bs: int, context_len: int, seed: int) -> ModelWorkerBatch:
@@ -139,8 +160,9 @@ def median_step_ms(groups: ParallelGroups, variants: dict, warmup: int, iters: i
 
 
 def measure_rank(groups: ParallelGroups, model_path: str, batch_sizes: list[int], latencies_ms: list[float],
-                 context_len: int, warmup: int, iters: int, seed: int) -> list[dict] | None:
-    """Run every (batch size, latency) point on this rank; rank 0 returns the points, other ranks ``None``."""
+                 context_len: int, warmup: int, iters: int, seed: int, a2a_mode: str = "normal") -> list[dict] | None:
+    """Run every (batch size, latency) point on this rank; rank 0 returns the points, other ranks ``None``.
+    ``a2a_mode``: ``"normal"`` or ``"low_latency"`` (capacity = the batch size, as the driver plans decode)."""
     torch.manual_seed(seed + groups.world_rank)
     max_bs = max(batch_sizes)
     runner = ModelRunner(RunnerConfig(model_path, "float32", num_kv_slots=max_bs * (context_len + 1),
@@ -158,17 +180,22 @@ def measure_rank(groups: ParallelGroups, model_path: str, batch_sizes: list[int]
     wrap_moe_all_to_all(runner.model, install)
     points = []
     for bs in batch_sizes:
-        points += _measure_batch_size(groups, runner, switches, bs, latencies_ms, context_len, warmup, iters, seed)
+        points += _measure_batch_size(groups, runner, switches, bs, latencies_ms, context_len, warmup, iters, seed,
+                                      a2a_mode)
     return points if groups.world_rank == 0 else None
 
 
 def _measure_batch_size(groups: ParallelGroups, runner: ModelRunner, switches: list[BenchAllToAll], bs: int,
-                        latencies_ms: list[float], context_len: int, warmup: int, iters: int, seed: int) -> list[dict]:
+                        latencies_ms: list[float], context_len: int, warmup: int, iters: int, seed: int,
+                        a2a_mode: str) -> list[dict]:
     mc = runner.model_config
-    batches = {"serial": decode_batch(runner, bs, context_len, seed + groups.world_rank)}
+    capacity = bs if a2a_mode == "low_latency" else None
+    batches = {"serial": replace(decode_batch(runner, bs, context_len, seed + groups.world_rank),
+                                 dispatch_capacity=capacity)}
     batches["tbo"] = replace(batches["serial"], use_tbo=True)
     hidden = torch.randn(bs, mc.hidden_size)
     topk = torch.stack([torch.randperm(mc.num_experts)[:mc.num_experts_per_tok] for _ in range(bs)])
+    weights = torch.full(topk.shape, 1.0 / topk.shape[1])
 
     def step(name: str, mode: str = "real", sbo: bool = False):
         for s in switches:
@@ -181,9 +208,8 @@ def _measure_batch_size(groups: ParallelGroups, runner: ModelRunner, switches: l
     def comm_step() -> None:
         for a2a in switches:
             a2a.start_step("real", "comm")
-            h = a2a.dispatch_a(hidden, topk)
-            x, _ = a2a.dispatch_b(h)
-            a2a.combine_a(h, x)
+            h = a2a.dispatch_a(hidden, topk, weights, capacity)
+            a2a.combine_a(h, a2a.dispatch_b(h).x)
             a2a.combine_b(h)
 
     def exposed_latency(name: str, lat: float) -> float:
@@ -201,7 +227,8 @@ def _measure_batch_size(groups: ParallelGroups, runner: ModelRunner, switches: l
     for lat in latencies_ms:
         for s in switches:
             s.real.latency_s = lat / 1000.0
-        point = {"batch_size": bs, "latency_ms": lat, **median_step_ms(groups, variants, warmup, iters),
+        point = {"batch_size": bs, "latency_ms": lat, "a2a_mode": a2a_mode,
+                 **median_step_ms(groups, variants, warmup, iters),
                  "serial_latency_exposed": exposed_latency("serial", lat),
                  "tbo_latency_exposed": exposed_latency("tbo", lat), "tbo_same_tokens": same}
         points.append(point)

@@ -41,12 +41,13 @@ def tp_group_ranks(cfg: ParallelConfig) -> list[list[int]]:
 
 
 def init_parallel_groups(rank: int, cfg: ParallelConfig, init_method: str, backend: str = "gloo",
-                         timeout_s: float = 60.0) -> ParallelGroups:
+                         timeout_s: float = 60.0, device_id=None) -> ParallelGroups:
     """Join the world process group and create the TP and EP groups (every rank must call this).
 
     Args:
         rank: this rank. cfg: layout. init_method: rendezvous URL (``tcp://host:port``).
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (GPU). timeout_s: collective and rendezvous timeout, seconds.
+        device_id: the rank's CUDA ``torch.device`` for NCCL (binds the communicator to it eagerly); None on CPU.
     Returns:
         the rank's ``ParallelGroups`` with explicit group handles.
     Raises:
@@ -55,7 +56,7 @@ def init_parallel_groups(rank: int, cfg: ParallelConfig, init_method: str, backe
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=cfg.world_size,
-                                timeout=timeout)
+                                timeout=timeout, **({"device_id": device_id} if device_id is not None else {}))
     coords = rank_coords(rank, cfg)
     tp_group = None
     for ranks in tp_group_ranks(cfg):

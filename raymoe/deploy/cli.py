@@ -1,4 +1,4 @@
-"""The ``raymoe`` command line: make-checkpoint, generate, serve, bench."""
+"""The ``raymoe`` command line: make-checkpoint, generate, serve, bench, env."""
 
 from __future__ import annotations
 
@@ -37,10 +37,20 @@ def _cmd_generate(a: argparse.Namespace) -> None:
 
     model = resolve_model(a.model)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
-    with Engine(model, dtype=a.dtype, tp_size=a.tp, dp_size=a.dp, ep_size=a.ep) as engine:
+    with Engine(model, dtype=a.dtype, tp_size=a.tp, dp_size=a.dp, ep_size=a.ep, device=a.device,
+                a2a_mode=a.a2a_mode) as engine:
         for prompt, out in zip(a.prompt, engine.generate(a.prompt, params), strict=True):
             print(prompt + out.text)
             print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
+
+
+def _cmd_env(a: argparse.Namespace) -> None:
+    from raymoe.gpu_backends import environment_report
+
+    report = environment_report()
+    width = max(map(len, report))
+    for key, value in report.items():
+        print(f"{key:<{width}}  {value}")
 
 
 def _cmd_serve(a: argparse.Namespace) -> None:
@@ -117,7 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (world > 1 runs Ray rank actors)")
     p.add_argument("--dp", type=int, default=1, help="DP-attention groups")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size: 1 or tp*dp")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when visible")
+    p.add_argument("--a2a-mode", default="auto", choices=["normal", "low_latency", "auto"],
+                   help="MoE all-to-all mode (auto: low-latency for decode steps)")
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("env", help="print torch/CUDA/NCCL versions and which GPU backends import")
+    p.set_defaults(func=_cmd_env)
 
     _add_serve_parser(sub)
 

@@ -25,7 +25,8 @@ def _inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     rope_type = rope.get("rope_type", "default")
     if rope_type == "default":
         dim = config.head_dim
-        inv = 1.0 / (float(rope["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim  # host table, see below
+        inv = 1.0 / (float(rope["rope_theta"]) ** exponents)
         return inv, 1.0
     if rope_type == "dynamic":
         raise CheckpointError("config.json", "dynamic RoPE scaling is not supported")
@@ -50,12 +51,16 @@ class RotaryEmbedding(nn.Module):
     ``interleaved``: rotate adjacent pairs (see the module docstring) instead of halves.
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str | None = None,
                  interleaved: bool = False):
+        """The table is computed in float32 on the host (as transformers does), then moved to ``device``
+        (None: the current default device, e.g. the rank's device under ``with torch.device(...)``)."""
         super().__init__()
+        if device is None:
+            device = torch.empty(()).device  # honours the torch.device context the model is built under
         self.interleaved = interleaved
         inv_freq, scale = _inv_freq(config)
-        pos = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
+        pos = torch.arange(config.max_position_embeddings, dtype=torch.int64, device="cpu").float()
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (emb.cos() * scale).to(dtype=dtype, device=device), persistent=False)

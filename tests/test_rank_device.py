@@ -1,0 +1,33 @@
+"""A rank never falls back to another device: CUDA configured without a visible GPU is a clear start-up error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raymoe.actors.rank_worker import RankWorker
+from raymoe.config import ParallelConfig
+from raymoe.runner.device import RankDeviceError, engine_device, rank_device
+from raymoe.runner.model_runner import RunnerConfig
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cuda_rank_without_gpu_fails_clearly(tiny_model, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(RankDeviceError, match="configured for CUDA but sees no GPU"):
+        rank_device("cuda", rank=3)
+    cfg = RunnerConfig(model_path=tiny_model, dtype="float32", num_kv_slots=32, max_req_rows=2, max_context_len=16,
+                       device="cuda", disable_cuda_graph=True)
+    with pytest.raises(RankDeviceError):
+        RankWorker(cfg, ParallelConfig(), rank=0)  # world size 1 loads at construction
+    worker = RankWorker(cfg, ParallelConfig(tp_size=1, dp_size=2, ep_size=2), rank=1)
+    with pytest.raises(RankDeviceError):  # before joining any process group: peers are not left hanging in NCCL
+        worker.init_distributed("tcp://127.0.0.1:1")
+    assert engine_device(None) == "cpu" and engine_device("cuda") == "cuda"
+
+
+def test_cpu_and_meta_devices_pass_through():
+    assert rank_device("cpu") == torch.device("cpu")
+    assert rank_device("meta") == torch.device("meta")
+    with pytest.raises(ValueError):
+        rank_device("tpu")
