@@ -287,7 +287,8 @@ class MoeCommConfig:
         a2a_mode: ``"normal"`` (data-dependent shapes, one host sync per layer for the row counts),
             ``"low_latency"`` (fixed shapes, counts stay on the device: capturable in decode graphs) or ``"auto"``
             (low-latency for decode steps, normal for steps with extend tokens; the driver resolves it per step,
-            once for all ranks, ``raymoe.comm.a2a_plan``).
+            once for all ranks, ``raymoe.comm.a2a_plan``; on a single CPU rank, where nothing is dispatched,
+            ``auto`` means normal: ``raymoe.comm.expert_input.effective_a2a_mode``).
         num_max_dispatch_tokens_per_rank: most tokens one rank may send in a low-latency step (sizes DeepEP's
             buffers); a step with more tokens on some rank runs in normal mode. None: ``max_running_requests``.
     """

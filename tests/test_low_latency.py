@@ -12,7 +12,7 @@ import torch
 from raymoe import Engine, SamplingParams
 from raymoe.comm.a2a_plan import child_dispatch_capacity, plan_dispatch_capacity
 from raymoe.comm.dispatcher import TorchDispatcher
-from raymoe.comm.expert_input import MaskedExpertRows, resolve_a2a_mode
+from raymoe.comm.expert_input import MaskedExpertRows, effective_a2a_mode, resolve_a2a_mode
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ParallelConfig
 from raymoe.layers.moe import LocalExperts
@@ -66,7 +66,8 @@ def _moe_both_modes(groups: ParallelGroups, sizes: list[int]) -> dict:
             ref[t] += w[t, j] * (w2[e] @ hidden)
     out["reference"] = ref
     out["local_ids"] = ids
-    return out
+    # plain lists: tensors would cross the process boundary as shared-memory handles that die with the rank
+    return {key: v.tolist() if isinstance(v, torch.Tensor) else v for key, v in out.items()}
 
 
 @pytest.mark.parametrize("sizes", [[5, 3], [4, 0, 7, 2]], ids=["ep2", "ep4_with_idle_rank"])
@@ -76,13 +77,15 @@ def test_low_latency_combine_equals_normal_mode_and_reference(sizes):
     ep = len(sizes)
     per_rank = run_ranks(_moe_both_modes, ParallelConfig(tp_size=1, dp_size=ep, ep_size=ep), sizes)
     el = E // ep
+    per_rank = [{key: torch.tensor(v) for key, v in out.items()} for out in per_rank]
     for r, out in enumerate(per_rank):
-        assert out["low_latency"].shape == (sizes[r], H)
-        torch.testing.assert_close(out["low_latency"], out["normal"], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(out["low_latency"], out["reference"], rtol=1e-5, atol=1e-5)
+        assert out["low_latency"].reshape(-1, H).shape == (sizes[r], H)
+        low, normal, ref = (out[key].reshape(-1, H) for key in ("low_latency", "normal", "reference"))
+        torch.testing.assert_close(low, normal, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(low, ref, rtol=1e-5, atol=1e-5)
         # every rank's pairs for this rank's experts were counted, on the device, without an extra exchange
         expected = [sum(int((o["local_ids"] == r * el + e).sum()) for o in per_rank) for e in range(el)]
-        assert out["counts"] == expected
+        assert out["counts"].tolist() == expected
 
 
 def test_low_latency_at_ep1_and_capacity_checks():
@@ -129,6 +132,10 @@ def test_driver_plans_one_mode_and_capacity_for_every_rank():
     assert child_dispatch_capacity(9, ForwardMode.DECODE) == 5 == child_dispatch_capacity(9, ForwardMode.IDLE)
     assert child_dispatch_capacity(9, ForwardMode.EXTEND) == 9
     assert resolve_a2a_mode("auto", True) == "low_latency" and resolve_a2a_mode("auto", False) == "normal"
+    # nothing to dispatch on one CPU rank: auto keeps the (sync-free) grouped path; CUDA needs fixed shapes
+    assert effective_a2a_mode("auto", 1, "cpu") == "normal" and effective_a2a_mode("auto", 2, "cpu") == "auto"
+    assert effective_a2a_mode("auto", 1, "cuda") == "auto" and effective_a2a_mode("low_latency", 1, "cpu") == \
+        "low_latency"
     with pytest.raises(ValueError):
         resolve_a2a_mode("fast", True)
     with pytest.raises(ValueError, match="dispatch_capacity"):

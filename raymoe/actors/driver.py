@@ -45,12 +45,15 @@ class Driver:
         graph_capture_sizes: decode-graph buckets the ranks captured (empty: always eager).
         vocab_size: token ids must lie in ``[0, vocab_size)`` (None: unchecked); checked here so that no front end
             can send a rank an id its embedding cannot look up.
+        a2a_mode: the MoE all-to-all mode the ranks were built with (``RunnerConfig.a2a_mode``; None: the
+            config's ``moe_comm.a2a_mode``); resolved per step by ``raymoe.comm.a2a_plan``.
     """
 
     def __init__(self, config: EngineConfig, executor: StepExecutor, eos_token_ids: Sequence[int],
                  detokenize: Callable[[Sequence[int]], str] | None, dp_size: int = 1,
-                 graph_capture_sizes: Sequence[int] = (), vocab_size: int | None = None):
+                 graph_capture_sizes: Sequence[int] = (), vocab_size: int | None = None, a2a_mode: str | None = None):
         self.config = config
+        self.a2a_mode = a2a_mode or config.moe_comm.a2a_mode
         self.executor = executor
         self.graph_capture_sizes = tuple(graph_capture_sizes)
         self.vocab_size = vocab_size
@@ -129,7 +132,7 @@ class Driver:
         # MoE all-to-all mode and its per-rank capacity.
         worker_batches = apply_tbo_decision(worker_batches, self.config.overlap)
         worker_batches = apply_graph_plan(worker_batches, self.graph_capture_sizes)
-        worker_batches = apply_dispatch_plan(worker_batches, self.config.moe_comm.a2a_mode,
+        worker_batches = apply_dispatch_plan(worker_batches, self.a2a_mode,
                                              self.config.max_dispatch_tokens_per_rank)
         self.num_tbo_steps += worker_batches[0].use_tbo
         self.num_graph_steps += worker_batches[0].graph_bs is not None

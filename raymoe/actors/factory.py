@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from raymoe.actors.driver import Driver
 from raymoe.actors.executor import LocalExecutor, RayExecutor
+from raymoe.comm.expert_input import effective_a2a_mode
 from raymoe.config import EngineConfig, ModelConfig
 from raymoe.runner.device import engine_device
 from raymoe.runner.model_runner import RunnerConfig
@@ -19,7 +20,8 @@ def runner_config_for(config: EngineConfig) -> RunnerConfig:
         attention_backend=config.attention_backend, seed=config.seed, device=engine_device(config.device),
         disable_cuda_graph=g.disable_cuda_graph, cuda_graph_max_bs=g.cuda_graph_max_bs, cuda_graph_bs=g.cuda_graph_bs,
         enable_torch_compile=g.enable_torch_compile, overlap=config.overlap, cpu_threads=config.cpu_threads,
-        a2a_backend=config.moe_comm.a2a_backend, a2a_mode=config.moe_comm.a2a_mode,
+        a2a_backend=config.moe_comm.a2a_backend,
+        a2a_mode=effective_a2a_mode(config.moe_comm.a2a_mode, config.parallel.ep_size, engine_device(config.device)),
         num_max_dispatch_tokens_per_rank=config.max_dispatch_tokens_per_rank)
 
 
@@ -42,4 +44,5 @@ def build_driver(config: EngineConfig, model_config: ModelConfig, tokenizer) -> 
 
     return Driver(config, build_executor(config), eos_token_ids(model_config, tokenizer), detokenize,
                   dp_size=config.parallel.dp_size, graph_capture_sizes=runner_config_for(config).graph_capture_sizes,
+                  a2a_mode=runner_config_for(config).a2a_mode,
                   vocab_size=model_config.vocab_size)

@@ -56,6 +56,9 @@ def add_bench_parser(sub, model_arg) -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="also time replay through torch.compile")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--a2a-mode", default="auto", choices=["normal", "low_latency", "auto"],
+                   help="MoE dispatch mode (auto: low-latency for decode, so CUDA graphs can capture it)")
     p.add_argument("--output-json", default="bench_results/graph.json")
     p.set_defaults(func=_run_graph)
 

@@ -3,9 +3,10 @@
 Workload: one rank, ``bs`` requests whose ``seq_len`` tokens are already in the KV cache (random ids, seeded);
 each timed step decodes one token for all of them (the same step again each time, so the cache does not grow).
 A step is ``ModelRunner.forward_batch_generation`` (slot-table write, forward, greedy sampling): eager, or replay
-of bucket ``bs`` (CPU: static-buffer callable, optionally through ``torch.compile``). Eager and replay steps are
-interleaved; the median of ``iters`` steps after ``warmup`` is reported. A graph always attends over the whole
-table width (``max_context_len``), eager only over the batch's longest sequence.
+of bucket ``bs`` (CUDA graph with ``--device cuda``; CPU: static-buffer callable, optionally through
+``torch.compile``). Every step ends with the sampled ids on the host, so CUDA steps are timed to completion.
+Eager and replay steps are interleaved; the median of ``iters`` steps after ``warmup`` is reported. A graph always
+attends over the whole table width (``max_context_len``), eager only over the batch's longest sequence.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from raymoe.comm.expert_input import resolve_a2a_mode
 from raymoe.runner.model_runner import ModelRunner, RunnerConfig
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.sampling_inputs import SamplingInputs
@@ -57,6 +59,8 @@ def bench_runner(runner: ModelRunner, sizes: list[int], seq_len: int, iters: int
     rows = []
     for bs in sizes:
         _, decode = _batches(bs, seq_len, width, vocab, seed)
+        if resolve_a2a_mode(runner.cfg.a2a_mode, True) == "low_latency":  # as the driver plans decode steps
+            decode = replace(decode, dispatch_capacity=bs)
         graph = replace(decode, graph_bs=bs)
         eager_t, graph_t = [], []
         for i in range(warmup + iters):
@@ -84,7 +88,8 @@ def run_graph_bench(a: argparse.Namespace) -> dict:
         raise SystemExit("--seq-len must be below --max-context-len")
     variants = [("static", False)] + ([("compile", True)] if a.compile else [])
     report: dict = {
-        "workload": {"model": model, "dtype": a.dtype, "seq_len": a.seq_len, "max_context_len": a.max_context_len,
+        "workload": {"model": model, "dtype": a.dtype, "device": a.device, "a2a_mode": a.a2a_mode,
+                     "seq_len": a.seq_len, "max_context_len": a.max_context_len,
                      "iters": a.iters, "warmup": a.warmup, "batch_sizes": sizes},
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "python": platform.python_version(), "torch": torch.__version__},
@@ -93,7 +98,8 @@ def run_graph_bench(a: argparse.Namespace) -> dict:
     for name, compiled in variants:
         t0 = time.perf_counter()
         cfg = RunnerConfig(model, a.dtype, num_kv_slots=max(sizes) * a.max_context_len, max_req_rows=max(sizes),
-                           max_context_len=a.max_context_len, cuda_graph_bs=tuple(sizes), enable_torch_compile=compiled)
+                           max_context_len=a.max_context_len, cuda_graph_bs=tuple(sizes), enable_torch_compile=compiled,
+                           device=a.device, a2a_mode=a.a2a_mode)
         runner = ModelRunner(cfg)
         init_s = time.perf_counter() - t0
         rows = bench_runner(runner, sizes, a.seq_len, a.iters, a.warmup, a.seed)
@@ -101,7 +107,7 @@ def run_graph_bench(a: argparse.Namespace) -> dict:
                                     "rows": rows}
         print(f"graph replay '{name}'{' (torch.compile)' if compiled else ''}: captured {len(sizes)} buckets in "
               f"{runner.graph_runner.capture_seconds:.2f} s; seq_len {a.seq_len}, table width {a.max_context_len}, "
-              f"{a.dtype}, median of {a.iters} steps")
+              f"{a.dtype} on {a.device}, a2a {a.a2a_mode}, median of {a.iters} steps")
         print(f"  {'bs':>4} {'eager ms':>9} {'graph ms':>9} {'speedup':>8} {'same tokens':>12}")
         for r in rows:
             print(f"  {r['batch_size']:>4} {r['eager_ms']:>9.2f} {r['graph_ms']:>9.2f} {r['speedup']:>7.2f}x "

@@ -53,3 +53,13 @@ def resolve_a2a_mode(mode: str, is_decode_step: bool) -> str:
     if mode == "auto":
         return "low_latency" if is_decode_step else "normal"
     return mode
+
+
+def effective_a2a_mode(mode: str, ep_size: int, device: str) -> str:
+    """The engine-wide mode the driver and the ranks use for option ``mode``: ``auto`` becomes ``normal`` when
+    nothing is dispatched (``ep_size == 1``) on CPU, where the normal path is already free of host syncs (grouped
+    GEMMs over only the routed rows) and the low-latency layout would compute every expert over every slot;
+    on CUDA (graph capture needs fixed shapes) and with ``ep_size > 1`` it stays ``auto``."""
+    if mode == "auto" and ep_size == 1 and not device.startswith("cuda"):
+        return "normal"
+    return mode
