@@ -8,6 +8,7 @@ what ``Engine(model, **options)`` accepts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 from raymoe.config_arch import MLAConfig, RouterConfig, deepseek_fields
 from raymoe.errors import CheckpointError, InvalidRequestError
+from raymoe.kvcache.paged_allocator import pool_slots
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -167,17 +169,38 @@ class CacheConfig:
             ``kv_cache_bytes`` by the engine.
         max_context_len: longest sequence (prompt + output) in tokens; also the width of ReqToTokenPool rows.
         enable_radix_cache: share KV of common prefixes between requests.
+        page_size: tokens per KV page; slots are handed out in pages and a request's every aligned run of
+            ``page_size`` positions lies in one page (``raymoe.kvcache.paged_allocator``; block-table kernels
+            need it). ``None``: the attention backend's default, which ``EngineConfig`` fills in (1 for
+            ``torch_native``, 16 for ``flash_attn``); a standalone ``CacheConfig`` reads it as 1
+            (:attr:`page_tokens`). With pages the usable pool is ``max_total_tokens`` rounded down to whole pages.
     """
 
     max_total_tokens: int = 16384
     max_context_len: int = 2048
     enable_radix_cache: bool = True
+    page_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_total_tokens < 2:
             raise InvalidRequestError("max_total_tokens", "must be >= 2")
         if self.max_context_len < 2:
             raise InvalidRequestError("max_context_len", "must be >= 2")
+        if self.page_size is not None and (not isinstance(self.page_size, int) or self.page_size < 1):
+            raise InvalidRequestError("page_size", f"must be a positive integer or None, got {self.page_size!r}")
+        if self.max_total_tokens < self.page_tokens:
+            raise InvalidRequestError("max_total_tokens", f"must hold at least one page ({self.page_tokens} tokens)")
+
+    @property
+    def page_tokens(self) -> int:
+        """Tokens per KV page: ``page_size``, or 1 when unset."""
+        return self.page_size or 1
+
+    @property
+    def kv_pool_slots(self) -> int:
+        """KV slots each rank's pool allocates besides dummy slot 0: the allocator's pages plus the reserved
+        page 0, so the pool is a whole number of pages (``max_total_tokens`` when ``page_tokens == 1``)."""
+        return pool_slots(self.max_total_tokens, self.page_tokens)
 
 
 @dataclass(frozen=True)
@@ -344,7 +367,9 @@ class EngineConfig:
         dtype: ``"float32"`` (default, used for parity), ``"bfloat16"`` or ``"float16"``.
         seed: seed of the ranks' default sampling generator (unseeded requests).
         device: ``"cpu"`` or ``"cuda"``; ``None`` picks cuda when available.
-        attention_backend: ``"torch_native"`` (CPU and GPU) or ``"flash_attn"`` (GPU only, lazy import).
+        attention_backend: ``"torch_native"`` (CPU and GPU) or ``"flash_attn"`` (GPU: vLLM's flash-attention,
+            ``vllm.vllm_flash_attn``, imported lazily; checked here, so a missing package or an unsupported
+            ``dtype`` / ``page_size`` fails at config time; see ``raymoe.attention.flash_attn_provider``).
         ray_address: Ray cluster to join for world size > 1 (None: start a local one on 127.0.0.1).
         fanout: how a step reaches the ranks: ``"compiled"`` (Ray Compiled Graph: shared-memory channels, no task
             submission per rank and step; measured faster by ``raymoe bench fanout``) or ``"remote"`` (plain actor
@@ -383,6 +408,13 @@ class EngineConfig:
             raise InvalidRequestError("device", f"must be 'cpu' or 'cuda', got {self.device!r}")
         if self.attention_backend not in ("torch_native", "flash_attn"):
             raise InvalidRequestError("attention_backend", f"unknown backend {self.attention_backend!r}")
+        if self.cache.page_size is None:  # fill in the backend's default page size (a derived value, set once)
+            page = 16 if self.attention_backend == "flash_attn" else 1
+            object.__setattr__(self, "cache", dataclasses.replace(self.cache, page_size=page))
+        if self.attention_backend == "flash_attn":
+            from raymoe.attention.flash_attn_provider import check_flash_attn_config
+
+            check_flash_attn_config(self.cache.page_tokens, self.dtype)
         if self.fanout not in ("remote", "compiled"):
             raise InvalidRequestError("fanout", f"must be 'remote' or 'compiled', got {self.fanout!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:

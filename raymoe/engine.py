@@ -74,7 +74,7 @@ class Engine:
     Args:
         model: path of a Hugging Face model folder.
         **options: fields of ``EngineConfig`` (``dtype``, ``seed``, ``device``, ``attention_backend``),
-            ``CacheConfig`` (``max_total_tokens``, ``max_context_len``, ``enable_radix_cache``) and
+            ``CacheConfig`` (``max_total_tokens``, ``max_context_len``, ``enable_radix_cache``, ``page_size``) and
             ``SchedulerConfig`` (``max_running_requests``, ``chunked_prefill_size``, ``max_prefill_tokens``,
             ``schedule_policy``, ``max_queued_requests``) and ``ParallelConfig`` (``tp_size``, ``dp_size``,
             ``ep_size``; world size > 1 runs the ranks as Ray actors, on ``ray_address`` or a local cluster),

@@ -40,3 +40,8 @@ class CheckpointError(RaymoeError):
 
 class EngineUnhealthyError(RaymoeError, RuntimeError):
     """The engine lost a rank or was shut down; in-flight and new requests fail with this error."""
+
+
+class BackendUnavailableError(InvalidRequestError, ImportError):
+    """An option selects an optional backend whose package is not installed (e.g. ``attention_backend="flash_attn"``
+    without ``vllm``). Raised at config time; ``field`` names the option, the message names the package."""

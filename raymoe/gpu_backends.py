@@ -18,19 +18,21 @@ from raymoe.errors import InvalidRequestError
 @dataclass(frozen=True)
 class GpuBackend:
     """One optional backend: the engine option that selects it, the module(s) that provide it (any one is
-    enough) and how to install it."""
+    enough), how to install it, and whether :func:`check_gpu_backends` looks for the package (False where the
+    backend's own config check imports it: ``flash_attn``, ``raymoe.attention.flash_attn_provider``)."""
 
     option: str
     value: str
     modules: tuple[str, ...]
     install: str
+    check_package: bool = True
 
 
 GPU_BACKENDS: tuple[GpuBackend, ...] = (
     GpuBackend("a2a_backend", "deepep", ("deep_ep",),
                "build DeepEP from source (see README, 'GPU backends'): it needs CUDA and NVSHMEM"),
     GpuBackend("attention_backend", "flash_attn", ("vllm",),
-               "pip install vllm (its vllm.vllm_flash_attn provides flash_attn_varlen_func)"),
+               "pip install vllm (its vllm.vllm_flash_attn provides flash_attn_varlen_func)", check_package=False),
 )
 
 
@@ -57,7 +59,7 @@ def check_gpu_backends(config) -> None:
         if config.device == "cpu":
             raise InvalidRequestError(backend.option, f"{backend.value!r} runs on CUDA only; use device='cuda' "
                                                       f"or the CPU backend")
-        if not any(module_available(m) for m in backend.modules):
+        if backend.check_package and not any(module_available(m) for m in backend.modules):
             raise InvalidRequestError(backend.option, f"{backend.value!r} needs the package providing "
                                                       f"{' or '.join(backend.modules)}, which is not installed: "
                                                       f"{backend.install}")

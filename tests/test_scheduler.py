@@ -69,7 +69,7 @@ class FakeRank:
         assert bs <= s.config.max_running_requests and s.num_running <= s.config.max_running_requests
         assert len(set(b.req_pool_indices)) == bs and all(0 <= r < s.req_pool_size for r in b.req_pool_indices)
         assert len(set(b.out_cache_loc)) == len(b.out_cache_loc)
-        assert all(1 <= x <= s.token_allocator.size for x in b.out_cache_loc)
+        assert all(1 <= x <= s.cache_config.kv_pool_slots for x in b.out_cache_loc)
         if b.forward_mode == ForwardMode.DECODE:
             assert b.extend_lens == [1] * bs and b.prefix_slots == []
         else:
@@ -164,7 +164,8 @@ def drive(s: Scheduler, arrivals: dict[int, list[Req]], max_steps: int = 20000, 
 def assert_clean(s: Scheduler) -> None:
     s.check_memory_invariants()
     assert not s.has_unfinished() and s.num_running == 0 and s.num_waiting == 0
-    assert s.token_allocator.available_size() == s.token_allocator.size - s.tree_cache.total_size()
+    free, stranded = s.token_allocator.available_size(), s.token_allocator.stranded_size()
+    assert free + stranded == s.token_allocator.size - s.tree_cache.total_size()
     assert s.tree_cache.protected_size() == 0
     assert s.req_allocator.available_size() == s.req_allocator.size
     assert s.kv_usage() == 0.0

@@ -15,8 +15,9 @@ def runner_config_for(config: EngineConfig) -> RunnerConfig:
     """The per-rank runner settings implied by ``config`` (KV and row sizes are per DP group)."""
     g = config.graph
     return RunnerConfig(
-        model_path=config.model, dtype=config.dtype, num_kv_slots=config.cache.max_total_tokens,
+        model_path=config.model, dtype=config.dtype, num_kv_slots=config.cache.kv_pool_slots,
         max_req_rows=config.scheduler.req_pool_rows, max_context_len=config.cache.max_context_len,
+        page_size=config.cache.page_tokens,
         attention_backend=config.attention_backend, seed=config.seed, device=engine_device(config.device),
         disable_cuda_graph=g.disable_cuda_graph, cuda_graph_max_bs=g.cuda_graph_max_bs, cuda_graph_bs=g.cuda_graph_bs,
         enable_torch_compile=g.enable_torch_compile, overlap=config.overlap, cpu_threads=config.cpu_threads,

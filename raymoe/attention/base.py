@@ -65,17 +65,19 @@ class AttentionBackend(ABC):
 
 
 def get_attention_backend(name: str, **kwargs) -> AttentionBackend:
-    """Build attention backend ``name``: ``"torch_native"`` (CPU and GPU) or ``"flash_attn"`` (GPU, lazy import).
+    """Build attention backend ``name``: ``"torch_native"`` (paged SDPA, CPU and GPU) or ``"flash_attn"`` (vLLM's
+    flash-attention kernel over a block table, ``raymoe.attention.flash_attn``; its package is imported only here).
 
     Raises:
-        ValueError: unknown name, or ``flash_attn`` requested where it cannot run.
+        ValueError: unknown name, or the backend rejects the pools/heads it is given.
+        BackendUnavailableError: ``flash_attn`` without its package (``vllm``).
     """
     if name == "torch_native":
         from raymoe.attention.torch_native import TorchNativeAttnBackend
 
         return TorchNativeAttnBackend(**kwargs)
     if name == "flash_attn":
-        if not torch.cuda.is_available():
-            raise ValueError("the flash_attn attention backend needs CUDA; use 'torch_native' on CPU")
-        raise ValueError("the flash_attn backend is not available in this build; use 'torch_native'")
+        from raymoe.attention.flash_attn import FlashAttnBackend
+
+        return FlashAttnBackend(**kwargs)
     raise ValueError(f"unknown attention backend {name!r}")

@@ -12,7 +12,7 @@ lowest indices first, in ascending order; after that the most recently freed ind
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
 class _IndexAllocator:
@@ -72,20 +72,24 @@ class TokenSlotAllocator(_IndexAllocator):
     """KV slots ``1 .. size`` (slot 0 is the reserved dummy slot that padded rows write to; never handed out).
 
     A slot holds the keys and values of one token in every layer of a rank's ``TokenToKVPool``; the pools are
-    therefore ``size + 1`` slots long. Units are tokens (one slot per token, no pages).
+    therefore ``size + 1`` slots long. Units are tokens (one slot per token, no pages). The scheduler talks to it
+    through the same methods as ``raymoe.kvcache.paged_allocator.PagedTokenSlotAllocator`` (``page_size == 1``:
+    ``after`` is ignored, a decode token costs one slot, every cached prefix can be shared, nothing is stranded).
 
     Args:
         size: usable slots, ``>= 1``. Raises ``ValueError`` otherwise.
 
     Attributes:
-        size: usable slots (constant).
+        size: usable slots (constant). page_size: 1.
     """
+
+    page_size = 1
 
     def __init__(self, size: int):
         super().__init__(size, first=1)
 
-    def alloc(self, n: int) -> list[int] | None:
-        """Allocate ``n`` slots.
+    def alloc(self, n: int, after: int | None = None) -> list[int] | None:
+        """Allocate ``n`` slots (``after``, the request's last slot, only matters to the paged allocator).
 
         Returns:
             ``n`` distinct free slots, or ``None`` (and nothing allocated) when fewer than ``n`` are free.
@@ -95,6 +99,26 @@ class TokenSlotAllocator(_IndexAllocator):
             ValueError: ``n < 0``.
         """
         return self._take(n)
+
+    def decode_cost(self, last_slots: Sequence[int]) -> int:
+        """Free slots one more token for each of these requests consumes: one each."""
+        return len(last_slots)
+
+    def alloc_decode(self, last_slots: Sequence[int]) -> list[int] | None:
+        """One slot per request, or ``None`` (nothing allocated) when too few are free."""
+        return self._take(len(last_slots))
+
+    def aligned_prefix_len(self, slots: Sequence[int]) -> int:
+        """Tokens of a cached match a request may share: all of them."""
+        return len(slots)
+
+    def room_after(self, after: int | None) -> int:
+        """Slots a request can take without free ones: none (no pages)."""
+        return 0
+
+    def stranded_size(self) -> int:
+        """Slots neither free nor handed out: none."""
+        return 0
 
     def free(self, slots: Iterable[int]) -> None:
         """Return ``slots`` to the pool.

@@ -14,11 +14,15 @@ class ReqToTokenPool:
     """Table of KV slots per request row.
 
     ``req_to_token`` [size, max_context_len] int64: entry (r, i) is the KV slot of token i of the request in row r.
+    ``page_size`` (tokens): the driver's allocator keeps every aligned run of ``page_size`` positions of a row in
+    one KV page, in order (``raymoe.kvcache.paged_allocator``), so position ``j * page_size`` names the page of
+    the run; block-table backends rely on it (``raymoe.attention.flash_attn``). 1: no such layout.
     """
 
-    def __init__(self, size: int, max_context_len: int, device: torch.device | str = "cpu"):
+    def __init__(self, size: int, max_context_len: int, device: torch.device | str = "cpu", page_size: int = 1):
         self.size = size
         self.max_context_len = max_context_len
+        self.page_size = page_size
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
 
     def write_extend(self, req_pool_indices: list[int], prefix_lens: list[int], seq_lens: list[int],

@@ -220,6 +220,21 @@ class RadixCache:
                 break
         return node, i
 
+    def cut_match(self, match: MatchResult, n: int) -> MatchResult:
+        """The first ``n`` tokens of ``match`` (``0 <= n <= len(match.slots)``, taken before any eviction) as a match
+        of their own, whose ``last_node`` ends exactly after them (splitting a node if needed; counters and LRU
+        clock untouched). For a caller that uses only part of a match (paged KV: whole pages) and should lock no
+        more than it uses.
+        """
+        node, depth = match.last_node, len(match.slots)
+        while depth > n:
+            start = depth - len(node.key)
+            if start >= n:
+                node, depth = node.parent, start
+            else:
+                node, depth = self._split(node, n - start), n
+        return MatchResult(match.slots[:n], node)
+
     def _split(self, node: TreeNode, k: int) -> TreeNode:
         """Cut ``node`` after its first ``k`` tokens (0 < k < len); return the new upper part."""
         parent = node.parent

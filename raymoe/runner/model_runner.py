@@ -40,9 +40,12 @@ class RunnerConfig:
             for exactness tests).
         num_kv_slots: KV slots of the pool (without dummy slot 0), tokens.
         max_req_rows: rows of the ReqToTokenPool table. max_context_len: tokens per row.
-        attention_backend, a2a_backend: backend names. a2a_mode: the engine's MoE all-to-all mode (decode graphs
-            capture the mode a decode step resolves to). num_max_dispatch_tokens_per_rank: per-rank token bound
-            of low-latency dispatches (sizes DeepEP's buffers). seed: sampler seed. device: ``"cpu"`` or ``"cuda"``.
+        page_size: tokens per KV page the driver's allocator hands out (``CacheConfig.page_size``); the pool
+            (``num_kv_slots + 1`` rows) must be a whole number of pages.
+        attention_backend, a2a_backend: backend names (``flash_attn`` is checked here: package, dtype, page size).
+            a2a_mode: the engine's MoE all-to-all mode (decode graphs capture the mode a decode step resolves to).
+            num_max_dispatch_tokens_per_rank: per-rank token bound of low-latency dispatches (sizes DeepEP's
+            buffers). seed: sampler seed. device: ``"cpu"`` or ``"cuda"``.
         disable_cuda_graph: run every decode eagerly (no capture at start-up). On CPU the "graphs" are
             static-buffer callables with the same contract (``raymoe.runner.graph_runner``).
         cuda_graph_max_bs: largest captured batch size (``None``: ``max_req_rows``).
@@ -59,6 +62,7 @@ class RunnerConfig:
     num_kv_slots: int
     max_req_rows: int
     max_context_len: int
+    page_size: int = 1
     attention_backend: str = "torch_native"
     a2a_backend: str = "torch"
     a2a_mode: str = "auto"
@@ -80,6 +84,13 @@ class RunnerConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}")
         if self.num_kv_slots < 1 or self.max_req_rows < 1 or self.max_context_len < 2:
             raise ValueError("num_kv_slots, max_req_rows must be >= 1 and max_context_len >= 2")
+        if self.page_size < 1 or (self.num_kv_slots + 1) % self.page_size:
+            raise ValueError(f"num_kv_slots + 1 ({self.num_kv_slots + 1}) must be a multiple of page_size "
+                             f"({self.page_size})")
+        if self.attention_backend == "flash_attn":
+            from raymoe.attention.flash_attn_provider import check_flash_attn_config
+
+            check_flash_attn_config(self.page_size, self.dtype)
         _ = self.graph_capture_sizes  # validates the graph options
         resolve_a2a_mode(self.a2a_mode, True)  # validates the mode
 
@@ -114,7 +125,7 @@ class ModelRunner:
         self.model.eval()
         if cfg.inject_a2a_latency_ms > 0:
             inject_a2a_latency(self.model, cfg.inject_a2a_latency_ms)
-        self.req_to_token_pool = ReqToTokenPool(cfg.max_req_rows, cfg.max_context_len, self.device)
+        self.req_to_token_pool = ReqToTokenPool(cfg.max_req_rows, cfg.max_context_len, self.device, cfg.page_size)
         # The model knows its cache layout (per-head K/V, or the MLA latent) and the backend that reads it.
         self.token_to_kv_pool = self.model.create_kv_pool(cfg.num_kv_slots, self.dtype, self.device)
 

@@ -16,6 +16,10 @@ Budgets, all in tokens:
   plus its own scaled reservation. When nothing else holds KV, the first request is admitted whenever its first
   chunk fits, so a request that fits the pool always makes progress;
 * rows: at most ``max_new_reqs`` newly admitted requests.
+
+With a paged allocator (``raymoe.kvcache.paged_allocator``) the KV budgets stay in tokens and may be off by up to
+a page per request (page tails, cached tokens that free a page only together with its neighbours); an allocation
+that then fails leaves the request waiting (NO_TOKEN), and decode retracts as usual.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import math
 from enum import Enum
 
 from raymoe.kvcache.allocator import ReqSlotAllocator, TokenSlotAllocator
+from raymoe.kvcache.paged_allocator import PagedTokenSlotAllocator
 from raymoe.kvcache.radix_cache import RadixCache
 from raymoe.scheduler.req import Req
 
@@ -68,7 +73,8 @@ class PrefillAdder:
         new_chunked_req: the request whose prompt is still unfinished after this step, or ``None``.
     """
 
-    def __init__(self, *, tree: RadixCache, token_allocator: TokenSlotAllocator, req_allocator: ReqSlotAllocator,
+    def __init__(self, *, tree: RadixCache, token_allocator: TokenSlotAllocator | PagedTokenSlotAllocator,
+                 req_allocator: ReqSlotAllocator,
                  max_prefill_tokens: int, chunked_prefill_size: int | None, max_new_reqs: int, reserved_tokens: int,
                  new_token_ratio: float, max_context_len: int, pool_idle: bool):
         self.tree = tree
@@ -97,11 +103,14 @@ class PrefillAdder:
         """Slots obtainable now: free plus evictable."""
         return self.token_allocator.available_size() + self.tree.evictable_size()
 
-    def _alloc_slots(self, n: int) -> list[int] | None:
-        slots = self.token_allocator.alloc(n)
-        if slots is None:
-            self.tree.evict(n - self.token_allocator.available_size())
-            slots = self.token_allocator.alloc(n)
+    def _alloc_slots(self, n: int, after: int | None = None) -> list[int] | None:
+        """``n`` slots continuing after slot ``after``, evicting cached prefixes while short (with pages, evicted
+        tokens free a page only once all of its tokens are gone, hence the loop)."""
+        alloc = self.token_allocator
+        slots = alloc.alloc(n, after)
+        while slots is None and self.tree.evictable_size() > 0:
+            self.tree.evict(max(1, n - alloc.available_size()))
+            slots = alloc.alloc(n, after)
         return slots
 
     def _record(self, req: Req, extend: int, remaining: int) -> AddResult:
@@ -122,16 +131,18 @@ class PrefillAdder:
     def add_chunked_req(self, req: Req) -> AddResult:
         """Continue the chunked request with its next chunk (as large as the budgets and free KV allow).
 
-        Its prompt was budgeted when it was first admitted, so only free plus evictable KV limits the chunk.
+        Its prompt was budgeted when it was first admitted, so only free plus evictable KV (plus the rest of its
+        last page, with a paged allocator) limits the chunk.
         Returns NO_TOKEN (and leaves it chunked, computing nothing) when not a single slot is obtainable.
         """
         self.new_chunked_req = req
         remaining = req.seq_len - req.kv_len
-        extend = min(remaining, self._step_limit(), self._free_kv())
+        last = req.kv_slots[-1]
+        extend = min(remaining, self._step_limit(), self._free_kv() + self.token_allocator.room_after(last))
         if extend <= 0:
             return AddResult.NO_TOKEN
-        slots = self._alloc_slots(extend)
-        if slots is None:  # cannot happen: _free_kv counted only obtainable slots
+        slots = self._alloc_slots(extend, after=last)
+        if slots is None:  # token slots: cannot happen (_free_kv counted only obtainable slots); pages: can
             return AddResult.NO_TOKEN
         req.kv_slots += slots
         self.new_chunked_req = None
@@ -141,7 +152,8 @@ class PrefillAdder:
         """Try to admit a waiting request (match its prefix, lock it, take a row and slots).
 
         The match is capped at ``seq_len - 1`` tokens so at least the last token is computed (its logits give
-        the next token). On refusal the request keeps no row, slot or lock (the lookup itself still counts in the
+        the next token); with a paged allocator it is also cut to whole pages, so the request's own slots start
+        on a fresh page. On refusal the request keeps no row, slot or lock (the lookup itself still counts in the
         cache's hit statistics and LRU clock).
         """
         if self._num_new >= self.max_new_reqs:
@@ -150,9 +162,14 @@ class PrefillAdder:
         if limit <= 0:
             return AddResult.BATCH_FULL
         ids = req.fill_ids
-        match = self.tree.match_prefix(ids[: len(ids) - 1])
+        page = self.token_allocator.page_size
+        match = self.tree.match_prefix(ids[: (len(ids) - 1) // page * page])
+        # With pages, only whole pages laid out in position order can be shared (raymoe.kvcache.paged_allocator):
+        # a cached path may mix two requests' slots inside a page. Lock exactly the part the request uses.
+        prefix = self.token_allocator.aligned_prefix_len(match.slots)
+        if prefix < len(match.slots):
+            match = self.tree.cut_match(match, prefix)
         self.tree.inc_lock_ref(match.last_node)  # from here the prefix is protected (no longer evictable)
-        prefix = len(match.slots)
         remaining = len(ids) - prefix
         if remaining <= limit:
             extend = remaining
@@ -176,7 +193,7 @@ class PrefillAdder:
             self.tree.dec_lock_ref(match.last_node)
             return AddResult.BATCH_FULL
         slots = self._alloc_slots(extend)
-        if slots is None:  # cannot happen: the fit check counted only obtainable slots
+        if slots is None:  # token slots: cannot happen (the fit check counted only obtainable slots); pages: can
             self.req_allocator.free(row)
             self.tree.dec_lock_ref(match.last_node)
             return AddResult.NO_TOKEN

@@ -25,7 +25,8 @@ from collections.abc import Callable, Sequence
 
 from raymoe.config import CacheConfig, SchedulerConfig
 from raymoe.errors import InvalidRequestError
-from raymoe.kvcache.allocator import ReqSlotAllocator, TokenSlotAllocator
+from raymoe.kvcache.allocator import ReqSlotAllocator
+from raymoe.kvcache.paged_allocator import make_token_allocator
 from raymoe.kvcache.radix_cache import RadixCache
 from raymoe.scheduler.policy import order_waiting
 from raymoe.scheduler.prefill_adder import AddResult, PrefillAdder, decode_reservation
@@ -69,7 +70,8 @@ class Scheduler:
         self.cache_config = cache_config
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.detokenize = detokenize
-        self.token_allocator = TokenSlotAllocator(cache_config.max_total_tokens)
+        # Token-granular, or pages of cache_config.page_tokens for block-table kernels (raymoe.kvcache.paged_allocator).
+        self.token_allocator = make_token_allocator(cache_config.max_total_tokens, cache_config.page_tokens)
         # Sized like the ranks' table (config.req_pool_rows); the scheduler itself keeps running + chunked
         # requests within max_running_requests, so the last row is spare.
         self.req_allocator = ReqSlotAllocator(config.req_pool_rows)
@@ -219,7 +221,7 @@ class Scheduler:
         self._make_room_for_decode()
         if not self.running:
             return None
-        slots = self.token_allocator.alloc(len(self.running))
+        slots = self.token_allocator.alloc_decode([r.kv_slots[-1] for r in self.running])
         assert slots is not None, "decode room was checked"
         for req, slot in zip(self.running, slots, strict=True):
             req.kv_slots.append(slot)
@@ -229,7 +231,8 @@ class Scheduler:
     def _make_room_for_decode(self) -> None:
         """Free KV until every running request can take one more slot (evict, retract, or finish the last)."""
         while self.running:
-            short = len(self.running) - self.token_allocator.available_size()
+            need = self.token_allocator.decode_cost([r.kv_slots[-1] for r in self.running])
+            short = need - self.token_allocator.available_size()
             if short <= 0:
                 return
             if self.tree_cache.evictable_size() > 0 and self.tree_cache.evict(short) > 0:
@@ -322,16 +325,17 @@ class Scheduler:
         return self.req_allocator.size
 
     def kv_usage(self) -> float:
-        """Fraction of KV slots in use by requests or locked prefixes (evictable cached tokens count as free)."""
-        size = self.token_allocator.size
-        used = size - self.token_allocator.available_size() - self.tree_cache.evictable_size()
-        return used / size
+        """Fraction of KV slots holding tokens of requests or locked prefixes (evictable cached tokens count as free,
+        and so do a paged allocator's stranded slots, which hold no token)."""
+        alloc = self.token_allocator
+        used = alloc.size - alloc.available_size() - alloc.stranded_size() - self.tree_cache.evictable_size()
+        return used / alloc.size
 
     def check_memory_invariants(self) -> None:
         """Assert that every KV slot and row is accounted for exactly once (tests and debugging).
 
-        Checks: free slots + radix-cache slots + slots owned by live requests == pool size; owned slots are
-        distinct and never the dummy slot 0; rows in use == live requests; waiting requests hold nothing; with
+        Checks: free + radix-cache + owned by live requests + stranded (paged allocator) slots == pool size; owned
+        slots are distinct and never the dummy slot 0; rows in use == live requests; waiting requests hold nothing; with
         no live request no radix lock is held. Raises ``AssertionError`` with details otherwise.
         """
         live = list(self.running) + ([self.chunked_req] if self.chunked_req is not None else [])
@@ -345,9 +349,10 @@ class Scheduler:
         assert 0 not in owned, "dummy slot 0 is owned by a request"
         assert len(set(owned)) == len(owned), "a KV slot is owned by two requests (or twice by one)"
         free, tree = self.token_allocator.available_size(), self.tree_cache.total_size()
-        size = self.token_allocator.size
-        assert free + tree + len(owned) == size, (
-            f"KV slots leak or double count: free {free} + tree {tree} + owned {len(owned)} != size {size}")
+        size, stranded = self.token_allocator.size, self.token_allocator.stranded_size()
+        assert free + tree + len(owned) + stranded == size, (
+            f"KV slots leak or double count: free {free} + tree {tree} + owned {len(owned)} + stranded {stranded} "
+            f"!= size {size}")
         rows = self.req_allocator.size - self.req_allocator.available_size()
         assert rows == len(live), f"{rows} rows in use for {len(live)} live requests"
         if not live:
