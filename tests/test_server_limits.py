@@ -109,7 +109,7 @@ def test_generated_requests_never_get_a_5xx(api_schema, fuzz_engine, mode):
         seen[response.status_code] = seen.get(response.status_code, 0) + 1
         assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
         if response.status_code >= 400:
-            assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+            assert set(response.json()["error"]) == {"message", "type", "param", "code", "request_id"}
 
     check()
     assert seen.get(200, 0) > 0 if mode == "positive" else seen.get(400, 0) > 0, seen
