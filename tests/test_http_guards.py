@@ -267,7 +267,8 @@ def test_slow_reader_is_aborted_at_the_backlog_bound(tokenizer):
             closed.append(True)
 
     async def main():
-        bounds = StreamBounds(anyio.current_time() + 60, max_events=8, max_bytes=10_000, drain_timeout_s=5)
+        bounds = StreamBounds(anyio.current_time() + 60, max_events=8, max_bytes=10_000, backlog_grace_s=0.2,
+                              drain_timeout_s=5)
         relay = EventRelay(source(), bounds, "rid")
         received = []
 

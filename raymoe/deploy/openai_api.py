@@ -117,8 +117,9 @@ class OpenAIServing:
             if not body.stream:
                 return JSONResponse(answer)
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            bounds = StreamBounds(deadline, self.limits.max_stream_backlog_events,
-                                  self.limits.max_stream_backlog_bytes, self.limits.stream_drain_timeout_s)
+            lim = self.limits
+            bounds = StreamBounds(deadline, lim.max_stream_backlog_events, lim.max_stream_backlog_bytes,
+                                  lim.stream_backlog_grace_s, lim.stream_drain_timeout_s)
             relay = EventRelay(self._events(builder, first, pieces, include_usage, request_id), bounds, request_id)
 
             async def close_stream() -> None:

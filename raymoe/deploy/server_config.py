@@ -38,6 +38,8 @@ class ServerLimits:
         max_stream_backlog_events: SSE events of one stream produced but not yet written to its socket; past it
             the client is reading too slowly: the request is aborted and the stream ends with an error event.
         max_stream_backlog_bytes: the same bound in bytes of those events.
+        stream_backlog_grace_s: how long a stream's backlog may stay at its bound before the reader counts as
+            slow, seconds (absorbs scheduling jitter: several engine steps can arrive at once).
         stream_drain_timeout_s: once a stream's generation has ended (finished, timed out or aborted), how long
             its remaining events may take to reach a slow reader before the connection is closed, seconds.
 
@@ -52,6 +54,7 @@ class ServerLimits:
     max_timeout_s: float = 3600.0
     max_stream_backlog_events: int = 512
     max_stream_backlog_bytes: int = 2**20
+    stream_backlog_grace_s: float = 1.0
     stream_drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -64,7 +67,7 @@ class ServerLimits:
             raise InvalidRequestError("max_stop_strings", f"the engine accepts at most {MAX_STOP_STRINGS}")
         if self.max_stop_string_chars > MAX_STOP_STRING_CHARS:
             raise InvalidRequestError("max_stop_string_chars", f"the engine accepts at most {MAX_STOP_STRING_CHARS}")
-        for name in ("default_timeout_s", "max_timeout_s", "stream_drain_timeout_s"):
+        for name in ("default_timeout_s", "max_timeout_s", "stream_backlog_grace_s", "stream_drain_timeout_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= MAX_REQUEST_TIMEOUT_S:
                 raise InvalidRequestError(name, f"must be a number of seconds in (0, {MAX_REQUEST_TIMEOUT_S}], "

@@ -5,7 +5,9 @@ engine's tokens for it pile up unseen in the engine client's queue while the req
 ``max_tokens``. :class:`EventRelay` reads the event source as fast as the engine produces, keeps the events not yet
 written to the socket in a buffer it measures, and ends the request when
 
-- that backlog passes ``max_stream_backlog_events`` events or ``max_stream_backlog_bytes`` bytes (a slow reader),
+- that backlog stays over ``max_stream_backlog_events`` events or ``max_stream_backlog_bytes`` bytes for longer than
+  ``stream_backlog_grace_s`` (a slow reader; the grace absorbs scheduling jitter, as when several engine steps
+  arrive while the event loop was busy),
 - the request's deadline passes (``timeout`` field or the server default),
 - the source fails (an unexpected error: logged with its traceback under the request id).
 
@@ -45,17 +47,20 @@ class StreamBounds:
 
     Attributes:
         deadline: when generation must have ended, on ``anyio.current_time()``'s clock (seconds).
-        max_events, max_bytes: largest backlog of events produced but not yet written to the socket.
+        max_events, max_bytes: largest backlog of events produced but not yet written to the socket (one event
+            is always accepted into an empty backlog, whatever its size).
+        backlog_grace_s: how long the backlog may stay full before the reader counts as slow, seconds.
         drain_timeout_s: how long the backlog may take to reach the client once generation has ended, seconds.
     """
 
     deadline: float
     max_events: int
     max_bytes: int
+    backlog_grace_s: float
     drain_timeout_s: float
 
     def __post_init__(self) -> None:
-        if self.max_events < 1 or self.max_bytes < 1 or not self.drain_timeout_s > 0:
+        if self.max_events < 1 or self.max_bytes < 1 or not self.backlog_grace_s > 0 or not self.drain_timeout_s > 0:
             raise ValueError(f"stream bounds must be positive: {self}")
 
 
@@ -80,11 +85,25 @@ class EventRelay:
         self.backlog_bytes = 0
         self._send, self._recv = anyio.create_memory_object_stream[bytes](math.inf)
         self._delivery = anyio.CancelScope()
+        self._taken = anyio.Event()  # set when the response takes an event from the backlog
 
     def _put(self, data: bytes) -> None:
         self.backlog_events += 1
         self.backlog_bytes += len(data)
         self._send.send_nowait(data)
+
+    def _full(self, size: int) -> bool:
+        b = self.bounds
+        return self.backlog_events > 0 and (self.backlog_events >= b.max_events
+                                            or self.backlog_bytes + size > b.max_bytes)
+
+    async def _room_for(self, size: int) -> bool:
+        """Wait up to ``backlog_grace_s`` for the backlog to take ``size`` more bytes; False if it did not."""
+        with anyio.move_on_after(self.bounds.backlog_grace_s):
+            while self._full(size):
+                self._taken = anyio.Event()
+                await self._taken.wait()
+        return not self._full(size)
 
     def _error_event(self) -> bytes:
         b = self.bounds
@@ -104,7 +123,7 @@ class EventRelay:
             with anyio.CancelScope(deadline=b.deadline) as scope:
                 async for event in self.source:
                     data = event.encode()
-                    if self.backlog_events >= b.max_events or self.backlog_bytes + len(data) > b.max_bytes:
+                    if self._full(len(data)) and not await self._room_for(len(data)):
                         self.stopped = "slow_reader"
                         break
                     self._put(data)
@@ -129,6 +148,7 @@ class EventRelay:
             async for data in self._recv:
                 self.backlog_events -= 1
                 self.backlog_bytes -= len(data)
+                self._taken.set()
                 yield data
 
     async def run(self, respond: Callable[[], Awaitable[None]]) -> None:
