@@ -310,3 +310,14 @@ def test_logprob_tokens_are_decoded_once(tokenizer):
         for _ in range(3):
             assert builder.chunk(Piece("t", [40], [lp])) is not None
     assert sorted(calls) == sorted({(t,) for t in top})  # each token once, across requests and chunks
+
+
+def test_the_api_key_is_never_printed():
+    from raymoe.deploy.server import curl_example
+    from raymoe.deploy.server_config import ServeOptions
+
+    opts = ServeOptions(api_key="s3cret-key")
+    assert "s3cret-key" not in repr(opts) and "s3cret-key" not in str(opts)
+    line = curl_example("http://127.0.0.1:8000", "m", needs_key=True)
+    assert "s3cret-key" not in line and "$RAYMOE_API_KEY" in line
+    assert "Authorization" not in curl_example("http://127.0.0.1:8000", "m", needs_key=False)
