@@ -1,8 +1,13 @@
-"""Server robustness: 429 from the front-end in-flight bound and from the scheduler's full queue, and a
-schemathesis run over the OpenAPI schema (in-process ASGI) that must never see a 5xx.
+"""Server robustness: 429 from the front-end in-flight bound (explicit and derived from the scheduler) and from
+the scheduler's full queue, a schemathesis run over the OpenAPI schema (in-process ASGI) that must never see a
+5xx, and the limits of README "Limits and failure behaviour" against a real engine: a hypothesis fuzz of every
+request field with extremes beside a long stream (which must finish whole), a slow reader, oversized bodies,
+10,000 stop strings, lone surrogates and the deadline. After each, the engine holds no request and no KV.
 
 The limits engine admits one running and one queued request; the fuzzing engine has a 64-token context, so
-every generated request is short.
+every generated request is short; the stress engine runs four requests at once with a 1024-token context, behind
+a server whose sockets have a small fixed send buffer (so a stalled reader pushes back after kilobytes).
+No answer in these tests may contain a traceback or a source path.
 """
 
 from __future__ import annotations

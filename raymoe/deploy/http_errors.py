@@ -41,12 +41,12 @@ class APIError(Exception):
         self.code = code
         self.type = error_type or _TYPE_OF_STATUS.get(status, "server_error")
 
-    def body(self, request_id: str | None) -> dict:
+    def body(self, request_id: str | None = None) -> dict:
         """The JSON body of this error (``request_id``: the request's id, see ``http_guard``)."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
                           "request_id": request_id}}
 
-    def response(self, request_id: str | None) -> JSONResponse:
+    def response(self, request_id: str | None = None) -> JSONResponse:
         """This error as a response (``WWW-Authenticate`` on 401)."""
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         return JSONResponse(self.body(request_id), status_code=self.status, headers=headers)
