@@ -40,10 +40,13 @@ class FakeEngine:
         self.delay_s = delay_s
         self.open: set[str] = set()
         self.closed: list[str] = []
+        self.gate: asyncio.Event | None = None  # when set to an Event, generation waits for it
 
     async def generate(self, request_id, prompt_ids, params):
         self.open.add(request_id)
         try:
+            if self.gate is not None:
+                await self.gate.wait()
             for i in range(params.max_tokens):
                 await asyncio.sleep(self.delay_s)
                 lp = None
@@ -321,3 +324,35 @@ def test_the_api_key_is_never_printed():
     line = curl_example("http://127.0.0.1:8000", "m", needs_key=True)
     assert "s3cret-key" not in line and "$RAYMOE_API_KEY" in line
     assert "Authorization" not in curl_example("http://127.0.0.1:8000", "m", needs_key=False)
+
+
+def test_default_in_flight_bound_is_the_scheduler_capacity(tokenizer):
+    engine = FakeEngine(tokenizer)  # dp 1 x (4 running + 4 queued)
+    app = _app(engine)
+    capacity = 8
+    assert app.state.serving.max_in_flight == capacity
+
+    async def main():
+        engine.gate = asyncio.Event()
+        body = {"model": "fake", "prompt": "x", "max_tokens": 2}
+        async with _client(app) as c:
+            answers = []
+
+            async def one():
+                answers.append(await c.post("/v1/completions", json=body, headers=AUTH))
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(capacity):
+                    tg.start_soon(one)
+                with anyio.fail_after(30):
+                    while len(engine.open) < capacity:
+                        await anyio.sleep(0.01)
+                # Request 1 + max_in_flight: refused by the front end, before the scheduler's queue would.
+                r = await c.post("/v1/completions", json=body, headers=AUTH)
+                engine.gate.set()
+        return r, answers
+
+    r, answers = _run(main)
+    assert _check_error(r, 429)["code"] == "too_many_requests"
+    assert [a.status_code for a in answers] == [200] * capacity
+    assert app.state.serving.in_flight == 0 and not engine.open

@@ -283,24 +283,6 @@ def test_deadline_aborts_the_request_in_the_engine(stress_url, stress_engine):
     assert metrics(stress_url)["raymoe:request_success_total{finish_reason=abort}"] == aborted + 2
 
 
-def test_default_bound_is_the_scheduler_capacity(engine):
-    from raymoe.deploy.openai_api import build_openai_app
-
-    sched, dp = engine.config.scheduler, engine.config.parallel.dp_size
-    capacity = dp * (sched.max_running_requests + sched.max_queued_requests)
-    assert capacity == 2
-    with uvicorn_server(build_openai_app(engine, api_key=KEY)) as url:
-        streams = [_start_stream(url, engine.model_name) for _ in range(capacity)]
-        wait_for(lambda: metrics(url)["raymoe:num_requests_in_flight"] == capacity)
-        wait_for(lambda: metrics(url)["raymoe:num_requests_waiting"] == 1)
-        # Request 1 + max_in_flight: the front end refuses it before the scheduler's queue would.
-        r = _post(url, engine.model_name)
-        assert r.status_code == 429 and _well_formed_error(r)["code"] == "too_many_requests"
-        for s in streams:
-            s.close()
-        wait_for(lambda: engine_idle(url) and metrics(url)["raymoe:num_requests_in_flight"] == 0)
-
-
 # Field values for the fuzz: extremes of every type, a few valid values, and values of the wrong type. Valid
 # max_tokens are small so every accepted request is short.
 _INTS = [-2**63 - 1, -2**63, -1, 0, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64]
