@@ -1,4 +1,4 @@
-"""Server robustness: 429 from the front-end in-flight bound (explicit and derived from the scheduler) and from
+"""Server robustness: 429 from the front-end in-flight bound (the derived default: test_http_guards) and from
 the scheduler's full queue, a schemathesis run over the OpenAPI schema (in-process ASGI) that must never see a
 5xx, and the limits of README "Limits and failure behaviour" against a real engine: a hypothesis fuzz of every
 request field with extremes beside a long stream (which must finish whole), a slow reader, oversized bodies,
