@@ -51,11 +51,47 @@ def test_out_of_vocab_token(engine):
     ({"top_k": 2**63}, "top_k"),
     ({"temperature": float("inf")}, "temperature"),
     ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": "1"}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"min_p": float("nan")}, "min_p"),
+    ({"min_p": -1e-9}, "min_p"),
+    ({"top_k": 1.5}, "top_k"),
+    ({"top_k": True}, "top_k"),
+    ({"max_tokens": 2**63}, "max_tokens"),
+    ({"max_tokens": 2.0}, "max_tokens"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**63}, "seed"),
+    ({"seed": 1.5}, "seed"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"stop": ["a"] * 257}, "stop"),
+    ({"stop": ["x" * 1025]}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"stop": ["\ud800"]}, "stop"),
+    ({"stop": [3]}, "stop"),
+    ({"stop": 3}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": [2**31]}, "stop_token_ids"),
+    ({"stop_token_ids": [1] * 1025}, "stop_token_ids"),
+    ({"stop_token_ids": [1.5]}, "stop_token_ids"),
+    ({"stop_token_ids": 7}, "stop_token_ids"),
 ])
 def test_sampling_params_out_of_range(kwargs, field):
     with pytest.raises(InvalidRequestError) as ei:
         SamplingParams(**kwargs)
     assert ei.value.field == field
+
+
+def test_sampling_params_at_their_bounds_are_accepted():
+    import numpy as np
+
+    from raymoe.scheduler.sampling_params import MAX_SEED, MAX_TOKENS, MAX_TOP_K
+
+    p = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, top_p=1.0, top_k=MAX_TOP_K, min_p=1.0, seed=MAX_SEED,
+                       stop=["x" * 1024] * 256, stop_token_ids=[np.int64(2**31 - 1)] * 1024, logprobs=20)
+    assert p.stop_token_ids[0] == 2**31 - 1 and isinstance(p.stop, tuple)
+    assert SamplingParams(stop="abc").stop == ("abc",)
 
 
 def test_wrong_number_of_sampling_params(engine):

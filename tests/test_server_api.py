@@ -205,7 +205,8 @@ def test_bad_requests_get_openai_error_bodies(base_url, model, path, body, statu
     r = httpx.post(f"{base_url}{path}", content=content, headers=headers)
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert set(err) == {"message", "type", "param", "code", "request_id"} and err["message"]
+    assert err["request_id"] == r.headers["x-request-id"] and "Traceback" not in r.text
     assert err["param"] == param
     if "word" in content.decode():
         assert err["code"] == "context_length_exceeded"

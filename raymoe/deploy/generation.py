@@ -61,7 +61,9 @@ def engine_error(e: BaseException) -> BaseException:
     if isinstance(e, (InvalidRequestError, EngineUnhealthyError)):
         return e
     if type(e).__module__.startswith("ray."):
-        return EngineUnhealthyError(f"the engine's driver failed: {type(e).__name__}: {e}")
+        # Ray's text carries tracebacks, hosts and actor ids: it goes to the log, not to the client.
+        log.error("the engine's driver failed", exc_info=e)
+        return EngineUnhealthyError(f"the engine's driver failed ({type(e).__name__})")
     return e
 
 

@@ -1,13 +1,14 @@
-"""OpenAI-style error answers: ``{"error": {"message", "type", "param", "code"}}`` for every non-2xx status.
+"""OpenAI-style error answers: ``{"error": {"message", "type", "param", "code", "request_id"}}`` for every
+non-2xx status.
 
 :class:`APIError` is what handlers raise; :func:`install_error_handlers` maps it, FastAPI's validation errors
 (malformed JSON, wrong types: 400 instead of FastAPI's 422), Starlette's HTTP errors (unknown route 404, wrong
-method 405), raymoe's typed errors and anything unexpected (500) to that body.
+method 405, body too large 413) and raymoe's typed errors to that body. Anything unexpected is answered by
+``http_guard.RequestGuard``: a generic 500 whose ``request_id`` names the traceback in the server log. Messages
+are short and never carry internals (tracebacks, file paths, hosts, actor ids): those stay in the log.
 """
 
 from __future__ import annotations
-
-import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,11 +17,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from raymoe.errors import EngineUnhealthyError, InvalidRequestError
 
-log = logging.getLogger(__name__)
-
 _TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                   405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-                   503: "service_unavailable_error"}
+                   405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+                   429: "rate_limit_error", 503: "service_unavailable_error"}
+INTERNAL_ERROR_MESSAGE = "internal server error; quote the request id when you report it"
 
 
 class APIError(Exception):
@@ -41,26 +41,39 @@ class APIError(Exception):
         self.code = code
         self.type = error_type or _TYPE_OF_STATUS.get(status, "server_error")
 
-    def body(self) -> dict:
-        """The JSON body of this error."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+    def body(self, request_id: str | None = None) -> dict:
+        """The JSON body of this error (``request_id``: the request's id, see ``http_guard``)."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
+                          "request_id": request_id}}
 
-    def response(self) -> JSONResponse:
+    def response(self, request_id: str | None = None) -> JSONResponse:
         """This error as a response (``WWW-Authenticate`` on 401)."""
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(self.body(request_id), status_code=self.status, headers=headers)
+
+
+def request_id_of(request: Request) -> str | None:
+    """The id ``http_guard.RequestGuard`` gave ``request`` (None outside the guard)."""
+    return getattr(request.state, "request_id", None)
+
+
+def internal_error() -> APIError:
+    """The generic 500 a client sees for an unexpected failure (the details are logged under the request id)."""
+    return APIError(500, INTERNAL_ERROR_MESSAGE, code="internal_error", error_type="server_error")
 
 
 def from_raymoe_error(e: Exception) -> APIError:
-    """Map raymoe's typed errors: a refused queue is 429, other bad fields 400, an unhealthy engine 503."""
+    """Map raymoe's typed errors: a refused queue is 429, other bad fields 400, an unhealthy engine 503, anything
+    else the generic 500 (the caller logs it)."""
     if isinstance(e, InvalidRequestError):
         if e.field == "queue":
             return APIError(429, f"the server is busy: {e.message}", code="queue_full")
         code = "context_length_exceeded" if e.field == "prompt" and "context" in e.message else None
         return APIError(400, e.message, param=e.field, code=code)
     if isinstance(e, EngineUnhealthyError):
-        return APIError(503, f"the engine is unavailable: {e}", code="engine_unhealthy")
-    return APIError(500, f"internal error: {type(e).__name__}", code="internal_error", error_type="server_error")
+        return APIError(503, "the engine is unavailable (recovering from a failure); retry later",
+                        code="engine_unhealthy")
+    return internal_error()
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -68,9 +81,10 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if not errors:
         return APIError(400, "invalid request body")
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
-        return APIError(400, f"malformed JSON body: {first.get('msg', '')}", code="invalid_json")
+        return APIError(400, "malformed JSON body", code="invalid_json")
+    # Keep field names and list indices; drop pydantic's union-branch tags ("function-after[...]", "list[int]").
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not (isinstance(p, str) and "[" in p)]
     param = loc[0] if loc else None
     where = ".".join(loc) or "body"
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
@@ -78,30 +92,30 @@ def _validation_error(exc: RequestValidationError) -> APIError:
                     code="invalid_value")
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Register the handlers that turn every error into the OpenAI error body."""
+def body_too_large(max_body_bytes: int) -> APIError:
+    """The 413 of a request body over ``max_body_bytes`` bytes."""
+    return APIError(413, f"the request body is larger than {max_body_bytes} bytes", code="request_too_large")
+
+
+def install_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
+    """Register the handlers that turn every expected error into the OpenAI error body (``max_body_bytes``: the
+    body limit, named in the 413 message)."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(request_id_of(request))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response(request_id_of(request))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response()
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 413:  # FastAPI's body limit, hit while reading a chunked body
+            return body_too_large(max_body_bytes).response(request_id_of(request))
+        return APIError(exc.status_code, str(exc.detail)).response(request_id_of(request))
 
     @app.exception_handler(InvalidRequestError)
-    async def _raymoe_invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return from_raymoe_error(exc).response()
-
     @app.exception_handler(EngineUnhealthyError)
-    async def _unhealthy(_: Request, exc: EngineUnhealthyError) -> JSONResponse:
-        return from_raymoe_error(exc).response()
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error in a request", exc_info=exc)
-        return from_raymoe_error(exc).response()
+    async def _raymoe_error(request: Request, exc: Exception) -> JSONResponse:
+        return from_raymoe_error(exc).response(request_id_of(request))

@@ -2,101 +2,75 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stream``), ``GET /v1/models`` (these
 three need ``Authorization: Bearer KEY`` when an API key is set), ``GET /health`` (503 while the engine is
-unhealthy), ``GET /metrics`` (Prometheus text). Flow of a request: pydantic validates the body (any error: 400),
-``request_prep`` tokenizes it, ``generation.stream_pieces`` runs it in the engine, ``responses`` shapes the answer.
-A client that disconnects aborts its request. At most ``max_in_flight`` generation requests are served at once;
-more get 429, as do requests the scheduler refuses because its queue is full.
+unhealthy), ``GET /metrics`` (Prometheus text). Flow of a request: ``http_guard`` gives it an id and checks the
+key and the declared body size before anything is read; FastAPI reads the body (413 past ``max_body_bytes``) and
+pydantic validates it (any error: 400); ``request_prep`` tokenizes it in a worker thread;
+``generation.stream_pieces`` runs it in the engine under its deadline (408 when it passes); ``responses`` shapes
+the answer, and a stream goes through ``sse.EventRelay`` (bounded backlog, deadline, error event). A client that
+disconnects aborts its request. At most ``max_in_flight`` generation requests are served at once; more get 429, as
+do requests the scheduler refuses because its queue is full. README "Limits and failure behaviour" lists every
+limit and what a client sees.
 """
 
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
-from collections.abc import Awaitable, Callable
+import uuid
 
 import anyio
-from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from raymoe.deploy.engine_client import EngineClient
 from raymoe.deploy.generation import ClientDisconnected, Piece, collect, stream_pieces, until_disconnected
-from raymoe.deploy.http_errors import APIError, from_raymoe_error, install_error_handlers
+from raymoe.deploy.http_errors import APIError, from_raymoe_error, install_error_handlers, request_id_of
+from raymoe.deploy.http_guard import RequestGuard
 from raymoe.deploy.metrics import ServerMetrics
 from raymoe.deploy.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from raymoe.deploy.request_prep import prepare
-from raymoe.deploy.responses import ResponseBuilder, sse
+from raymoe.deploy.responses import ResponseBuilder, TokenTexts
+from raymoe.deploy.server_config import ServerLimits
+from raymoe.deploy.sse import EventRelay, SSEResponse, StreamBounds, sse
 from raymoe.errors import RaymoeError
 
 # Status logged for requests whose client went away before the answer (nginx's convention; never seen by anyone).
 _CLIENT_CLOSED = 499
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 503)}
 
 
-class _SSEResponse(StreamingResponse):
-    """A streaming response that always runs ``on_close`` when it ends, also when the client disconnected
-    before the first event was sent (an event generator that never started would not run its own cleanup)."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, content, on_close: Callable[[], Awaitable[None]], **kwargs):
-        super().__init__(content, **kwargs)
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
-                await self.on_close()
-
-
-class _ErrorCounter:
-    """ASGI middleware counting answers with status >= 400 in ``raymoe:request_errors_total``."""
-
-    def __init__(self, app, metrics: ServerMetrics):
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def counting_send(message) -> None:
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                self.metrics.error(message["status"])
-            await send(message)
-
-        await self.app(scope, receive, counting_send)
+def _timed_out() -> APIError:
+    return APIError(408, "the request's deadline passed before it finished; it was aborted",
+                    param="timeout", code="request_timeout")
 
 
 class OpenAIServing:
     """Request handling shared by the routes (one per app).
 
     Args:
-        engine: the engine client. api_key: required bearer token (None: no authentication).
+        engine: the engine client.
         max_in_flight: generation requests served at once before 429 (None: derived from the scheduler limits).
+        limits: per-request limits (None: the ``ServerLimits`` defaults).
+
+    Why the default ``max_in_flight`` is ``dp_size * (max_running_requests + max_queued_requests)``: that is
+    exactly how many requests the engine can hold at once (running plus queued over all DP groups); one more
+    would be refused by the scheduler with "queue full" anyway, so the front end refuses it first (429
+    ``too_many_requests``), before it costs a worker thread and a tokenization. Nothing else bounds a request in
+    between: every request and abort travels to the driver actor over one Unix socket (``raymoe.actors.channel``),
+    not as a Ray call of its own, so there is no per-call concurrency limit of an actor (``max_concurrency``) that
+    the bound would also have to respect; one socket message per new request is all an admitted request costs
+    before the scheduler sees it. A larger explicit value lets the scheduler's own 429 (``queue_full``) answer.
     """
 
-    def __init__(self, engine: EngineClient, api_key: str | None = None, max_in_flight: int | None = None):
+    def __init__(self, engine: EngineClient, max_in_flight: int | None = None, limits: ServerLimits | None = None):
         self.engine = engine
-        self.api_key = api_key
+        self.limits = limits or ServerLimits()
         sched, dp = engine.config.scheduler, engine.config.parallel.dp_size
         self.max_in_flight = max_in_flight or dp * (sched.max_running_requests + sched.max_queued_requests)
         self.in_flight = 0
         self.metrics = ServerMetrics(engine.model_name)
-
-    def check_api_key(self, request: Request) -> None:
-        """401 unless the request carries ``Authorization: Bearer <api_key>`` (when a key is set)."""
-        if self.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-        if not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
-            raise APIError(401, "incorrect API key", code="invalid_api_key")
+        self.token_texts = TokenTexts(engine.tokenizer, engine.model_config.vocab_size)
 
     def _acquire(self) -> None:
         if self.in_flight >= self.max_in_flight:
@@ -110,59 +84,86 @@ class OpenAIServing:
         self.metrics.in_flight.set(self.in_flight)
 
     async def generate(self, request: Request, body: CompletionRequest | ChatCompletionRequest) -> Response:
-        """Serve one completion or chat completion, streamed or not."""
+        """Serve one completion or chat completion, streamed or not.
+
+        Raises:
+            APIError: 404 unknown model, 400 bad field, 408 deadline passed before the first token (or, not
+                streamed, before the last), 429 busy, 503 engine unhealthy.
+        """
+        arrival = anyio.current_time()
         engine = self.engine
         if body.model != engine.model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                                 f"{engine.model_name!r}", param="model", code="model_not_found")
-        chat = isinstance(body, ChatCompletionRequest)
-        prep = prepare(body, engine.tokenizer, engine.model_config.vocab_size, engine.max_context_len)
-        builder = ResponseBuilder(chat, engine.model_name, engine.tokenizer, prep.logprobs)
+        request_id = request_id_of(request) or uuid.uuid4().hex
         self._acquire()
-        released = False
+        pieces = None
+        handed_over = False  # a started stream belongs to its response, which closes it and releases the slot
         try:
+            # Templating and tokenizing cost CPU in proportion to the prompt: a worker thread, never the loop.
+            prep = await anyio.to_thread.run_sync(prepare, body, engine.tokenizer, engine.model_config.vocab_size,
+                                                  engine.max_context_len, self.limits)
+            deadline = arrival + prep.timeout_s
+            builder = ResponseBuilder(isinstance(body, ChatCompletionRequest), engine.model_name, self.token_texts,
+                                      prep.logprobs, request_id)
             pieces = stream_pieces(engine, builder.id, prep, self.metrics.request())
+            with anyio.CancelScope(deadline=deadline) as scope:
+                if body.stream:
+                    first = await until_disconnected(request, anext(pieces, None))
+                else:
+                    answer = builder.complete(await until_disconnected(request, collect(pieces)))
+            if scope.cancelled_caught:
+                raise _timed_out()
             if not body.stream:
-                return JSONResponse(builder.complete(await until_disconnected(request, collect(pieces))))
-            first = await until_disconnected(request, anext(pieces, None))
+                return JSONResponse(answer)
             include_usage = body.stream_options is not None and body.stream_options.include_usage
+            lim = self.limits
+            bounds = StreamBounds(deadline, lim.max_stream_backlog_events, lim.max_stream_backlog_bytes,
+                                  lim.stream_backlog_grace_s, lim.stream_drain_timeout_s)
+            relay = EventRelay(self._events(builder, first, pieces, include_usage, request_id), bounds, request_id)
 
             async def close_stream() -> None:
-                await pieces.aclose()  # aborts the request if it is still running
+                await _close(pieces)
                 self._release()
 
-            released = True  # the response releases the slot when the stream ends
-            return _SSEResponse(self._events(builder, first, pieces, include_usage), on_close=close_stream,
-                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            handed_over = True
+            return SSEResponse(relay, on_close=close_stream,
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         except ClientDisconnected:
             return Response(status_code=_CLIENT_CLOSED)
         except RaymoeError as e:
             raise from_raymoe_error(e) from e
         finally:
-            if not released:
+            if not handed_over:
+                if pieces is not None:
+                    await _close(pieces)  # aborts the request in the engine if it is still running
                 self._release()
 
     @staticmethod
-    async def _events(builder: ResponseBuilder, first: Piece | None, pieces, include_usage: bool):
-        opening = builder.first_chunk()
-        if opening is not None:
-            yield sse(opening)
-        piece = first or Piece("", [], finish_reason="abort")
-        while True:
-            chunk = builder.chunk(piece)
-            if chunk is not None:
-                yield sse(chunk)
-            if piece.finish_reason is not None:
-                break
-            try:
-                piece = await anext(pieces, None) or Piece("", [], finish_reason="abort")
-            except RaymoeError as e:  # the engine failed mid-stream: the status is already 200
-                yield sse(from_raymoe_error(e).body())
-                piece = None
-                break
-        if include_usage and piece is not None:
-            yield sse(builder.usage_chunk(piece))
-        yield sse("[DONE]")
+    async def _events(builder: ResponseBuilder, first: Piece | None, pieces, include_usage: bool,
+                      request_id: str):
+        try:
+            opening = builder.first_chunk()
+            if opening is not None:
+                yield sse(opening)
+            piece = first or Piece("", [], finish_reason="abort")
+            while True:
+                chunk = builder.chunk(piece)
+                if chunk is not None:
+                    yield sse(chunk)
+                if piece.finish_reason is not None:
+                    break
+                try:
+                    piece = await anext(pieces, None) or Piece("", [], finish_reason="abort")
+                except RaymoeError as e:  # the engine failed mid-stream: the status is already 200
+                    yield sse(from_raymoe_error(e).body(request_id))
+                    piece = None
+                    break
+            if include_usage and piece is not None:
+                yield sse(builder.usage_chunk(piece))
+            yield sse("[DONE]")
+        finally:
+            await _close(pieces)
 
     async def health(self) -> Response:
         """200 while the engine is healthy, else 503."""
@@ -189,32 +190,40 @@ class OpenAIServing:
                                             "owned_by": "raymoe", "max_model_len": e.max_context_len}]}
 
 
-def build_openai_app(engine: EngineClient, api_key: str | None = None, max_in_flight: int | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine`` (see the module docstring for routes and status codes)."""
+async def _close(pieces) -> None:
+    with anyio.CancelScope(shield=True):
+        await pieces.aclose()
+
+
+def build_openai_app(engine: EngineClient, api_key: str | None = None, max_in_flight: int | None = None,
+                     limits: ServerLimits | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (see the module docstring for routes and status codes).
+
+    Args:
+        engine: the engine client. api_key: bearer token required on ``/v1/*`` (None: open).
+        max_in_flight: see :class:`OpenAIServing`. limits: per-request limits (None: the defaults).
+    """
     from raymoe import __version__
 
-    serving = OpenAIServing(engine, api_key=api_key, max_in_flight=max_in_flight)
+    limits = limits or ServerLimits()
+    serving = OpenAIServing(engine, max_in_flight=max_in_flight, limits=limits)
     app = FastAPI(title="raymoe", version=__version__, description="OpenAI-compatible API of a raymoe engine")
     app.state.serving = serving
-    install_error_handlers(app)
-    app.add_middleware(_ErrorCounter, metrics=serving.metrics)
+    install_error_handlers(app, limits.max_body_bytes)
+    app.add_middleware(RequestGuard, metrics=serving.metrics, api_key=api_key, max_body_bytes=limits.max_body_bytes)
+    body_limit = {"max_body_size": limits.max_body_bytes}  # chunked bodies; a declared length is checked earlier
 
-    def authorized(request: Request) -> None:
-        serving.check_api_key(request)
-
-    auth = [Depends(authorized)]
-
-    @app.post("/v1/completions", dependencies=auth, responses=_ERRORS)
+    @app.post("/v1/completions", responses=_ERRORS, **body_limit)
     async def completions(body: CompletionRequest, request: Request):
         """Text completion of one prompt (server-sent events when ``stream``)."""
         return await serving.generate(request, body)
 
-    @app.post("/v1/chat/completions", dependencies=auth, responses=_ERRORS)
+    @app.post("/v1/chat/completions", responses=_ERRORS, **body_limit)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         """Chat completion over the tokenizer's chat template (server-sent events when ``stream``)."""
         return await serving.generate(request, body)
 
-    @app.get("/v1/models", dependencies=auth, responses=_ERRORS)
+    @app.get("/v1/models", responses=_ERRORS)
     async def models():
         """The served model."""
         return serving.models()

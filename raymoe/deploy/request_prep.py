@@ -1,9 +1,14 @@
 """From a validated request body to what the engine takes: prompt token ids and ``SamplingParams``.
 
 Applies the tokenizer's chat template (control tokens inside messages are encoded as text, so a user cannot
-forge a turn), checks the prompt against the vocabulary and the context length, refuses features the engine
-does not have (``echo``, ``logit_bias``, tools ...) with a 400 naming the field, and fills the defaults
-(completions: 16 tokens; chat: the rest of the context).
+forge a turn), checks the prompt against the vocabulary and the context length, checks the operator's limits
+(``ServerLimits``: stop strings, ``timeout``), refuses features the engine does not have (``echo``,
+``logit_bias``, tools ...) with a 400 naming the field, and fills the defaults (completions: 16 tokens; chat: the
+rest of the context; the deadline: ``default_timeout_s``).
+
+:func:`prepare` is CPU work proportional to the prompt (templating, tokenizing): ``openai_api`` runs it in a
+worker thread, never on the event loop, so a huge prompt does not stall other requests' streams. The cheap
+checks run before the tokenizer, so a request refused for its options costs no tokenization.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from dataclasses import dataclass
 
 from raymoe.deploy.http_errors import APIError
 from raymoe.deploy.protocol import ChatCompletionRequest, CompletionRequest
+from raymoe.deploy.server_config import ServerLimits
 from raymoe.errors import InvalidRequestError
 from raymoe.scheduler.sampling_params import SamplingParams
 
@@ -25,11 +31,13 @@ class PreparedRequest:
     Attributes:
         prompt_ids: prompt token ids. params: sampling parameters (``max_tokens`` fits the context).
         logprobs: top log-probabilities per token to return (None: none).
+        timeout_s: the request's deadline, seconds from its arrival.
     """
 
     prompt_ids: list[int]
     params: SamplingParams
     logprobs: int | None
+    timeout_s: float
 
 
 def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -38,13 +46,35 @@ def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
         raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_value")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools:
+            raise APIError(400, "tools are not supported", param="tools", code="unsupported_value")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    else:
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo", code="unsupported_value")
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_value")
+
+
+def _check_limits(req: CompletionRequest | ChatCompletionRequest, stop: list[str], limits: ServerLimits,
+                  vocab_size: int) -> float:
+    """The request's deadline (seconds); 400 naming the field past a limit of the operator's."""
+    if len(stop) > limits.max_stop_strings:
+        raise APIError(400, f"at most {limits.max_stop_strings} stop strings are allowed, got {len(stop)}",
+                       param="stop", code="too_many_stop_strings")
+    if any(len(s) > limits.max_stop_string_chars for s in stop):
+        raise APIError(400, f"stop strings may have at most {limits.max_stop_string_chars} characters",
+                       param="stop", code="stop_string_too_long")
+    if req.stop_token_ids and max(req.stop_token_ids) >= vocab_size:
+        raise APIError(400, f"stop token ids must be in [0, {vocab_size})", param="stop_token_ids")
+    if req.timeout is not None and req.timeout > limits.max_timeout_s:
+        raise APIError(400, f"timeout may be at most {limits.max_timeout_s} seconds", param="timeout")
+    return req.timeout if req.timeout is not None else limits.default_timeout_s
 
 
 def _completion_prompt(req: CompletionRequest, tokenizer) -> list[int]:
-    if req.echo:
-        raise APIError(400, "echo is not supported", param="echo", code="unsupported_value")
-    if req.suffix:
-        raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_value")
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -56,16 +86,15 @@ def _completion_prompt(req: CompletionRequest, tokenizer) -> list[int]:
 
 
 def _chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
-    if req.tools:
-        raise APIError(400, "tools are not supported", param="tools", code="unsupported_value")
-    if req.top_logprobs is not None and not req.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    from jinja2 import TemplateError
+
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                             return_dict=False, sanitize_control_tokens=True)
-    except Exception as e:  # noqa: BLE001 - jinja raises its own errors for conversations a template refuses
-        raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from e
+    except TemplateError as e:  # a template's raise_exception() refusing the conversation; its text is for users
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise APIError(400, f"the chat template refused the messages: {reason}", param="messages") from e
     return [int(t) for t in ids]
 
 
@@ -81,13 +110,16 @@ def _check_prompt(ids: list[int], vocab_size: int, max_context_len: int, field: 
 
 
 def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_size: int,
-            max_context_len: int) -> PreparedRequest:
-    """Tokenize and validate ``req``.
+            max_context_len: int, limits: ServerLimits) -> PreparedRequest:
+    """Tokenize and validate ``req`` (blocking CPU work: call it from a worker thread).
 
     Raises:
-        APIError: 400 naming the field (unsupported feature, empty or too long prompt, bad sampling value).
+        APIError: 400 naming the field (unsupported feature, empty or too long prompt, bad sampling value, a
+            limit of ``limits`` passed).
     """
     _refuse_unsupported(req)
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    timeout_s = _check_limits(req, stop, limits, vocab_size)
     chat = isinstance(req, ChatCompletionRequest)
     ids = _chat_prompt(req, tokenizer) if chat else _completion_prompt(req, tokenizer)
     _check_prompt(ids, vocab_size, max_context_len, "messages" if chat else "prompt")
@@ -100,12 +132,12 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_siz
         asked = req.max_tokens if req.max_tokens is not None else _COMPLETION_DEFAULT_MAX_TOKENS
         max_tokens = min(asked, room)
         logprobs = req.logprobs
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
-            min_p=req.min_p or 0.0, seed=req.seed, stop=tuple(stop), ignore_eos=req.ignore_eos, logprobs=logprobs)
+            min_p=req.min_p or 0.0, seed=req.seed, stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos, logprobs=logprobs)
     except InvalidRequestError as e:
         raise APIError(400, e.message, param=e.field, code="invalid_value") from e
-    return PreparedRequest(ids, params, logprobs)
+    return PreparedRequest(ids, params, logprobs, timeout_s)

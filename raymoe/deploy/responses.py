@@ -4,22 +4,41 @@ A :class:`ResponseBuilder` is made per request; it turns :class:`~raymoe.deploy.
 non-streamed answers (``complete``) or streamed chunks (``chunk``, ``usage_chunk``). Shapes follow the OpenAI API
 reference: ``text_completion`` / ``chat.completion`` objects, ``usage`` with cached prompt tokens, completion
 logprobs as ``tokens``/``token_logprobs``/``top_logprobs``/``text_offset`` and chat logprobs as ``content``.
+Token strings come from a :class:`TokenTexts` cache shared by all requests, so each vocabulary entry is decoded at
+most once per server (``logprobs=20`` would otherwise decode 21 tokens per generated token on the event loop).
 """
 
 from __future__ import annotations
 
-import json
 import time
-import uuid
+from collections.abc import Callable
 
 from raymoe.deploy.generation import Piece
 from raymoe.step.step_output import TokenLogprobs
 
 
-def sse(payload: dict | str) -> str:
-    """One server-sent event (``data: ...`` and a blank line)."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n"
+class TokenTexts:
+    """The text of single tokens (``decode([id])`` with special tokens kept), each decoded once.
+
+    Bounded by the vocabulary: at most ``vocab_size`` entries are ever stored (ids outside it are decoded
+    without caching).
+
+    Args:
+        tokenizer: the model's Hugging Face tokenizer. vocab_size: the model's vocabulary size.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if 0 <= token_id < self.vocab_size:
+                self._texts[token_id] = text
+        return text
 
 
 def usage_dict(piece: Piece) -> dict:
@@ -33,24 +52,24 @@ class ResponseBuilder:
     """Builds the answers of one request.
 
     Args:
-        chat: chat completion (else text completion). model: the served model name. tokenizer: for token strings
-            in logprobs. top_logprobs: alternatives asked per token (None: no logprobs).
+        chat: chat completion (else text completion). model: the served model name. token_text: token id ->
+            its text, for logprobs (a :class:`TokenTexts`). top_logprobs: alternatives asked per token (None: no
+            logprobs). request_id: the HTTP request's id; the answer's ``id`` is ``cmpl-<request_id>`` or
+            ``chatcmpl-<request_id>``.
     """
 
-    def __init__(self, chat: bool, model: str, tokenizer, top_logprobs: int | None):
+    def __init__(self, chat: bool, model: str, token_text: Callable[[int], str], top_logprobs: int | None,
+                 request_id: str):
         self.chat = chat
         self.model = model
-        self.tokenizer = tokenizer
+        self._token = token_text
         self.top_logprobs = top_logprobs
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.created = int(time.time())
         self._text_offset = 0
 
     def _header(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def _token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _completion_logprobs(self, piece: Piece) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -67,7 +86,7 @@ class ResponseBuilder:
     def _chat_entry(self, token_id: int, lp: TokenLogprobs | None) -> dict:
         tok = self._token(token_id)
         top = [] if lp is None else [
-            {"token": self._token(t), "logprob": v, "bytes": list(self._token(t).encode())}
+            {"token": (text := self._token(t)), "logprob": v, "bytes": list(text.encode())}
             for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=False)]
         return {"token": tok, "logprob": lp.logprob if lp else None, "bytes": list(tok.encode()),
                 "top_logprobs": top}
@@ -119,8 +138,3 @@ class ResponseBuilder:
         """The last chunk when ``stream_options.include_usage``: no choices, the request's usage."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._header(obj), "choices": [], "usage": usage_dict(last)}
-
-    @staticmethod
-    def error_chunk(status: int, body: dict) -> dict:
-        """An error that happened after the stream started (the HTTP status is already 200)."""
-        return {**body, "status": status}

@@ -19,10 +19,11 @@ from tqdm import tqdm
 from raymoe.deploy.server_config import ServeOptions
 
 
-def curl_example(base_url: str, model: str, api_key: str | None) -> str:
-    """A copy-pasteable ``curl`` chat completion against the server."""
+def curl_example(base_url: str, model: str, needs_key: bool) -> str:
+    """A copy-pasteable ``curl`` chat completion against the server. The API key itself is never printed: with
+    ``needs_key`` the line reads it from ``$RAYMOE_API_KEY`` in the user's shell."""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "def fib(n):"}], "max_tokens": 32})
-    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    auth = ' -H "Authorization: Bearer $RAYMOE_API_KEY"' if needs_key else ""
     return f"curl {base_url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
 
 
@@ -91,13 +92,13 @@ def run_server(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, de
     stages.set_postfix_str("ready")
     stages.close()
     try:
-        app = build_openai_app(engine, api_key=opts.api_key, max_in_flight=opts.max_in_flight)
+        app = build_openai_app(engine, api_key=opts.api_key, max_in_flight=opts.max_in_flight, limits=opts.limits)
         base_url = f"http://{host}:{port}"
         cfg = engine.config
         banner = (f"\nraymoe is serving {engine.model_name!r} at {base_url}/v1 "
                   f"(dp={cfg.parallel.dp_size} tp={cfg.parallel.tp_size} ep={cfg.parallel.ep_size}, "
                   f"two-batch overlap {'on' if cfg.overlap.enable_tbo else 'off'})\n"
-                  f"  try:     {curl_example(base_url, engine.model_name, opts.api_key)}\n"
+                  f"  try:     {curl_example(base_url, engine.model_name, opts.api_key is not None)}\n"
                   f"  metrics: {base_url}/metrics    health: {base_url}/health    stop: Ctrl-C\n")
         on_ready = (lambda: _demo_request(base_url, engine.model_name, opts.api_key)) if demo_request else None
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,

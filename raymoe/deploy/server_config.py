@@ -9,10 +9,71 @@ experts sharded over both (``ep_size`` = world size), two-batch overlap on (when
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from raymoe.config import EngineConfig
+from raymoe.errors import InvalidRequestError
+from raymoe.scheduler.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+
+# Longest per-request deadline a client may ask for (``timeout`` field), seconds; also the schema's bound.
+MAX_REQUEST_TIMEOUT_S = 86_400.0
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one HTTP request may ask of the server; README "Limits and failure behaviour" lists what a client
+    sees when each is hit.
+
+    Attributes:
+        max_body_bytes: largest request body, bytes; larger ones get 413 before they are parsed (also chunked
+            bodies without a Content-Length).
+        max_stop_strings: stop strings per request (400 ``param="stop"`` beyond). At most the engine's cap
+            ``MAX_STOP_STRINGS``.
+        max_stop_string_chars: characters per stop string (400 ``param="stop"`` beyond). At most the engine's
+            cap ``MAX_STOP_STRING_CHARS``.
+        default_timeout_s: deadline of a request that sends no ``timeout``, seconds from its arrival.
+        max_timeout_s: largest ``timeout`` a request may send, seconds (400 ``param="timeout"`` beyond).
+        max_stream_backlog_events: SSE events of one stream produced but not yet written to its socket; past it
+            the client is reading too slowly: the request is aborted and the stream ends with an error event.
+        max_stream_backlog_bytes: the same bound in bytes of those events.
+        stream_backlog_grace_s: how long a stream's backlog may stay at its bound before the reader counts as
+            slow, seconds (absorbs scheduling jitter: several engine steps can arrive at once).
+        stream_drain_timeout_s: once a stream's generation has ended (finished, timed out or aborted), how long
+            its remaining events may take to reach a slow reader before the connection is closed, seconds.
+
+    Raises:
+        InvalidRequestError: naming the field that is out of range.
+    """
+
+    max_body_bytes: int = 16 * 2**20
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 512
+    default_timeout_s: float = 600.0
+    max_timeout_s: float = 3600.0
+    max_stream_backlog_events: int = 512
+    max_stream_backlog_bytes: int = 2**20
+    stream_backlog_grace_s: float = 1.0
+    stream_drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name, low in (("max_body_bytes", 1), ("max_stop_strings", 0), ("max_stop_string_chars", 1),
+                          ("max_stream_backlog_events", 1), ("max_stream_backlog_bytes", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise InvalidRequestError(name, f"must be an integer >= {low}, got {v!r}")
+        if self.max_stop_strings > MAX_STOP_STRINGS:
+            raise InvalidRequestError("max_stop_strings", f"the engine accepts at most {MAX_STOP_STRINGS}")
+        if self.max_stop_string_chars > MAX_STOP_STRING_CHARS:
+            raise InvalidRequestError("max_stop_string_chars", f"the engine accepts at most {MAX_STOP_STRING_CHARS}")
+        for name in ("default_timeout_s", "max_timeout_s", "stream_backlog_grace_s", "stream_drain_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= MAX_REQUEST_TIMEOUT_S:
+                raise InvalidRequestError(name, f"must be a number of seconds in (0, {MAX_REQUEST_TIMEOUT_S}], "
+                                                f"got {v!r}")
+        if self.default_timeout_s > self.max_timeout_s:
+            raise InvalidRequestError("default_timeout_s", "must be <= max_timeout_s")
 
 
 class ServeOptions(BaseModel):
@@ -27,7 +88,8 @@ class ServeOptions(BaseModel):
         dtype, seed, device: engine options. max_total_tokens, max_context_len: KV slots and context per group.
         max_running_requests, max_queued_requests: scheduler limits per DP group (a full queue answers 429).
         max_in_flight: requests the HTTP front end serves at once before 429 (None: from the scheduler limits).
-        api_key: bearer token required on ``/v1/*`` (None: open).
+        api_key: bearer token required on ``/v1/*`` (None: open); never shown in ``repr`` or logs.
+        limits: per-request limits of the HTTP front end (body size, stop strings, deadline, stream backlog).
         ray_address: Ray cluster to join (None: a local one on 127.0.0.1, or the Serve cluster).
         fanout: how steps reach multi-rank worlds, ``"compiled"`` | ``"remote"`` (None: the engine default).
     """
@@ -48,7 +110,8 @@ class ServeOptions(BaseModel):
     max_running_requests: int | None = Field(None, ge=1)
     max_queued_requests: int | None = Field(None, ge=1)
     max_in_flight: int | None = Field(None, ge=1)
-    api_key: str | None = None
+    api_key: str | None = Field(None, repr=False)
+    limits: ServerLimits = Field(default_factory=ServerLimits)
     ray_address: str | None = None
     fanout: str | None = None
 

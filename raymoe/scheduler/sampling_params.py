@@ -1,12 +1,40 @@
-"""Per-request sampling parameters (owned by the scheduler; copied as plain numbers into each ModelWorkerBatch)."""
+"""Per-request sampling parameters (owned by the scheduler; copied as plain numbers into each ModelWorkerBatch).
+
+Every field is bounded here, so a Python caller (``Engine.generate``) gets the same typed error as an HTTP client
+gets a 400: :class:`~raymoe.errors.InvalidRequestError` naming the field. The HTTP front end may be stricter (its
+limits are in ``raymoe.deploy.server_config.ServerLimits``) but never looser than these engine-wide caps.
+"""
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass, field
+from numbers import Real
 
 from raymoe.errors import InvalidRequestError
 
 MAX_TOP_K = 2**31 - 1  # ranks hold top_k in an int64 tensor; anything past the vocabulary means "off" anyway
+# Largest max_tokens: the scheduler caps a request at the context length anyway; this keeps tensors int32-safe.
+MAX_TOKENS = 2**31 - 1
+# Largest seed: the samplers seed a torch.Generator, which takes a signed 64-bit value.
+MAX_SEED = 2**63 - 1
+# Largest number of top log-probabilities per generated token.
+MAX_LOGPROBS = 20
+# Engine-wide caps on stop conditions: the driver scans a tail of each request's text for every stop string at
+# every step, so their number and length are the per-step cost of a request.
+MAX_STOP_STRINGS = 256
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass(frozen=True)
@@ -14,20 +42,23 @@ class SamplingParams:
     """How to sample one request's output tokens.
 
     Attributes:
-        max_tokens: maximum number of generated tokens (>= 1).
-        temperature: softmax temperature (>= 0); 0 means greedy (argmax).
+        max_tokens: maximum number of generated tokens, in [1, ``MAX_TOKENS``].
+        temperature: softmax temperature, a finite number >= 0; 0 means greedy (argmax).
         top_p: nucleus mass in (0, 1].
-        top_k: keep the k most likely tokens; -1 (default) or 0 disables it.
+        top_k: keep the k most likely tokens; -1 (default) or 0 disables it; at most ``MAX_TOP_K``.
         min_p: drop tokens whose probability is below ``min_p * p_max``; in [0, 1].
-        seed: per-request seed; the same seed, prompt and parameters give the same tokens whatever the
-            batch composition (see ``raymoe.runner.sampler``).
-        stop: stop strings; generation ends when the decoded output contains one (it is cut from ``text``).
-        stop_token_ids: extra token ids that end generation (besides EOS unless ``ignore_eos``).
+        seed: per-request seed in [0, ``MAX_SEED``]; the same seed, prompt and parameters give the same tokens
+            whatever the batch composition (see ``raymoe.runner.sampler``).
+        stop: stop strings (at most ``MAX_STOP_STRINGS``, each 1 to ``MAX_STOP_STRING_CHARS`` characters of valid
+            Unicode); generation ends when the decoded output contains one (it is cut from ``text``).
+        stop_token_ids: extra token ids that end generation (besides EOS unless ``ignore_eos``); at most
+            ``MAX_STOP_TOKEN_IDS``, each in [0, ``MAX_TOKEN_ID``] (the vocabulary is checked by the caller).
         ignore_eos: keep generating past EOS until ``max_tokens``.
-        logprobs: number of top log-probabilities to return per generated token (None: none).
+        logprobs: number of top log-probabilities to return per generated token, in [0, ``MAX_LOGPROBS``]
+            (None: none).
 
     Raises:
-        InvalidRequestError: naming the field that is out of range.
+        InvalidRequestError: naming the field that is out of range or of the wrong type.
     """
 
     max_tokens: int = 16
@@ -42,25 +73,54 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise InvalidRequestError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not (0.0 <= self.temperature < float("inf")):
+        self._normalize_sequences()
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS:
+            raise InvalidRequestError("max_tokens", f"must be an integer in [1, {MAX_TOKENS}], got "
+                                                    f"{self.max_tokens!r}")
+        if not _is_real(self.temperature) or self.temperature < 0:
             raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or not -1 <= self.top_k <= MAX_TOP_K:
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
             raise InvalidRequestError("top_k", f"must be -1, 0 or a positive integer <= {MAX_TOP_K}, "
                                                f"got {self.top_k!r}")
-        if not (0.0 <= self.min_p <= 1.0):
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise InvalidRequestError("seed", f"must be a non-negative integer, got {self.seed!r}")
-        if any((not isinstance(s, str)) or s == "" for s in self.stop):
-            raise InvalidRequestError("stop", "stop strings must be non-empty strings")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise InvalidRequestError("logprobs", f"must be in [0, 20], got {self.logprobs!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise InvalidRequestError("seed", f"must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        self._check_stops()
+
+    def _normalize_sequences(self) -> None:
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        ids = self.stop_token_ids
+        try:
+            object.__setattr__(self, "stop", tuple(stop or ()))
+        except TypeError:
+            raise InvalidRequestError("stop", "must be a string or a sequence of strings") from None
+        try:  # numpy and torch integers are fine; floats and strings are not
+            object.__setattr__(self, "stop_token_ids", tuple(operator.index(t) for t in ids or ()))
+        except TypeError:
+            raise InvalidRequestError("stop_token_ids", "must be a sequence of integers") from None
+
+    def _check_stops(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError("stop", f"stop strings must be strings of 1 to {MAX_STOP_STRING_CHARS} "
+                                                  "characters")
+            if not s.isascii():
+                try:
+                    s.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise InvalidRequestError("stop", "stop strings must be valid Unicode (no lone surrogates)") \
+                        from None
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got "
+                                                        f"{len(self.stop_token_ids)}")
+        if any(not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids", f"ids must be integers in [0, {MAX_TOKEN_ID}]")
