@@ -41,7 +41,7 @@ def _split(buf: torch.Tensor, widths: list[tuple[torch.dtype, tuple[int, ...]]])
     out, col = [], 0
     for dtype, shape in widths:
         nb = dtype.itemsize * int(torch.tensor(shape).prod()) if shape else dtype.itemsize
-        out.append(buf[:, col:col + nb].contiguous().view(dtype).view(buf.shape[0], *shape))
+        out.append(buf.new_empty((buf.shape[0], nb)).copy_(buf[:, col:col + nb]).view(dtype).view(buf.shape[0], *shape))
         col += nb
     return out
 

@@ -28,7 +28,7 @@ def _unpack(buf: torch.Tensor, widths: list[tuple[torch.dtype, int]]) -> list[to
     out, col = [], 0
     for dtype, w in widths:
         nb = w * dtype.itemsize
-        out.append(buf[:, col:col + nb].contiguous().view(dtype).view(buf.shape[0], w))
+        out.append(buf.new_empty((buf.shape[0], nb)).copy_(buf[:, col:col + nb]).view(dtype).view(buf.shape[0], w))
         col += nb
     return out
 

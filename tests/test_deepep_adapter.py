@@ -201,3 +201,88 @@ def test_deepep_backend_needs_deep_ep_and_an_ep_group(monkeypatch):
         get_all_to_all_backend("deepep", fake, E, hidden_size=H)
     with pytest.raises(ValueError, match="ep_size"):
         get_all_to_all_backend("deepep", ParallelGroups.single(), E, hidden_size=H)
+
+
+def _greedy_runs(groups, path: str) -> dict:
+    """Greedy decoding of this DP group's requests with torch and deepep runners (and deepep with TBO): a prefill
+    (normal mode) then decode steps (low-latency, one capacity for both ranks); per runner the tokens and logits."""
+    import deep_ep_double
+
+    from raymoe.comm.a2a_plan import plan_dispatch_capacity
+    from raymoe.config import OverlapConfig
+    from raymoe.overlap.decision import decide_tbo
+    from raymoe.runner.model_runner import ModelRunner, RunnerConfig
+    from raymoe.step.forward_mode import ForwardMode
+    from raymoe.step.sampling_inputs import SamplingInputs
+    from raymoe.step.worker_batch import ModelWorkerBatch
+
+    deep_ep_double.install(deep_ep_double.RELAXED)  # float32 rows and hidden 128: see deep_ep_double.Limits
+    tbo = OverlapConfig(enable_tbo=True, tbo_min_tokens_decode=2, tbo_min_tokens_extend=4)
+    runners = {name: ModelRunner(RunnerConfig(path, "float32", num_kv_slots=256, max_req_rows=4, max_context_len=64,
+                                              a2a_backend=backend, a2a_mode="auto", num_max_dispatch_tokens_per_rank=4,
+                                              disable_cuda_graph=True, overlap=overlap), groups)
+               for name, backend, overlap in (("torch", "torch", OverlapConfig()),
+                                              ("deepep", "deepep", OverlapConfig()), ("deepep_tbo", "deepep", tbo))}
+    from raymoe.comm.deepep import DeepEPDispatcher
+    from raymoe.layers.moe import SparseMoeBlock
+
+    blocks = [m for m in runners["deepep_tbo"].model.modules() if isinstance(m, SparseMoeBlock)]
+    shared = {id(m.a2a.shared) for m in blocks if isinstance(m.a2a, DeepEPDispatcher)}
+    prompts = {0: [[5, 6, 7, 8, 9], [300, 301, 302]], 1: [[42] * 9, [7, 8], [11, 12, 13, 14]]}
+    tokens = {g: [list(p) for p in ps] for g, ps in prompts.items()}
+
+    def batches(step: int) -> dict:
+        out = {}
+        for g, seqs in tokens.items():
+            if step == 0:
+                ids = [t for s in seqs for t in s]
+                lens = [len(s) for s in seqs]
+                out[g] = ModelWorkerBatch(ForwardMode.EXTEND, ids, list(range(len(seqs))), lens, [0] * len(seqs),
+                                          lens, [1 + 64 * r + i for r, n in enumerate(lens) for i in range(n)],
+                                          sampling=SamplingInputs.greedy(len(seqs)))
+            else:
+                lens = [len(s) for s in seqs]
+                out[g] = ModelWorkerBatch(ForwardMode.DECODE, [s[-1] for s in seqs], list(range(len(seqs))), lens,
+                                          [n - 1 for n in lens], [1] * len(seqs), [64 * r + n for r, n in
+                                                                                  enumerate(lens)],
+                                          sampling=SamplingInputs.greedy(len(seqs)))
+        cap = plan_dispatch_capacity(list(out.values()), "auto", 4)
+        use_tbo = decide_tbo(list(out.values()), tbo)
+        return {g: (b, cap, use_tbo) for g, b in out.items()}
+
+    result = {name: {"tokens": [], "logits": []} for name in runners}
+    result["plan"], result["deepep_layers"] = [], (len(blocks), len(shared))
+    for step in range(5):
+        mine, cap, use_tbo = batches(step)[groups.dp_rank]
+        result["plan"].append((cap, use_tbo))
+        for name, runner in runners.items():
+            import dataclasses
+
+            b = dataclasses.replace(mine, dispatch_capacity=cap, use_tbo=use_tbo and name == "deepep_tbo")
+            logits = runner.forward(runner.prepare(b))
+            ref = result["torch"]["logits"][-1] if name != "torch" else logits
+            result[name]["logits"].append((logits - ref).abs().max().item() if name != "torch" else logits)
+            result[name]["tokens"].append(logits.argmax(-1).tolist())
+        for s, t in zip(tokens[groups.dp_rank], result["torch"]["tokens"][-1], strict=True):
+            s.append(t)
+        for g in tokens:  # the other group's sequences grow too (only their lengths matter for the plan)
+            if g != groups.dp_rank:
+                for s in tokens[g]:
+                    s.append(0)
+    result["torch"]["logits"] = []  # tensors do not travel back from the rank processes; the diffs do
+    return result
+
+
+def test_model_runners_with_deepep_double_match_torch_greedy_ep2(tiny_model):
+    """ModelRunners built with ``a2a_backend="deepep"`` (the engine's config check refuses deepep without CUDA, so
+    the runners are built directly, with the double as ``deep_ep``) decode the tokens of ``"torch"`` runners."""
+    from dist_harness import run_ranks
+
+    per_rank = run_ranks(_greedy_runs, ParallelConfig(tp_size=1, dp_size=2, ep_size=2), tiny_model)
+    for out in per_rank:
+        assert out["plan"][0][0] is None and all(cap is not None for cap, _ in out["plan"][1:])  # normal, then LL
+        assert any(use_tbo for _, use_tbo in out["plan"])
+        assert out["deepep_layers"][0] >= 2 and out["deepep_layers"][1] == 1  # every layer, one shared buffer
+        for name in ("deepep", "deepep_tbo"):
+            assert out[name]["tokens"] == out["torch"]["tokens"], name
+            assert max(out[name]["logits"]) <= 1e-4, (name, out[name]["logits"])  # max |logit diff| per step
