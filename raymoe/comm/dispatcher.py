@@ -15,6 +15,8 @@ the ``_b`` that waits for it:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from raymoe.comm.all_to_all import DispatchHandle, TorchAllToAll
@@ -71,9 +73,27 @@ class TorchDispatcher:
         return self.normal.combine_b(handle)
 
 
+@dataclass(frozen=True)
+class A2ABackendSpec:
+    """Which all-to-all backend a MoE layer builds, with the engine-wide options a DeepEP buffer is sized by
+    (``RunnerConfig.a2a_backend`` / ``a2a_mode`` / ``num_max_dispatch_tokens_per_rank``; same on every rank)."""
+
+    name: str = "torch"
+    mode: str = "auto"
+    num_max_dispatch_tokens_per_rank: int = 256
+
+    def options(self, hidden_size: int, dtype: torch.dtype) -> dict:
+        """Constructor options of the backend for a layer of ``hidden_size`` and ``dtype`` (none for torch)."""
+        if self.name != "deepep":
+            return {}
+        return {"hidden_size": hidden_size, "dtype": dtype, "low_latency": self.mode != "normal",
+                "num_max_dispatch_tokens_per_rank": self.num_max_dispatch_tokens_per_rank}
+
+
 def get_all_to_all_backend(name: str, groups: ParallelGroups, num_experts: int, **options):
     """Build the dispatcher of backend ``name``: ``"torch"`` (CPU and GPU) or ``"deepep"`` (CUDA + ``deep_ep``,
-    imported lazily; ``options`` go to its constructor, e.g. ``num_max_dispatch_tokens_per_rank``).
+    imported lazily; ``options`` go to :class:`~raymoe.comm.deepep.DeepEPDispatcher`: ``hidden_size``, ``dtype``,
+    ``num_max_dispatch_tokens_per_rank``, ``low_latency``, ``buffer_factory``; see :meth:`A2ABackendSpec.options`).
 
     Raises:
         ValueError: unknown backend name.

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raymoe.comm.dispatcher import get_all_to_all_backend
+from raymoe.comm.dispatcher import A2ABackendSpec, get_all_to_all_backend
 from raymoe.comm.expert_input import ExpertRows, MaskedExpertRows
 from raymoe.comm.groups import ParallelGroups, divide, tp_all_reduce
 from raymoe.config_arch import RouterConfig
@@ -166,14 +166,16 @@ class SparseMoeBlock(nn.Module):
         num_experts, top_k, hidden_size, intermediate_size: from the model config.
         norm_topk_prob: renormalize the top-k probabilities to sum to 1 (used when ``router`` is None).
         groups: explicit process groups (EP group for dispatch/combine, TP group when experts are TP-split).
-        a2a_backend: name of the all-to-all backend (``"torch"``).
+        a2a_backend: the all-to-all backend: a name (``"torch"``, ``"deepep"`` with default options) or an
+            :class:`~raymoe.comm.dispatcher.A2ABackendSpec` (DeepEP's buffer options).
         router: routing variant (None: softmax greedy top-k with ``norm_topk_prob``, the Qwen3-MoE rule).
         shared_intermediate_size: intermediate size of the shared-experts MLP (DeepSeek: ``n_shared *
             moe_intermediate_size``), tensor-parallel like a dense MLP; 0: no shared experts.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 norm_topk_prob: bool, groups: ParallelGroups, dtype: torch.dtype, a2a_backend: str = "torch",
+                 norm_topk_prob: bool, groups: ParallelGroups, dtype: torch.dtype,
+                 a2a_backend: str | A2ABackendSpec = "torch",
                  router: RouterConfig | None = None, shared_intermediate_size: int = 0):
         super().__init__()
         self.groups = groups
@@ -187,7 +189,8 @@ class SparseMoeBlock(nn.Module):
         self.experts = LocalExperts(num_experts, hidden_size, intermediate_size, groups, dtype)
         self.shared_experts = (DenseMLP(hidden_size, shared_intermediate_size, groups, dtype)
                                if shared_intermediate_size else None)
-        self.a2a = get_all_to_all_backend(a2a_backend, groups, num_experts)
+        spec = a2a_backend if isinstance(a2a_backend, A2ABackendSpec) else A2ABackendSpec(a2a_backend)
+        self.a2a = get_all_to_all_backend(spec.name, groups, num_experts, **spec.options(hidden_size, dtype))
 
     # ---- operations (see module docstring) ----
     def op_gate(self, state) -> None:

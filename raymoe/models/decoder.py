@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from raymoe.comm.dispatcher import A2ABackendSpec
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ModelConfig
 from raymoe.errors import CheckpointError
@@ -33,7 +34,7 @@ def load_norm(norm: RMSNorm, reader, name: str) -> None:
 
 
 def build_mlp(config: ModelConfig, layer_id: int, groups: ParallelGroups, dtype: torch.dtype,
-              a2a_backend: str) -> nn.Module:
+              a2a_backend: str | A2ABackendSpec) -> nn.Module:
     """The layer's MLP: a ``SparseMoeBlock`` (with the config's router and shared experts) for MoE layers, else a
     tensor-parallel ``DenseMLP`` of ``intermediate_size``."""
     if not config.is_moe_layer(layer_id):

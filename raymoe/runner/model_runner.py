@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from raymoe.attention.tbo import TboAttnBackend
+from raymoe.comm.dispatcher import A2ABackendSpec
 from raymoe.comm.expert_input import resolve_a2a_mode
 from raymoe.comm.groups import ParallelGroups
 from raymoe.comm.latency import inject_a2a_latency
@@ -119,7 +120,8 @@ class ModelRunner:
         with CheckpointReader(cfg.model_path) as reader:
             model_cls = get_model_class(self.model_config.model_type)
             with torch.device(self.device):
-                self.model = model_cls(self.model_config, self.groups, self.dtype, cfg.a2a_backend,
+                a2a = A2ABackendSpec(cfg.a2a_backend, cfg.a2a_mode, cfg.num_max_dispatch_tokens_per_rank)
+                self.model = model_cls(self.model_config, self.groups, self.dtype, a2a,
                                        enable_sbo=cfg.overlap.enable_sbo)
             self.model.load_weights(reader)
         self.model.eval()

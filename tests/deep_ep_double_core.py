@@ -1,0 +1,87 @@
+"""Primitives of the DeepEP double (``deep_ep_double``): host-assert errors, not-yet-received tensors, events."""
+
+from __future__ import annotations
+
+import torch
+
+NUM_MAX_NVL_PEERS, NUM_MAX_LOCAL_EXPERTS = 8, 1024
+ALIGN, SOURCE_META_BYTES, INT_MAX = 128, 8, 2**31 - 1
+
+
+class DoubleMisuse(RuntimeError):
+    """A call the real library rejects (``EP_HOST_ASSERT``) or would silently get wrong."""
+
+
+def misuse(message: str) -> DoubleMisuse:
+    return DoubleMisuse(f"DeepEP double: {message}")
+
+
+def check(cond: bool, what: str) -> None:
+    """DeepEP's ``EP_HOST_ASSERT`` (a RuntimeError from the C++ runtime)."""
+    if not cond:
+        raise misuse(f"assertion failed: {what}")
+
+
+_METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.is_contiguous, torch.Tensor.element_size,
+             torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__}
+
+
+class Unreceived(torch.Tensor):
+    """A result whose data has not arrived: reading it raises; :func:`deliver` makes it a plain tensor."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        why = next((getattr(a, "_double_why", "") for a in args if isinstance(a, Unreceived)), "")
+        raise misuse(f"read of a DeepEP result before it was received ({why}): call "
+                     f"{'hook()' if 'hook' in why else 'event.current_stream_wait()'} first")
+
+
+def pending(t: torch.Tensor, why: str) -> torch.Tensor:
+    """An :class:`Unreceived` alias of ``t`` (same storage; fill ``t``, then :func:`deliver` the alias)."""
+    alias = t.as_subclass(Unreceived)
+    alias._double_why = why
+    return alias
+
+
+def deliver(*aliases) -> None:
+    for a in aliases:
+        if isinstance(a, Unreceived):
+            a.__class__ = torch.Tensor
+
+
+class EventHandle:
+    """A CUDA event's stand-in: pending gloo works and the deliveries to run once they are waited for."""
+
+    def __init__(self, works=(), on_wait=None):
+        self._works, self._on_wait = list(works), on_wait
+
+    def current_stream_wait(self) -> None:
+        for w in self._works:
+            w.wait()
+        self._works = []
+        if self._on_wait is not None:
+            on_wait, self._on_wait = self._on_wait, None
+            on_wait()
+
+
+class EventOverlap:
+    """``deep_ep.EventOverlap``: ``event`` (None unless ``async_finish``), ``extra_tensors`` kept alive."""
+
+    def __init__(self, event: EventHandle | None = None, extra_tensors=None) -> None:
+        self.event, self.extra_tensors = event, extra_tensors
+
+    def current_stream_wait(self) -> None:
+        assert self.event is not None
+        self.event.current_stream_wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc_val, exc_tb) -> None:
+        if self.event is not None:
+            self.event.current_stream_wait()
+
+

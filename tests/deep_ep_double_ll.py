@@ -1,0 +1,233 @@
+"""Low-latency kernels of the DeepEP double (``deep_ep_double``): ``low_latency_dispatch`` / ``low_latency_combine``
+/ ``clean_low_latency_buffer`` and the RDMA size hint, over one equal-split gloo ``all_to_all_single`` per kernel.
+
+Layouts follow DeepEP v1.2.1: ``recv_x`` [E_local, M_max * ranks, H] with each expert's rows packed at the front
+(source-rank blocks in an order that changes between calls, as DeepEP's arrival order does; the rest NaN),
+``recv_count`` [E_local] int32, handle ``(src_info [E_local, M_max * ranks] int32 source token of each row,
+layout_range [E_local, ranks] int64 = (count << 32) | begin, M_max, H, E)``. The combine writes each expert
+output row into the source rank's slot (expert, token) and reduces ``sum_j w[t, j] * row(topk_idx[t, j], t)``
+in float32, as DeepEP's combine applies the weights.
+
+Like DeepEP, every kernel flips between two buffers; a kernel whose buffer still holds an unreceived kernel
+raises, and so does a low-latency kernel after a normal-mode one without ``clean_low_latency_buffer``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from deep_ep_double_core import ALIGN, EventHandle, EventOverlap, check, deliver, misuse, pending
+
+LL_HIDDEN_SIZES = (2048, 2560, 4096, 5120, 6144, 7168, 8192)  # SWITCH_HIDDEN of the low-latency kernels
+
+
+def ll_layout_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+    """Bytes of DeepEP's two low-latency buffers (``LowLatencyLayout`` in ``csrc/config.hpp``, BF16 messages)."""
+    m, scales = num_max_dispatch_tokens_per_rank, hidden // 128
+    dispatch_msg = 16 + max(hidden * 2, hidden + scales * 4)
+    combine_msg = scales * 4 + hidden * 2
+    send = max(m * dispatch_msg, num_experts * m * combine_msg)
+    recv = max(num_experts * m * dispatch_msg, num_experts * m * combine_msg)
+    signal = -(-num_experts * 4 // 128) * 128
+    return 2 * (send + recv + signal)
+
+
+def _bytes(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return t.contiguous().reshape(rows, -1).view(torch.uint8)
+
+
+def _split(buf: torch.Tensor, widths: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
+    """Columns of uint8 rows [ranks, B] as tensors [ranks, *shape] of the given dtypes."""
+    out, col = [], 0
+    for dtype, shape in widths:
+        nb = dtype.itemsize * int(torch.tensor(shape).prod()) if shape else dtype.itemsize
+        out.append(buf.new_empty((buf.shape[0], nb)).copy_(buf[:, col:col + nb]).view(dtype).view(buf.shape[0], *shape))
+        col += nb
+    return out
+
+
+class LowLatencyMixin:
+    """The low-latency half of the double's ``Buffer`` (needs ``group``, ``rank``, ``group_size``, ``limits``,
+    ``low_latency_mode``, ``num_rdma_bytes``, ``num_qps_per_rank``)."""
+
+    def _init_low_latency(self) -> None:
+        self._ll_next, self._ll_busy, self._ll_dirty, self._ll_calls = 0, [None, None], False, 0
+
+    def _mark_normal_used(self) -> None:
+        self._ll_dirty = self.low_latency_mode
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        n = ll_layout_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+        return (n + ALIGN) // ALIGN * ALIGN
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Zero the low-latency signals (collective: every rank must call it)."""
+        check(self.low_latency_mode, "clean_low_latency_buffer needs low_latency_mode")
+        check(ll_layout_bytes(num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts)
+              <= self.num_rdma_bytes, "num_rdma_bytes too small")
+        if any(b is not None for b in self._ll_busy):
+            raise misuse("clean_low_latency_buffer while low-latency results are in flight would wipe them")
+        dist.barrier(group=self.group)
+        self._ll_dirty = False
+
+    def _ll_checks(self, m: int, hidden: int, num_experts: int, dtype: torch.dtype) -> None:
+        check(self.low_latency_mode, "low-latency kernels need low_latency_mode=True")
+        if self._ll_dirty:
+            raise misuse("a low-latency kernel after a normal-mode one without clean_low_latency_buffer")
+        sizes = self.limits.ll_hidden_sizes
+        check(dtype in self.limits.dtypes, f"low-latency kernels take bfloat16, got {dtype}")
+        check(hidden % 16 == 0 and (sizes is None or (hidden % 128 == 0 and hidden in sizes)),
+              f"Unsupported hidden {hidden}")
+        check(num_experts % self.group_size == 0 and (self.group_size * m) % 4 == 0, "experts / M_max * ranks % 4")
+        check(self.num_qps_per_rank >= num_experts // self.group_size, "num_qps_per_rank < local experts")
+        check(ll_layout_bytes(m, hidden, self.group_size, num_experts) <= self.num_rdma_bytes,
+              "num_rdma_bytes too small (get_low_latency_rdma_size_hint)")
+
+    def _ll_claim(self, async_finish: bool, return_recv_hook: bool) -> tuple[int, object]:
+        """Take the buffer of the next kernel (before anything is sent); returns (slot, token)."""
+        check(not (async_finish and return_recv_hook), "async_finish and return_recv_hook are exclusive")
+        slot = self._ll_next
+        if self._ll_busy[slot] is not None:
+            raise misuse("a third low-latency result in flight: this kernel's buffer still holds one that was "
+                         "not received (DeepEP keeps two low-latency buffers)")
+        token = object()
+        self._ll_busy[slot], self._ll_next = token, slot ^ 1
+        return slot, token
+
+    def _ll_finish(self, claim, async_finish: bool, return_recv_hook: bool, work, receive, aliases):
+        """(EventOverlap, hook) of a posted kernel whose data ``receive()`` unpacks into ``aliases``' storage."""
+        slot, token = claim
+        done = []
+
+        def finish():
+            if done:
+                raise misuse("low-latency hook called twice")
+            done.append(True)
+            work.wait()
+            receive()
+            deliver(*aliases)
+            self._ll_busy[slot] = None
+
+        if return_recv_hook:
+            return EventOverlap(None), finish
+        if async_finish:
+            return EventOverlap(EventHandle(on_wait=finish)), None
+        finish()
+        return EventOverlap(None), None
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False):
+        """(recv_x [E_local, M_max * ranks, H], recv_count [E_local] int32, handle, EventOverlap, hook)."""
+        if use_fp8 or dispatch_wait_recv_cost_stats is not None:
+            raise NotImplementedError("the double models use_fp8=False without wait-cost stats")
+        ranks, m = self.group_size, num_max_dispatch_tokens_per_rank
+        n, h = x.shape
+        el = num_experts // ranks
+        self._ll_checks(m, h, num_experts, x.dtype)
+        check(x.dim() == 2 and x.is_contiguous(), "x: contiguous [N, H]")
+        check(topk_idx.dim() == 2 and topk_idx.is_contiguous() and topk_idx.dtype == torch.int64, "topk_idx int64")
+        check(topk_idx.shape[0] == n and n <= m, f"{n} tokens exceed num_max_dispatch_tokens_per_rank {m}")
+        stats = cumulative_local_expert_recv_stats
+        check(stats is None or (stats.dtype == torch.int32 and tuple(stats.shape) == (el,)), "recv stats")
+        valid = topk_idx >= 0
+        rows, g = valid.nonzero(as_tuple=True)[0], topk_idx[valid]
+        onehot = torch.zeros(n, num_experts, dtype=torch.int64).index_put_((rows, g), torch.ones_like(g),
+                                                                          accumulate=True)
+        check(bool((onehot <= 1).all()), "a token selects the same expert twice")
+        slot = (onehot.cumsum(0) - onehot)[rows, g]
+        send_x = torch.zeros(num_experts, m, h, dtype=x.dtype)
+        send_src = torch.full((num_experts, m), -1, dtype=torch.int32)
+        send_x[g, slot], send_src[g, slot] = x[rows], rows.to(torch.int32)
+        header = torch.tensor([m, h, num_experts, x.dtype.itemsize], dtype=torch.int64)
+        payload = torch.cat([_bytes(send_x, ranks), _bytes(send_src, ranks), _bytes(onehot.sum(0), ranks),
+                             _bytes(header.repeat(ranks), ranks)], dim=1)
+        claim = self._ll_claim(async_finish, return_recv_hook)
+        recv = torch.empty_like(payload)
+        work = dist.all_to_all_single(recv, payload, group=self.group, async_op=True)
+        out = [torch.empty(el, ranks * m, h, dtype=x.dtype), torch.empty(el, dtype=torch.int32),
+               torch.empty(el, ranks * m, dtype=torch.int32), torch.empty(el, ranks, dtype=torch.int64)]
+        why = "low_latency_dispatch, " + ("hook" if return_recv_hook else "async_finish")
+        aliases = [pending(t, why) for t in out] if (return_recv_hook or async_finish) else out
+        shift, self._ll_calls = self._ll_calls % ranks, self._ll_calls + 1
+
+        def receive():
+            rx, rsrc, rcnt, rhdr = _split(recv, [(x.dtype, (el, m, h)), (torch.int32, (el, m)),
+                                                 (torch.int64, (el,)), (torch.int64, (4,))])
+            if not torch.equal(rhdr, header.expand(ranks, 4)):
+                raise misuse(f"ranks disagree on (M_max, hidden, experts, itemsize): {rhdr.tolist()}")
+            packed_x, count, src_info, layout_range = out
+            packed_x.fill_(float("nan") if x.dtype.is_floating_point else 0)
+            src_info.fill_(-1)
+            for e in range(el):
+                begin = 0
+                for j in range(ranks):
+                    s = (j + shift) % ranks
+                    c = int(rcnt[s, e])
+                    packed_x[e, begin:begin + c] = rx[s, e, :c]
+                    src_info[e, begin:begin + c] = rsrc[s, e, :c]
+                    layout_range[e, s] = (c << 32) | begin
+                    begin += c
+                count[e] = begin
+            if stats is not None:
+                stats.add_(count)
+
+        event, hook = self._ll_finish(claim, async_finish, return_recv_hook, work, receive, aliases)
+        aliases[2]._double_dispatch = (topk_idx.clone(), m, h, num_experts)
+        handle = (aliases[2], aliases[3], m, h, num_experts)
+        return aliases[0], aliases[1], handle, event, hook
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
+                            zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
+                            out=None, combine_wait_recv_cost_stats=None):
+        """(combined_x [N, H] in ``x``'s dtype, EventOverlap, hook): ``sum_j topk_weights[t, j] * row``."""
+        if use_logfmt or zero_copy or combine_wait_recv_cost_stats is not None:
+            raise NotImplementedError("the double models plain BF16 combines without stats")
+        src_info, layout_range, m, hidden, num_experts = handle
+        ranks, el = self.group_size, num_experts // self.group_size
+        self._ll_checks(m, x.shape[-1], num_experts, x.dtype)
+        check(x.dim() == 3 and x.is_contiguous() and tuple(x.shape) == (el, ranks * m, hidden),
+              f"x must be [E_local, M_max * ranks, H] = {(el, ranks * m, hidden)}, got {tuple(x.shape)}")
+        check(topk_idx.dim() == 2 and topk_idx.is_contiguous() and topk_idx.dtype == torch.int64, "topk_idx")
+        check(topk_weights.is_contiguous() and topk_weights.shape == topk_idx.shape
+              and topk_weights.dtype == torch.float32 and topk_weights.shape[0] <= m, "topk_weights float32 [N, k]")
+        check(src_info.dtype == torch.int32 and tuple(src_info.shape) == (el, ranks * m)
+              and layout_range.dtype == torch.int64 and tuple(layout_range.shape) == (el, ranks), "handle")
+        n = topk_idx.shape[0]
+        check(out is None or (tuple(out.shape) == (n, hidden) and out.dtype == x.dtype), "out")
+        sent_ids = getattr(src_info, "_double_dispatch", (None,))[0]
+        check(sent_ids is not None and torch.equal(sent_ids, topk_idx), "topk_idx is not the one of this dispatch")
+        send_x = torch.zeros(ranks, el, m, hidden, dtype=x.dtype)
+        written = torch.zeros(ranks, el, m, dtype=torch.uint8)
+        for e in range(el):
+            for s in range(ranks):
+                packed = int(layout_range[e, s])  # raises if the dispatch was not received
+                c, begin = packed >> 32, packed & 0xFFFFFFFF
+                tok = src_info[e, begin:begin + c].long()
+                send_x[s, e, tok], written[s, e, tok] = x[e, begin:begin + c], 1
+        payload = torch.cat([_bytes(send_x, ranks), _bytes(written, ranks)], dim=1)
+        claim = self._ll_claim(async_finish, return_recv_hook)
+        recv = torch.empty_like(payload)
+        work = dist.all_to_all_single(recv, payload, group=self.group, async_op=True)
+        result = torch.empty(n, hidden, dtype=x.dtype) if out is None else out
+        aliases = [pending(result, "low_latency_combine, hook")] if (return_recv_hook or async_finish) else [result]
+
+        def receive():
+            rx, rmask = _split(recv, [(x.dtype, (el, m, hidden)), (torch.uint8, (el, m))])
+            rx, rmask = rx.view(num_experts, m, hidden), rmask.view(num_experts, m)
+            t, j = (topk_idx >= 0).nonzero(as_tuple=True)
+            g = topk_idx[t, j]
+            if not bool(rmask[g, t].all()):
+                raise misuse("an expert output row of a dispatched token never came back")
+            acc = torch.zeros(n, hidden, dtype=torch.float32)
+            acc.index_add_(0, t, rx[g, t].float() * topk_weights[t, j].unsqueeze(1))
+            result.copy_(acc)
+
+        event, hook = self._ll_finish(claim, async_finish, return_recv_hook, work, receive, aliases)
+        return aliases[0], event, hook
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        raise NotImplementedError("the double does not model zero-copy combines")

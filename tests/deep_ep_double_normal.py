@@ -1,0 +1,182 @@
+"""Normal-mode (intranode) ``dispatch`` / ``combine`` of the DeepEP double (``deep_ep_double``), over gloo.
+
+Layouts follow DeepEP v1.2.1's intranode kernels: a token goes once to every rank that owns one of its experts;
+received tokens are grouped by source rank (rank order), each source's in token order; ``recv_topk_idx`` holds
+the receiving rank's local expert ids and -1 for other ranks' experts (weights 0 there); the handle is
+``(rank_prefix_matrix [ranks, ranks] int32, channel_prefix_matrix [ranks, C] int32, recv_channel_prefix_matrix
+[ranks, C] int32, recv_src_idx [R] int32, is_token_in_rank [N, ranks] bool, send_head [N, ranks] int32)`` with
+C = ``config.num_sms // 2``. ``combine`` sends each received token's row back and sums the rows per token in
+float32 (no weights), as DeepEP does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from deep_ep_double_core import NUM_MAX_LOCAL_EXPERTS, check, deliver, pending
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """[n, ...] -> [n, bytes] uint8 view of ``t`` (n may be 0)."""
+    return t.contiguous().reshape(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
+
+
+def _unpack(buf: torch.Tensor, widths: list[tuple[torch.dtype, int]]) -> list[torch.Tensor]:
+    """Split uint8 rows [n, B] into tensors [n, w] of the given (dtype, w) columns."""
+    out, col = [], 0
+    for dtype, w in widths:
+        nb = w * dtype.itemsize
+        out.append(buf.new_empty((buf.shape[0], nb)).copy_(buf[:, col:col + nb]).view(dtype).view(buf.shape[0], w))
+        col += nb
+    return out
+
+
+class NormalModeMixin:
+    """``Buffer.dispatch`` / ``Buffer.combine`` (intranode, non-cached, BF16-or-``limits`` rows)."""
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config=None, previous_event=None,
+                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, EventOverlap)."""
+        config = self.get_dispatch_config(self.group_size) if config is None else config
+        if isinstance(x, tuple) or handle is not None or num_worst_tokens:
+            raise NotImplementedError("the double models non-cached BF16 dispatch without num_worst_tokens")
+        self._stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
+        ranks, me, n = self.group_size, self.rank, x.shape[0]
+        h, es = x.shape[1], x.element_size()
+        check(x.dim() == 2 and x.is_contiguous() and h * es % 16 == 0, "x: contiguous [N, H], H * itemsize % 16")
+        check(is_token_in_rank.dtype == torch.bool and tuple(is_token_in_rank.shape) == (n, ranks), "is_token_in_rank")
+        e = num_tokens_per_expert.numel()
+        check(num_tokens_per_expert.dtype == torch.int32 and e % ranks == 0 and e // ranks <= NUM_MAX_LOCAL_EXPERTS,
+              "num_tokens_per_expert")
+        check(num_tokens_per_rank.dtype == torch.int32 and tuple(num_tokens_per_rank.shape) == (ranks,),
+              "num_tokens_per_rank")
+        check((topk_idx is None) == (topk_weights is None), "topk_idx and topk_weights go together")
+        el, k = e // ranks, 0
+        if topk_idx is not None:
+            k = topk_idx.shape[1]
+            check(topk_idx.dim() == 2 and topk_idx.is_contiguous() and topk_idx.dtype == torch.int64
+                  and topk_idx.shape[0] == n, "topk_idx")
+            check(topk_weights.is_contiguous() and tuple(topk_weights.shape) == (n, k)
+                  and topk_weights.dtype == torch.float32, "topk_weights: float32 [N, k]")
+            from deep_ep_double import _layout
+
+            per_expert, in_rank = _layout(topk_idx, e, ranks)
+            check(torch.equal(per_expert, num_tokens_per_expert) and torch.equal(in_rank, is_token_in_rank)
+                  and torch.equal(in_rank.sum(0, dtype=torch.int32), num_tokens_per_rank),
+                  "the layout tensors do not describe topk_idx (get_dispatch_layout of the same topk_idx)")
+        channels, chunk = config.num_sms // 2, config.num_max_nvl_chunked_recv_tokens
+        check(ranks * (ranks + el) * 4 <= self.num_nvl_bytes, "num_nvl_bytes (notify)")
+        check(ranks * ranks * 4 + channels * ranks * 16 + channels * ranks * chunk * (h * es + 4 + k * 12)
+              <= self.num_nvl_bytes, "num_nvl_bytes too small for this hidden size / top-k")
+        self._mark_normal_used()
+        per_channel = -(-n // channels) if n else 1
+        chan_counts = torch.stack([torch.bincount(torch.arange(n)[is_token_in_rank[:, d]] // per_channel,
+                                                  minlength=channels) for d in range(ranks)])      # [dst, C]
+        mine = torch.cat([num_tokens_per_rank.long(), num_tokens_per_expert.long(), chan_counts.flatten()])
+        table = [torch.empty_like(mine) for _ in range(ranks)]
+        dist.all_gather(table, mine, group=self.group)                                # the host waits for counts
+        table = torch.stack(table)                                                    # [src, ...]
+        sent = table[:, :ranks]                                                       # [src, dst] tokens
+        recv_from = sent[:, me].tolist()
+        local = table[:, ranks + me * el:ranks + (me + 1) * el].sum(0)
+        per_expert_list = [int(-(-c // expert_alignment) * expert_alignment) for c in local.tolist()]
+        recv_chan = table[:, ranks + e:].view(ranks, ranks, channels)[:, me].cumsum(1).to(torch.int32)
+        send_head = torch.full((n, ranks), -1, dtype=torch.int32)
+        tokens, ids = [], []
+        for d in range(ranks):
+            tok = is_token_in_rank[:, d].nonzero(as_tuple=True)[0]
+            send_head[tok, d] = torch.arange(tok.numel(), dtype=torch.int32)
+            tokens.append(tok)
+            if k:
+                lid = topk_idx[tok] - d * el
+                ids.append(torch.where((lid >= 0) & (lid < el), lid, -1))
+        tok = torch.cat(tokens)
+        cols = [_bytes(x[tok]), _bytes(tok.to(torch.int32).view(-1, 1))]
+        if k:
+            lid = torch.cat(ids)
+            cols += [_bytes(lid), _bytes(torch.where(lid >= 0, topk_weights[tok], 0.0))]
+        send = torch.cat(cols, dim=1)
+        r = sum(recv_from)
+        recv = send.new_empty((r, send.shape[1]))
+        work = dist.all_to_all_single(recv, send, recv_from, sent[me].tolist(), group=self.group, async_op=True)
+        outs = [torch.empty(r, h, dtype=x.dtype), torch.empty(r, dtype=torch.int32)]
+        widths = [(x.dtype, h), (torch.int32, 1)]
+        if k:
+            outs += [torch.empty(r, k, dtype=torch.int64), torch.empty(r, k, dtype=torch.float32)]
+            widths += [(torch.int64, k), (torch.float32, k)]
+        aliases = [pending(o, "dispatch, async_finish") for o in outs]
+
+        def on_wait():
+            for o, part in zip(outs, _unpack(recv, widths), strict=True):
+                o.copy_(part.view(o.shape))
+            deliver(*aliases)
+
+        event = self._event(async_finish, [work], on_wait)
+        recv_x, recv_src_idx = aliases[0], aliases[1]
+        recv_ids, recv_weights = (aliases[2], aliases[3]) if k else (None, None)
+        handle = (sent.cumsum(0).to(torch.int32), chan_counts.cumsum(1).to(torch.int32), recv_chan, recv_src_idx,
+                  is_token_in_rank, send_head)
+        return recv_x, recv_ids, recv_weights, per_expert_list, handle, event
+
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """(combined_x [N, H], combined_topk_weights [N, k] float32 or None, EventOverlap): the sum over ranks
+        of the rows sent back for each token (no weights applied)."""
+        config = self.get_combine_config(self.group_size) if config is None else config
+        if bias is not None:
+            raise NotImplementedError("the double does not model the combine bias")
+        self._stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        rank_prefix, _, channel_prefix, src_idx, _, send_head = handle
+        ranks, me = self.group_size, self.rank
+        channels, chunk = config.num_sms // 2, config.num_max_nvl_chunked_recv_tokens
+        r, h, es = x.shape[0], x.shape[1], x.element_size()
+        check(x.dim() == 2 and x.is_contiguous() and h * es % 16 == 0, "x: contiguous [R, H]")
+        check(x.dtype in self.limits.dtypes, f"Unsupported type {x.dtype} (the combine kernels take bfloat16)")
+        check(src_idx.dtype == torch.int32 and src_idx.dim() == 1 and src_idx.size(0) == r,
+              "x must have one row per received token of the handle")
+        check(send_head.dtype == torch.int32 and send_head.dim() == 2 and send_head.size(1) == ranks, "send_head")
+        check(tuple(rank_prefix.shape) == (ranks, ranks) and tuple(channel_prefix.shape) == (ranks, channels),
+              "handle shapes (dispatch and combine configs must have the same num_sms)")
+        k = 0
+        if topk_weights is not None:
+            k = topk_weights.shape[1]
+            check(topk_weights.is_contiguous() and topk_weights.shape[0] == r and topk_weights.dtype == torch.float32,
+                  "topk_weights: float32 [R, k]")
+        check(channels * ranks * 8 + channels * ranks * chunk * (h * es + 4 + k * 4) <= self.num_nvl_bytes,
+              "num_nvl_bytes too small for the combine")
+        self._mark_normal_used()
+        src_idx.sum()  # the rows' sources must have arrived (raises on an unreceived dispatch)
+        col = rank_prefix[:, me].long()
+        recv_from = (col - torch.cat([col.new_zeros(1), col[:-1]])).tolist()
+        my_sent = (send_head >= 0).sum(0).tolist()
+        cols = [_bytes(x)] + ([_bytes(topk_weights)] if k else [])
+        send = torch.cat(cols, dim=1)
+        back = send.new_empty((sum(my_sent), send.shape[1]))
+        work = dist.all_to_all_single(back, send, my_sent, recv_from, group=self.group, async_op=True)
+        n = send_head.shape[0]
+        out_x, out_w = torch.empty(n, h, dtype=x.dtype), torch.empty(n, k, dtype=torch.float32)
+        aliases = [pending(out_x, "combine, async_finish")] + ([pending(out_w, "combine, async_finish")] if k else [])
+
+        def on_wait():
+            widths = [(x.dtype, h)] + ([(torch.float32, k)] if k else [])
+            parts = _unpack(back, widths)
+            acc = [torch.zeros(n, h, dtype=torch.float32), torch.zeros(n, k, dtype=torch.float32)]
+            start = 0
+            for d in range(ranks):
+                slots = send_head[:, d]
+                tok = (slots >= 0).nonzero(as_tuple=True)[0]
+                tok = tok[torch.argsort(slots[tok])]
+                for a, p in zip(acc, parts, strict=False):
+                    a.index_add_(0, tok, p[start:start + tok.numel()].float())
+                start += tok.numel()
+            out_x.copy_(acc[0])
+            out_w.copy_(acc[1])
+            deliver(*aliases)
+
+        event = self._event(async_finish, [work], on_wait)
+        return aliases[0], (aliases[1] if k else None), event
