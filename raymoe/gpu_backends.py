@@ -45,7 +45,8 @@ def module_available(name: str) -> bool:
 
 
 def check_gpu_backends(config) -> None:
-    """Refuse GPU backends that cannot run: on ``device="cpu"``, or without their package.
+    """Refuse GPU backends that cannot run: on ``device="cpu"``, without their package, or (DeepEP) in a dtype
+    its kernels do not take.
 
     Args:
         config: an ``EngineConfig`` (reads ``device``, ``attention_backend``, ``moe_comm.a2a_backend``).
@@ -63,6 +64,9 @@ def check_gpu_backends(config) -> None:
             raise InvalidRequestError(backend.option, f"{backend.value!r} needs the package providing "
                                                       f"{' or '.join(backend.modules)}, which is not installed: "
                                                       f"{backend.install}")
+    if chosen["a2a_backend"] == "deepep" and config.dtype != "bfloat16":
+        raise InvalidRequestError("dtype", f"a2a_backend='deepep' moves bfloat16 rows only (its combine and "
+                                           f"low-latency kernels), got dtype={config.dtype!r}")
 
 
 def environment_report() -> dict[str, str]:
