@@ -40,3 +40,12 @@ class CheckpointError(RaymoeError):
 
 class EngineUnhealthyError(RaymoeError, RuntimeError):
     """The engine lost a rank or was shut down; in-flight and new requests fail with this error."""
+
+
+class RequestFailedError(RaymoeError, RuntimeError):
+    """One request failed inside the engine (building, computing or post-processing its part of a step) while
+    the engine went on serving the others. The message says what failed, never how (no tracebacks)."""
+
+    def __init__(self, message: str):
+        self.message = message
+        super().__init__(message)
