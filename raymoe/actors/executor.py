@@ -100,16 +100,18 @@ class RayExecutor:
         self.workers: list = []
         self.placements: list = []
         self._dag = None
+        self._owner: str | None = None
         self._start()
 
     def _start(self) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from raymoe.cluster.placement import place_ranks
+        from raymoe.cluster.placement import pg_owner_tag, place_ranks
 
         t0 = time.perf_counter()
-        self.placements = place_ranks(self.parallel, self.use_gpu, timeout_s=self.init_timeout_s)
+        self._owner = self._owner or pg_owner_tag()
+        self.placements = place_ranks(self.parallel, self.use_gpu, timeout_s=self.init_timeout_s, owner=self._owner)
         remote_cls = ray.remote(RankWorker)
         self.workers = [
             remote_cls.options(

@@ -155,7 +155,7 @@ class EngineClient:
             try:
                 try:
                     ray.get(self.driver.ready.remote(), timeout=self.start_timeout_s)
-                except ray.exceptions.RayActorError:  # dead for good (restarts exhausted, or killed with no_restart)
+                except ray.exceptions.ActorDiedError:  # dead for good (restarts exhausted, or killed with no_restart)
                     log.warning("the driver actor is gone; starting a new one")
                     self.driver = start_driver_actor(self.config)
                     ray.get(self.driver.ready.remote(), timeout=self.start_timeout_s)
