@@ -142,6 +142,9 @@ def test_streams_work_and_the_engine_starts_idle(engine, base_url):
     assert all(o.finish_reason == "length" for o in asyncio.run(main()))
     assert httpx.get(f"{base_url}/health").status_code == 200
     assert_idle(engine)
+    import ray
+
+    assert len(set(ray.get(engine.driver.pids.remote()))) == 3  # the driver actor and its two ranks
 
 
 def test_a_step_every_rank_raises_in_fails_its_requests_and_keeps_the_ranks(engine, base_url):
@@ -243,3 +246,15 @@ def test_two_hundred_clients_that_hang_up_at_random_points_leak_nothing(engine, 
     assert finished and all(o.finish_reason == "length" for o in finished)
     assert_idle(engine, timeout_s=60)
     asyncio.run(later_requests_succeed(base_url))
+
+
+def test_the_stress_benchmark_command_reports_every_stream(base_url, tmp_path):
+    from raymoe.bench.stress import run_stress
+    from raymoe.deploy.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "stress", "--base-url", base_url, "--streams", "60",
+                                      "--disconnect-fraction", "0.3", "--output-json", str(tmp_path / "s.json")])
+    report = run_stress(args)
+    assert report["completed"] + report["disconnected"] == 60 and not report["errors_by_kind"], report
+    assert report["disconnected"] > 0 and report["p99_latency_s"] > 0
+    assert json.loads((tmp_path / "s.json").read_text())["streams"] == 60

@@ -165,6 +165,11 @@ class DriverActor:
         self.service.inject_fault(kind)
 
     @ray.method(concurrency_group=_CONTROL)
+    def pids(self) -> list[int]:
+        """Process ids of this actor and of its rank actors (memory figures of the benchmarks)."""
+        return [os.getpid(), *ray.get([w.pid.remote() for w in self.rank_actors()], timeout=30)]
+
+    @ray.method(concurrency_group=_CONTROL)
     def rank_actors(self) -> list:
         """Handles of the rank actors (empty for a world of one rank, which computes in this process)."""
         return list(getattr(self.service.driver.executor, "workers", []))
