@@ -2,11 +2,18 @@
 # Multi-node serving benchmark as a Ray job: starts `raymoe serve` on the cluster (rank actors placed on the GPU
 # nodes, the HTTP server on the job's node, bound to 127.0.0.1), waits until it is healthy, runs
 # `raymoe bench serve` with MT-Bench two-turn chats, prints the figures and stops the server.
-#   ray job submit --address http://HEAD:8265 --working-dir configs \
+# The cluster requires Ray's token (configs/cluster.yaml, configs/kuberay-rayservice.yaml) and its dashboard is
+# reachable only through a tunnel (`ray dashboard configs/cluster.yaml`, or `kubectl port-forward ... 8265`):
+#   RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:8265 --working-dir configs \
 #       --runtime-env-json '{"env_vars": {"MODEL": "/models/Qwen3-30B-A3B", "DP": "8"}}' -- bash bench_job.sh
 # Against an already deployed Serve app (configs/serve.yaml, configs/kuberay-rayservice.yaml), run only the
-# benchmark:  ray job submit --address http://HEAD:8265 -- raymoe bench serve --base-url http://SERVE:8000 ...
+# benchmark:  RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:8265 -- raymoe bench serve \
+#   --base-url http://SERVE:8000 ...
 set -euo pipefail
+
+# `raymoe serve --address auto` joins the cluster as a Ray driver: it must present the cluster's token too (the
+# token comes from RAY_AUTH_TOKEN, set by KubeRay, or ~/.ray/auth_token, copied by the cluster launcher).
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 
 MODEL="${MODEL:?set MODEL to a model folder readable on every node}"
 DP="${DP:-4}"

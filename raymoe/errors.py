@@ -45,3 +45,12 @@ class EngineUnhealthyError(RaymoeError, RuntimeError):
 class BackendUnavailableError(InvalidRequestError, ImportError):
     """An option selects an optional backend whose package is not installed (e.g. ``attention_backend="flash_attn"``
     without ``vllm``). Raised at config time; ``field`` names the option, the message names the package."""
+
+
+class RequestFailedError(RaymoeError, RuntimeError):
+    """One request failed inside the engine (building, computing or post-processing its part of a step) while
+    the engine went on serving the others. The message says what failed, never how (no tracebacks)."""
+
+    def __init__(self, message: str):
+        self.message = message
+        super().__init__(message)

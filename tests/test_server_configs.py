@@ -106,3 +106,24 @@ def test_dashboard_queries_only_metrics_the_server_exports():
     samples, _ = exported_names(m.render(stats).decode())
     queried = dashboard_metrics()
     assert queried <= samples, queried - samples
+
+
+def test_clusters_require_the_ray_token_and_keep_the_dashboard_private():
+    cfg = yaml.safe_load((CONFIGS / "cluster.yaml").read_text())
+    head, workers = " ".join(cfg["head_start_ray_commands"]), " ".join(cfg["worker_start_ray_commands"])
+    assert "RAY_AUTH_MODE=token" in head and "RAY_AUTH_MODE=token" in workers
+    assert "--dashboard-host=127.0.0.1" in head and "0.0.0.0" not in head
+    assert "~/.ray/auth_token" in cfg["file_mounts"]  # every node gets the token
+
+    spec = yaml.safe_load((CONFIGS / "kuberay-rayservice.yaml").read_text())["spec"]
+    service = spec["rayClusterConfig"]
+    assert service["authOptions"]["mode"] == "token"
+    assert tuple(map(int, service["rayVersion"].split(".")[:2])) >= (2, 52)  # first Ray with token auth
+    assert service["headGroupSpec"].get("serviceType", "ClusterIP") == "ClusterIP"
+    assert yaml.safe_load(spec["serveConfigV2"]).get("http_options", {}).get("host") in (None, "127.0.0.1")
+
+    job = (CONFIGS / "bench_job.sh").read_text()
+    assert re.search(r'^export RAY_AUTH_MODE="\$\{RAY_AUTH_MODE:-token\}"$', job, re.M)
+    assert "--host 127.0.0.1" in job and "0.0.0.0" not in job
+    serve = yaml.safe_load((CONFIGS / "serve.yaml").read_text())
+    assert serve["http_options"]["host"] == "127.0.0.1"

@@ -6,6 +6,11 @@ IDLE batch (so their ranks still enter every MoE collective), makes the decision
 the batches to an executor that fans them out to the ranks, and feeds the sampled tokens back to the schedulers.
 
 Written as a plain class: the single-rank engine runs it in-process; the cluster engine wraps it in a Ray actor.
+
+Fault scope: a request whose own row cannot be built or post-processed fails alone (the schedulers see to it).
+A step that a rank could not compute (:class:`~raymoe.actors.executor.RankStepError`) fails the requests of that
+step and keeps the ranks when they all still answer; a second failed step in a row, or a rank fault
+(:class:`~raymoe.actors.executor.RankFailure`), is raised to the caller, which restarts the rank group.
 """
 
 from __future__ import annotations
@@ -15,14 +20,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
+from raymoe.actors.executor import RankFailure, RankStepError
 from raymoe.comm.a2a_plan import apply_dispatch_plan
 from raymoe.config import EngineConfig
 from raymoe.errors import InvalidRequestError
 from raymoe.overlap.decision import apply_tbo_decision
 from raymoe.runner.graph_buckets import apply_graph_plan
-from raymoe.scheduler.req import Req
+from raymoe.scheduler.req import Req, RequestFault, RequestFaultError
 from raymoe.scheduler.sampling_params import SamplingParams
-from raymoe.scheduler.scheduler import Scheduler
+from raymoe.scheduler.schedule_batch import check_sampling_row
+from raymoe.scheduler.scheduler import IdleReport, Scheduler
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
 
@@ -31,6 +38,11 @@ class StepExecutor(Protocol):
     """Runs one global step: one ``ModelWorkerBatch`` per DP group -> one ``StepOutput`` per DP group."""
 
     def execute(self, batches: list[ModelWorkerBatch]) -> list[StepOutput]: ...
+
+    def ranks_alive(self) -> bool: ...
+
+# Failed steps in a row (RankStepError) after which the ranks are restarted even though they answer.
+MAX_CONSECUTIVE_STEP_ERRORS = 2
 
 
 class Driver:
@@ -67,6 +79,8 @@ class Driver:
         self.num_tbo_steps = 0
         self.num_graph_steps = 0
         self.num_low_latency_steps = 0  # steps whose MoE dispatch ran in low-latency mode
+        self.num_failed_steps = 0  # steps a rank raised in (their requests failed; ranks kept)
+        self._step_errors_in_a_row = 0
         self.last_step_seconds: list[float] = []  # forward+sample seconds of each DP group's tp-rank 0
 
     def new_rid(self) -> str:
@@ -81,14 +95,21 @@ class Driver:
         """Queue a request on a DP group.
 
         Raises:
-            InvalidRequestError: the prompt is empty or too long, or the queue is full (names the field).
+            InvalidRequestError: the prompt is empty or too long, a sampling value cannot be represented on the
+                ranks, or the queue is full (names the field).
         """
         if rid in self.reqs:
             raise ValueError(f"duplicate request id {rid!r}")
         if self.vocab_size is not None and input_ids and not 0 <= min(input_ids) <= max(input_ids) < self.vocab_size:
             raise InvalidRequestError("prompt", f"token ids must be in [0, {self.vocab_size})")
+        if self.vocab_size is not None and params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise InvalidRequestError("logprobs", f"must be <= the vocabulary size {self.vocab_size}")
         group = self._route(input_ids)
         req = Req(rid, list(input_ids), params)
+        try:
+            check_sampling_row(req)  # the same check the step build makes: refuse now rather than fail later
+        except RequestFaultError as e:
+            raise InvalidRequestError(e.fault.field or "request", e.fault.message) from None
         self.schedulers[group].add_request(req)
         self.reqs[rid] = req
         self.group_of[rid] = group
@@ -109,6 +130,7 @@ class Driver:
                                      detokenize=s.detokenize) for s in self.schedulers]
         self.reqs.clear()
         self.group_of.clear()
+        self._step_errors_in_a_row = 0
         return dropped
 
     def has_unfinished(self) -> bool:
@@ -137,7 +159,11 @@ class Driver:
         self.num_tbo_steps += worker_batches[0].use_tbo
         self.num_graph_steps += worker_batches[0].graph_bs is not None
         self.num_low_latency_steps += worker_batches[0].dispatch_capacity is not None
-        outputs = self.executor.execute(worker_batches)
+        try:
+            outputs = self.executor.execute(worker_batches)
+        except RankStepError as e:
+            return self._forget_finished(early + self._fail_step(e))
+        self._step_errors_in_a_row = 0
         self.last_step_seconds = [o.forward_seconds for o in outputs]
         self.num_steps += 1
         self.num_idle_group_steps += sum(b is None for b in sched_batches)
@@ -146,6 +172,33 @@ class Driver:
             if batch is not None:
                 updated.extend(sched.process_batch_result(batch, out))
         return self._forget_finished(updated)
+
+    def _fail_step(self, error: RankStepError) -> list[Req]:
+        """A rank raised in the step: fail the step's requests (they free their KV) and keep the ranks if they all
+        answer and this is not the second such step in a row.
+
+        Raises:
+            RankFailure: the ranks must be restarted (the step's requests are failed already).
+        """
+        self.num_failed_steps += 1
+        self._step_errors_in_a_row += 1
+        fault = RequestFault("failed", f"the engine could not compute this request's step ({error}); the "
+                                       "other requests go on")
+        failed = [r for s in self.schedulers for r in s.fail_inflight(fault)]
+        if self._step_errors_in_a_row >= MAX_CONSECUTIVE_STEP_ERRORS or not self.executor.ranks_alive():
+            self._forget_finished(failed)
+            raise RankFailure(f"{self._step_errors_in_a_row} failed step(s) in a row; restarting the ranks") \
+                from error
+        return failed
+
+    def idle_report(self) -> IdleReport | None:
+        """The idle invariant summed over DP groups when no group holds a request (``None`` otherwise)."""
+        reports = [s.idle_report() for s in self.schedulers]
+        if any(r is None for r in reports):
+            return None
+        return IdleReport(leaked_kv_slots=sum(r.leaked_kv_slots for r in reports),
+                          leaked_req_rows=sum(r.leaked_req_rows for r in reports),
+                          locked_cache_tokens=sum(r.locked_cache_tokens for r in reports))
 
     def _forget_finished(self, updated: list[Req]) -> list[Req]:
         for req in updated:

@@ -9,29 +9,40 @@ per request or token:
 * the step loop sends one :data:`OutputBatch` per iteration (every request's new tokens, finishes, refusals);
 * a reader thread takes ``(adds, aborts)`` messages from the front end and hands them to the loop.
 
-Ray calls remain for the rest: :meth:`connect` (once), :meth:`stats`, :meth:`healthy`, :meth:`ready`,
-:meth:`shutdown`.
+Ray calls remain for the rest: :meth:`connect` (once per front-end connection), :meth:`stats`, :meth:`healthy`,
+:meth:`ready`, :meth:`shutdown`. The health and state calls (and the fault-injection hooks of the tests) run in
+their own concurrency group (``"control"``), so a busy default group can never starve them.
+
+The actor is restarted by Ray when its process dies (``max_restarts``; the ranks, its children, die with it and
+the new instance starts fresh ones). The front end sees its channel close, fails its in-flight requests and
+reconnects (``raymoe.deploy.engine_client``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import ray
 
 from raymoe.actors.channel import connect_channel
-from raymoe.actors.driver_service import DriverService, EngineStats, OutputBatch
+from raymoe.actors.driver_service import DriverService, EngineStats, OutputBatch, RequestDelta, RequestError
 from raymoe.actors.process_tuning import rank_cpu_threads
 from raymoe.config import EngineConfig, ModelConfig
 
 log = logging.getLogger(__name__)
 
 
-def start_driver_actor(config: EngineConfig):
+# Restarts Ray gives a driver actor whose process died (-1: unbounded; each restart reloads the ranks).
+DRIVER_MAX_RESTARTS = -1
+_CONTROL = "control"  # concurrency group of the health, state and test-hook calls
+
+
+def start_driver_actor(config: EngineConfig, max_restarts: int = DRIVER_MAX_RESTARTS):
     """Create the driver actor for ``config`` on this node (the channel is a local socket; no CPU reservation:
     its ranks reserve theirs); returns its handle. The caller waits for ``ready`` (loading the ranks may take
-    minutes)."""
+    minutes). Ray restarts the actor up to ``max_restarts`` times (-1: always) when its process dies."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from raymoe.runner.device import engine_device
@@ -40,9 +51,9 @@ def start_driver_actor(config: EngineConfig):
     # World size 1: the rank computes in this actor, which then needs the GPU (Ray hides GPUs from actors that
     # do not ask for one, and the rank would fail with RankDeviceError).
     gpus = 1 if config.parallel.world_size == 1 and engine_device(config.device) == "cuda" else 0
-    cls = ray.remote(DriverActor).options(num_cpus=0, num_gpus=gpus, max_restarts=0, max_concurrency=4,
-                                          scheduling_strategy=here)
-    return cls.remote(config)
+    cls = ray.remote(concurrency_groups={_CONTROL: 2}, max_concurrency=4)(DriverActor)
+    return cls.options(num_cpus=0, num_gpus=gpus, max_restarts=max_restarts, max_task_retries=0,
+                       scheduling_strategy=here).remote(config)
 
 
 class DriverActor:
@@ -76,6 +87,20 @@ class DriverActor:
                 self._conn.send(batch)
             except OSError:  # the front end went away; its requests are aborted by the reader
                 pass
+            except Exception:  # noqa: BLE001 - a delta that cannot be pickled: send the others, fail that one
+                log.exception("an output batch could not be sent; sending its deltas one by one")
+                self._send_one_by_one(batch)
+
+    def _send_one_by_one(self, batch: OutputBatch) -> None:
+        for delta in batch:
+            try:
+                self._conn.send([delta])
+            except OSError:
+                return
+            except Exception:  # noqa: BLE001
+                err = RequestError("failed", "the request's output could not be sent to the front end")
+                self.service.submit(aborts=[delta.request_id])
+                self._conn.send([RequestDelta(delta.request_id, [], finished=True, error=err)])
 
     def connect(self, path: str, authkey: bytes) -> bool:
         """Connect to the front end's channel at ``path`` and start serving it (a second call replaces the first).
@@ -103,15 +128,56 @@ class DriverActor:
                 return
             self.service.submit(adds, aborts)
 
+    @ray.method(concurrency_group=_CONTROL)
     def stats(self) -> EngineStats:
+        """Counters, gauges, health and the idle invariant (see ``EngineStats``)."""
         return self.service.stats()
 
+    @ray.method(concurrency_group=_CONTROL)
     def healthy(self) -> bool:
+        """Whether the step loop is alive and serving and the ranks are up."""
         return self.service.healthy()
 
+    @ray.method(concurrency_group=_CONTROL)
     def ready(self) -> bool:
         """True once the ranks are loaded (the constructor returned)."""
         return True
+
+    @ray.method(concurrency_group=_CONTROL)
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests by id (the channel is the usual way; this one cannot be held up by it)."""
+        self.service.submit(aborts=list(request_ids))
+
+    @ray.method(concurrency_group=_CONTROL)
+    def inject_fault(self, kind: str) -> None:
+        """Fault injection for tests: ``"loop_death"`` / ``"loop_error"`` (see ``DriverService.inject_fault``),
+        ``"rank_step_error"`` (every rank raises in its next step), ``"exit"`` (this process exits at once, as a
+        crash would; Ray restarts the actor).
+
+        Raises:
+            ValueError: an unknown ``kind``.
+        """
+        if kind == "exit":
+            os._exit(1)
+        if kind == "rank_step_error":
+            executor = self.service.driver.executor
+            workers = getattr(executor, "workers", None)
+            if workers is None:
+                executor.worker.inject_step_errors(1)
+            else:
+                ray.get([w.inject_step_errors.remote(1) for w in workers], timeout=30)
+            return
+        self.service.inject_fault(kind)
+
+    @ray.method(concurrency_group=_CONTROL)
+    def pids(self) -> list[int]:
+        """Process ids of this actor and of its rank actors (memory figures of the benchmarks)."""
+        return [os.getpid(), *ray.get([w.pid.remote() for w in self.rank_actors()], timeout=30)]
+
+    @ray.method(concurrency_group=_CONTROL)
+    def rank_actors(self) -> list:
+        """Handles of the rank actors (empty for a world of one rank, which computes in this process)."""
+        return list(getattr(self.service.driver.executor, "workers", []))
 
     def shutdown(self) -> None:
         """Stop the step loop and the ranks."""

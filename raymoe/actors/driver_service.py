@@ -8,6 +8,17 @@ talking to the front end is one message per step, not one per request and token.
 
 In a server the service lives in the driver's own process (``raymoe.actors.driver_actor.DriverActor``), never in
 the HTTP process: a Python loop doing per-token work next to the engine would take its GIL.
+
+Supervision, from the narrowest scope out:
+
+* one request's fault (its row, its stop check, its delta) fails that request only (``RequestError`` kind
+  ``"invalid"`` or ``"failed"``);
+* a rank fault (``RankFailure``) fails every in-flight request (``"unhealthy"``), restarts the rank group and
+  counts ``rank_restarts``;
+* any other exception in a loop iteration fails every in-flight request (``"failed"``), clears the schedulers and
+  keeps the ranks;
+* if the loop thread dies anyway, a supervisor thread fails the in-flight requests, refuses new ones while it
+  waits ``restart_backoff_s`` (the service reports unhealthy), and starts a new loop (``loop_restarts``).
 """
 
 from __future__ import annotations
@@ -15,126 +26,78 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from raymoe.actors.driver import Driver
-from raymoe.errors import EngineUnhealthyError, InvalidRequestError, RaymoeError
-from raymoe.scheduler.req import Req
-from raymoe.scheduler.sampling_params import SamplingParams
-from raymoe.step.step_output import TokenLogprobs
+from raymoe.actors.records import AddRequest, EngineStats, OutputBatch, RequestDelta, RequestError
+from raymoe.errors import EngineUnhealthyError, InvalidRequestError
+from raymoe.scheduler.req import FinishKind, Req
+from raymoe.scheduler.scheduler import IdleReport
+
+__all__ = ["AddRequest", "DriverService", "EngineStats", "OutputBatch", "RequestDelta", "RequestError"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RequestError:
-    """Why a request ended without a result.
-
-    Attributes:
-        kind: ``"invalid"`` (the scheduler refused the request; ``field`` names why, ``"queue"`` when full) or
-            ``"unhealthy"`` (the engine failed or is recovering).
-        message: human readable reason. field: the offending field for ``"invalid"``.
-    """
-
-    kind: str
-    message: str
-    field: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("invalid", "unhealthy"):
-            raise ValueError(f"RequestError.kind must be 'invalid' or 'unhealthy', got {self.kind!r}")
-
-    def to_exception(self) -> RaymoeError:
-        """The typed error a caller raises for this record."""
-        if self.kind == "invalid":
-            return InvalidRequestError(self.field or "request", self.message)
-        return EngineUnhealthyError(self.message)
-
-
-@dataclass(frozen=True)
-class RequestDelta:
-    """New output of one request since its previous delta.
-
-    Attributes:
-        request_id: the caller's id.
-        token_ids: tokens generated since the last delta. logprobs: one entry per token (None entries if not asked).
-        finished: last delta of the request (also set with ``error``).
-        finish_reason: ``"stop"`` | ``"length"`` | ``"abort"`` when finished normally, else ``None``.
-        matched_stop: the stop string or token id that ended it, if any.
-        prompt_tokens, completion_tokens, cached_tokens: usage counts so far (tokens).
-        error: set when the request was refused or the engine failed (then ``finished`` and no tokens).
-    """
-
-    request_id: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    error: RequestError | None = None
-
-
-OutputBatch = list[RequestDelta]
-"""One message from the driver to the front end: the deltas of one loop iteration (any number of requests)."""
-
-
-@dataclass(frozen=True)
-class AddRequest:
-    """A request handed to the driver: the caller's id, prompt token ids and validated sampling parameters."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Snapshot for metrics: requests running/waiting (all DP groups), KV usage fraction (max over groups),
-    radix-cache hit tokens, steps run, TBO steps, health, and per-rank last forward seconds."""
-
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    radix_hit_tokens: int
-    num_steps: int
-    num_tbo_steps: int
-    healthy: bool
-    step_seconds: list[float] = field(default_factory=list)
+class _InjectedLoopDeath(BaseException):  # noqa: N818 - a BaseException on purpose: the catch-all lets it pass
+    """Raised by the ``"loop_death"`` test hook: kills the loop thread as an escaped error would."""
 
 
 class DriverService:
-    """Owns a Driver and its step loop thread.
+    """Owns a Driver, its step loop thread and the supervisor thread that keeps the loop alive.
 
-    After a failed step every in-flight request ends with an ``"unhealthy"`` error and the service reports
+    After a rank fault every in-flight request ends with an ``"unhealthy"`` error and the service reports
     unhealthy; with ``auto_recover`` the loop then restarts the rank group (``executor.restart()``) and clears
     the scheduler state, after which it is healthy again. Requests submitted while unhealthy are refused.
 
     Args:
         driver: the driver (already connected to its ranks).
-        publish: called on the loop thread with each non-empty :data:`OutputBatch`; it must not block (hand the
-            batch to another thread or event loop).
+        publish: called with each non-empty :data:`OutputBatch` (on the loop thread, or the supervisor's while
+            the loop is down); it must not block (hand the batch to another thread or event loop).
         idle_sleep_s: how long the loop waits for new work when there is none, seconds.
-        auto_recover: restart the rank group after a failure.
+        auto_recover: restart the rank group after a rank fault.
+        supervise_interval_s: how often the supervisor checks the loop thread, seconds.
+        restart_backoff_s: how long a dead loop stays down before it is restarted, seconds (doubled, up to 60 s,
+            while it keeps dying within a minute); new requests are refused meanwhile.
+        stall_timeout_s: a loop iteration running longer than this makes the service unhealthy, seconds
+            (default: the driver's ``step_timeout_s`` plus 30 s).
     """
 
     def __init__(self, driver: Driver, publish: Callable[[OutputBatch], None], idle_sleep_s: float = 0.005,
-                 auto_recover: bool = True):
+                 auto_recover: bool = True, supervise_interval_s: float = 0.2, restart_backoff_s: float = 2.0,
+                 stall_timeout_s: float | None = None):
+        if supervise_interval_s <= 0 or restart_backoff_s < 0 or idle_sleep_s <= 0:
+            raise ValueError("supervise_interval_s and idle_sleep_s must be > 0, restart_backoff_s >= 0")
         self.driver = driver
         self.publish = publish
         self.idle_sleep_s = idle_sleep_s
         self.auto_recover = auto_recover
-        self.num_recoveries = 0
+        self.supervise_interval_s = supervise_interval_s
+        self.restart_backoff_s = restart_backoff_s
+        step_timeout = getattr(getattr(driver, "config", None), "step_timeout_s", 300.0)
+        self.stall_timeout_s = stall_timeout_s if stall_timeout_s is not None else step_timeout + 30.0
+        self.rank_restarts = 0
+        self.loop_restarts = 0
+        self.failed_requests = 0
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sent: dict[str, int] = {}  # in-flight request id -> output tokens already published
         self._out: OutputBatch = []
-        self._error: str | None = None
+        self._error: str | None = None  # set while unhealthy (rank fault being recovered, or the loop is down)
+        self._idle: IdleReport | None = None  # idle invariant, measured while no request is in flight
+        self._injected: str | None = None
+        self._iteration_started = time.monotonic()
+        self._last_death = 0.0
+        self._backoff = restart_backoff_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="raymoe-driver-loop", daemon=True)
-        self._thread.start()
+        self._thread = self._start_loop()
+        self._supervisor = threading.Thread(target=self._supervise, name="raymoe-driver-supervisor", daemon=True)
+        self._supervisor.start()
+
+    @property
+    def num_recoveries(self) -> int:
+        """Rank-group restarts so far (same as ``rank_restarts``)."""
+        return self.rank_restarts
 
     # ------------------------------------------------------------------ caller side (any thread)
     def submit(self, adds: Sequence[AddRequest] = (), aborts: Sequence[str] = ()) -> None:
@@ -144,21 +107,60 @@ class DriverService:
             self._commands.put((list(adds), list(aborts)))
 
     def stats(self) -> EngineStats:
+        """A snapshot of the counters (read without stopping the loop; counts may be one step apart)."""
         scheds = self.driver.schedulers
+        idle = self._idle
         return EngineStats(
             num_running=sum(s.num_running for s in scheds), num_waiting=sum(s.num_waiting for s in scheds),
             kv_usage=max(s.kv_usage() for s in scheds), radix_hit_tokens=sum(s.hit_tokens for s in scheds),
             num_steps=self.driver.num_steps, num_tbo_steps=self.driver.num_tbo_steps,
-            healthy=self.healthy(), step_seconds=list(self.driver.last_step_seconds))
+            healthy=self.healthy(), step_seconds=list(self.driver.last_step_seconds),
+            health_detail=self.health_detail(), rank_restarts=self.rank_restarts, loop_restarts=self.loop_restarts,
+            failed_steps=self.driver.num_failed_steps, failed_requests=self.failed_requests,
+            kv_leaked_slots=idle.leaked_kv_slots if idle else 0, req_rows_leaked=idle.leaked_req_rows if idle else 0,
+            cache_tokens_locked=idle.locked_cache_tokens if idle else 0, idle_checked=idle is not None)
+
+    def health_detail(self) -> str:
+        """Why the service is unhealthy, or ``""``."""
+        if self._stop.is_set():
+            return "the engine is shut down"
+        if self._error is not None:
+            return self._error
+        if not self._thread.is_alive():
+            return "the driver loop is down"
+        stalled = time.monotonic() - self._iteration_started
+        if stalled > self.stall_timeout_s:
+            return f"the driver loop has been in one iteration for {stalled:.0f} s"
+        return ""
 
     def healthy(self) -> bool:
-        return self._error is None and self._thread.is_alive()
+        """Whether the loop is alive and serving (not recovering, not stalled, not shut down)."""
+        return self.health_detail() == ""
+
+    def inject_fault(self, kind: str) -> None:
+        """Fault injection for tests: ``"loop_death"`` kills the loop thread at its next iteration (past the
+        catch-all, as an escaped error would); ``"loop_error"`` makes its next iteration raise ``RuntimeError``
+        (handled by the catch-all).
+
+        Raises:
+            ValueError: an unknown ``kind``.
+        """
+        if kind not in ("loop_death", "loop_error"):
+            raise ValueError(f"unknown fault {kind!r}")
+        self._injected = kind
 
     def shutdown(self) -> None:
+        """Stop the loop and the supervisor (in-flight requests are not answered)."""
         self._stop.set()
         self._thread.join(timeout=10)
+        self._supervisor.join(timeout=10)
 
     # ------------------------------------------------------------------ loop thread
+    def _start_loop(self) -> threading.Thread:
+        thread = threading.Thread(target=self._loop, name="raymoe-driver-loop", daemon=True)
+        thread.start()
+        return thread
+
     def _apply(self, adds: list[AddRequest], aborts: list[str]) -> None:
         for a in adds:
             if self._error is not None:
@@ -170,6 +172,7 @@ class DriverService:
                     raise InvalidRequestError("request_id", f"duplicate request id {a.request_id!r}")
                 self.driver.add_request(a.request_id, a.prompt_token_ids, a.params)
                 self._sent[a.request_id] = 0
+                self._idle = None
             except InvalidRequestError as e:
                 self._out.append(RequestDelta(a.request_id, [], finished=True,
                                               error=RequestError("invalid", e.message, e.field)))
@@ -199,20 +202,48 @@ class DriverService:
             del self._sent[req.rid]
         else:
             self._sent[req.rid] = len(req.output_ids)
+        if reason is not None and reason.kind == FinishKind.ERROR:
+            fault = reason.fault
+            self.failed_requests += fault is None or fault.kind == "failed"
+            err = (RequestError(fault.kind, fault.message, fault.field) if fault is not None
+                   else RequestError("failed", reason.message or "the request failed"))
+            return RequestDelta(req.rid, [], finished=True, error=err)
         return RequestDelta(
             req.rid, req.output_ids[sent:], req.output_logprobs[sent:], finished=req.finished,
             finish_reason=reason.kind.value if reason else None, matched_stop=reason.matched if reason else None,
             prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens)
 
+    def _emit(self, updated: list[Req]) -> None:
+        """Queue the deltas of ``updated``; a request whose delta cannot be built fails alone."""
+        for req in updated:
+            try:
+                d = self._delta(req)
+            except Exception as e:  # noqa: BLE001 - this request's output could not be built: fail it only
+                log.exception("building the output of request %s failed", req.rid)
+                self._sent.pop(req.rid, None)
+                self.driver.abort_request(req.rid)
+                self.failed_requests += 1
+                d = RequestDelta(req.rid, [], finished=True, error=RequestError(
+                    "failed", f"building the request's output failed ({type(e).__name__})"))
+            if d is not None:
+                self._out.append(d)
+
     def _flush(self) -> None:
         if self._out:
             batch, self._out = self._out, []
             self.publish(batch)
 
-    def _fail_all(self, message: str) -> None:
-        self._error = message
-        err = RequestError("unhealthy", message)
+    def _flush_quietly(self) -> None:
+        try:
+            self._flush()
+        except Exception:  # noqa: BLE001 - the front end cannot be reached; its reader fails its requests
+            log.exception("publishing an output batch failed; dropped it")
+            self._out = []
+
+    def _fail_all(self, err: RequestError) -> None:
+        """End every in-flight request with ``err`` (queued for the next flush)."""
+        self.failed_requests += len(self._sent) if err.kind == "failed" else 0
         self._out.extend(RequestDelta(rid, [], finished=True, error=err) for rid in self._sent)
         self._sent.clear()
 
@@ -224,28 +255,88 @@ class DriverService:
             self._stop.wait(5.0)
             return
         self.driver.reset()
-        self.num_recoveries += 1
+        self.rank_restarts += 1
         self._error = None
         log.warning("rank group restarted; engine healthy again")
 
+    def _iterate(self) -> None:
+        if self._injected == "loop_error":
+            self._injected = None
+            raise RuntimeError("injected loop error (fault-injection test hook)")
+        if self._error is not None:
+            self._take_commands(block=False)  # refuses adds while unhealthy
+            self._flush()
+            if self.auto_recover:
+                self._recover()
+            else:
+                self._stop.wait(self.idle_sleep_s)
+            return
+        self._take_commands(block=not self.driver.has_unfinished())
+        if self.driver.has_unfinished():
+            try:
+                updated = self.driver.step()
+            except EngineUnhealthyError as e:  # a rank fault: fail every request, restart the ranks
+                log.exception("driver step failed")
+                # Clients see the error type only; the details (tracebacks, hosts, actor ids) stay in the log.
+                self._error = f"engine step failed ({type(e).__name__}); the rank group is restarting"
+                self._fail_all(RequestError("unhealthy", self._error))
+            else:
+                self._emit(updated)
+        elif self._idle is None:
+            self._idle = self.driver.idle_report()
+        self._flush()
+
     def _loop(self) -> None:
         while not self._stop.is_set():
-            if self._error is not None:
-                self._take_commands(block=False)  # refuses adds while unhealthy
-                self._flush()
-                if self.auto_recover:
-                    self._recover()
-                else:
-                    self._stop.wait(self.idle_sleep_s)
+            self._iteration_started = time.monotonic()
+            if self._injected == "loop_death":
+                self._injected = None
+                raise _InjectedLoopDeath("injected loop death (fault-injection test hook)")
+            try:
+                self._iterate()
+            except Exception as e:  # noqa: BLE001 - the catch-all: fail in-flight requests, keep serving
+                log.exception("driver loop iteration failed")
+                self._fail_all(RequestError("failed", f"the engine's driver hit an internal error "
+                                                      f"({type(e).__name__}); requests in flight were dropped"))
+                self._reset_driver()
+                self._flush_quietly()
+
+    def _reset_driver(self) -> None:
+        try:
+            self.driver.reset()
+        except Exception:  # noqa: BLE001 - nothing more to do here; the next step shows whether it works
+            log.exception("resetting the driver's schedulers failed")
+
+    # ------------------------------------------------------------------ supervisor thread
+    def _supervise(self) -> None:
+        while not self._stop.wait(self.supervise_interval_s):
+            if self._thread.is_alive():
                 continue
-            self._take_commands(block=not self.driver.has_unfinished())
-            if self.driver.has_unfinished():
-                try:
-                    updated = self.driver.step()
-                except Exception as e:  # noqa: BLE001 - a rank or the executor failed: fail requests, go unhealthy
-                    log.exception("driver step failed")
-                    # Clients see the error type only; the details (tracebacks, hosts, actor ids) stay in the log.
-                    self._fail_all(f"engine step failed ({type(e).__name__}); the rank group is restarting")
-                else:
-                    self._out.extend(d for r in updated if (d := self._delta(r)) is not None)
-            self._flush()
+            self.loop_restarts += 1
+            now = time.monotonic()
+            self._backoff = min(60.0, self._backoff * 2) if now - self._last_death < 60.0 else self.restart_backoff_s
+            self._last_death = now
+            self._error = "the engine's driver loop died; restarting it"
+            log.error("%s (in %.1f s; %d in-flight requests failed)", self._error, self._backoff, len(self._sent))
+            err = RequestError("unhealthy", self._error)
+            self._fail_all(err)
+            self._reset_driver()
+            deadline = time.monotonic() + self._backoff
+            while True:  # while the loop is down, refuse new requests (within one interval) and drop aborts
+                self._refuse_commands(err)
+                self._flush_quietly()
+                if time.monotonic() >= deadline or self._stop.wait(self.supervise_interval_s):
+                    break
+            if self._stop.is_set():
+                return
+            self._error = None
+            self._thread = self._start_loop()
+            log.warning("driver loop restarted")
+
+    def _refuse_commands(self, err: RequestError) -> None:
+        while True:
+            try:
+                adds, _aborts = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            self._out.extend(RequestDelta(a.request_id, [], finished=True, error=err) for a in adds)

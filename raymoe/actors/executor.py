@@ -5,6 +5,14 @@ places them (``raymoe.cluster.placement``), runs the process-group rendezvous, a
 its DP group's batch (plain ``.remote()`` calls, or a Ray Compiled Graph when ``fanout="compiled"``). A rank
 that dies or raises fails the step within seconds (``ray.wait`` on all ranks, first error wins) instead of
 leaving the driver blocked behind ranks stuck in a collective; ``restart()`` rebuilds the whole rank group.
+
+Two kinds of step failure, told apart here so that the driver restarts ranks only for rank faults:
+
+* :class:`RankFailure` (an ``EngineUnhealthyError``): a rank process died, a step ran past its bound, or a
+  collective failed. The rank group must be restarted.
+* :class:`RankStepError`: a rank raised an ordinary exception while computing the step and is still alive
+  (a bad row that validation missed). The driver fails that step's requests and keeps the ranks when
+  :meth:`RayExecutor.ranks_alive` shows none is stuck.
 """
 
 from __future__ import annotations
@@ -14,25 +22,48 @@ import time
 
 from raymoe.actors.rank_worker import RankWorker
 from raymoe.config import ParallelConfig
-from raymoe.errors import EngineUnhealthyError
+from raymoe.errors import EngineUnhealthyError, RaymoeError
 from raymoe.runner.model_runner import RunnerConfig
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
 
 log = logging.getLogger(__name__)
 
+# Exception type names (the rank's exception, as Ray reports it) that mean its collectives are broken.
+_COLLECTIVE_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
+
+
+class RankFailure(EngineUnhealthyError):
+    """A rank died, a step exceeded its bound, or a collective failed: the rank group must be restarted."""
+
+
+class RankStepError(RaymoeError):
+    """A rank raised an ordinary exception in a step and is still alive (its collectives may be intact)."""
+
 
 class LocalExecutor:
-    """Runs the single rank in this process."""
+    """Runs the single rank in this process (no collectives: an exception in a step never wedges it)."""
 
     def __init__(self, runner_cfg: RunnerConfig):
         self.runner_cfg = runner_cfg
         self.worker: RankWorker | None = RankWorker(runner_cfg)
 
     def execute(self, batches: list[ModelWorkerBatch]) -> list[StepOutput]:
+        """Run the step on the in-process rank.
+
+        Raises:
+            RankFailure: the engine is shut down. RankStepError: the rank raised (it stays usable).
+        """
         if self.worker is None:
-            raise EngineUnhealthyError("engine is shut down")
-        return [self.worker.step(batches[0])]
+            raise RankFailure("engine is shut down")
+        try:
+            return [self.worker.step(batches[0])]
+        except Exception as e:
+            raise RankStepError(f"the rank raised {type(e).__name__} in a step") from e
+
+    def ranks_alive(self) -> bool:
+        """Whether the rank exists (an in-process rank cannot hang in a collective)."""
+        return self.worker is not None
 
     def restart(self) -> None:
         self.worker = RankWorker(self.runner_cfg)
@@ -69,16 +100,18 @@ class RayExecutor:
         self.workers: list = []
         self.placements: list = []
         self._dag = None
+        self._owner: str | None = None
         self._start()
 
     def _start(self) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from raymoe.cluster.placement import place_ranks
+        from raymoe.cluster.placement import pg_owner_tag, place_ranks
 
         t0 = time.perf_counter()
-        self.placements = place_ranks(self.parallel, self.use_gpu, timeout_s=self.init_timeout_s)
+        self._owner = self._owner or pg_owner_tag()
+        self.placements = place_ranks(self.parallel, self.use_gpu, timeout_s=self.init_timeout_s, owner=self._owner)
         remote_cls = ray.remote(RankWorker)
         self.workers = [
             remote_cls.options(
@@ -118,13 +151,14 @@ class RayExecutor:
         """Run one step on every rank; returns the tp-rank-0 output of each DP group.
 
         Raises:
-            EngineUnhealthyError: a rank died, raised, or the step exceeded ``step_timeout_s``.
+            RankFailure: a rank died, a collective failed, or the step exceeded ``step_timeout_s``.
+            RankStepError: a rank raised an ordinary exception (it is alive; see :meth:`ranks_alive`).
         """
         import ray
 
         tp = self.parallel.tp_size
         if not self.workers:
-            raise EngineUnhealthyError("rank group is not running")
+            raise RankFailure("rank group is not running")
         try:
             if self._dag is not None:
                 outs = ray.get(self._dag.execute(*batches), timeout=self.step_timeout_s)
@@ -133,8 +167,14 @@ class RayExecutor:
                 outs = self._gather(refs)
         except EngineUnhealthyError:
             raise
+        except ray.exceptions.RayTaskError as e:  # the rank's own code raised; the actor is alive
+            cause = getattr(e, "cause", None)
+            name = type(cause).__name__ if cause is not None else type(e).__name__
+            if isinstance(e, ray.exceptions.RayActorError) or any(c in name for c in _COLLECTIVE_ERRORS):
+                raise RankFailure(f"a rank's collectives failed during a step ({name})") from e
+            raise RankStepError(f"a rank raised {name} in a step") from e
         except Exception as e:
-            raise EngineUnhealthyError(f"a rank failed during a step: {type(e).__name__}: {e}") from e
+            raise RankFailure(f"a rank failed during a step ({type(e).__name__})") from e
         return [outs[d * tp] for d in range(self.parallel.dp_size)]
 
     def _gather(self, refs: list) -> list[StepOutput]:
@@ -145,18 +185,21 @@ class RayExecutor:
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise EngineUnhealthyError(f"step exceeded {self.step_timeout_s} s")
+                raise RankFailure(f"step exceeded {self.step_timeout_s} s")
             ready, pending = ray.wait(pending, num_returns=1, timeout=min(left, 1.0))
             for r in ready:
                 ray.get(r)  # raises RayActorError / RayTaskError at once
         return ray.get(refs)
 
-    def ranks_alive(self) -> bool:
-        """Whether every rank answers a liveness probe within 5 s."""
+    def ranks_alive(self, timeout_s: float = 5.0) -> bool:
+        """Whether every rank answers a liveness probe within ``timeout_s`` seconds (a rank still stuck in a
+        collective of a failed step does not: its actor runs one call at a time)."""
         import ray
 
+        if not self.workers:
+            return False
         try:
-            return all(ray.get([w.ready.remote() for w in self.workers], timeout=5.0))
+            return all(ray.get([w.ready.remote() for w in self.workers], timeout=timeout_s))
         except Exception:  # noqa: BLE001
             return False
 

@@ -35,6 +35,7 @@ class RankWorker:
         self.rank = rank
         self.groups = ParallelGroups.single()
         self.runner: ModelRunner | None = None
+        self._injected_step_errors = 0
         if self.parallel.world_size == 1:
             self.load()
 
@@ -78,8 +79,20 @@ class RankWorker:
         return True
 
     def step(self, batch: ModelWorkerBatch) -> StepOutput:
-        """Run one step of this rank's DP group (IDLE batches included) and return its sampled tokens."""
+        """Run one step of this rank's DP group (IDLE batches included) and return its sampled tokens.
+
+        Raises:
+            RuntimeError: an error injected by :meth:`inject_step_errors`; otherwise whatever the runner raises.
+        """
+        if self._injected_step_errors > 0:
+            self._injected_step_errors -= 1
+            raise RuntimeError("injected step error (fault-injection test hook)")
         return self.runner.forward_batch_generation(batch)
+
+    def inject_step_errors(self, n: int = 1) -> None:
+        """Fault injection for tests: the next ``n`` steps raise ``RuntimeError`` before computing anything (on
+        every rank at once, the ranks stay in step: none enters a collective)."""
+        self._injected_step_errors = int(n)
 
     def ready(self) -> bool:
         """True once the shard is loaded (start-up barrier and liveness probe)."""

@@ -88,6 +88,12 @@ def add_bench_parser(sub, model_arg) -> None:
     add_serve_bench_args(p)
     p.set_defaults(func=_run_serve)
 
+    p = bench.add_parser("stress", help="thousands of concurrent short streams, some hanging up: nothing lost?")
+    from raymoe.bench.stress import add_stress_args
+
+    add_stress_args(p)
+    p.set_defaults(func=_run_stress)
+
 
 def _run_offline(a: argparse.Namespace) -> None:
     from raymoe.bench.offline import run_offline
@@ -117,6 +123,12 @@ def _run_serve(a: argparse.Namespace) -> None:
     from raymoe.bench.serve import run_serve_bench
 
     run_serve_bench(a)
+
+
+def _run_stress(a: argparse.Namespace) -> None:
+    from raymoe.bench.stress import run_stress
+
+    run_stress(a)
 
 
 def _run_compare(a: argparse.Namespace) -> None:

@@ -31,9 +31,37 @@ def cluster_has_gpus(min_gpus: int = 1) -> bool:
     return ray.cluster_resources().get("GPU", 0) >= min_gpus
 
 
+def pg_owner_tag() -> str:
+    """A tag naming the placement groups of the engine this process drives: the actor id inside an actor (so a
+    restarted driver actor finds the groups its previous incarnation left behind), else a random one."""
+    import uuid
+
+    import ray
+
+    actor_id = ray.get_runtime_context().get_actor_id()
+    return actor_id[:16] if actor_id else uuid.uuid4().hex[:16]
+
+
+def _remove_stale(names: list[str]) -> None:
+    """Remove placement groups called ``names`` (left by a dead incarnation of the same driver actor: Ray keeps
+    a restarted actor's groups, and its ranks died with it)."""
+    import ray
+
+    for name in names:
+        try:
+            pg = ray.util.get_placement_group(name)
+        except ValueError:  # no such group
+            continue
+        ray.util.remove_placement_group(pg)
+
+
 def place_ranks(cfg: ParallelConfig, use_gpu: bool | None = None, cpus_per_rank: float = 1.0,
-                timeout_s: float = 120.0) -> list[RankPlacement]:
-    """Reserve bundles for every rank and wait until they are placed.
+                timeout_s: float = 120.0, owner: str | None = None) -> list[RankPlacement]:
+    """Reserve bundles for every rank and wait until they are placed. The groups are named
+    ``raymoe-tp{d}-{owner}``; groups of that name that already exist are removed first.
+
+    Args:
+        owner: tag of the engine (default :func:`pg_owner_tag`).
 
     Raises:
         TimeoutError: the cluster cannot fit the placement groups within ``timeout_s`` seconds.
@@ -45,8 +73,11 @@ def place_ranks(cfg: ParallelConfig, use_gpu: bool | None = None, cpus_per_rank:
         use_gpu = cluster_has_gpus(cfg.world_size)
     bundle = {"CPU": cpus_per_rank, "GPU": 1} if use_gpu else {"CPU": cpus_per_rank}
     groups = tp_group_ranks(cfg)
-    pgs = [placement_group([dict(bundle) for _ in ranks], strategy="STRICT_PACK", name=f"raymoe-tp{d}")
-           for d, ranks in enumerate(groups)]
+    owner = owner or pg_owner_tag()
+    names = [f"raymoe-tp{d}-{owner}" for d in range(len(groups))]
+    _remove_stale(names)
+    pgs = [placement_group([dict(bundle) for _ in ranks], strategy="STRICT_PACK", name=name)
+           for name, ranks in zip(names, groups, strict=True)]
     ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=timeout_s)
     if len(ready) != len(pgs):
         for pg in pgs:

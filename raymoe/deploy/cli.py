@@ -144,7 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``raymoe`` command; returns the exit status (2 for a raymoe error, printed without traceback)."""
     args = build_parser().parse_args(argv)
+    if not getattr(args, "address", None):
+        # A local Ray cluster must live on loopback; Ray fixes its address when first imported, so set the
+        # environment now, before any command imports ray.
+        from raymoe.cluster.bootstrap import use_loopback_environment
+
+        use_loopback_environment()
     try:
         args.func(args)
     except RaymoeError as e:

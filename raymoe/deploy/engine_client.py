@@ -7,6 +7,10 @@ message per step carrying the deltas of every request that advanced, which a rea
 per-request asyncio queues (one event-loop wake-up per step and event loop, not one per request).
 
 The front end tokenizes, applies chat templates, detokenizes and writes SSE; the engine sees token ids only.
+
+When the driver actor's process dies, the channel reaches EOF: the reader fails every in-flight request with
+``EngineUnhealthyError`` at once, reports unhealthy, and reconnects to the actor once Ray has restarted it (or
+starts a fresh one when Ray gave up on it). Requests arriving meanwhile are refused as unhealthy.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -44,6 +49,8 @@ class EngineClient:
 
     Attributes:
         config, model_config (normalized), model_name, tokenizer (the model's Hugging Face tokenizer).
+        driver: the driver actor's handle (replaced when a fresh actor had to be started).
+        reconnects: times the channel was re-established after the driver actor died.
 
     Raises:
         ray.exceptions.GetTimeoutError / RayActorError / TimeoutError: the driver or its ranks did not start.
@@ -59,18 +66,19 @@ class EngineClient:
         self.model_config = ModelConfig.from_hf(config.model)
         self.model_name = model_name or Path(config.model).name
         self.tokenizer = load_tokenizer(config.model)
+        self.start_timeout_s = start_timeout_s
+        self.reconnects = 0
         init_ray(config.ray_address)
         self.driver = start_driver_actor(config)
         self._streams: dict[str, _Route] = {}
         self._send_lock = threading.Lock()
         self._dead: str | None = None
-        self._channel = ChannelListener()
+        self._closing = False
+        self._channel: ChannelListener | None = None
         try:
             ray.get(self.driver.ready.remote(), timeout=start_timeout_s)
-            ray.get(self.driver.connect.remote(self._channel.path, self._channel.authkey), timeout=60)
-            self._conn = self._channel.accept(timeout_s=60)
+            self._conn = self._open_channel()
         except BaseException:
-            self._channel.close()
             ray.kill(self.driver)
             raise
         self._reader = threading.Thread(target=self._read_outputs, name="raymoe-output-reader", daemon=True)
@@ -82,10 +90,40 @@ class EngineClient:
         return min(self.config.cache.max_context_len, self.model_config.max_position_embeddings)
 
     # ------------------------------------------------------------------ channel
+    def _open_channel(self):
+        """A fresh channel to the (ready) driver actor; replaces the previous one.
+
+        Raises:
+            TimeoutError / ray exceptions: the driver did not connect.
+        """
+        import ray
+
+        channel = ChannelListener()
+        try:
+            ray.get(self.driver.connect.remote(channel.path, channel.authkey), timeout=60)
+            conn = channel.accept(timeout_s=60)
+        except BaseException:
+            channel.close()
+            raise
+        old, self._channel = self._channel, channel
+        if old is not None:
+            old.close()
+        return conn
+
     def _read_outputs(self) -> None:
+        while True:
+            reason = self._pump(self._conn)
+            if self._closing:
+                return
+            self._channel_lost(reason)
+            if not self._reconnect():
+                return
+
+    def _pump(self, conn) -> str:
+        """Route output batches to their streams until the channel closes; returns why it closed."""
         try:
             while True:
-                batch: OutputBatch = self._conn.recv()
+                batch: OutputBatch = conn.recv()
                 by_loop: dict[asyncio.AbstractEventLoop, list] = {}
                 for delta in batch:
                     route = self._streams.get(delta.request_id)
@@ -95,13 +133,45 @@ class EngineClient:
                     if not loop.is_closed():
                         loop.call_soon_threadsafe(_deliver, items)
         except (EOFError, OSError) as e:
-            reason = f"the engine's driver went away ({type(e).__name__})"
-        self._dead = reason
+            return f"the engine's driver went away ({type(e).__name__}); reconnecting"
+
+    def _channel_lost(self, reason: str) -> None:
+        self._dead = reason  # first, so that a request registering from now on is refused by ``generate``
         log.error("%s; failing %d in-flight requests", reason, len(self._streams))
         err = RequestError("unhealthy", reason)
         for rid, (loop, q) in list(self._streams.items()):
             if not loop.is_closed():
                 loop.call_soon_threadsafe(q.put_nowait, RequestDelta(rid, [], finished=True, error=err))
+
+    def _reconnect(self) -> bool:
+        """Wait for Ray to restart the driver actor (or start a fresh one if Ray gave up on it) and open a new
+        channel; retries with back-off until it works or the client shuts down (then returns False)."""
+        import ray
+
+        from raymoe.actors.driver_actor import start_driver_actor
+
+        delay = 0.5
+        while not self._closing:
+            try:
+                try:
+                    ray.get(self.driver.ready.remote(), timeout=self.start_timeout_s)
+                except ray.exceptions.ActorDiedError:  # dead for good (restarts exhausted, or killed with no_restart)
+                    log.warning("the driver actor is gone; starting a new one")
+                    self.driver = start_driver_actor(self.config)
+                    ray.get(self.driver.ready.remote(), timeout=self.start_timeout_s)
+                conn = self._open_channel()
+            except Exception as e:  # noqa: BLE001 - keep trying; health stays false meanwhile
+                log.warning("reconnecting to the driver failed (%s); retrying in %.1f s", type(e).__name__, delay)
+                time.sleep(delay)
+                delay = min(2 * delay, 10.0)
+                continue
+            with self._send_lock:
+                self._conn = conn
+            self.reconnects += 1
+            self._dead = None
+            log.warning("reconnected to the engine's driver")
+            return True
+        return False
 
     def _send(self, adds: list[AddRequest], aborts: list[str]) -> None:
         with self._send_lock:
@@ -156,22 +226,44 @@ class EngineClient:
 
     # ------------------------------------------------------------------ state
     async def stats(self) -> EngineStats:
-        """Counters and gauges for /metrics."""
+        """Counters and gauges for /metrics, health and the idle invariant (``EngineStats``).
+
+        Raises:
+            EngineUnhealthyError: the driver is being reconnected. ray exceptions: the driver actor is gone.
+        """
+        if self._dead is not None:
+            raise EngineUnhealthyError(self._dead)
         return await self.driver.stats.remote()
 
     async def healthy(self) -> bool:
-        """False while a rank failure is being recovered, after shutdown, or when the driver is gone."""
+        """False while a rank failure is being recovered, while the driver loop or actor is down or being
+        reconnected, and after shutdown."""
+        if self._dead is not None or self._closing:
+            return False
         try:
             return await self.driver.healthy.remote()
         except Exception:  # noqa: BLE001 - the driver actor itself is gone
             return False
 
+    async def health_detail(self) -> str:
+        """Why the engine is unhealthy, or ``""``."""
+        if self._closing:
+            return "the engine is shut down"
+        if self._dead is not None:
+            return self._dead
+        try:
+            return (await self.driver.stats.remote()).health_detail
+        except Exception as e:  # noqa: BLE001
+            return f"the engine's driver cannot be reached ({type(e).__name__})"
+
     def shutdown(self) -> None:
         """Stop the driver loop and the ranks, then the driver actor, and close the channel."""
         import ray
 
+        self._closing = True
         try:
             ray.get(self.driver.shutdown.remote(), timeout=60)
         finally:
             ray.kill(self.driver)
-            self._channel.close()
+            if self._channel is not None:
+                self._channel.close()

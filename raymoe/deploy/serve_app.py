@@ -38,10 +38,20 @@ class RaymoeDeployment:
         return build_openai_app(self.engine, api_key=self.options.api_key, max_in_flight=self.options.max_in_flight)
 
     async def check_health(self) -> None:
-        """Raise when the driver cannot be reached or reports itself unhealthy (Serve then restarts this replica;
-        the driver restarts a failed rank group itself, which takes less than the health-check timeout)."""
-        if not await asyncio.wait_for(self.engine.healthy(), timeout=20.0):
-            raise RuntimeError("the raymoe engine is unhealthy")
+        """Raise unless the engine is healthy: its driver actor answers (a dead one is being restarted and
+        reconnected), its step loop is alive and not stalled, and its ranks are up. Serve replaces a replica
+        after several failed checks in a row, which outlasts a rank-group or driver restart of a small model.
+
+        Raises:
+            RuntimeError: the engine is unhealthy (the message says why).
+        """
+        try:
+            ok = await asyncio.wait_for(self.engine.healthy(), timeout=20.0)
+        except asyncio.TimeoutError:
+            raise RuntimeError("the raymoe engine did not answer its health check within 20 s") from None
+        if not ok:
+            detail = await asyncio.wait_for(self.engine.health_detail(), timeout=20.0)
+            raise RuntimeError(f"the raymoe engine is unhealthy: {detail or 'unknown reason'}")
 
     def __del__(self):
         engine = getattr(self, "engine", None)

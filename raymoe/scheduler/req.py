@@ -25,11 +25,50 @@ _STOP_WINDOW_TOKENS_PER_CHAR = 4
 
 
 class FinishKind(str, Enum):
-    """Why a request ended: a stop condition, a length limit, or an abort (client or scheduler)."""
+    """Why a request ended: a stop condition, a length limit, an abort (client or scheduler), or an error that
+    concerns this request only (``FinishReason.fault`` says which)."""
 
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class RequestFault:
+    """Why one request failed while the engine went on serving the others.
+
+    Attributes:
+        kind: ``"invalid"`` (the request cannot be run as given; ``field`` names why) or ``"failed"`` (building,
+            running or post-processing its part of a step raised; the details are in the driver's log).
+        message: human readable reason, without tracebacks or host details.
+        field: the offending field for ``"invalid"``.
+
+    Raises:
+        ValueError: ``kind`` is neither ``"invalid"`` nor ``"failed"``.
+    """
+
+    kind: str
+    message: str
+    field: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("invalid", "failed"):
+            raise ValueError(f"RequestFault.kind must be 'invalid' or 'failed', got {self.kind!r}")
+
+
+class RequestFaultError(Exception):
+    """Raised while building a step when one request's part cannot be built; the scheduler fails that request
+    only (``fault``) and builds the step without it.
+
+    Attributes:
+        req: the request at fault. fault: what to tell its client.
+    """
+
+    def __init__(self, req: Req, fault: RequestFault):
+        self.req = req
+        self.fault = fault
+        super().__init__(f"request {req.rid!r}: {fault.message}")
 
 
 @dataclass(frozen=True)
@@ -37,14 +76,16 @@ class FinishReason:
     """How a request finished.
 
     Attributes:
-        kind: STOP, LENGTH or ABORT.
+        kind: STOP, LENGTH, ABORT or ERROR.
         matched: for STOP, the stop token id or the stop string that matched; otherwise ``None``.
-        message: human readable detail (why a LENGTH or ABORT happened).
+        message: human readable detail (why a LENGTH, ABORT or ERROR happened).
+        fault: for ERROR, what went wrong with this request.
     """
 
     kind: FinishKind
     matched: int | str | None = None
     message: str = ""
+    fault: RequestFault | None = None
 
 
 @dataclass(eq=False)
@@ -126,6 +167,11 @@ class Req:
         """Mark the request finished (the first reason wins)."""
         if self.finished_reason is None:
             self.finished_reason = FinishReason(kind, matched, message)
+
+    def fail(self, fault: RequestFault) -> None:
+        """Mark the request finished with an error (``FinishKind.ERROR``); the first reason wins."""
+        if self.finished_reason is None:
+            self.finished_reason = FinishReason(FinishKind.ERROR, message=fault.message, fault=fault)
 
     def check_finished(self, eos_token_ids: Sequence[int], detokenize: Callable[[Sequence[int]], str] | None,
                        max_context_len: int, *, kv_pool_size: int | None = None) -> bool:

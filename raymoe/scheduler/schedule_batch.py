@@ -11,10 +11,11 @@ decoding requests itself is a plain list on the scheduler, not a batch object.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from raymoe.scheduler.req import Req
+from raymoe.scheduler.req import Req, RequestFault, RequestFaultError
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.sampling_inputs import SamplingInputs
 from raymoe.step.worker_batch import ModelWorkerBatch
@@ -52,8 +53,10 @@ class ScheduleBatch:
         ``[0, r.kv_len - e)`` for the rank's table.
 
         Raises:
-            ValueError: ``forward_mode`` is not EXTEND or DECODE, a decode row has ``e != 1``, ``e < 1``, a
-                request's KV would run past its ``fill_ids``, or a request holds no ReqToTokenPool row.
+            ValueError: ``forward_mode`` is not EXTEND or DECODE, or the lengths do not match the requests.
+            RequestFaultError: one request's row cannot be built (a decode row has ``e != 1``, ``e < 1``, its KV
+                would run past its ``fill_ids``, it holds no ReqToTokenPool row, or its sampling parameters
+                cannot be represented on the ranks); the caller fails that request and builds again without it.
         """
         if forward_mode not in (ForwardMode.EXTEND, ForwardMode.DECODE):
             raise ValueError(f"ScheduleBatch supports EXTEND and DECODE, got {forward_mode!r}")
@@ -69,9 +72,11 @@ class ScheduleBatch:
             end = req.kv_len
             start = end - e
             if e < 1 or start < 0 or end > req.seq_len or (decode and e != 1):
-                raise ValueError(f"request {req.rid!r}: bad extend length {e} for kv_len {end}, seq_len {req.seq_len}")
+                raise RequestFaultError(req, RequestFault(
+                    "failed", f"bad extend length {e} for kv_len {end}, seq_len {req.seq_len}"))
             if req.req_pool_idx is None:
-                raise ValueError(f"request {req.rid!r} holds no ReqToTokenPool row")
+                raise RequestFaultError(req, RequestFault("failed", "the request holds no KV row"))
+            check_sampling_row(req)
             input_ids += req.tokens(start, end)
             out_cache_loc += req.kv_slots[start:end]
             if not decode:
@@ -95,6 +100,34 @@ class ScheduleBatch:
     def batch_size(self) -> int:
         """Number of requests."""
         return len(self.reqs)
+
+
+_INT64_MAX = 2**63 - 1
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def check_sampling_row(req: Req) -> None:
+    """Check that ``req``'s sampling numbers can be put into the ranks' tensors (float32/int64) and generators.
+
+    ``SamplingParams`` validates ranges already; this is the last check before a row leaves the driver, so that a
+    value no rank can represent fails this one request instead of the whole step on every rank.
+
+    Raises:
+        RequestFaultError: kind ``"invalid"``, naming the field.
+    """
+    p = req.sampling_params
+
+    def bad(name: str, why: str) -> RequestFaultError:
+        return RequestFaultError(req, RequestFault("invalid", why, field=name))
+
+    for name in ("temperature", "top_p", "min_p"):
+        v = getattr(p, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or abs(v) > _FLOAT32_MAX:
+            raise bad(name, f"must be a finite number a float32 can hold, got {v!r}")
+    for name in ("top_k", "seed", "logprobs"):
+        v = getattr(p, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not -1 <= v <= _INT64_MAX):
+            raise bad(name, f"must be an integer in [-1, 2**63 - 1], got {v!r}")
 
 
 def _sampling_inputs(reqs: Sequence[Req]) -> SamplingInputs:

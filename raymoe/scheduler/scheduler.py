@@ -21,7 +21,9 @@ requests are returned by :meth:`Scheduler.drain_finished`, which the driver shou
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from raymoe.config import CacheConfig, SchedulerConfig
 from raymoe.errors import InvalidRequestError
@@ -30,10 +32,35 @@ from raymoe.kvcache.paged_allocator import make_token_allocator
 from raymoe.kvcache.radix_cache import RadixCache
 from raymoe.scheduler.policy import order_waiting
 from raymoe.scheduler.prefill_adder import AddResult, PrefillAdder, decode_reservation
-from raymoe.scheduler.req import FinishKind, Req
+from raymoe.scheduler.req import FinishKind, Req, RequestFault, RequestFaultError
 from raymoe.scheduler.schedule_batch import ScheduleBatch
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.step_output import StepOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class IdleReport:
+    """KV accounting of one DP group while it holds no request (all counts in slots or rows).
+
+    The idle invariant: with no request in flight every KV slot is free or held by an unlocked (evictable)
+    radix-cache node, and every ReqToTokenPool row is free. Non-zero fields are leaks.
+
+    Attributes:
+        leaked_kv_slots: slots neither free nor held by the radix cache.
+        leaked_req_rows: rows in use.
+        locked_cache_tokens: radix-cache tokens still locked (protected) although no request holds them.
+    """
+
+    leaked_kv_slots: int
+    leaked_req_rows: int
+    locked_cache_tokens: int
+
+    @property
+    def clean(self) -> bool:
+        """Whether the idle invariant holds."""
+        return self.leaked_kv_slots == 0 and self.leaked_req_rows == 0 and self.locked_cache_tokens == 0
 
 
 class Scheduler:
@@ -145,6 +172,35 @@ class Scheduler:
         req.finish(FinishKind.ABORT, message="aborted")
         return req
 
+    def fail_request(self, req: Req, fault: RequestFault, *, report: bool = True) -> None:
+        """Fail one unfinished request (``FinishKind.ERROR`` with ``fault``) wherever it is and release its KV,
+        row and radix lock; with ``report`` it is returned once by :meth:`drain_finished` (else the caller
+        reports it). The other requests are untouched."""
+        if self._unfinished.pop(req.rid, None) is None:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked_req is req:
+            self.chunked_req = None
+        self._release(req, cache=False)
+        req.fail(fault)
+        if report:
+            self._finished_outside_step.append(req)
+        log.warning("request %s failed: %s", req.rid, fault.message)
+
+    def fail_inflight(self, fault: RequestFault) -> list[Req]:
+        """The step in flight failed on the ranks: fail each of its unfinished requests with ``fault`` (their KV
+        is released, nothing is cached) and forget the batch. Returns the failed requests."""
+        batch, self._inflight = self._inflight, None
+        if batch is None:
+            return []
+        failed = [r for r in batch.reqs if not r.finished]
+        for req in failed:
+            self.fail_request(req, fault, report=False)
+        return failed
+
     def has_unfinished(self) -> bool:
         """Whether any accepted request has not finished yet."""
         return bool(self._unfinished)
@@ -176,6 +232,19 @@ class Scheduler:
                 batch = self._get_prefill_batch()  # decode may have freed KV by finishing its last request
         self._inflight = batch
         return batch
+
+    def _build(self, reqs: list[Req], mode: ForwardMode, extend_lens: list[int]) -> ScheduleBatch | None:
+        """``ScheduleBatch.build`` that fails (only) the requests whose rows cannot be built and builds the
+        step from the others; ``None`` when none is left."""
+        reqs, extend_lens = list(reqs), list(extend_lens)
+        while reqs:
+            try:
+                return ScheduleBatch.build(reqs, mode, extend_lens)
+            except RequestFaultError as e:
+                i = next(i for i, r in enumerate(reqs) if r is e.req)
+                del reqs[i], extend_lens[i]
+                self.fail_request(e.req, e.fault)
+        return None
 
     def _running_reservation(self) -> int:
         """KV slots held back for the future decode tokens of running requests (scaled by the ratio)."""
@@ -213,7 +282,7 @@ class Scheduler:
                 self.hit_tokens += req.prefix_len
             if req is not self.chunked_req:
                 self.running.append(req)
-        return ScheduleBatch.build(adder.reqs, ForwardMode.EXTEND, adder.extend_lens)
+        return self._build(adder.reqs, ForwardMode.EXTEND, adder.extend_lens)
 
     def _get_decode_batch(self) -> ScheduleBatch | None:
         if not self.running:
@@ -226,7 +295,7 @@ class Scheduler:
         for req, slot in zip(self.running, slots, strict=True):
             req.kv_slots.append(slot)
         self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - self.new_token_ratio_decay)
-        return ScheduleBatch.build(self.running, ForwardMode.DECODE, [1] * len(self.running))
+        return self._build(self.running, ForwardMode.DECODE, [1] * len(self.running))
 
     def _make_room_for_decode(self) -> None:
         """Free KV until every running request can take one more slot (evict, retract, or finish the last)."""
@@ -264,7 +333,9 @@ class Scheduler:
 
         Appends each row's token (except for a non-final prefill chunk, whose token is discarded), checks the
         stop conditions, and for finished requests caches their KV in the radix cache and frees their slots,
-        row and lock. Rows of requests aborted while the batch was in flight are skipped.
+        row and lock. Rows of requests aborted while the batch was in flight are skipped. A request whose own
+        post-processing raises (its stop-string check, say) fails alone (``FinishKind.ERROR``, kind
+        ``"failed"``, its KV released) and is returned with the others.
 
         Returns:
             the requests that got a new token (finished or not), in batch order.
@@ -284,9 +355,18 @@ class Scheduler:
         for req, partial, token, lp in rows:
             if req.finished or partial:
                 continue
-            req.append_token(token, lp)
-            if req.check_finished(self.eos_token_ids, self.detokenize, self.cache_config.max_context_len,
-                                  kv_pool_size=self.token_allocator.size):
+            try:
+                req.append_token(token, lp)
+                finished = req.check_finished(self.eos_token_ids, self.detokenize,
+                                              self.cache_config.max_context_len,
+                                              kv_pool_size=self.token_allocator.size)
+            except Exception as e:  # noqa: BLE001 - this request's own check failed: fail it, keep the others
+                log.exception("post-processing request %s failed", req.rid)
+                self.fail_request(req, RequestFault("failed", f"checking the request's stop conditions failed "
+                                                              f"({type(e).__name__})"), report=False)
+                out.append(req)
+                continue
+            if finished:
                 self.running.remove(req)
                 self._unfinished.pop(req.rid, None)
                 self._release(req, cache=True)
@@ -330,6 +410,16 @@ class Scheduler:
         alloc = self.token_allocator
         used = alloc.size - alloc.available_size() - alloc.stranded_size() - self.tree_cache.evictable_size()
         return used / alloc.size
+
+    def idle_report(self) -> IdleReport | None:
+        """The idle invariant's counts when this group holds no unfinished request (``None`` otherwise). O(1)."""
+        if self._unfinished or self._inflight is not None:
+            return None
+        size = self.token_allocator.size
+        return IdleReport(
+            leaked_kv_slots=size - self.token_allocator.available_size() - self.tree_cache.evictable_size(),
+            leaked_req_rows=self.req_allocator.size - self.req_allocator.available_size(),
+            locked_cache_tokens=self.tree_cache.protected_size())
 
     def check_memory_invariants(self) -> None:
         """Assert that every KV slot and row is accounted for exactly once (tests and debugging).

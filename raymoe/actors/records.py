@@ -1,0 +1,126 @@
+"""The records that cross the front end <-> driver channel: requests in (``AddRequest``), per-request output out
+(``RequestDelta``, many per ``OutputBatch``), why a request ended without a result (``RequestError``), and the
+engine's counters and health (``EngineStats``).
+
+Ownership: the ``DriverService`` (driver side) builds deltas and stats; the front end (``EngineClient``) reads them
+and turns a ``RequestError`` into a typed exception. Plain data, picklable, no behaviour beyond that mapping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from raymoe.errors import EngineUnhealthyError, InvalidRequestError, RaymoeError, RequestFailedError
+from raymoe.scheduler.sampling_params import SamplingParams
+from raymoe.step.step_output import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """Why a request ended without a result.
+
+    Attributes:
+        kind: ``"invalid"`` (refused or unrunnable as given; ``field`` names why, ``"queue"`` when full),
+            ``"failed"`` (this request's part of a step failed; the engine serves the others) or ``"unhealthy"``
+            (the engine failed or is recovering).
+        message: human readable reason (no tracebacks). field: the offending field for ``"invalid"``.
+
+    Raises:
+        ValueError: an unknown ``kind``.
+    """
+
+    kind: str
+    message: str
+    field: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("invalid", "failed", "unhealthy"):
+            raise ValueError(f"RequestError.kind must be 'invalid', 'failed' or 'unhealthy', got {self.kind!r}")
+
+    def to_exception(self) -> RaymoeError:
+        """The typed error a caller raises for this record."""
+        if self.kind == "invalid":
+            return InvalidRequestError(self.field or "request", self.message)
+        if self.kind == "failed":
+            return RequestFailedError(self.message)
+        return EngineUnhealthyError(self.message)
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """New output of one request since its previous delta.
+
+    Attributes:
+        request_id: the caller's id.
+        token_ids: tokens generated since the last delta. logprobs: one entry per token (None entries if not asked).
+        finished: last delta of the request (also set with ``error``).
+        finish_reason: ``"stop"`` | ``"length"`` | ``"abort"`` when finished normally, else ``None``.
+        matched_stop: the stop string or token id that ended it, if any.
+        prompt_tokens, completion_tokens, cached_tokens: usage counts so far (tokens).
+        error: set when the request was refused or failed, or the engine failed (then ``finished``, no tokens).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: RequestError | None = None
+
+
+OutputBatch = list[RequestDelta]
+"""One message from the driver to the front end: the deltas of one loop iteration (any number of requests)."""
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """A request handed to the driver: the caller's id, prompt token ids and validated sampling parameters."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Snapshot for metrics and health.
+
+    Attributes:
+        num_running, num_waiting: requests holding KV / queued (all DP groups).
+        kv_usage: fraction of KV slots in use (max over groups; evictable cached prefixes count as free), 0..1.
+        radix_hit_tokens: prompt tokens served from the radix cache so far.
+        num_steps, num_tbo_steps: engine steps run, and those with two-batch overlap.
+        healthy: the loop is alive and serving, and the ranks are up.
+        step_seconds: forward + sampling seconds of the last step on each DP group's tp-rank 0.
+        health_detail: why the engine is unhealthy ("" when healthy).
+        rank_restarts: rank-group restarts after rank faults (never for a bad request).
+        loop_restarts: times the supervisor restarted a dead driver loop.
+        failed_steps: steps a rank raised in (their requests failed, the ranks were kept).
+        failed_requests: requests that ended with a ``"failed"`` error.
+        kv_leaked_slots, req_rows_leaked, cache_tokens_locked: the idle invariant, measured the last time no
+            request was in flight (KV slots neither free nor cached, ReqToTokenPool rows in use, radix-cache
+            tokens still locked); all 0 when it holds. ``idle_checked``: whether it has been measured since the
+            last request arrived (so the three counts describe the current idle state).
+    """
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    radix_hit_tokens: int
+    num_steps: int
+    num_tbo_steps: int
+    healthy: bool
+    step_seconds: list[float] = field(default_factory=list)
+    health_detail: str = ""
+    rank_restarts: int = 0
+    loop_restarts: int = 0
+    failed_steps: int = 0
+    failed_requests: int = 0
+    kv_leaked_slots: int = 0
+    req_rows_leaked: int = 0
+    cache_tokens_locked: int = 0
+    idle_checked: bool = False

@@ -1,0 +1,260 @@
+"""Faults and load seen from HTTP, on the Ray topology (driver actor + dp=2 x ep=2 rank actors, loopback only).
+
+Each test ends with "nothing lost": every request ended with a result or a clear error (an HTTP error status
+or an SSE error event, never a hang or a traceback), and the idle invariant holds (``assert_idle``). Kills:
+the driver loop thread (test hook), a rank actor, the driver actor itself; clients see errors, ``/health``
+goes 503 and comes back, and later requests succeed. Load: 1,000 concurrent streams, and 200 clients that
+disconnect at random points. Counts and times are bounded (the whole module takes a few minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from idle import assert_idle
+from server_harness import uvicorn_server
+
+NO_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(ray_cluster, tiny_model):
+    from raymoe.deploy.engine_client import EngineClient
+    from raymoe.engine import _split_options
+
+    config = _split_options(tiny_model, {"dp_size": 2, "ep_size": 2, "max_running_requests": 64,
+                                         "max_queued_requests": 1024, "max_context_len": 256})
+    e = EngineClient(config, model_name="tiny")
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base_url(engine):
+    from raymoe.deploy.openai_api import build_openai_app
+
+    with uvicorn_server(build_openai_app(engine, max_in_flight=4096)) as url:
+        yield url
+
+
+def engine_stats(engine):
+    import ray
+
+    return ray.get(engine.driver.stats.remote(), timeout=60)
+
+
+@dataclass
+class Outcome:
+    """How one HTTP request ended: ``finish_reason`` (a result) or ``error`` (status or SSE error event)."""
+
+    chunks: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+async def stream(client: httpx.AsyncClient, max_tokens: int, prompt: str = "def fib(n):",
+                 first: asyncio.Event | None = None, stop_after: int | None = None) -> Outcome:
+    """One streaming completion; ``stop_after`` chunks: the client hangs up (a disconnect, not an outcome)."""
+    out = Outcome()
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, **NO_EOS}
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            out.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+            return out
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                assert "Traceback" not in json.dumps(event)
+                out.error = f"SSE error: {event['error'].get('code')}: {event['error'].get('message')}"
+                continue
+            out.chunks += 1
+            if first is not None:
+                first.set()
+            for choice in event.get("choices", []):
+                out.finish_reason = choice.get("finish_reason") or out.finish_reason
+            if stop_after is not None and out.chunks >= stop_after:
+                return out
+    return out
+
+
+def client_for(base_url: str, n: int = 64) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    return httpx.AsyncClient(base_url=base_url, limits=limits, timeout=httpx.Timeout(180.0))
+
+
+async def watch_health(base_url: str, seen: list[int], stop: asyncio.Event) -> None:
+    """Record each change of /health's status until ``stop`` (down first, then up again)."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=5.0) as c:
+        while not stop.is_set():
+            try:
+                code = (await c.get("/health")).status_code
+            except httpx.HTTPError:
+                code = 0
+            if not seen or seen[-1] != code:
+                seen.append(code)
+            await asyncio.sleep(0.05)
+
+
+async def fault_mid_stream(base_url: str, inject, n: int = 4, recover_s: float = 150.0):
+    """Start ``n`` long streams, call ``inject()`` once each has tokens, wait for all of them to end and for
+    /health to go down and come back; returns (outcomes, health statuses seen)."""
+    seen: list[int] = []
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(watch_health(base_url, seen, stop))
+    async with client_for(base_url) as client:
+        firsts = [asyncio.Event() for _ in range(n)]
+        tasks = [asyncio.create_task(stream(client, 200, f"x = {i}", first=f)) for i, f in enumerate(firsts)]
+        await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 120)
+        await asyncio.to_thread(inject)
+        outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        deadline = time.monotonic() + recover_s
+        while not (0 in seen or 503 in seen) or seen[-1] != 200:
+            assert time.monotonic() < deadline, f"health did not go down and recover: {seen}"
+            await asyncio.sleep(0.1)
+    stop.set()
+    await watcher
+    return outcomes, seen
+
+
+async def later_requests_succeed(base_url: str, n: int = 3) -> None:
+    async with client_for(base_url) as client:
+        outs = await asyncio.gather(*(stream(client, 4, f"y = {i}") for i in range(n)))
+    assert all(o.finish_reason == "length" and o.error is None for o in outs), outs
+
+
+def test_streams_work_and_the_engine_starts_idle(engine, base_url):
+    async def main():
+        async with client_for(base_url) as client:
+            return await asyncio.gather(*(stream(client, 6, f"z{i}") for i in range(4)))
+
+    assert all(o.finish_reason == "length" for o in asyncio.run(main()))
+    assert httpx.get(f"{base_url}/health").status_code == 200
+    assert_idle(engine)
+    import ray
+
+    assert len(set(ray.get(engine.driver.pids.remote()))) == 3  # the driver actor and its two ranks
+
+
+def test_a_step_every_rank_raises_in_fails_its_requests_and_keeps_the_ranks(engine, base_url):
+    import ray
+
+    before = engine_stats(engine)
+
+    async def main():
+        async with client_for(base_url) as client:
+            await asyncio.to_thread(lambda: ray.get(engine.driver.inject_fault.remote("rank_step_error")))
+            return await asyncio.gather(*(stream(client, 4, f"w{i}") for i in range(3)))
+
+    outs = asyncio.run(main())
+    assert all(o.ended for o in outs) and any(o.error for o in outs), outs
+    assert all("RequestFailedError" in o.error or "internal" in o.error for o in outs if o.error)
+    after = engine_stats(engine)
+    assert after.rank_restarts == before.rank_restarts and after.failed_steps == before.failed_steps + 1
+    asyncio.run(later_requests_succeed(base_url))
+    assert_idle(engine)
+
+
+def test_killing_the_driver_loop_fails_streams_then_the_supervisor_restarts_it(engine, base_url):
+    import ray
+
+    before = engine_stats(engine)
+    outs, seen = asyncio.run(fault_mid_stream(
+        base_url, lambda: ray.get(engine.driver.inject_fault.remote("loop_death"))))
+    assert all(o.error and "engine_unhealthy" in o.error for o in outs), outs
+    assert seen[0] == 200 and 503 in seen and seen[-1] == 200, seen
+    assert engine_stats(engine).loop_restarts == before.loop_restarts + 1
+    asyncio.run(later_requests_succeed(base_url))
+    assert_idle(engine)
+
+
+def test_killing_a_rank_fails_streams_then_the_rank_group_restarts(engine, base_url):
+    import ray
+
+    before = engine_stats(engine)
+    ranks = ray.get(engine.driver.rank_actors.remote())
+    outs, seen = asyncio.run(fault_mid_stream(base_url, lambda: ray.kill(ranks[1])))
+    assert all(o.error and "engine_unhealthy" in o.error for o in outs), outs
+    assert 503 in seen and seen[-1] == 200, seen
+    assert engine_stats(engine).rank_restarts == before.rank_restarts + 1
+    asyncio.run(later_requests_succeed(base_url))
+    assert_idle(engine)
+
+
+def test_killing_the_driver_actor_fails_streams_then_ray_restarts_it_and_the_front_end_reconnects(engine,
+                                                                                                  base_url):
+    import ray
+
+    reconnects = engine.reconnects
+    outs, seen = asyncio.run(fault_mid_stream(base_url, lambda: ray.kill(engine.driver, no_restart=False)))
+    assert all(o.error and "engine_unhealthy" in o.error for o in outs), outs
+    assert (0 in seen or 503 in seen) and seen[-1] == 200, seen
+    assert engine.reconnects == reconnects + 1
+    asyncio.run(later_requests_succeed(base_url))
+    assert_idle(engine)
+    # The restarted driver started fresh ranks; the old ones and their placement groups are gone.
+    live = [pg for pg in ray.util.placement_group_table().values()
+            if pg["state"] == "CREATED" and pg["name"].startswith("raymoe-tp")]
+    assert len(live) == 2, [(pg["name"], pg["placement_group_id"][:8]) for pg in live]
+
+
+def test_a_thousand_concurrent_streams_all_end_with_a_result(engine, base_url):
+    n = 1000
+
+    async def main():
+        async with client_for(base_url, n + 16) as client:
+            return await asyncio.gather(*(stream(client, 4, f"s = {i % 97}") for i in range(n)),
+                                        return_exceptions=True)
+
+    outs = asyncio.run(main())
+    failed = [o for o in outs if not isinstance(o, Outcome) or o.finish_reason != "length"]
+    assert not failed, failed[:5]
+    assert_idle(engine, timeout_s=60)
+
+
+def test_two_hundred_clients_that_hang_up_at_random_points_leak_nothing(engine, base_url):
+    rng = random.Random(0)
+    plan = [rng.choice([None, 0, 1, 2, 5, 10]) for _ in range(200)]
+
+    async def one(client, i, stop_after):
+        if stop_after == 0:  # hang up before the answer starts
+            task = asyncio.create_task(stream(client, 30, f"d = {i}"))
+            await asyncio.sleep(rng.uniform(0.0, 0.5))
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return None
+        return await stream(client, 30 if stop_after else 8, f"d = {i}", stop_after=stop_after)
+
+    async def main():
+        async with client_for(base_url, 256) as client:
+            return await asyncio.gather(*(one(client, i, s) for i, s in enumerate(plan)), return_exceptions=True)
+
+    outs = asyncio.run(main())
+    assert not [o for o in outs if isinstance(o, BaseException)], [o for o in outs if isinstance(o, BaseException)]
+    finished = [o for o, s in zip(outs, plan, strict=True) if s is None]
+    assert finished and all(o.finish_reason == "length" for o in finished)
+    assert_idle(engine, timeout_s=60)
+    asyncio.run(later_requests_succeed(base_url))
+
+
+def test_the_stress_benchmark_command_reports_every_stream(base_url, tmp_path):
+    from raymoe.bench.stress import run_stress
+    from raymoe.deploy.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "stress", "--base-url", base_url, "--streams", "60",
+                                      "--disconnect-fraction", "0.3", "--output-json", str(tmp_path / "s.json")])
+    report = run_stress(args)
+    assert report["completed"] + report["disconnected"] == 60 and not report["errors_by_kind"], report
+    assert report["disconnected"] > 0 and report["p99_latency_s"] > 0
+    assert json.loads((tmp_path / "s.json").read_text())["streams"] == 60
