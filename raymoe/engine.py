@@ -37,7 +37,8 @@ class RequestOutput:
         request_id: the engine's id of the request.
         prompt_token_ids: prompt tokens. token_ids: generated tokens (including a final stop token).
         text: decoded generated text (special tokens skipped, cut before a matched stop string).
-        finish_reason: ``"stop"`` or ``"length"`` (``"abort"`` for aborted requests).
+        finish_reason: ``"stop"`` or ``"length"`` (``"abort"`` for aborted requests; ``"error"`` for a request that
+            failed alone inside the engine while the others went on).
         logprobs: per generated token, when requested.
         cached_tokens: prompt tokens served from the radix cache.
     """

@@ -127,3 +127,15 @@ def test_clusters_require_the_ray_token_and_keep_the_dashboard_private():
     assert "--host 127.0.0.1" in job and "0.0.0.0" not in job
     serve = yaml.safe_load((CONFIGS / "serve.yaml").read_text())
     assert serve["http_options"]["host"] == "127.0.0.1"
+
+
+def test_serve_limit_flags_reach_server_limits():
+    from raymoe.deploy.cli import _limits, build_parser
+    from raymoe.errors import InvalidRequestError
+
+    limits = _limits(build_parser().parse_args(["serve", "--max-body-bytes", "4096", "--max-stop-strings", "8",
+                                                "--default-timeout-s", "30"]))
+    assert (limits.max_body_bytes, limits.max_stop_strings, limits.default_timeout_s) == (4096, 8, 30.0)
+    assert limits.max_timeout_s == 3600.0  # flags not given keep their defaults
+    with pytest.raises(InvalidRequestError, match="default_timeout_s"):
+        _limits(build_parser().parse_args(["serve", "--max-timeout-s", "5"]))

@@ -65,11 +65,23 @@ def _cmd_serve(a: argparse.Namespace) -> None:
             enable_tbo=a.enable_tbo, dtype=a.dtype, seed=a.seed, max_total_tokens=a.max_total_tokens,
             max_context_len=a.max_context_len, max_running_requests=a.max_running_requests,
             max_queued_requests=a.max_queued_requests, max_in_flight=a.max_in_flight,
-            api_key=a.api_key or os.environ.get("RAYMOE_API_KEY"), ray_address=a.address, fanout=a.fanout)
+            api_key=a.api_key or os.environ.get("RAYMOE_API_KEY"), ray_address=a.address, fanout=a.fanout,
+            limits=_limits(a))
     except ValidationError as e:
         first = e.errors()[0]
         raise InvalidRequestError(".".join(map(str, first["loc"])), first["msg"]) from None
     run_server(opts, host=a.host, port=a.port, demo_request=a.demo_request, log_level=a.log_level)
+
+
+_LIMIT_FLAGS = ("max_body_bytes", "max_stop_strings", "max_stop_string_chars", "default_timeout_s", "max_timeout_s",
+                "max_stream_backlog_events", "max_stream_backlog_bytes")
+
+
+def _limits(a: argparse.Namespace):
+    """``ServerLimits`` from the ``--max-body-bytes`` ... flags that were given (the rest keep their defaults)."""
+    from raymoe.deploy.server_config import ServerLimits
+
+    return ServerLimits(**{k: getattr(a, k) for k in _LIMIT_FLAGS if getattr(a, k) is not None})
 
 
 def _add_serve_parser(sub) -> None:
@@ -96,6 +108,15 @@ def _add_serve_parser(sub) -> None:
                    help="how steps reach the rank actors: Ray Compiled Graph or plain actor calls")
     p.add_argument("--address", default=None, help="Ray cluster to join, e.g. ray://head:10001 (default: a "
                                                    "local Ray on 127.0.0.1)")
+    limits = p.add_argument_group("per-request limits (README: Limits and failure behaviour)")
+    limits.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (413 beyond)")
+    limits.add_argument("--max-stop-strings", type=int, default=None, help="stop strings per request")
+    limits.add_argument("--max-stop-string-chars", type=int, default=None, help="characters per stop string")
+    limits.add_argument("--default-timeout-s", type=float, default=None, help="deadline of requests without timeout")
+    limits.add_argument("--max-timeout-s", type=float, default=None, help="largest timeout a request may ask")
+    limits.add_argument("--max-stream-backlog-events", type=int, default=None,
+                        help="unsent SSE events before a reader counts as slow (its request is aborted)")
+    limits.add_argument("--max-stream-backlog-bytes", type=int, default=None, help="the same bound in bytes")
     p.add_argument("--demo-request", action="store_true", help="once ready, send one chat completion and print it")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=_cmd_serve)

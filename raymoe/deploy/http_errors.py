@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from raymoe.errors import EngineUnhealthyError, InvalidRequestError
+from raymoe.errors import EngineUnhealthyError, InvalidRequestError, RequestFailedError
 
 _TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                    405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
@@ -73,6 +73,9 @@ def from_raymoe_error(e: Exception) -> APIError:
     if isinstance(e, EngineUnhealthyError):
         return APIError(503, "the engine is unavailable (recovering from a failure); retry later",
                         code="engine_unhealthy")
+    if isinstance(e, RequestFailedError):  # its message is written for clients: what failed, never how
+        return APIError(500, f"the request failed in the engine: {e.message}", error_type="server_error",
+                        code="request_failed")
     return internal_error()
 
 

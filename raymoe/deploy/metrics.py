@@ -57,6 +57,19 @@ class _EngineStatsCollector:
         yield counter("tbo_steps", "Engine steps that ran two-batch overlap.", s and s.num_tbo_steps)
         yield counter("radix_cache_hit_tokens", "Prompt tokens served from the radix (prefix) cache.",
                       s and s.radix_hit_tokens)
+        idle = s is not None and s.idle_checked  # the idle invariant is known once measured with nothing in flight
+        yield gauge("kv_leaked_slots", "KV slots not free the last time no request was in flight (0 when the idle "
+                                       "invariant holds).", s.kv_leaked_slots if idle else None)
+        yield gauge("req_rows_leaked", "ReqToTokenPool rows not free the last time no request was in flight.",
+                    s.req_rows_leaked if idle else None)
+        yield gauge("cache_tokens_locked_idle", "Radix-cache tokens still locked the last time no request was in "
+                                                "flight.", s.cache_tokens_locked if idle else None)
+        yield counter("rank_restarts", "Rank-group restarts after rank faults (never for a bad request).",
+                      s and s.rank_restarts)
+        yield counter("driver_loop_restarts", "Times the supervisor restarted a dead driver loop.",
+                      s and s.loop_restarts)
+        yield counter("failed_requests", "Requests that failed alone inside the engine (others kept running).",
+                      s and s.failed_requests)
         step = GaugeMetricFamily("raymoe:step_duration_seconds",
                                  "Forward + sampling time of the last step on each DP group's tp-rank 0 "
                                  "(label rank = DP group index).", labels=["model_name", "rank"])

@@ -35,7 +35,8 @@ class RaymoeDeployment:
     def __serve_build_asgi_app__(self):
         from raymoe.deploy.openai_api import build_openai_app
 
-        return build_openai_app(self.engine, api_key=self.options.api_key, max_in_flight=self.options.max_in_flight)
+        return build_openai_app(self.engine, api_key=self.options.api_key, max_in_flight=self.options.max_in_flight,
+                                limits=self.options.limits)
 
     async def check_health(self) -> None:
         """Raise unless the engine is healthy: its driver actor answers (a dead one is being restarted and
