@@ -53,9 +53,9 @@ def test_topologies_match_single_rank(ray_cluster, tiny_model, reference, tp, dp
 
 
 def test_multi_node_placement(ray_cluster, tiny_model, reference):
-    # device="cuda" asks for GPU bundles; the emulated nodes declare GPUs but have no CUDA, so ranks fall back
-    # to CPU tensors.
-    with Engine(tiny_model, tp_size=2, dp_size=2, ep_size=4, device="cuda") as e:
+    # GPU bundles on the emulated GPU nodes, CPU compute (a rank configured for CUDA without a GPU would refuse to
+    # start: tests/test_rank_device.py).
+    with Engine(tiny_model, tp_size=2, dp_size=2, ep_size=4, device="cpu", bundle_gpus=True) as e:
         import ray
 
         nodes = ray.get([w.node_id.remote() for w in e.driver.executor.workers])
