@@ -33,6 +33,8 @@ def add_bench_parser(sub, model_arg) -> None:
     p.add_argument("--dp", type=int, default=1, help="DP-attention groups")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (1 or tp*dp)")
     p.add_argument("--fanout", default="compiled", choices=["remote", "compiled"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where raymoe's ranks and transformers run (the vLLM-CPU peer always runs on CPU)")
     p.add_argument("--output-json", default="bench_results/offline.json")
     p.set_defaults(func=_run_offline)
 

@@ -74,7 +74,8 @@ def bench_raymoe(model: str, prompts: list[list[int]], output_len: int, dtype: s
     run = _run_fn(engine, prompts, output_len, outs)
     secs = _time(run, repeats)
     tokens = sum(len(o.token_ids) for o in outs)
-    topo = f"tp{options.get('tp_size', 1)}-dp{options.get('dp_size', 1)}-ep{options.get('ep_size', 1)}"
+    topo = (f"tp{options.get('tp_size', 1)}-dp{options.get('dp_size', 1)}-ep{options.get('ep_size', 1)}"
+            f"{'-' + options['device'] if options.get('device', 'cpu') != 'cpu' else ''}")
     result = {"engine": f"raymoe[{topo}, {dtype}]", "seconds": secs, "output_tokens": tokens,
               "output_tok_per_s": tokens / secs, "steps": engine.driver.num_steps,
               "max_total_tokens": engine.config.cache.max_total_tokens}
@@ -111,19 +112,23 @@ def _profile(run) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
 
 
-def bench_transformers(model: str, prompts: list[list[int]], output_len: int, dtype: str, repeats: int) -> dict:
-    """Time transformers ``generate`` with the whole prompt set as one batch (equal lengths, no padding)."""
+def bench_transformers(model: str, prompts: list[list[int]], output_len: int, dtype: str, repeats: int,
+                       device: str = "cpu") -> dict:
+    """Time transformers ``generate`` with the whole prompt set as one batch (equal lengths, no padding) on
+    ``device`` (on CUDA each timed run ends when ``generate`` returns its ids, i.e. after the last kernel)."""
     from transformers import AutoModelForCausalLM
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).eval()
-    ids = torch.tensor(prompts)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(device).eval()
+    ids = torch.tensor(prompts, device=device)
     out = {}
 
     def run() -> None:
         with torch.no_grad():
             out["seq"] = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
                                      min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+            if device != "cpu":
+                torch.cuda.synchronize()
 
     secs = _time(run, repeats)
     tokens = int((out["seq"].shape[1] - ids.shape[1]) * ids.shape[0])
@@ -139,7 +144,7 @@ def run_offline(a: argparse.Namespace) -> dict:
     model = resolve_model(a.model)
     vocab = ModelConfig.from_hf(model).vocab_size
     prompts = _prompts(vocab, a.num_prompts, a.input_len, a.seed)
-    topo = {"tp_size": a.tp, "dp_size": a.dp, "ep_size": a.ep}
+    topo = {"tp_size": a.tp, "dp_size": a.dp, "ep_size": a.ep, "device": a.device}
     if a.tp * a.dp > 1:
         topo["fanout"] = a.fanout
     decode_batches = tuple(int(n) for n in a.decode_batches.split(",") if n.strip())
@@ -155,13 +160,14 @@ def run_offline(a: argparse.Namespace) -> dict:
         if peer_note is None:
             results += [run_peer(a.peers_dir, model, m, a.num_prompts, a.output_len) for m in peer_modes]
     if not a.skip_hf:
-        results.append(bench_transformers(model, prompts, a.output_len, a.dtype, a.repeats))
+        results.append(bench_transformers(model, prompts, a.output_len, a.dtype, a.repeats, a.device))
     for r in results[1:]:
         if "output_tok_per_s" in r:
             r["raymoe_ratio"] = ours["output_tok_per_s"] / r["output_tok_per_s"]
     report = {
         "workload": {"model": model, "num_prompts": a.num_prompts, "input_len": a.input_len,
-                     "output_len": a.output_len, "dtype": a.dtype, "tp": a.tp, "dp": a.dp, "ep": a.ep},
+                     "output_len": a.output_len, "dtype": a.dtype, "tp": a.tp, "dp": a.dp, "ep": a.ep,
+                     "device": a.device},
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "python": platform.python_version(), "torch": torch.__version__},
         "results": [{k: v for k, v in r.items() if k != "profile"} for r in results],

@@ -76,7 +76,8 @@ class ScheduleBatch:
                     "failed", f"bad extend length {e} for kv_len {end}, seq_len {req.seq_len}"))
             if req.req_pool_idx is None:
                 raise RequestFaultError(req, RequestFault("failed", "the request holds no KV row"))
-            check_sampling_row(req)
+            if not decode:  # every request is extended before it decodes, and its parameters are frozen
+                check_sampling_row(req)
             input_ids += req.tokens(start, end)
             out_cache_loc += req.kv_slots[start:end]
             if not decode:
