@@ -62,7 +62,7 @@ def test_cluster_launcher_has_an_autoscaling_gpu_group():
     assert service["rayVersion"] == docker_tag
 
 
-_NUMERIC = ("DP", "TP", "PORT", "CONCURRENCY", "NUM_PROMPTS")
+_NUMERIC = ("DP", "TP", "PORT", "CONCURRENCY", "NUM_PROMPTS", "OUTPUT_LEN")
 
 
 def _env_value(m: re.Match) -> str:
@@ -199,3 +199,18 @@ def test_cluster_yaml_passes_rays_cluster_launcher_schema():
     jsonschema.validate(cfg, schema)
     with pytest.raises(jsonschema.ValidationError, match="max_worker"):
         jsonschema.validate({**cfg, "max_worker": 8}, schema)
+
+
+def test_ray_job_script_submits_bench_job_with_variables_it_reads():
+    """benchmarks/ray_job_bench.sh submits the documented job (working dir configs/, ``bash bench_job.sh``) with
+    env_vars that configs/bench_job.sh reads (plus PYTHONPATH), so a renamed variable fails here."""
+    script = (ROOT / "benchmarks" / "ray_job_bench.sh").read_text()
+    job = (CONFIGS / "bench_job.sh").read_text()
+    assert re.search(r"ray job submit .*--working-dir configs", script)
+    assert '-- bash bench_job.sh' in script and "RAY_AUTH_MODE=token" in script
+    env_line = next(line for line in script.splitlines() if line.startswith("ENV_JSON=$(printf"))
+    names = set(re.findall(r'"(\w+)": "%s"', env_line))
+    read = set(re.findall(r"\$\{(\w+):[-?]", job))
+    assert {"MODEL", "DP", "OUT", "NUM_PROMPTS"} <= names
+    assert names - {"PYTHONPATH"} <= read, names - read
+    assert "ray stop" not in script.replace("never `ray stop`", "")
