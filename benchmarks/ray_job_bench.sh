@@ -46,8 +46,10 @@ stop_head() {
     kill -TERM "$HEAD"; wait "$HEAD" 2>/dev/null || true
   fi
   # Anything of this head still running (matched by its unique temp dir), stopped by id.
-  for pid in $(pgrep -f -- "$WORK" || true); do kill -TERM "$pid" 2>/dev/null || true; done
-  sleep 1
+  for sig in TERM KILL; do
+    for pid in $(pgrep -f -- "$WORK" || true); do kill -"$sig" "$pid" 2>/dev/null || true; done
+    sleep 2
+  done
   left=$(pgrep -f -- "$WORK" | wc -l || true)
   echo "== head stopped; processes of $WORK left: $left"
   if [[ "$PASSED" == 1 ]]; then rm -rf "$WORK"; else echo "logs kept in $WORK"; fi
