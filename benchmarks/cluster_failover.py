@@ -93,14 +93,14 @@ def main() -> int:
     with Engine(model) as single:  # in-process single rank: the reference tokens
         reference = [o.token_ids for o in single.generate(PROMPTS[:2], greedy)]
 
-    class GpuBundleExecutor(factory.RayExecutor):
-        """The production executor, reserving one (emulated) GPU per CPU rank and giving up placement after
-        20 s instead of 180 s, so phase 3 reports quickly."""
+    class QuickPlacementExecutor(factory.RayExecutor):
+        """The production executor, giving up placement after 20 s instead of 180 s, so phase 3 reports
+        quickly."""
 
         def __init__(self, *args, **kwargs):
-            super().__init__(*args, **{**kwargs, "use_gpu": True, "init_timeout_s": 20.0})
+            super().__init__(*args, **{**kwargs, "init_timeout_s": 20.0})
 
-    factory.RayExecutor = GpuBundleExecutor
+    factory.RayExecutor = QuickPlacementExecutor
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 4, "include_dashboard": False, "gcs_server_port": free_port(),
         "dashboard_agent_listen_port": free_port(), "metrics_export_port": free_port()})
@@ -109,7 +109,8 @@ def main() -> int:
         workers = [cluster.add_node(**worker_args()) for _ in range(3)]
         ray.init(address=cluster.address)
         say(f"cluster up: head + {len(workers)} worker nodes x 2 GPUs (emulated), {ray.cluster_resources()}")
-        engine = Engine(model, tp_size=2, dp_size=2, ep_size=4, device="cpu")
+        # One (emulated) GPU per rank in its bundle, CPU compute (the nodes declare GPUs but have no CUDA).
+        engine = Engine(model, tp_size=2, dp_size=2, ep_size=4, device="cpu", bundle_gpus=True)
         by_id = {w.node_id: w for w in workers}
 
         def rank_nodes() -> list[str]:

@@ -249,11 +249,15 @@ class ParallelConfig:
         dp_size: DP-attention groups (each schedules its own requests; idle groups run IDLE batches).
         ep_size: expert-parallel ranks: the world size (experts sharded over every rank) or 1 (experts
             tensor-parallel inside each TP group).
+        bundle_gpus: reserve one GPU per rank in its placement bundle (None: exactly when the ranks compute on
+            CUDA). True with ``device="cpu"`` places ranks as on a GPU cluster while they compute on CPU, which is
+            how a cluster of emulated GPU nodes (``ray.cluster_utils.Cluster`` with ``num_gpus``) is tested.
     """
 
     tp_size: int = 1
     dp_size: int = 1
     ep_size: int = 1
+    bundle_gpus: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "dp_size", "ep_size"):

@@ -52,24 +52,15 @@ def test_topologies_match_single_rank(ray_cluster, tiny_model, reference, tp, dp
         assert idle_steps > 0
 
 
-def test_multi_node_placement(ray_cluster, tiny_model, reference, monkeypatch):
+def test_multi_node_placement(ray_cluster, tiny_model, reference):
     """dp=2 x tp=2 on the session cluster (a GPU-less head and two worker nodes declaring 2 GPUs each):
     each TP group is one STRICT_PACK placement group of GPU bundles, so it fills one GPU node and the two DP
-    groups land on the two different worker nodes (never the head); greedy tokens match a single rank."""
+    groups land on the two different worker nodes (never the head); greedy tokens match a single rank.
+    ``bundle_gpus=True`` with CPU compute: the emulated nodes have no CUDA, and a rank configured for CUDA
+    without a GPU refuses to start (tests/test_rank_device.py)."""
     import ray
 
-    from raymoe.actors import factory
-
-    class GpuBundleExecutor(factory.RayExecutor):
-        """The production executor, but reserving a GPU per rank for CPU ranks: the emulated nodes declare
-        GPUs without having CUDA, and a rank configured for CUDA refuses to start without one (RankDeviceError).
-        A device="cpu" engine otherwise asks for CPU bundles only, which may all pack on the head."""
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **{**kwargs, "use_gpu": True})
-
-    monkeypatch.setattr(factory, "RayExecutor", GpuBundleExecutor)
-    with Engine(tiny_model, tp_size=2, dp_size=2, ep_size=4, device="cpu") as e:
+    with Engine(tiny_model, tp_size=2, dp_size=2, ep_size=4, device="cpu", bundle_gpus=True) as e:
         nodes = ray.get([w.node_id.remote() for w in e.driver.executor.workers])
         pg_ids = {p.pg.id.hex() for p in e.driver.executor.placements}
         table = [t for pid, t in ray.util.placement_group_table().items() if pid in pg_ids]

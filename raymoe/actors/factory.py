@@ -34,7 +34,9 @@ def build_executor(config: EngineConfig):
     from raymoe.cluster.bootstrap import init_ray
 
     init_ray(config.ray_address)
-    return RayExecutor(runner_cfg, config.parallel, use_gpu=runner_cfg.device == "cuda", fanout=config.fanout,
+    bundle_gpus = config.parallel.bundle_gpus
+    use_gpu = runner_cfg.device.startswith("cuda") if bundle_gpus is None else bundle_gpus
+    return RayExecutor(runner_cfg, config.parallel, use_gpu=use_gpu, fanout=config.fanout,
                        step_timeout_s=config.step_timeout_s)
 
 

@@ -30,7 +30,8 @@ def add_compare_args(p) -> None:
     p.add_argument("--input-len", type=int, default=32, help="random prompt tokens")
     p.add_argument("--output-len", type=int, default=64, help="tokens generated per request (ignore_eos)")
     p.add_argument("--topologies", default="dp=1;dp=2,ep=2",
-                   help="raymoe serve layouts, ';'-separated, each 'dp=D,tp=T,ep=E[,tbo=0|1][,fanout=compiled|remote]'")
+                   help="raymoe serve layouts, ';'-separated, each "
+                        "'dp=D,tp=T,ep=E[,tbo=0|1][,fanout=compiled|remote][,a2a=normal|low_latency|auto]'")
     p.add_argument("--skip-peer", action="store_true", help="only raymoe (no ratios)")
     p.add_argument("--step-batch", type=int, default=16, help="batch of the offline decode-step measurement")
     p.add_argument("--port", type=int, default=8031)
@@ -162,6 +163,8 @@ def run_compare(a) -> dict:
                     cmd += [f"--{key}", layout[key]]
             if "fanout" in layout:
                 cmd += ["--fanout", layout["fanout"]]
+            if "a2a" in layout:
+                cmd += ["--a2a-mode", layout["a2a"]]
             if "tbo" in layout:
                 cmd.append("--enable-tbo" if layout["tbo"] == "1" else "--no-enable-tbo")
             rows += _serve_and_load(a, f"raymoe {topo}", cmd, dict(os.environ), peers, model, workdir,

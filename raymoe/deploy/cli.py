@@ -66,7 +66,7 @@ def _cmd_serve(a: argparse.Namespace) -> None:
             max_context_len=a.max_context_len, max_running_requests=a.max_running_requests,
             max_queued_requests=a.max_queued_requests, max_in_flight=a.max_in_flight,
             api_key=a.api_key or os.environ.get("RAYMOE_API_KEY"), ray_address=a.address, fanout=a.fanout,
-            limits=_limits(a))
+            limits=_limits(a), a2a_mode=a.a2a_mode)
     except ValidationError as e:
         first = e.errors()[0]
         raise InvalidRequestError(".".join(map(str, first["loc"])), first["msg"]) from None
@@ -106,6 +106,8 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $RAYMOE_API_KEY)")
     p.add_argument("--fanout", default=None, choices=["compiled", "remote"],
                    help="how steps reach the rank actors: Ray Compiled Graph or plain actor calls")
+    p.add_argument("--a2a-mode", default=None, choices=["normal", "low_latency", "auto"],
+                   help="MoE all-to-all mode (default auto: fixed-shape low-latency dispatch for decode steps)")
     p.add_argument("--address", default=None, help="Ray cluster to join, e.g. ray://head:10001 (default: a "
                                                    "local Ray on 127.0.0.1)")
     limits = p.add_argument_group("per-request limits (README: Limits and failure behaviour)")

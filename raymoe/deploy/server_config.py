@@ -92,6 +92,8 @@ class ServeOptions(BaseModel):
         limits: per-request limits of the HTTP front end (body size, stop strings, deadline, stream backlog).
         ray_address: Ray cluster to join (None: a local one on 127.0.0.1, or the Serve cluster).
         fanout: how steps reach multi-rank worlds, ``"compiled"`` | ``"remote"`` (None: the engine default).
+        a2a_mode: MoE all-to-all mode, ``"normal"`` | ``"low_latency"`` | ``"auto"`` (None: the engine default,
+            ``auto``: low-latency for decode steps).
     """
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
@@ -114,6 +116,7 @@ class ServeOptions(BaseModel):
     limits: ServerLimits = Field(default_factory=ServerLimits)
     ray_address: str | None = None
     fanout: str | None = None
+    a2a_mode: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -141,7 +144,7 @@ class ServeOptions(BaseModel):
                    "dtype": self.dtype, "seed": self.seed, "device": self.device,
                    "ray_address": self.ray_address}
         for name in ("max_total_tokens", "max_context_len", "max_running_requests", "max_queued_requests",
-                     "fanout"):
+                     "fanout", "a2a_mode"):
             if getattr(self, name) is not None:
                 options[name] = getattr(self, name)
         config = _split_options(model, options)
