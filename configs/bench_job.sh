@@ -21,6 +21,7 @@ TP="${TP:-1}"
 PORT="${PORT:-8000}"
 CONCURRENCY="${CONCURRENCY:-64}"
 NUM_PROMPTS="${NUM_PROMPTS:-80}"
+OUTPUT_LEN="${OUTPUT_LEN:-256}"
 DATASET="${DATASET:-mt_bench_questions.jsonl}"
 OUT="${OUT:-/tmp/raymoe-bench-serve.json}"
 
@@ -37,5 +38,5 @@ done
 DATASET_ARGS=()
 if [[ -f "$DATASET" ]]; then DATASET_ARGS=(--dataset-path "$DATASET"); fi
 raymoe bench serve --base-url "http://127.0.0.1:$PORT" --concurrency "$CONCURRENCY" --num-prompts "$NUM_PROMPTS" \
-  --output-len 256 "${DATASET_ARGS[@]}" --output-json "$OUT"
+  --output-len "$OUTPUT_LEN" "${DATASET_ARGS[@]}" --output-json "$OUT"
 cat "$OUT"

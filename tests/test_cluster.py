@@ -53,15 +53,27 @@ def test_topologies_match_single_rank(ray_cluster, tiny_model, reference, tp, dp
 
 
 def test_multi_node_placement(ray_cluster, tiny_model, reference):
-    # GPU bundles on the emulated GPU nodes, CPU compute (a rank configured for CUDA without a GPU would refuse to
-    # start: tests/test_rank_device.py).
-    with Engine(tiny_model, tp_size=2, dp_size=2, ep_size=4, device="cpu", bundle_gpus=True) as e:
-        import ray
+    """dp=2 x tp=2 on the session cluster (a GPU-less head and two worker nodes declaring 2 GPUs each):
+    each TP group is one STRICT_PACK placement group of GPU bundles, so it fills one GPU node and the two DP
+    groups land on the two different worker nodes (never the head); greedy tokens match a single rank.
+    ``bundle_gpus=True`` with CPU compute: the emulated nodes have no CUDA, and a rank configured for CUDA
+    without a GPU refuses to start (tests/test_rank_device.py)."""
+    import ray
 
+    with Engine(tiny_model, tp_size=2, dp_size=2, ep_size=4, device="cpu", bundle_gpus=True) as e:
         nodes = ray.get([w.node_id.remote() for w in e.driver.executor.workers])
+        pg_ids = {p.pg.id.hex() for p in e.driver.executor.placements}
+        table = [t for pid, t in ray.util.placement_group_table().items() if pid in pg_ids]
         outs = e.generate(PROMPTS[:2], GREEDY)
     assert nodes[0] == nodes[1] and nodes[2] == nodes[3], nodes
     assert nodes[0] != nodes[2], "the two TP groups should sit on different nodes"
+    gpu_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) >= 2}
+    assert len(gpu_nodes) == 2 and set(nodes) == gpu_nodes, "ranks must sit on the GPU worker nodes"
+    assert len(table) == 2
+    for t in table:
+        assert t["strategy"] == "STRICT_PACK" and t["state"] == "CREATED"
+        assert [b.get("GPU") for b in t["bundles"].values()] == [1.0, 1.0]
+        assert len(set(t["bundles_to_node_id"].values())) == 1
     assert [o.token_ids for o in outs] == [reference[p] for p in PROMPTS[:2]]
 
 

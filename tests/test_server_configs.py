@@ -62,7 +62,7 @@ def test_cluster_launcher_has_an_autoscaling_gpu_group():
     assert service["rayVersion"] == docker_tag
 
 
-_NUMERIC = ("DP", "TP", "PORT", "CONCURRENCY", "NUM_PROMPTS")
+_NUMERIC = ("DP", "TP", "PORT", "CONCURRENCY", "NUM_PROMPTS", "OUTPUT_LEN")
 
 
 def _env_value(m: re.Match) -> str:
@@ -139,3 +139,78 @@ def test_serve_limit_flags_reach_server_limits():
     assert limits.max_timeout_s == 3600.0  # flags not given keep their defaults
     with pytest.raises(InvalidRequestError, match="default_timeout_s"):
         _limits(build_parser().parse_args(["serve", "--max-timeout-s", "5"]))
+
+
+SITE_ARGS = {"model", "served_model_name", "dtype", "dp_size", "ep_size", "max_running_requests"}
+"""Serve app args that may differ between configs/serve.yaml (local demo) and the KubeRay RayService (a real
+model on GPU nodes); every other arg, and every deployment option, must be the same."""
+
+
+def _serve_configs() -> dict[str, dict]:
+    service = yaml.safe_load((CONFIGS / "kuberay-rayservice.yaml").read_text())
+    return {"serve.yaml": yaml.safe_load((CONFIGS / "serve.yaml").read_text()),
+            "kuberay-rayservice.yaml": yaml.safe_load(service["spec"]["serveConfigV2"])}
+
+
+@pytest.mark.parametrize("source", ["serve.yaml", "kuberay-rayservice.yaml"])
+def test_serve_configs_pass_rays_serve_deploy_schema(source):
+    """Ray's own pydantic model of ``serve deploy`` / ``serveConfigV2`` accepts the config, and reads the
+    autoscaling bounds we rely on (1 to 2 engines); the schema is strict enough to refuse ``num_replicas`` beside
+    ``autoscaling_config``."""
+    from pydantic import ValidationError
+    from ray.serve.schema import ServeDeploySchema
+
+    raw = _serve_configs()[source]
+    schema = ServeDeploySchema(**raw)
+    (deployment,) = schema.applications[0].deployments
+    auto = deployment.autoscaling_config
+    assert (auto["min_replicas"], auto["max_replicas"]) == (1, 2)
+    assert auto["target_ongoing_requests"] <= deployment.max_ongoing_requests
+    assert {"upscale_delay_s", "downscale_delay_s"} <= auto.keys()
+
+    raw["applications"][0]["deployments"][0]["num_replicas"] = 1
+    with pytest.raises(ValidationError, match="num_replicas"):
+        ServeDeploySchema(**raw)
+
+
+def test_kuberay_embeds_the_serve_yaml_applications():
+    """The RayService runs the same applications as configs/serve.yaml: same names, routes, import paths,
+    deployments (autoscaling included) and arg names; only :data:`SITE_ARGS` values differ."""
+    local, kuberay = (c["applications"] for c in _serve_configs().values())
+    assert len(local) == len(kuberay)
+    for a, b in zip(local, kuberay, strict=True):
+        assert {k: v for k, v in a.items() if k != "args"} == {k: v for k, v in b.items() if k != "args"}
+        assert a["args"].keys() == b["args"].keys()
+        assert {k: v for k, v in a["args"].items() if k not in SITE_ARGS} == \
+            {k: v for k, v in b["args"].items() if k not in SITE_ARGS}
+
+
+def test_cluster_yaml_passes_rays_cluster_launcher_schema():
+    """configs/cluster.yaml against the JSON schema that ``ray up`` itself validates with
+    (``ray/autoscaler/ray-schema.json``, shipped in the ray wheel); the schema refuses unknown keys, so a
+    misspelt field fails here rather than at ``ray up``."""
+    import json
+
+    import jsonschema
+    import ray
+
+    schema = json.loads((Path(ray.__file__).parent / "autoscaler" / "ray-schema.json").read_text())
+    cfg = yaml.safe_load((CONFIGS / "cluster.yaml").read_text())
+    jsonschema.validate(cfg, schema)
+    with pytest.raises(jsonschema.ValidationError, match="max_worker"):
+        jsonschema.validate({**cfg, "max_worker": 8}, schema)
+
+
+def test_ray_job_script_submits_bench_job_with_variables_it_reads():
+    """benchmarks/ray_job_bench.sh submits the documented job (working dir configs/, ``bash bench_job.sh``) with
+    env_vars that configs/bench_job.sh reads (plus PYTHONPATH), so a renamed variable fails here."""
+    script = (ROOT / "benchmarks" / "ray_job_bench.sh").read_text()
+    job = (CONFIGS / "bench_job.sh").read_text()
+    assert re.search(r"ray job submit .*--working-dir configs", script)
+    assert '-- bash bench_job.sh' in script and "RAY_AUTH_MODE=token" in script
+    env_line = next(line for line in script.splitlines() if line.startswith("ENV_JSON=$(printf"))
+    names = set(re.findall(r'"(\w+)": "%s"', env_line))
+    read = set(re.findall(r"\$\{(\w+):[-?]", job))
+    assert {"MODEL", "DP", "OUT", "NUM_PROMPTS"} <= names
+    assert names - {"PYTHONPATH"} <= read, names - read
+    assert "ray stop" not in script.replace("never `ray stop`", "")

@@ -196,6 +196,24 @@ def test_rank_fault_restarts_ranks_and_counts_it(service):
     assert service.out.last("after0").finish_reason == "length"
 
 
+@pytest.mark.parametrize(("error", "detail"), [
+    (TimeoutError("could not place 2 TP groups of {'GPU': 1} x 2 within 20 s"), "could not place 2 TP groups"),
+    (RuntimeError("secret host 10.0.0.7"), "(RuntimeError)")])
+def test_a_rank_group_that_cannot_be_rebuilt_says_why_in_health(service, error, detail):
+    """A restart that fails (no node has room for the placement groups) leaves the engine unhealthy, and its
+    health detail names the placement shortfall; other restart errors are named by type only."""
+    def failing_restart():
+        service.ex.restarts += 1
+        raise error
+
+    service.ex.restart = failing_restart
+    service.ex.fail_next = [RankFailure("a rank died")]
+    service.submit(adds("r", 1, max_tokens=50))
+    wait_until(lambda: "restarting the rank group failed" in service.health_detail())
+    assert detail in service.health_detail() and "10.0.0.7" not in service.health_detail()
+    assert not service.healthy() and service.ex.restarts == 1
+
+
 def test_rank_step_error_fails_the_step_only(service):
     service.ex.fail_next = [RankStepError("a rank raised RuntimeError in a step")]
     service.submit(adds("s", 2))

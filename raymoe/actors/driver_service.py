@@ -250,8 +250,12 @@ class DriverService:
     def _recover(self) -> None:
         try:
             self.driver.executor.restart()
-        except Exception:  # noqa: BLE001 - stay unhealthy; try again later
+        except Exception as e:  # noqa: BLE001 - stay unhealthy; try again later
             log.exception("restarting the rank group failed")
+            # Health says why: a placement timeout names the bundles the cluster lacks (no hosts or ids); any
+            # other failure is named by its type only (details in the log).
+            why = f"{e}" if isinstance(e, TimeoutError) else type(e).__name__
+            self._error = f"restarting the rank group failed ({why}); retrying"
             self._stop.wait(5.0)
             return
         self.driver.reset()
