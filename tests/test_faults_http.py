@@ -147,6 +147,29 @@ def test_streams_work_and_the_engine_starts_idle(engine, base_url):
     assert len(set(ray.get(engine.driver.pids.remote()))) == 3  # the driver actor and its two ranks
 
 
+def test_the_overflowing_top_k_request_is_a_400_beside_a_long_stream(engine, base_url):
+    """The issue's request (``top_k`` = 2**63) once made a rank raise mid-step, failed every stream and restarted
+    the rank group. Now it is refused alone: a 400 naming ``top_k``, the long stream finishes with all its
+    tokens, and no rank restarts."""
+    before = engine_stats(engine)
+
+    async def main():
+        async with client_for(base_url) as client:
+            first = asyncio.Event()
+            long = asyncio.create_task(stream(client, 200, "import os\n", first=first))
+            await asyncio.wait_for(first.wait(), 120)
+            bad = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4,
+                                                             "top_k": 9223372036854775808})
+            return bad, await long
+
+    bad, long = asyncio.run(main())
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_k", bad.text
+    assert "Traceback" not in bad.text and ".py" not in bad.text
+    assert long.finish_reason == "length" and long.error is None, long  # "length": all 200 tokens came
+    assert engine_stats(engine).rank_restarts == before.rank_restarts
+    assert_idle(engine)
+
+
 def test_a_step_every_rank_raises_in_fails_its_requests_and_keeps_the_ranks(engine, base_url):
     import ray
 
