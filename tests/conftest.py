@@ -28,14 +28,14 @@ def tiny_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One Ray instance for the whole session: a head node (8 logical CPUs) and two worker nodes that declare
-    2 GPUs each (``ray.cluster_utils.Cluster``), all on 127.0.0.1; CPU-only worlds place anywhere."""
+    """One Ray instance for the whole session: three nodes that each declare 2 GPUs (``ray.cluster_utils.Cluster``;
+    the head also has 8 logical CPUs, the workers 2), all on 127.0.0.1; CPU-only worlds place anywhere."""
     import ray
     from ray.cluster_utils import Cluster
 
     # Free ports everywhere, so the suite can run beside another Ray instance on the same machine.
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 8, "include_dashboard": False, "gcs_server_port": _free_port(),
+        "num_cpus": 8, "num_gpus": 2, "include_dashboard": False, "gcs_server_port": _free_port(),
         "dashboard_agent_listen_port": _free_port(), "metrics_export_port": _free_port()})
     for _ in range(2):
         cluster.add_node(num_cpus=2, num_gpus=2, dashboard_agent_listen_port=_free_port(),

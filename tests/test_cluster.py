@@ -53,9 +53,9 @@ def test_topologies_match_single_rank(ray_cluster, tiny_model, reference, tp, dp
 
 
 def test_multi_node_placement(ray_cluster, tiny_model, reference):
-    """dp=2 x tp=2 on the session cluster (a GPU-less head and two worker nodes declaring 2 GPUs each):
-    each TP group is one STRICT_PACK placement group of GPU bundles, so it fills one GPU node and the two DP
-    groups land on the two different worker nodes (never the head); greedy tokens match a single rank.
+    """dp=2 x tp=2 on the session cluster (three nodes declaring 2 GPUs each): each TP group is one STRICT_PACK
+    placement group of GPU bundles, so it fills one node's GPUs and the two DP groups land on two different
+    nodes; greedy tokens match a single rank.
     ``bundle_gpus=True`` with CPU compute: the emulated nodes have no CUDA, and a rank configured for CUDA
     without a GPU refuses to start (tests/test_rank_device.py)."""
     import ray
@@ -68,7 +68,7 @@ def test_multi_node_placement(ray_cluster, tiny_model, reference):
     assert nodes[0] == nodes[1] and nodes[2] == nodes[3], nodes
     assert nodes[0] != nodes[2], "the two TP groups should sit on different nodes"
     gpu_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) >= 2}
-    assert len(gpu_nodes) == 2 and set(nodes) == gpu_nodes, "ranks must sit on the GPU worker nodes"
+    assert len(gpu_nodes) == 3 and set(nodes) <= gpu_nodes, "three nodes declare 2 GPUs each"
     assert len(table) == 2
     for t in table:
         assert t["strategy"] == "STRICT_PACK" and t["state"] == "CREATED"
