@@ -143,6 +143,8 @@ def test_flash_attn_eager_chunked_prefill_matches_torch_native(tiny_model, refer
     assert fa_double.calls > 0
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU double reads host values, which a CUDA graph "
+                                                      "capture refuses; the GPU suite covers CUDA graphs")
 def test_flash_attn_decode_graphs_and_radix_hits_match_torch_native(tiny_model, reference, fa_double):
     prompts = [SHARED + p for p in PROMPTS[:3]]
     with Engine(tiny_model, attention_backend="flash_attn", cuda_graph_bs=(1, 2, 4)) as e:
