@@ -125,7 +125,7 @@ def test_small_paged_pool_retracts_and_still_matches():
     assert s.num_retractions > 0
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(seed=st.integers(0, 10**6), n=st.integers(1, 8), shared=st.integers(0, 20), page=st.sampled_from([2, 4, 16]),
        pages=st.integers(2, 40), chunk=st.one_of(st.none(), st.integers(1, 16)), radix=st.booleans(),
        spread=st.integers(0, 4))
@@ -138,3 +138,15 @@ def test_random_paged_workloads(seed, n, shared, page, pages, chunk, radix, spre
     for rid, prompt, params in specs:
         assert finished[rid].output_ids == reference(prompt, params, ctx=ctx), rid
 
+
+
+def test_idle_paged_pool_evicts_cached_pages_to_admit_a_request():
+    """Found by the random workloads: with nothing running, cached prefixes held 9 tokens whose pages also
+    stranded 7 free slots, so a 14-token prompt never fit the admission check (0 available) and the scheduler
+    stalled. An idle pool now evicts the whole cache before giving up."""
+    specs = [spec for spec in workload(n=8, shared=5, seed=0, max_tokens=(1, 30)) if len(spec[1]) <= 16]
+    s = make_paged(page=4, pool=16, radix=True, chunked_prefill_size=None, max_prefill_tokens=48)
+    finished = drive(s, stagger(specs, lambda i: 0))
+    ctx = min(512, s.token_allocator.size + 1)
+    for rid, prompt, params in specs:
+        assert finished[rid].output_ids == reference(prompt, params, ctx=ctx), rid

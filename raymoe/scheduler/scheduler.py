@@ -230,6 +230,12 @@ class Scheduler:
             batch = self._get_decode_batch()
             if batch is None and (self.waiting or self.chunked_req is not None):
                 batch = self._get_prefill_batch()  # decode may have freed KV by finishing its last request
+            if batch is None and self.waiting and not self.running and self.chunked_req is None \
+                    and self.tree_cache.evictable_size() > 0:
+                # Idle pool, and still nothing fits: with pages, cached tokens also strand the free slots of
+                # their pages, which the admission check cannot count. Evicting the whole cache frees every page.
+                self.tree_cache.evict(self.tree_cache.evictable_size())
+                batch = self._get_prefill_batch()
         self._inflight = batch
         return batch
 
