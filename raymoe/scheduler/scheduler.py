@@ -159,9 +159,16 @@ class Scheduler:
         Returns:
             the aborted request, or ``None`` when ``rid`` is unknown or already finished.
         """
-        req = self._unfinished.pop(rid, None)
+        req = self._unfinished.get(rid)
         if req is None:
             return None
+        self._detach(req)
+        req.finish(FinishKind.ABORT, message="aborted")
+        return req
+
+    def _detach(self, req: Req) -> None:
+        """Take an unfinished request out of every queue and release its KV, row and radix lock (not cached)."""
+        del self._unfinished[req.rid]
         if req in self.waiting:
             self.waiting.remove(req)
         if req in self.running:
@@ -169,22 +176,14 @@ class Scheduler:
         if self.chunked_req is req:
             self.chunked_req = None
         self._release(req, cache=False)
-        req.finish(FinishKind.ABORT, message="aborted")
-        return req
 
     def fail_request(self, req: Req, fault: RequestFault, *, report: bool = True) -> None:
         """Fail one unfinished request (``FinishKind.ERROR`` with ``fault``) wherever it is and release its KV,
         row and radix lock; with ``report`` it is returned once by :meth:`drain_finished` (else the caller
         reports it). The other requests are untouched."""
-        if self._unfinished.pop(req.rid, None) is None:
+        if req.rid not in self._unfinished:
             return
-        if req in self.waiting:
-            self.waiting.remove(req)
-        if req in self.running:
-            self.running.remove(req)
-        if self.chunked_req is req:
-            self.chunked_req = None
-        self._release(req, cache=False)
+        self._detach(req)
         req.fail(fault)
         if report:
             self._finished_outside_step.append(req)
