@@ -41,8 +41,7 @@ class LowLatencyHandle:
         topk_weights: [N, k] weights the combine applies. slot_rows: [N * k] int64 row of each pair in the
             sender's ``[E * M, H]`` slot layout (``g * M + s``).
         payload: uint8 [ep, B] received message (rows then counts) until ``dispatch_b`` unpacks it.
-        pack_index: ([E_local, C] source rank, [E_local, C] slot) of each packed row; unpack_index: [ep, E_local,
-            M] packed position of each slot (both built in ``dispatch_b``, used by the combine).
+        unpack_index: [ep, E_local, M] packed position of each slot (built in ``dispatch_b``, used by the combine).
         combined: the returned slot rows [ep, E_local * M, H] once the combine is posted. works: pending
             collectives.
     """
@@ -55,7 +54,6 @@ class LowLatencyHandle:
     topk_weights: torch.Tensor
     slot_rows: torch.Tensor
     payload: torch.Tensor | None = None
-    pack_index: tuple[torch.Tensor, torch.Tensor] | None = None
     unpack_index: torch.Tensor | None = None
     combined: torch.Tensor | None = None
     works: list[Any] = field(default_factory=list)
@@ -134,7 +132,6 @@ class TorchLowLatencyAllToAll:
         expert = torch.arange(el, device=payload.device).view(el, 1).expand(el, c)
         x = rows[src, expert, slot]                                                 # [E_local, C, H]
         unpack = (excl.t().unsqueeze(-1) + torch.arange(m, device=payload.device)).clamp_(max=c - 1)  # [ep, EL, M]
-        handle.pack_index = (src, slot)
         handle.unpack_index = unpack
         return MaskedExpertRows(x, incl[:, -1].to(torch.int32))
 
@@ -144,7 +141,7 @@ class TorchLowLatencyAllToAll:
         h = expert_out.shape[-1]
         expert = torch.arange(el, device=expert_out.device).view(1, el, 1).expand(ep, el, m)
         back = expert_out[expert, handle.unpack_index].reshape(ep, el * m * h)     # slot layout per source rank
-        handle.pack_index = handle.unpack_index = None
+        handle.unpack_index = None
         if ep == 1:
             handle.combined = back
             return
