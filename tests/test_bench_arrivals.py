@@ -77,9 +77,9 @@ def test_format_table_figures_and_failures():
             {"config": "mixed-on", "failed": "server exited with 2 before it was healthy: error: bad flag"}]
     lines = format_table(rows).splitlines()
     assert lines[0].split() == ["config", "TTFT", "p50", "TTFT", "p99", "ITL", "p50", "ITL", "p99", "TPOT", "p50",
-                                "out", "tok/s", "errors"]
-    assert lines[2].split() == ["base", "55.0", "99.1", "6.0", "7.0", "222.5", "15", "1"]
-    assert lines[3].split() == ["empty", "-", "-", "-", "-", "-", "0", "1"]
+                                "out", "tok/s", "in", "flight", "errors"]
+    assert lines[2].split() == ["base", "55.0", "99.1", "6.0", "7.0", "222.5", "15", "2.5", "1"]
+    assert lines[3].split() == ["empty", "-", "-", "-", "-", "-", "0", "-", "1"]
     assert lines[4] == f"{'mixed-on':<16}FAILED: server exited with 2 before it was healthy: error: bad flag"
 
 

@@ -119,11 +119,20 @@ def _fmt(value: float | None, width: int, digits: int = 1) -> str:
     return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
 
 
+def mean_in_flight(summary: dict) -> float | None:
+    """Requests in flight on average over the run: the sum of their end-to-end latencies over its duration (shows
+    whether the request rate kept the server busy; at most ``--concurrency``)."""
+    mean_ms = summary["e2e_latency_ms"]["mean"]
+    if mean_ms is None or not summary["duration_s"]:
+        return None
+    return mean_ms / 1000.0 * summary["completed"] / summary["duration_s"]
+
+
 def format_table(rows: list[dict]) -> str:
-    """One line per configuration: TTFT p50/p99, ITL p50/p99 and TPOT p50 (ms), output tokens/s, errors
-    (failed requests; a failed server shows its reason instead of figures)."""
+    """One line per configuration: TTFT p50/p99, ITL p50/p99 and TPOT p50 (ms), output tokens/s, mean requests
+    in flight, errors (failed requests; a failed server shows its reason instead of figures)."""
     head = (f"{'config':<16}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'TPOT p50':>10}"
-            f"{'out tok/s':>11}{'errors':>8}")
+            f"{'out tok/s':>11}{'in flight':>11}{'errors':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "ttft_ms" not in r:
@@ -132,7 +141,8 @@ def format_table(rows: list[dict]) -> str:
         ttft, itl, tpot = r["ttft_ms"], r["itl_ms"], r["tpot_ms"]
         lines.append(f"{r['config']:<16}{_fmt(ttft['p50'], 10)}{_fmt(ttft['p99'], 10)}{_fmt(itl['p50'], 9)}"
                      f"{_fmt(itl['p99'], 9)}{_fmt(tpot['p50'], 10)}{_fmt(r['output_token_throughput'], 11, 0)}"
-                     f"{r['errors']:>8}" + (f"  FAILED: {r['failed']}" if r["failed"] else ""))
+                     f"{_fmt(mean_in_flight(r), 11)}{r['errors']:>8}"
+                     + (f"  FAILED: {r['failed']}" if r["failed"] else ""))
     return "\n".join(lines)
 
 
