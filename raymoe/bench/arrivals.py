@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shlex
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -187,6 +188,9 @@ def run_arrivals(a: argparse.Namespace) -> dict:
         raise SystemExit(f"no dataset at {a.dataset_path}")
     if a.with_peer and not (peers / "vllm/bin/python").exists():
         raise SystemExit(f"--with-peer: no peers under {peers}; run `bash ../shared/peers/setup.sh` first")
+    with socket.socket() as sock:
+        if sock.connect_ex(("127.0.0.1", a.port)) == 0:
+            raise SystemExit(f"port {a.port} already has a server (its figures would be measured): pass --port")
     a.log_dir.mkdir(parents=True, exist_ok=True)
     runs = [(name, raymoe_serve_cmd(model, a.port, a.topology) + extra, dict(os.environ)) for name, extra in configs]
     if a.with_peer:
