@@ -90,6 +90,13 @@ def add_bench_parser(sub, model_arg) -> None:
     add_serve_bench_args(p)
     p.set_defaults(func=_run_serve)
 
+    p = bench.add_parser("arrivals", help="TTFT/ITL p50/p99 of two-turn chats arriving during decoding, per server "
+                                          "config (e.g. mixed chunked prefill off/on), one run")
+    from raymoe.bench.arrivals import add_arrivals_args
+
+    add_arrivals_args(p)
+    p.set_defaults(func=_run_arrivals)
+
     p = bench.add_parser("stress", help="thousands of concurrent short streams, some hanging up: nothing lost?")
     from raymoe.bench.stress import add_stress_args
 
@@ -131,6 +138,15 @@ def _run_stress(a: argparse.Namespace) -> None:
     from raymoe.bench.stress import run_stress
 
     run_stress(a)
+
+
+def _run_arrivals(a: argparse.Namespace) -> None:
+    from raymoe.bench.arrivals import run_arrivals
+
+    result = run_arrivals(a)
+    failed = [r["config"] for r in result["rows"] if r["failed"]]
+    if failed:
+        raise SystemExit(f"raymoe bench arrivals: configuration(s) failed: {', '.join(failed)}")
 
 
 def _run_compare(a: argparse.Namespace) -> None:

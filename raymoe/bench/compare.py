@@ -38,7 +38,8 @@ def add_compare_args(p) -> None:
     p.add_argument("--out", default="bench_results/compare.json")
 
 
-def _peer_env(peers: Path) -> dict[str, str]:
+def peer_env(peers: Path) -> dict[str, str]:
+    """The environment for the peer's processes: ours plus the exports of ``peers/env.sh``."""
     env = dict(os.environ)
     for line in (peers / "env.sh").read_text().splitlines():
         if line.startswith("export "):
@@ -48,7 +49,9 @@ def _peer_env(peers: Path) -> dict[str, str]:
     return env
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Poll ``url``/health once a second until it answers 200; raises RuntimeError if ``proc`` exits first,
+    TimeoutError after ``timeout_s`` seconds."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -63,13 +66,54 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise TimeoutError(f"{url} not healthy after {timeout_s} s")
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_server(proc: subprocess.Popen) -> None:
+    """Terminate a server process, kill it if it is still there after 60 s."""
     proc.terminate()
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+TOPOLOGY_KEYS = ("dp", "tp", "ep", "tbo", "fanout", "a2a")
+
+
+def parse_topology(topology: str) -> dict[str, str]:
+    """``'dp=2,ep=2'`` -> ``{'dp': '2', 'ep': '2'}``; raises ValueError on a malformed item or an unknown key
+    (keys: :data:`TOPOLOGY_KEYS`)."""
+    layout = {}
+    for item in (x.strip() for x in topology.split(",") if x.strip()):
+        key, sep, value = item.partition("=")
+        if not sep or not value or key not in TOPOLOGY_KEYS:
+            raise ValueError(f"bad topology item {item!r} in {topology!r}: expected KEY=VALUE with KEY one of "
+                             f"{', '.join(TOPOLOGY_KEYS)}")
+        layout[key] = value
+    return layout
+
+
+def raymoe_serve_cmd(model: str, port: int, topology: str) -> list[str]:
+    """The ``raymoe serve`` command line (model served as ``tiny`` on 127.0.0.1:``port``) of one topology string
+    ``'dp=D,tp=T,ep=E[,tbo=0|1][,fanout=compiled|remote][,a2a=normal|low_latency|auto]'``."""
+    layout = parse_topology(topology)
+    cmd = [sys.executable, "-m", "raymoe.deploy.cli", "serve", "--model", model, "--served-model-name", "tiny",
+           "--port", str(port)]
+    for key in ("dp", "tp", "ep"):
+        if key in layout:
+            cmd += [f"--{key}", layout[key]]
+    if "fanout" in layout:
+        cmd += ["--fanout", layout["fanout"]]
+    if "a2a" in layout:
+        cmd += ["--a2a-mode", layout["a2a"]]
+    if "tbo" in layout:
+        cmd.append("--enable-tbo" if layout["tbo"] == "1" else "--no-enable-tbo")
+    return cmd
+
+
+def peer_serve_cmd(peers: Path, model: str, port: int) -> list[str]:
+    """The vLLM-CPU ``serve`` command line of the peers install (model served as ``tiny`` on 127.0.0.1:``port``)."""
+    return [str(peers / "vllm/bin/python"), str(peers / "vllm_cli.py"), "serve", model, "--host", "127.0.0.1",
+            "--port", str(port), "--served-model-name", "tiny", "--max-model-len", "1024"]
 
 
 def _client(a, peers: Path, env: dict, url: str, model: str, concurrency: int, workdir: str) -> dict:
@@ -93,7 +137,7 @@ def _serve_and_load(a, name: str, cmd: list[str], env: dict, peers: Path, model:
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     rows = []
     try:
-        _wait_healthy(url, proc, start_timeout_s)
+        wait_healthy(url, proc, start_timeout_s)
         _client(a, peers, env, url, model, 4, workdir)  # warm-up (compilation, first-touch)
         for c in (int(x) for x in a.concurrency.split(",")):
             r = _client(a, peers, env, url, model, c, workdir)
@@ -101,7 +145,7 @@ def _serve_and_load(a, name: str, cmd: list[str], env: dict, peers: Path, model:
             print(f"[compare] {name} c={c}: {r['output_throughput']:.0f} out tok/s, "
                   f"TPOT p50 {r['median_tpot_ms']:.1f} ms", flush=True)
     finally:
-        _stop(proc)
+        stop_server(proc)
         log.close()
     return rows
 
@@ -147,28 +191,15 @@ def run_compare(a) -> dict:
         raise SystemExit(f"no peers under {peers}: run `bash ../shared/peers/setup.sh` first (needed for the "
                          "client even with --skip-peer)")
     model = a.model or str(peers / "models/tiny-qwen3moe")
-    env = _peer_env(peers)
+    env = peer_env(peers)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="raymoe-compare-") as workdir:
         if not a.skip_peer:
-            cmd = [str(peers / "vllm/bin/python"), str(peers / "vllm_cli.py"), "serve", model, "--host",
-                   "127.0.0.1", "--port", str(a.port), "--served-model-name", "tiny", "--max-model-len", "1024"]
-            rows += _serve_and_load(a, PEER_NAME, cmd, env, peers, model, workdir, start_timeout_s=600)
+            rows += _serve_and_load(a, PEER_NAME, peer_serve_cmd(peers, model, a.port), env, peers, model,
+                                    workdir, start_timeout_s=600)
         for topo in a.topologies.split(";"):
-            layout = dict(kv.split("=") for kv in topo.split(","))
-            cmd = [sys.executable, "-m", "raymoe.deploy.cli", "serve", "--model", model, "--served-model-name",
-                   "tiny", "--port", str(a.port)]
-            for key in ("dp", "tp", "ep"):
-                if key in layout:
-                    cmd += [f"--{key}", layout[key]]
-            if "fanout" in layout:
-                cmd += ["--fanout", layout["fanout"]]
-            if "a2a" in layout:
-                cmd += ["--a2a-mode", layout["a2a"]]
-            if "tbo" in layout:
-                cmd.append("--enable-tbo" if layout["tbo"] == "1" else "--no-enable-tbo")
-            rows += _serve_and_load(a, f"raymoe {topo}", cmd, dict(os.environ), peers, model, workdir,
-                                    start_timeout_s=600)
+            rows += _serve_and_load(a, f"raymoe {topo}", raymoe_serve_cmd(model, a.port, topo), dict(os.environ),
+                                    peers, model, workdir, start_timeout_s=600)
     step_ms = offline_decode_step_ms(model, a.step_batch, a.output_len)
     print(_table(rows, step_ms), flush=True)
     result = {"rows": rows, "offline_decode_step_ms": step_ms, "step_batch": a.step_batch, "model": model,

@@ -21,7 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from raymoe.bench.compare import _client, _peer_env, _stop, _wait_healthy
+from raymoe.bench.compare import _client, peer_env, stop_server, wait_healthy
 
 # (category, frame patterns); a sample's deepest frame matching any pattern decides its category.
 CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
@@ -101,12 +101,12 @@ def run_profile(a) -> dict:
     layout = dict(kv.split("=") for kv in a.topology.split(","))
     cmd = [sys.executable, "-m", "raymoe.deploy.cli", "serve", "--model", model, "--served-model-name", "tiny",
            "--port", str(a.port)] + [x for k in ("dp", "tp", "ep") if k in layout for x in (f"--{k}", layout[k])]
-    env = _peer_env(peers)
+    env = peer_env(peers)
     with tempfile.TemporaryDirectory(prefix="raymoe-profile-") as work:
         log = open(Path(work) / "serve.log", "w")  # noqa: SIM115
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
-            _wait_healthy(url, proc, 600)
+            wait_healthy(url, proc, 600)
             _client(a, peers, env, url, model, 4, work)  # warm-up
             procs = {"front end": [proc.pid], "driver actor": _pids("ray::DriverActor"),
                      "rank actors": _pids("ray::RankWorker")}
@@ -138,7 +138,7 @@ def run_profile(a) -> dict:
                         row = table.setdefault(name, {})
                         row[cat] = row.get(cat, 0.0) + 1000.0 * n / a.rate / steps
         finally:
-            _stop(proc)
+            stop_server(proc)
             log.close()
     cats = [c for c, _ in CATEGORIES] + ["ray runtime", "other"]
     print(f"CPU ms per engine step ({steps:.0f} steps in {a.seconds:.0f} s, {a.topology}, "
