@@ -214,6 +214,11 @@ class SchedulerConfig:
         max_prefill_tokens: token budget of one prefill batch.
         schedule_policy: ``"fcfs"`` or ``"lpm"`` (longest prefix match first).
         max_queued_requests: waiting requests accepted before new ones are refused.
+        enable_mixed_chunk: a prefill step also decodes every running request (``ForwardMode.MIXED``), so new
+            prompts do not stall the running streams (SGLang's ``--enable-mixed-chunk``).
+        disable_overlap_schedule: run the driver's steps one at a time. By default the driver forms and sends step
+            N+1 while the ranks compute step N (zero-overhead scheduling; ``raymoe.actors.driver``); greedy
+            outputs are the same either way.
     """
 
     max_running_requests: int = 64
@@ -221,6 +226,8 @@ class SchedulerConfig:
     max_prefill_tokens: int = 4096
     schedule_policy: str = "fcfs"
     max_queued_requests: int = 4096
+    enable_mixed_chunk: bool = True
+    disable_overlap_schedule: bool = False
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:

@@ -34,7 +34,7 @@ def test_dataset_has_80_two_turn_questions_10_per_category():
 
 
 def test_parse_configs():
-    assert parse_configs(DEFAULT_CONFIGS) == [("mixed-off", ["--disable-mixed-chunk"]),
+    assert parse_configs(DEFAULT_CONFIGS) == [("mixed-off", ["--no-enable-mixed-chunk"]),
                                               ("mixed-on", ["--enable-mixed-chunk"])]
     assert parse_configs(" base= ; small=--max-running-requests 8 --dtype 'bfloat16';") == [
         ("base", []), ("small", ["--max-running-requests", "8", "--dtype", "bfloat16"])]

@@ -116,6 +116,7 @@ def _batch(mode: ForwardMode, n: int, graph_bs: int | None = None) -> ModelWorke
     return ModelWorkerBatch(forward_mode=mode, input_ids=[1] * n, req_pool_indices=list(range(rows)),
                             seq_lens=[e + 3 for e in ext], prefix_lens=[3] * rows, extend_lens=ext,
                             out_cache_loc=list(range(1, n + 1)),
+                            prefix_slots=[] if mode == ForwardMode.DECODE else [100, 101, 102],
                             sampling=SamplingInputs.greedy(rows), graph_bs=graph_bs)
 
 

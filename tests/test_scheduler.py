@@ -1,8 +1,14 @@
 """Scheduler tests without a model: a fake rank keeps a simulated KV pool and ReqToTokenPool table, reads each
 request's sequence back through the slots the batch names, and answers a deterministic function of it. So a
-request's tokens are known in advance, whatever the batching, and any slot mix-up changes or breaks them."""
+request's tokens are known in advance, whatever the batching, and any slot mix-up changes or breaks them.
+
+The fake rank also resolves overlap-scheduling placeholders from its previous answer, as a real rank does
+(``raymoe.runner.future_tokens``), and ``drive(..., overlap=True)`` forms step N+1 before it applies step N's
+tokens, as the driver does. Most workloads run with overlap on and off and with MIXED batches on and off."""
 
 from __future__ import annotations
+
+from collections import deque
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -57,11 +63,13 @@ class FakeRank:
         self.num_batches = 0
         self.max_extend_tokens = 0
         self.extend_lens_seen: list[int] = []
+        self.modes_seen: list[ForwardMode] = []
+        self.last_out: list[int] = []
 
     def check_batch(self, b: ModelWorkerBatch) -> None:
         s = self.sched
         bs = b.batch_size
-        assert b.forward_mode in (ForwardMode.EXTEND, ForwardMode.DECODE) and bs > 0
+        assert b.forward_mode in (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED) and bs > 0
         assert len(b.input_ids) == sum(b.extend_lens) == len(b.out_cache_loc)
         assert b.sampling.batch_size == bs
         assert all(sl == p + e and e >= 1 for sl, p, e in zip(b.seq_lens, b.prefix_lens, b.extend_lens, strict=True))
@@ -73,33 +81,46 @@ class FakeRank:
         if b.forward_mode == ForwardMode.DECODE:
             assert b.extend_lens == [1] * bs and b.prefix_slots == []
         else:
-            assert len(b.prefix_slots) == sum(b.prefix_lens)
+            held = b.table_lens or [0] * bs
+            assert len(b.prefix_slots) == sum(b.prefix_lens) - sum(held)
             assert 0 not in b.prefix_slots and not set(b.prefix_slots) & set(b.out_cache_loc)
+            n_dec = 0  # a MIXED batch ends with its decode rows (one token, prefix already on the rank)
+            if b.forward_mode == ForwardMode.MIXED:
+                while n_dec < bs and b.extend_lens[bs - 1 - n_dec] == 1 and 0 < held[bs - 1 - n_dec] == \
+                        b.prefix_lens[bs - 1 - n_dec]:
+                    n_dec += 1
+                assert n_dec > 0  # (a one-token chunk continuation looks the same: a lower bound on prompts)
             limit = s.config.max_prefill_tokens
             if s.config.chunked_prefill_size is not None:
                 limit = min(limit, s.config.chunked_prefill_size)
                 assert b.num_tokens <= limit
-            elif bs > 1:
+            elif bs - n_dec > 1:
                 assert b.num_tokens <= limit
 
     def step(self, b: ModelWorkerBatch) -> StepOutput:
         self.check_batch(b)
         self.num_batches += 1
-        if b.forward_mode == ForwardMode.EXTEND:
+        self.modes_seen.append(b.forward_mode)
+        if b.forward_mode.is_extend():
             self.max_extend_tokens = max(self.max_extend_tokens, b.num_tokens)
+        # Placeholders -(i + 1): row i of the previous step's answer (only that step's rows are referenced).
+        ids = [self.last_out[-t - 1] if t < 0 else t for t in b.input_ids]
         p = o = 0
         out = []
-        for row, pre, sl in zip(b.req_pool_indices, b.prefix_lens, b.seq_lens, strict=True):
+        held = b.table_lens or [0] * b.batch_size
+        for row, pre, sl, tl in zip(b.req_pool_indices, b.prefix_lens, b.seq_lens, held, strict=True):
             table = self.table.setdefault(row, {})
-            if b.forward_mode == ForwardMode.EXTEND:
-                self.extend_lens_seen.append(sl - pre)
-                for pos in range(pre):
-                    table[pos] = b.prefix_slots[p + pos]
-                p += pre
+            if b.forward_mode.is_extend():
+                if sl - pre > 1 or b.forward_mode == ForwardMode.EXTEND:
+                    self.extend_lens_seen.append(sl - pre)
+                assert all(pos in table for pos in range(tl)), "table_len claims positions the table lacks"
+                for pos in range(tl, pre):
+                    table[pos] = b.prefix_slots[p + pos - tl]
+                p += pre - tl
             for pos in range(pre, sl):
                 slot = b.out_cache_loc[o]
                 table[pos] = slot
-                self.kv[slot] = (pos, b.input_ids[o])
+                self.kv[slot] = (pos, ids[o])
                 o += 1
             seq = []
             for pos in range(sl):
@@ -107,10 +128,12 @@ class FakeRank:
                 assert kv_pos == pos, f"slot {table[pos]} holds position {kv_pos}, expected {pos}"
                 seq.append(tok)
             out.append(next_token(seq))
+        self.last_out = out
         return StepOutput(next_token_ids=out)
 
 
 def make(max_total_tokens=4096, ctx=512, radix=True, eos=NO_EOS, detokenize=detok, **sched_kw) -> Scheduler:
+    sched_kw.setdefault("enable_mixed_chunk", False)
     return Scheduler(SchedulerConfig(**sched_kw), CacheConfig(max_total_tokens=max_total_tokens, max_context_len=ctx,
                                                                 enable_radix_cache=radix),
                      eos_token_ids=eos, detokenize=detokenize)
@@ -122,11 +145,13 @@ def live_slots(s: Scheduler) -> dict[int, set[int]]:
 
 
 def drive(s: Scheduler, arrivals: dict[int, list[Req]], max_steps: int = 20000, aborts=None,
-          rank: FakeRank | None = None) -> dict[str, Req]:
-    """Run the scheduler to completion, checking invariants every step. ``arrivals``: step -> requests to add."""
+          rank: FakeRank | None = None, overlap: bool = False) -> dict[str, Req]:
+    """Run the scheduler to completion, checking invariants every step. ``arrivals``: step -> requests to add.
+    ``overlap``: form each step before applying the previous step's tokens (the driver's overlap scheduling)."""
     rank = rank or getattr(s, "rank", None) or FakeRank(s)
     finished: dict[str, Req] = {}
     aborts = aborts or {}
+    inflight: deque = deque()
     for step in range(max_steps):
         for r in arrivals.get(step, []):
             s.add_request(r)
@@ -134,26 +159,29 @@ def drive(s: Scheduler, arrivals: dict[int, list[Req]], max_steps: int = 20000, 
             r = s.abort_request(rid)
             if r is not None:
                 finished[rid] = r
-        if not s.has_unfinished() and step > max(arrivals, default=0):
+        if not s.has_unfinished() and not inflight and step > max(arrivals, default=0):
             break
         before = live_slots(s)
         batch = s.get_next_batch_to_run()
         for r in s.drain_finished():
             finished[r.rid] = r
-        if batch is None:
+        if batch is not None:
+            # A request that lives on across scheduling keeps its slots; nobody else may get them.
+            after = live_slots(s)
+            new = set(batch.worker_batch.out_cache_loc)
+            for key, slots in before.items():
+                if key in after:
+                    assert not slots & new, "a live request's slot was handed out again"
+            inflight.append((batch, rank.step(batch.worker_batch)))  # ranks run steps in launch order
+        elif not inflight:
             assert not s.has_unfinished(), "scheduler stalled with unfinished requests"
             continue
-        # A request that lives on across scheduling keeps its slots; nobody else may get them.
-        after = live_slots(s)
-        new = set(batch.worker_batch.out_cache_loc)
-        for key, slots in before.items():
-            if key in after:
-                assert not slots & new, "a live request's slot was handed out again"
-        done = s.process_batch_result(batch, rank.step(batch.worker_batch))
-        s.check_memory_invariants()
-        for r in done:
-            if r.finished:
-                finished[r.rid] = r
+        if not overlap or len(inflight) == 2 or batch is None:
+            done = s.process_batch_result(*inflight.popleft())
+            s.check_memory_invariants()
+            for r in done:
+                if r.finished:
+                    finished[r.rid] = r
     else:
         raise AssertionError("did not finish")
     assert_clean(s)
@@ -219,41 +247,50 @@ SCENARIOS = {
 }
 
 
+MODES = pytest.mark.parametrize(("overlap", "mixed"), [(False, False), (True, False), (False, True), (True, True)],
+                                ids=["plain", "overlap", "mixed", "overlap_mixed"])
+
+
+@MODES
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_same_tokens_whatever_the_batching(name):
+def test_same_tokens_whatever_the_batching(name, overlap, mixed):
     sc = SCENARIOS[name]
     specs = workload(n=10, shared=6, seed=sum(map(ord, name)))
-    s = make(**sc["cache"], **sc["sched"])
-    finished = drive(s, {0: [Req(*spec) for spec in specs]})
+    s = make(**sc["cache"], **sc["sched"], enable_mixed_chunk=mixed)
+    finished = drive(s, {0: [Req(*spec) for spec in specs]}, overlap=overlap)
     check_against_reference(specs, finished)
     if name == "chunked_5":
         assert s.rank.max_extend_tokens == 5
 
 
-def test_prefix_sharing_hits_cache():
+@MODES
+def test_prefix_sharing_hits_cache(overlap, mixed):
     specs = workload(n=8, shared=24, seed=3)
-    s = make(chunked_prefill_size=16)
+    s = make(chunked_prefill_size=16, enable_mixed_chunk=mixed)
     # Staggered so that earlier requests finished (and were cached) when later ones arrive.
-    finished = drive(s, stagger(specs, lambda i: 4 * i))
+    finished = drive(s, stagger(specs, lambda i: 4 * i), overlap=overlap)
     check_against_reference(specs, finished)
     assert s.hit_tokens > 0 and s.tree_cache.hit_tokens > 0
     assert any(finished[rid].cached_tokens > 0 for rid, _, _ in specs)
 
 
-def test_small_pool_forces_retraction():
+@MODES
+def test_small_pool_forces_retraction(overlap, mixed):
     specs = workload(n=10, shared=4, seed=5, max_tokens=(20, 40))
-    s = make(max_total_tokens=70, chunked_prefill_size=8)
-    finished = drive(s, {0: [Req(*spec) for spec in specs]})
+    s = make(max_total_tokens=70, chunked_prefill_size=8, enable_mixed_chunk=mixed)
+    finished = drive(s, {0: [Req(*spec) for spec in specs]}, overlap=overlap)
     check_against_reference(specs, finished)
     assert s.num_retractions > 0
     assert any(finished[rid].num_retractions > 0 for rid, _, _ in specs)
 
 
-def test_requests_added_while_others_decode():
+@MODES
+def test_requests_added_while_others_decode(overlap, mixed):
     specs = workload(n=12, shared=3, seed=9)
-    s = make(chunked_prefill_size=6, max_running_requests=5)
-    finished = drive(s, stagger(specs, lambda i: 2 * i + (i % 3)))
+    s = make(chunked_prefill_size=6, max_running_requests=5, enable_mixed_chunk=mixed)
+    finished = drive(s, stagger(specs, lambda i: 2 * i + (i % 3)), overlap=overlap)
     check_against_reference(specs, finished)
+    assert (ForwardMode.MIXED in s.rank.modes_seen) == mixed
 
 
 def test_fully_cached_prompt_still_computes_last_token():
@@ -278,19 +315,21 @@ def test_max_tokens_one_finishes_at_prefill():
     assert s.rank.num_batches == 3  # 10 tokens in chunks of 4, "b" joins the last chunk
 
 
-def test_max_context_len_ends_with_length():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_max_context_len_ends_with_length(overlap):
     prompt = list(range(10))
     params = SamplingParams(max_tokens=100)
     s = make(ctx=14)
-    r = drive(s, {0: [Req("a", prompt, params)]})["a"]
+    r = drive(s, {0: [Req("a", prompt, params)]}, overlap=overlap)["a"]
     assert len(r.output_ids) == 4 and r.output_ids == reference(prompt, params, ctx=14)
     assert r.finished_reason.kind == FinishKind.LENGTH
 
 
-def test_sequence_that_outgrows_the_pool_ends_with_length():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sequence_that_outgrows_the_pool_ends_with_length(overlap):
     s = make(max_total_tokens=10)
     prompt = list(range(8))
-    r = drive(s, {0: [Req("a", prompt, SamplingParams(max_tokens=50))]})["a"]
+    r = drive(s, {0: [Req("a", prompt, SamplingParams(max_tokens=50))]}, overlap=overlap)["a"]
     # The KV of prompt + output minus the last token fills all 10 slots; one more token would need an 11th.
     assert len(r.output_ids) == 3 and r.output_ids == reference(prompt, SamplingParams(max_tokens=3))
     assert r.finished_reason.kind == FinishKind.LENGTH
@@ -312,24 +351,27 @@ def test_last_request_without_a_slot_is_finished_not_hung():
     assert_clean(s)
 
 
-def test_stop_token_ids_eos_and_ignore_eos():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stop_token_ids_eos_and_ignore_eos(overlap):
     prompt = [4, 8, 15, 16, 23, 42]
     full = reference(prompt, SamplingParams(max_tokens=12))
     stop_tok = full[4]
     k = full.index(stop_tok)
     s = make()
-    got = drive(s, {0: [Req("st", prompt, SamplingParams(max_tokens=12, stop_token_ids=(stop_tok,)))]})["st"]
+    got = drive(s, {0: [Req("st", prompt, SamplingParams(max_tokens=12, stop_token_ids=(stop_tok,)))]},
+                overlap=overlap)["st"]
     assert got.output_ids == full[: k + 1]
     assert got.finished_reason.kind == FinishKind.STOP and got.finished_reason.matched == stop_tok
 
     s = make(eos=(stop_tok,))
     finished = drive(s, {0: [Req("eos", prompt, SamplingParams(max_tokens=12)),
-                             Req("ign", prompt, SamplingParams(max_tokens=12, ignore_eos=True))]})
+                             Req("ign", prompt, SamplingParams(max_tokens=12, ignore_eos=True))]}, overlap=overlap)
     assert finished["eos"].output_ids == full[: k + 1] and finished["eos"].finished_reason.matched == stop_tok
     assert finished["ign"].output_ids == full and finished["ign"].finished_reason.kind == FinishKind.LENGTH
 
 
-def test_stop_strings_use_a_tail_window():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stop_strings_use_a_tail_window(overlap):
     prompt = [1, 2, 3]
     full = reference(prompt, SamplingParams(max_tokens=60))
     text = detok(full)
@@ -342,7 +384,8 @@ def test_stop_strings_use_a_tail_window():
         return detok(ids)
 
     s = make(detokenize=counting_detok)
-    r = drive(s, {0: [Req("a", prompt, SamplingParams(max_tokens=60, stop=("zzzzzzzz", stop)))]})["a"]
+    r = drive(s, {0: [Req("a", prompt, SamplingParams(max_tokens=60, stop=("zzzzzzzz", stop)))]},
+              overlap=overlap)["a"]
     assert r.output_ids == full[:end]
     assert r.finished_reason.kind == FinishKind.STOP and r.finished_reason.matched == stop
     assert max(calls) <= 4 * 8 + 1 < len(r.output_ids)
@@ -417,17 +460,24 @@ def test_abort_waiting_running_chunked_and_in_flight():
     assert_clean(s)
 
 
-def test_one_batch_in_flight_only():
+def test_two_batches_in_flight_at_most_and_results_oldest_first():
     s = make()
     s.add_request(Req("a", [1, 2], SamplingParams(max_tokens=3)))
     b = s.get_next_batch_to_run()
+    b2 = s.get_next_batch_to_run()  # overlap: formed before b's token is known, it reads it through a placeholder
+    assert b2.worker_batch.input_ids == [-1] and b2.worker_batch.sampling.output_lens == [1]
     with pytest.raises(RuntimeError):
         s.get_next_batch_to_run()
     with pytest.raises(ValueError):
+        s.process_batch_result(b2, StepOutput(next_token_ids=[4]))  # not the oldest
+    with pytest.raises(ValueError):
         s.process_batch_result(b, StepOutput(next_token_ids=[]))
     s.process_batch_result(b, StepOutput(next_token_ids=[3]))
+    assert s.running[0].output_ids == [3] and s.running[0].pending_ids == [-1]
     with pytest.raises(ValueError):
         s.process_batch_result(b, StepOutput(next_token_ids=[3]))
+    s.process_batch_result(b2, StepOutput(next_token_ids=[4]))
+    assert s.running[0].output_ids == [3, 4] and s.running[0].pending_ids == []
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -443,15 +493,18 @@ def test_one_batch_in_flight_only():
     radix=st.booleans(),
     spread=st.integers(0, 5),
     aborts=st.dictionaries(st.integers(0, 9), st.integers(0, 60), max_size=3),
+    overlap=st.booleans(),
+    mixed=st.booleans(),
 )
-def test_random_workloads(seed, n, shared, pool, chunk, max_prefill, rows, policy, radix, spread, aborts):
+def test_random_workloads(seed, n, shared, pool, chunk, max_prefill, rows, policy, radix, spread, aborts, overlap,
+                          mixed):
     specs = workload(n=n, shared=shared, seed=seed, max_tokens=(1, 30))
     s = make(max_total_tokens=pool, radix=radix, chunked_prefill_size=chunk, max_prefill_tokens=max_prefill,
-             max_running_requests=rows, schedule_policy=policy)
+             max_running_requests=rows, schedule_policy=policy, enable_mixed_chunk=mixed)
     plan: dict[int, list[str]] = {}
     for i, step in aborts.items():
         plan.setdefault(step, []).append(f"r{i}")
-    finished = drive(s, stagger(specs, lambda i: spread * i), aborts=plan)
+    finished = drive(s, stagger(specs, lambda i: spread * i), aborts=plan, overlap=overlap)
     for rid, prompt, params in specs:
         r, want = finished[rid], reference(prompt, params, ctx=min(512, pool + 1))
         if r.finished_reason.kind == FinishKind.ABORT:

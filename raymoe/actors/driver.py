@@ -7,6 +7,13 @@ the batches to an executor that fans them out to the ranks, and feeds the sample
 
 Written as a plain class: the single-rank engine runs it in-process; the cluster engine wraps it in a Ray actor.
 
+Overlap (zero-overhead) scheduling, after SGLang's overlap event loop: each :meth:`Driver.step` forms step N+1 and
+sends it to the ranks *before* it waits for step N and applies its tokens, so the driver's scheduling, batch
+building and output handling run while the ranks compute. Step N+1's decode rows carry placeholders for the tokens
+step N samples (``raymoe.scheduler.req``), which the ranks resolve on the device (``raymoe.runner.future_tokens``).
+A request that step N finishes may have a row in step N+1; that row's token is dropped, so stop conditions and
+aborts take effect at the same token as without overlap. ``SchedulerConfig.disable_overlap_schedule`` turns it off.
+
 Fault scope: a request whose own row cannot be built or post-processed fails alone (the schedulers see to it).
 A step that a rank could not compute (:class:`~raymoe.actors.executor.RankStepError`) fails the requests of that
 step and keeps the ranks when they all still answer; a second failed step in a row, or a rank fault
@@ -17,8 +24,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import replace
-from typing import Protocol
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 from raymoe.actors.executor import RankFailure, RankStepError
 from raymoe.comm.a2a_plan import apply_dispatch_plan
@@ -28,18 +35,34 @@ from raymoe.overlap.decision import apply_tbo_decision
 from raymoe.runner.graph_buckets import apply_graph_plan
 from raymoe.scheduler.req import Req, RequestFault, RequestFaultError
 from raymoe.scheduler.sampling_params import SamplingParams
-from raymoe.scheduler.schedule_batch import check_sampling_row
+from raymoe.scheduler.schedule_batch import ScheduleBatch, check_sampling_row
 from raymoe.scheduler.scheduler import IdleReport, Scheduler
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
 
 
 class StepExecutor(Protocol):
-    """Runs one global step: one ``ModelWorkerBatch`` per DP group -> one ``StepOutput`` per DP group."""
+    """Runs one global step: one ``ModelWorkerBatch`` per DP group -> one ``StepOutput`` per DP group.
+
+    ``launch`` sends a step without waiting and ``collect`` waits for it; the ranks run launched steps in launch
+    order and steps are collected in that order. ``execute`` is ``collect(launch(batches))``.
+    """
 
     def execute(self, batches: list[ModelWorkerBatch]) -> list[StepOutput]: ...
 
+    def launch(self, batches: list[ModelWorkerBatch]) -> Any: ...
+
+    def collect(self, handle: Any) -> list[StepOutput]: ...
+
     def ranks_alive(self) -> bool: ...
+
+
+@dataclass
+class _LaunchedStep:
+    """A step sent to the ranks: each DP group's batch (None: the group ran IDLE) and the executor's handle."""
+
+    sched_batches: list[ScheduleBatch | None]
+    handle: Any
 
 # Failed steps in a row (RankStepError) after which the ranks are restarted even though they answer.
 MAX_CONSECUTIVE_STEP_ERRORS = 2
@@ -82,6 +105,8 @@ class Driver:
         self.num_failed_steps = 0  # steps a rank raised in (their requests failed; ranks kept)
         self._step_errors_in_a_row = 0
         self.last_step_seconds: list[float] = []  # forward+sample seconds of each DP group's tp-rank 0
+        self.overlap_schedule = not config.scheduler.disable_overlap_schedule
+        self._launched: _LaunchedStep | None = None  # overlap scheduling: the step the ranks are computing
 
     def new_rid(self) -> str:
         return f"req-{next(self._ids)}"
@@ -131,19 +156,41 @@ class Driver:
         self.reqs.clear()
         self.group_of.clear()
         self._step_errors_in_a_row = 0
+        self._launched = None
         return dropped
 
     def has_unfinished(self) -> bool:
-        return any(s.has_unfinished() for s in self.schedulers)
+        """Whether a request is unfinished or a step is still in flight (``step`` must be called again)."""
+        return self._launched is not None or any(s.has_unfinished() for s in self.schedulers)
 
     def step(self) -> list[Req]:
-        """Run one global step. Returns requests that got a token or finished this step (finished ones are
-        forgotten by the driver afterwards)."""
+        """Run one global step. Returns requests that got a token or finished (finished ones are forgotten by the
+        driver afterwards).
+
+        With overlap scheduling it sends the next step to the ranks first and then applies the tokens of the step
+        sent by the previous call, so the returned requests are those of that previous step.
+
+        Raises:
+            RankFailure: the ranks must be restarted (every in-flight request is left to the caller to fail).
+        """
+        updated: list[Req] = []
+        launched = self._launch_next(updated)
+        if not self.overlap_schedule:
+            if launched is not None:
+                updated.extend(self._finish(launched))
+            return self._forget_finished(updated)
+        previous, self._launched = self._launched, launched
+        if previous is not None:
+            updated.extend(self._finish(previous))
+        return self._forget_finished(updated)
+
+    def _launch_next(self, early: list[Req]) -> _LaunchedStep | None:
+        """Form every group's next batch, make the step-wide decisions and send the step; ``None`` when no group
+        has work. Requests the schedulers finished while scheduling (out of KV) are appended to ``early``."""
         sched_batches = [s.get_next_batch_to_run() for s in self.schedulers]
-        # Requests the schedulers finished while scheduling (e.g. out of KV) are reported too.
-        early = [r for s in self.schedulers for r in s.drain_finished()]
+        early.extend(r for s in self.schedulers for r in s.drain_finished())
         if all(b is None for b in sched_batches):
-            return self._forget_finished(early)
+            return None
         global_tokens = tuple(0 if b is None else len(b.worker_batch.input_ids) for b in sched_batches)
         worker_batches = [
             ModelWorkerBatch.idle(global_tokens) if b is None
@@ -159,19 +206,33 @@ class Driver:
         self.num_tbo_steps += worker_batches[0].use_tbo
         self.num_graph_steps += worker_batches[0].graph_bs is not None
         self.num_low_latency_steps += worker_batches[0].dispatch_capacity is not None
+        launch = self.executor.launch if self.overlap_schedule else self._launch_inline
+        return _LaunchedStep(sched_batches, launch(worker_batches))
+
+    def _launch_inline(self, worker_batches: list[ModelWorkerBatch]) -> Any:
+        """Without overlap: run the step now; its outputs (or its error) are the handle."""
         try:
-            outputs = self.executor.execute(worker_batches)
+            return self.executor.execute(worker_batches)
         except RankStepError as e:
-            return self._forget_finished(early + self._fail_step(e))
+            return e
+
+    def _finish(self, launched: _LaunchedStep) -> list[Req]:
+        """Wait for a launched step and apply its tokens; a step the ranks raised in fails its requests."""
+        try:
+            if isinstance(launched.handle, RankStepError):
+                raise launched.handle
+            outputs = (launched.handle if not self.overlap_schedule else self.executor.collect(launched.handle))
+        except RankStepError as e:
+            return self._fail_step(e)
         self._step_errors_in_a_row = 0
         self.last_step_seconds = [o.forward_seconds for o in outputs]
         self.num_steps += 1
-        self.num_idle_group_steps += sum(b is None for b in sched_batches)
-        updated: list[Req] = early
-        for sched, batch, out in zip(self.schedulers, sched_batches, outputs, strict=True):
+        self.num_idle_group_steps += sum(b is None for b in launched.sched_batches)
+        updated: list[Req] = []
+        for sched, batch, out in zip(self.schedulers, launched.sched_batches, outputs, strict=True):
             if batch is not None:
                 updated.extend(sched.process_batch_result(batch, out))
-        return self._forget_finished(updated)
+        return updated
 
     def _fail_step(self, error: RankStepError) -> list[Req]:
         """A rank raised in the step: fail the step's requests (they free their KV) and keep the ranks if they all
@@ -184,8 +245,15 @@ class Driver:
         self._step_errors_in_a_row += 1
         fault = RequestFault("failed", f"the engine could not compute this request's step ({error}); the "
                                        "other requests go on")
+        alive = self.executor.ranks_alive()
+        if alive and self._launched is not None:  # the next step was sent already: wait for it, drop its tokens
+            following, self._launched = self._launched, None
+            try:
+                self.executor.collect(following.handle)
+            except RankStepError:
+                pass
         failed = [r for s in self.schedulers for r in s.fail_inflight(fault)]
-        if self._step_errors_in_a_row >= MAX_CONSECUTIVE_STEP_ERRORS or not self.executor.ranks_alive():
+        if self._step_errors_in_a_row >= MAX_CONSECUTIVE_STEP_ERRORS or not alive:
             self._forget_finished(failed)
             raise RankFailure(f"{self._step_errors_in_a_row} failed step(s) in a row; restarting the ranks") \
                 from error

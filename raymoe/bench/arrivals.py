@@ -25,7 +25,7 @@ from pathlib import Path
 
 from raymoe.bench.compare import PEER_NAME, peer_env, peer_serve_cmd, raymoe_serve_cmd, stop_server, wait_healthy
 
-DEFAULT_CONFIGS = "mixed-off=--disable-mixed-chunk;mixed-on=--enable-mixed-chunk"
+DEFAULT_CONFIGS = "mixed-off=--no-enable-mixed-chunk;mixed-on=--enable-mixed-chunk"
 DEFAULT_DATASET = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "mtbench_style.jsonl"
 # Flags the benchmark sets itself: a configuration must not move the server it is polling.
 _RESERVED_FLAGS = ("--model", "--served-model-name", "--host", "--port")

@@ -66,7 +66,8 @@ def _cmd_serve(a: argparse.Namespace) -> None:
             max_context_len=a.max_context_len, max_running_requests=a.max_running_requests,
             max_queued_requests=a.max_queued_requests, max_in_flight=a.max_in_flight,
             api_key=a.api_key or os.environ.get("RAYMOE_API_KEY"), ray_address=a.address, fanout=a.fanout,
-            limits=_limits(a), a2a_mode=a.a2a_mode)
+            limits=_limits(a), a2a_mode=a.a2a_mode, chunked_prefill_size=a.chunked_prefill_size,
+            enable_mixed_chunk=a.enable_mixed_chunk, disable_overlap_schedule=a.disable_overlap_schedule)
     except ValidationError as e:
         first = e.errors()[0]
         raise InvalidRequestError(".".join(map(str, first["loc"])), first["msg"]) from None
@@ -102,6 +103,12 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--max-running-requests", type=int, default=None, help="decode batch limit per DP group")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="waiting requests per DP group before 429")
+    p.add_argument("--chunked-prefill-size", type=int, default=None, help="prompt tokens per step (default 512)")
+    p.add_argument("--enable-mixed-chunk", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefill steps also decode the running requests (MIXED batches; default: on)")
+    p.add_argument("--disable-overlap-schedule", action="store_true", default=None,
+                   help="form each step after the previous one finished (default: the next step is formed and "
+                        "sent while the ranks compute)")
     p.add_argument("--max-in-flight", type=int, default=None, help="HTTP requests served at once before 429")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $RAYMOE_API_KEY)")
     p.add_argument("--fanout", default=None, choices=["compiled", "remote"],

@@ -94,6 +94,9 @@ class ServeOptions(BaseModel):
         fanout: how steps reach multi-rank worlds, ``"compiled"`` | ``"remote"`` (None: the engine default).
         a2a_mode: MoE all-to-all mode, ``"normal"`` | ``"low_latency"`` | ``"auto"`` (None: the engine default,
             ``auto``: low-latency for decode steps).
+        chunked_prefill_size: prompt tokens per step (None: the engine default). enable_mixed_chunk: prefill steps
+            also decode the running requests (None: the engine default, on). disable_overlap_schedule: form each
+            step only after the previous one finished (None: the engine default, overlap on).
     """
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
@@ -117,6 +120,9 @@ class ServeOptions(BaseModel):
     ray_address: str | None = None
     fanout: str | None = None
     a2a_mode: str | None = None
+    chunked_prefill_size: int | None = Field(None, ge=1)
+    enable_mixed_chunk: bool | None = None
+    disable_overlap_schedule: bool | None = None
 
     @property
     def world_size(self) -> int:
@@ -144,7 +150,7 @@ class ServeOptions(BaseModel):
                    "dtype": self.dtype, "seed": self.seed, "device": self.device,
                    "ray_address": self.ray_address}
         for name in ("max_total_tokens", "max_context_len", "max_running_requests", "max_queued_requests",
-                     "fanout", "a2a_mode"):
+                     "fanout", "a2a_mode", "chunked_prefill_size", "enable_mixed_chunk", "disable_overlap_schedule"):
             if getattr(self, name) is not None:
                 options[name] = getattr(self, name)
         config = _split_options(model, options)

@@ -26,14 +26,17 @@ class ReqToTokenPool:
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
 
     def write_extend(self, req_pool_indices: list[int], prefix_lens: list[int], seq_lens: list[int],
-                     prefix_slots: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
-        """Fill rows for an extend batch: positions [0, prefix) from ``prefix_slots`` (concatenated per
-        request) and [prefix, seq_len) from ``out_cache_loc`` (concatenated per request)."""
+                     prefix_slots: torch.Tensor, out_cache_loc: torch.Tensor,
+                     table_lens: list[int] | None = None) -> None:
+        """Fill rows for an extend (or MIXED) batch: positions [table_len, prefix) from ``prefix_slots``
+        (concatenated per request; ``table_lens``: positions each row already holds, default 0) and
+        [prefix, seq_len) from ``out_cache_loc`` (concatenated per request)."""
         p = o = 0
-        for row, pre, sl in zip(req_pool_indices, prefix_lens, seq_lens, strict=True):
-            if pre:
-                self.req_to_token[row, :pre] = prefix_slots[p:p + pre]
-                p += pre
+        held = table_lens or [0] * len(prefix_lens)
+        for row, pre, sl, tl in zip(req_pool_indices, prefix_lens, seq_lens, held, strict=True):
+            if pre > tl:
+                self.req_to_token[row, tl:pre] = prefix_slots[p:p + pre - tl]
+                p += pre - tl
             n = sl - pre
             self.req_to_token[row, pre:sl] = out_cache_loc[o:o + n]
             o += n

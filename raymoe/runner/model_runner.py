@@ -23,6 +23,7 @@ from raymoe.models.loader import CheckpointReader
 from raymoe.models.registry import get_model_class
 from raymoe.overlap.split import TboForwardBatchPreparer
 from raymoe.runner.forward_batch import ForwardBatch
+from raymoe.runner.future_tokens import FutureTokenMap
 from raymoe.runner.graph_buckets import capture_sizes
 from raymoe.runner.sampler import Sampler
 from raymoe.step.step_output import StepOutput
@@ -137,6 +138,7 @@ class ModelRunner:
 
         self.attn_backend = TboAttnBackend.create(make_backend) if cfg.overlap.enable_tbo else make_backend()
         self.sampler = Sampler(cfg.seed, self.device)
+        self.future_tokens = FutureTokenMap(cfg.max_req_rows, self.device)
         self.graph_runner = None
         if cfg.graph_capture_sizes:
             from raymoe.runner.graph_runner import GraphRunner
@@ -159,10 +161,12 @@ class ModelRunner:
         ``for_graph``: only the table and tensors (a graph replay has its own metadata and its own TBO split of
         the padded batch)."""
         fb = ForwardBatch.from_worker_batch(batch, self.device)
+        if batch.input_ids and min(batch.input_ids) < 0:  # overlap scheduling: tokens of the previous step
+            fb.input_ids = self.future_tokens.resolve(fb.input_ids)
         if batch.forward_mode.is_extend():
             prefix_slots = torch.tensor(batch.prefix_slots, dtype=torch.int64, device=self.device)
             self.req_to_token_pool.write_extend(batch.req_pool_indices, batch.prefix_lens, batch.seq_lens,
-                                                prefix_slots, fb.out_cache_loc)
+                                                prefix_slots, fb.out_cache_loc, batch.table_lens)
         elif batch.forward_mode.is_decode():
             self.req_to_token_pool.write_decode(fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc)
         fb.attn_backend = self.attn_backend
@@ -197,4 +201,5 @@ class ModelRunner:
         if fb.batch_size == 0:
             return StepOutput([], [], time.perf_counter() - t0)
         next_ids, logprobs = self.sampler(logits, fb.sampling)
+        self.future_tokens.store(next_ids)
         return StepOutput(next_ids.tolist(), logprobs, time.perf_counter() - t0)

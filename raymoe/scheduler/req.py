@@ -7,6 +7,12 @@ Ownership: the per-DP-group ``Scheduler`` owns every :class:`Req` it accepted; t
 KV accounting (units are tokens, one KV slot per token): ``kv_slots[i]`` holds the keys/values of ``fill_ids[i]``.
 Its first ``prefix_len`` entries belong to the radix cache (locked through ``last_node``), the rest to the request.
 While a request decodes, ``len(kv_slots) == len(fill_ids) - 1``: the newest sampled token is fed by the next step.
+
+Overlap scheduling (``raymoe.actors.driver``) builds step N+1 before step N's tokens are known. A row of a step in
+flight that will sample a token gets a *placeholder* id in ``pending_ids`` (``-(row + 1)``: the rank reads that row
+of its previous step's sampled ids, ``raymoe.runner.future_tokens``). The scheduler sees the request as if that
+token were there (``sched_seq_len``, ``tokens``) and ``Scheduler.process_batch_result`` swaps the placeholder for
+the real token. ``output_ids`` and ``fill_ids`` only ever hold real tokens.
 """
 
 from __future__ import annotations
@@ -110,6 +116,10 @@ class Req:
         admit_seq: order of the latest admission into a prefill batch (retraction picks the latest first).
         cached_tokens: prompt tokens served from the radix cache, summed over admissions (metrics).
         num_retractions: times this request was pushed back to the waiting queue.
+        pending_ids: placeholder ids (negative) of tokens that steps in flight will sample for this request, oldest
+            first (at most one while scheduling; see the module docstring).
+        table_len: leading positions of the request's ReqToTokenPool row that the ranks' table already holds
+            (their slots are not sent again); 0 after every (re-)admission.
     """
 
     rid: str
@@ -126,6 +136,8 @@ class Req:
     admit_seq: int = -1
     cached_tokens: int = 0
     num_retractions: int = 0
+    pending_ids: list[int] = field(default_factory=list)
+    table_len: int = 0
 
     def __post_init__(self) -> None:
         self.origin_input_ids = [int(t) for t in self.origin_input_ids]
@@ -140,14 +152,33 @@ class Req:
         """Tokens in ``fill_ids``."""
         return len(self.origin_input_ids) + len(self.output_ids)
 
+    @property
+    def sched_seq_len(self) -> int:
+        """Tokens the scheduler plans with: ``seq_len`` plus the tokens steps in flight will sample."""
+        return len(self.origin_input_ids) + len(self.output_ids) + len(self.pending_ids)
+
     def tokens(self, start: int, end: int) -> list[int]:
-        """``fill_ids[start:end]`` without building ``fill_ids`` (cheap for the one-token decode slice)."""
+        """Positions ``[start, end)`` of the prompt, the output and then the placeholders of ``pending_ids``,
+        without building the whole list (cheap for the one-token decode slice)."""
         p = len(self.origin_input_ids)
         if end <= p:
             return self.origin_input_ids[start:end]
-        if start >= p:
-            return self.output_ids[start - p : end - p]
-        return self.origin_input_ids[start:] + self.output_ids[: end - p]
+        o = p + len(self.output_ids)
+        if start >= o:
+            return self.pending_ids[start - o : end - o]
+        head = self.origin_input_ids[start:] if start < p else []
+        out = self.output_ids[max(start - p, 0) : end - p]
+        return head + out + (self.pending_ids[: end - o] if end > o else [])
+
+    def length_capped(self, max_context_len: int, kv_pool_size: int) -> bool:
+        """Whether the request finishes by a length limit once its pending tokens arrive, whatever they are
+        (``max_tokens``, ``max_context_len`` or the KV pool; see :meth:`check_finished`): then it is not scheduled
+        again."""
+        if not self.pending_ids:
+            return False
+        n = self.sched_seq_len
+        return (len(self.output_ids) + len(self.pending_ids) >= self.sampling_params.max_tokens
+                or n >= max_context_len or n > kv_pool_size)
 
     @property
     def kv_len(self) -> int:
@@ -164,12 +195,14 @@ class Req:
         self.output_logprobs.append(logprobs)
 
     def finish(self, kind: FinishKind, matched: int | str | None = None, message: str = "") -> None:
-        """Mark the request finished (the first reason wins)."""
+        """Mark the request finished (the first reason wins); placeholders of steps in flight are dropped."""
+        self.pending_ids.clear()
         if self.finished_reason is None:
             self.finished_reason = FinishReason(kind, matched, message)
 
     def fail(self, fault: RequestFault) -> None:
         """Mark the request finished with an error (``FinishKind.ERROR``); the first reason wins."""
+        self.pending_ids.clear()
         if self.finished_reason is None:
             self.finished_reason = FinishReason(FinishKind.ERROR, message=fault.message, fault=fault)
 
@@ -230,3 +263,4 @@ class Req:
         self.kv_slots = []
         self.prefix_len = 0
         self.last_node = None
+        self.table_len = 0

@@ -30,7 +30,7 @@ class ScheduleBatch:
         partial: ``bs`` flags, true for a prefill chunk that does not reach the end of ``fill_ids`` (its sampled
             token is discarded).
         worker_batch: the step as plain data (token ids, lengths, rows, KV slots, sampling inputs), EXTEND
-            (prefill or a prefill chunk) or DECODE.
+            (prefill or a prefill chunk), DECODE, or MIXED (prefill chunks and decode rows in one forward).
     Raises:
         ValueError: ``reqs``, ``partial`` and ``worker_batch`` disagree on ``bs``.
     """
@@ -49,17 +49,19 @@ class ScheduleBatch:
         """Snapshot a step from request state whose ``kv_slots`` already end with this step's slots.
 
         For request ``r`` with extend length ``e``, the step computes positions ``[r.kv_len - e, r.kv_len)`` of
-        ``r.fill_ids`` into slots ``r.kv_slots[-e:]``; an EXTEND step also carries the slots of positions
-        ``[0, r.kv_len - e)`` for the rank's table.
+        its tokens (``r.tokens``: the prompt, the output, then placeholders of tokens still being sampled) into
+        slots ``r.kv_slots[-e:]``. An EXTEND or MIXED step also carries the slots of positions
+        ``[r.table_len, r.kv_len - e)`` that the ranks' table lacks. In a MIXED batch the decode rows
+        (``e == 1``, prefix already on the ranks) follow the extend rows.
 
         Raises:
-            ValueError: ``forward_mode`` is not EXTEND or DECODE, or the lengths do not match the requests.
+            ValueError: ``forward_mode`` is IDLE, or the lengths do not match the requests.
             RequestFaultError: one request's row cannot be built (a decode row has ``e != 1``, ``e < 1``, its KV
-                would run past its ``fill_ids``, it holds no ReqToTokenPool row, or its sampling parameters
-                cannot be represented on the ranks); the caller fails that request and builds again without it.
+                would run past its tokens, it holds no ReqToTokenPool row, or its sampling parameters cannot be
+                represented on the ranks); the caller fails that request and builds again without it.
         """
-        if forward_mode not in (ForwardMode.EXTEND, ForwardMode.DECODE):
-            raise ValueError(f"ScheduleBatch supports EXTEND and DECODE, got {forward_mode!r}")
+        if forward_mode == ForwardMode.IDLE:
+            raise ValueError("ScheduleBatch builds EXTEND, MIXED and DECODE batches, not IDLE")
         if len(reqs) != len(extend_lens):
             raise ValueError("one extend length per request is required")
         decode = forward_mode == ForwardMode.DECODE
@@ -67,23 +69,27 @@ class ScheduleBatch:
         out_cache_loc: list[int] = []
         prefix_slots: list[int] = []
         prefix_lens: list[int] = []
+        table_lens: list[int] = []
         partial: list[bool] = []
         for req, e in zip(reqs, extend_lens, strict=True):
             end = req.kv_len
             start = end - e
-            if e < 1 or start < 0 or end > req.seq_len or (decode and e != 1):
+            total = req.sched_seq_len
+            if e < 1 or start < 0 or end > total or (decode and e != 1):
                 raise RequestFaultError(req, RequestFault(
-                    "failed", f"bad extend length {e} for kv_len {end}, seq_len {req.seq_len}"))
+                    "failed", f"bad extend length {e} for kv_len {end}, seq_len {total}"))
             if req.req_pool_idx is None:
                 raise RequestFaultError(req, RequestFault("failed", "the request holds no KV row"))
-            if not decode:  # every request is extended before it decodes, and its parameters are frozen
+            if req.table_len == 0:  # first step since (re-)admission: its parameters are frozen from here on
                 check_sampling_row(req)
             input_ids += req.tokens(start, end)
             out_cache_loc += req.kv_slots[start:end]
             if not decode:
-                prefix_slots += req.kv_slots[:start]
+                held = min(req.table_len, start)
+                prefix_slots += req.kv_slots[held:start]
+                table_lens.append(held)
             prefix_lens.append(start)
-            partial.append(end < req.seq_len)
+            partial.append(end < total)
         worker_batch = ModelWorkerBatch(
             forward_mode=forward_mode,
             input_ids=input_ids,
@@ -94,8 +100,17 @@ class ScheduleBatch:
             out_cache_loc=out_cache_loc,
             prefix_slots=prefix_slots,
             sampling=_sampling_inputs(reqs),
+            table_lens=table_lens,
         )
         return cls(reqs=list(reqs), partial=partial, worker_batch=worker_batch)
+
+    def mark_scheduled(self) -> None:
+        """Record on the requests that this batch is on its way to the ranks: their table rows will hold every
+        position up to ``kv_len``, and each row that samples a token gets its placeholder (``-(row + 1)``)."""
+        for i, (req, partial) in enumerate(zip(self.reqs, self.partial, strict=True)):
+            req.table_len = req.kv_len
+            if not partial:
+                req.pending_ids.append(-(i + 1))
 
     @property
     def batch_size(self) -> int:
@@ -140,6 +155,6 @@ def _sampling_inputs(reqs: Sequence[Req]) -> SamplingInputs:
         top_ks=[int(p.top_k) for p in params],
         min_ps=[float(p.min_p) for p in params],
         seeds=[p.seed for p in params],
-        output_lens=[len(r.output_ids) for r in reqs],
+        output_lens=[len(r.output_ids) + len(r.pending_ids) for r in reqs],  # index of the token sampled now
         logprobs=[p.logprobs for p in params],
     )

@@ -4,14 +4,19 @@ Ownership: the Driver owns one ``Scheduler`` per DP-attention group. The schedul
 ``TokenSlotAllocator`` (KV slots), ``ReqSlotAllocator`` (ReqToTokenPool rows), ``RadixCache`` and every accepted
 ``Req``. Each step the driver calls :meth:`Scheduler.get_next_batch_to_run`, ships
 ``batch.worker_batch`` to the ranks, and hands their ``StepOutput`` to
-:meth:`Scheduler.process_batch_result`. Exactly one batch may be in flight.
+:meth:`Scheduler.process_batch_result`. At most two batches may be in flight (overlap scheduling: step N+1 is
+formed while step N runs, its rows read step N's tokens through placeholders, see ``raymoe.scheduler.req``);
+results are processed oldest first.
 
 Request life cycle: ``waiting`` -> admitted by the ``PrefillAdder`` (a long prompt stays ``chunked_req`` until its
 last chunk is scheduled) -> ``running`` (decodes one token per step) -> finished, or retracted back to
 ``waiting`` when decode runs out of KV (it later re-prefills ``origin_input_ids + output_ids`` and continues).
 
 Step policy (SGLang's): prefill first (continue the chunked request, then admit new ones in policy order);
-otherwise decode every running request. Decode needs one new slot per request; when the pool is short the
+otherwise decode every running request. With ``enable_mixed_chunk`` a prefill step also carries one decode row of
+every running request (``ForwardMode.MIXED``), so arrivals never stall the running streams; the decode rows take
+their share of the step's token budget. A running request whose pending token will end it by length is not
+scheduled again. Decode needs one new slot per request; when the pool is short the
 scheduler evicts cached prefixes, then retracts the latest admitted requests, then the chunked request. A request
 whose next decode step would need more KV than the whole pool finishes with LENGTH in ``process_batch_result``,
 so the last running request can always decode; finishing it for lack of KV is only a defensive fallback (such
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -114,7 +120,7 @@ class Scheduler:
         self.num_retractions = 0
         self.hit_tokens = 0
         self._unfinished: dict[str, Req] = {}
-        self._inflight: ScheduleBatch | None = None
+        self._inflight: deque[ScheduleBatch] = deque()  # oldest first
         self._finished_outside_step: list[Req] = []
         self._arrivals = itertools.count()
         self._admissions = itertools.count()
@@ -190,14 +196,20 @@ class Scheduler:
         log.warning("request %s failed: %s", req.rid, fault.message)
 
     def fail_inflight(self, fault: RequestFault) -> list[Req]:
-        """The step in flight failed on the ranks: fail each of its unfinished requests with ``fault`` (their KV
-        is released, nothing is cached) and forget the batch. Returns the failed requests."""
-        batch, self._inflight = self._inflight, None
-        if batch is None:
-            return []
-        failed = [r for r in batch.reqs if not r.finished]
+        """The steps in flight failed on the ranks: fail each of their unfinished requests with ``fault`` (their
+        KV is released, nothing is cached) and forget the batches. Cached prefixes are dropped too (with overlap
+        scheduling a finished request may have cached a slot that only the failed step would have written).
+        Returns the failed requests."""
+        batches, self._inflight = list(self._inflight), deque()
+        failed: list[Req] = []
+        for batch in batches:
+            for req in batch.reqs:
+                if not req.finished and req not in failed:
+                    failed.append(req)
         for req in failed:
             self.fail_request(req, fault, report=False)
+        if batches:
+            self.tree_cache.evict(self.tree_cache.evictable_size())
         return failed
 
     def has_unfinished(self) -> bool:
@@ -215,27 +227,37 @@ class Scheduler:
         return out
 
     # ------------------------------------------------------------------------------------------------ steps
+    # Most batches in flight at once: step N running and step N+1 formed (overlap scheduling).
+    MAX_INFLIGHT = 2
+
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        """Form the next step: a prefill batch if anything can be admitted, else a decode batch of all running
-        requests; ``None`` when there is nothing to run. KV slots for the step are allocated here.
+        """Form the next step: a prefill batch if anything can be admitted (MIXED with the running decodes when
+        ``enable_mixed_chunk``), else a decode batch of the running requests; ``None`` when there is nothing to
+        run. KV slots for the step are allocated here, and the batch is recorded as in flight.
 
         Raises:
-            RuntimeError: the previous batch's result was not processed yet.
+            RuntimeError: ``MAX_INFLIGHT`` batches are in flight already (process the oldest result first).
         """
-        if self._inflight is not None:
-            raise RuntimeError("process_batch_result must be called for the batch in flight first")
-        batch = self._get_prefill_batch()
+        if len(self._inflight) >= self.MAX_INFLIGHT:
+            raise RuntimeError("process_batch_result must be called for the oldest batch in flight first")
+        batch = None
+        if self.config.enable_mixed_chunk and (self.waiting or self.chunked_req is not None):
+            batch = self._get_mixed_batch()
+        if batch is None:
+            batch = self._get_prefill_batch()
         if batch is None:
             batch = self._get_decode_batch()
             if batch is None and (self.waiting or self.chunked_req is not None):
                 batch = self._get_prefill_batch()  # decode may have freed KV by finishing its last request
             if batch is None and self.waiting and not self.running and self.chunked_req is None \
-                    and self.tree_cache.evictable_size() > 0:
+                    and not self._inflight and self.tree_cache.evictable_size() > 0:
                 # Idle pool, and still nothing fits: with pages, cached tokens also strand the free slots of
                 # their pages, which the admission check cannot count. Evicting the whole cache frees every page.
                 self.tree_cache.evict(self.tree_cache.evictable_size())
                 batch = self._get_prefill_batch()
-        self._inflight = batch
+        if batch is not None:
+            batch.mark_scheduled()
+            self._inflight.append(batch)
         return batch
 
     def _build(self, reqs: list[Req], mode: ForwardMode, extend_lens: list[int]) -> ScheduleBatch | None:
@@ -256,14 +278,20 @@ class Scheduler:
         ratio, ctx = self.new_token_ratio, self._max_seq_len
         return sum(decode_reservation(r, r.kv_len, ratio, ctx) for r in self.running)
 
-    def _get_prefill_batch(self) -> ScheduleBatch | None:
+    def _get_prefill_batch(self, decoders: Sequence[Req] = ()) -> ScheduleBatch | None:
+        """Admit prompts (and continue the chunked one) into an EXTEND batch; with ``decoders`` (their decode
+        slots already allocated) a MIXED batch whose decode rows use ``len(decoders)`` tokens of the budgets.
+        ``None`` when no prompt token is admitted."""
         if not self.waiting and self.chunked_req is None:
             return None
         chunked = self.chunked_req
         live = len(self.running) + (chunked is not None)
+        n_dec = len(decoders)
+        chunk = self.config.chunked_prefill_size
         adder = PrefillAdder(
             tree=self.tree_cache, token_allocator=self.token_allocator, req_allocator=self.req_allocator,
-            max_prefill_tokens=self.config.max_prefill_tokens, chunked_prefill_size=self.config.chunked_prefill_size,
+            max_prefill_tokens=self.config.max_prefill_tokens - n_dec,
+            chunked_prefill_size=None if chunk is None else chunk - n_dec,
             max_new_reqs=min(self.config.max_running_requests - live, self.req_allocator.available_size()),
             reserved_tokens=self._running_reservation(),  # the chunked request books its own rest
             new_token_ratio=self.new_token_ratio, max_context_len=self._max_seq_len,
@@ -274,6 +302,8 @@ class Scheduler:
             result = adder.add_chunked_req(chunked)
         if result == AddResult.CONTINUE:
             for req in order_waiting(self.waiting, self.config.schedule_policy, self.tree_cache):
+                if req.pending_ids:  # retracted while a step in flight samples its next token: wait for it
+                    continue
                 if adder.add_one_req(req) != AddResult.CONTINUE:
                     break
         self.chunked_req = adder.new_chunked_req
@@ -287,25 +317,57 @@ class Scheduler:
                 self.hit_tokens += req.prefix_len
             if req is not self.chunked_req:
                 self.running.append(req)
+        if decoders:
+            return self._build(adder.reqs + list(decoders), ForwardMode.MIXED, adder.extend_lens + [1] * n_dec)
         return self._build(adder.reqs, ForwardMode.EXTEND, adder.extend_lens)
+
+    def _decoders(self) -> list[Req]:
+        """Running requests to decode this step: all but those whose pending token ends them by length."""
+        ctx, pool = self.cache_config.max_context_len, self.token_allocator.size
+        return [r for r in self.running if not r.length_capped(ctx, pool)]
+
+    def _alloc_decode_slots(self, decoders: list[Req]) -> None:
+        slots = self.token_allocator.alloc_decode([r.kv_slots[-1] for r in decoders])
+        assert slots is not None, "decode room was checked"
+        for req, slot in zip(decoders, slots, strict=True):
+            req.kv_slots.append(slot)
+        self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - self.new_token_ratio_decay)
+
+    def _get_mixed_batch(self) -> ScheduleBatch | None:
+        """A MIXED batch: admitted prompt chunks plus one decode row per running request. ``None`` (nothing
+        allocated) when nothing decodes, when the decodes alone fill the step's token budget, or when they would
+        need a retraction first; a DECODE batch when no prompt token can be admitted."""
+        decoders = self._decoders()
+        chunk = self.config.chunked_prefill_size
+        budget = self.config.max_prefill_tokens if chunk is None else min(chunk, self.config.max_prefill_tokens)
+        if not decoders or len(decoders) >= budget:  # no room left for a prompt token: prefill alone first
+            return None
+        alloc = self.token_allocator
+        short = alloc.decode_cost([r.kv_slots[-1] for r in decoders]) - alloc.available_size()
+        if short > 0 and (self.tree_cache.evictable_size() < short or self.tree_cache.evict(short) < short):
+            return None
+        if alloc.decode_cost([r.kv_slots[-1] for r in decoders]) > alloc.available_size():
+            return None  # pages: evicted tokens did not free whole pages
+        self._alloc_decode_slots(decoders)
+        batch = self._get_prefill_batch(decoders)
+        if batch is None:
+            return self._build(decoders, ForwardMode.DECODE, [1] * len(decoders))
+        return batch
 
     def _get_decode_batch(self) -> ScheduleBatch | None:
         if not self.running:
             return None
         self._make_room_for_decode()
-        if not self.running:
+        decoders = self._decoders()
+        if not decoders:
             return None
-        slots = self.token_allocator.alloc_decode([r.kv_slots[-1] for r in self.running])
-        assert slots is not None, "decode room was checked"
-        for req, slot in zip(self.running, slots, strict=True):
-            req.kv_slots.append(slot)
-        self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - self.new_token_ratio_decay)
-        return self._build(self.running, ForwardMode.DECODE, [1] * len(self.running))
+        self._alloc_decode_slots(decoders)
+        return self._build(decoders, ForwardMode.DECODE, [1] * len(decoders))
 
     def _make_room_for_decode(self) -> None:
         """Free KV until every running request can take one more slot (evict, retract, or finish the last)."""
         while self.running:
-            need = self.token_allocator.decode_cost([r.kv_slots[-1] for r in self.running])
+            need = self.token_allocator.decode_cost([r.kv_slots[-1] for r in self._decoders()])
             short = need - self.token_allocator.available_size()
             if short <= 0:
                 return
@@ -336,24 +398,25 @@ class Scheduler:
     def process_batch_result(self, batch: ScheduleBatch, output: StepOutput) -> list[Req]:
         """Apply one step's sampled tokens.
 
-        Appends each row's token (except for a non-final prefill chunk, whose token is discarded), checks the
-        stop conditions, and for finished requests caches their KV in the radix cache and frees their slots,
-        row and lock. Rows of requests aborted while the batch was in flight are skipped. A request whose own
-        post-processing raises (its stop-string check, say) fails alone (``FinishKind.ERROR``, kind
-        ``"failed"``, its KV released) and is returned with the others.
+        Replaces each row's placeholder with its token (except for a non-final prefill chunk, whose token is
+        discarded), checks the stop conditions, and for finished requests caches their KV in the radix cache and
+        frees their slots, row and lock. Rows of requests that finished or were aborted while the batch was in
+        flight are skipped (with overlap scheduling a request finished by step N may have a row in step N+1).
+        A request whose own post-processing raises (its stop-string check, say) fails alone
+        (``FinishKind.ERROR``, kind ``"failed"``, its KV released) and is returned with the others.
 
         Returns:
             the requests that got a new token (finished or not), in batch order.
 
         Raises:
-            ValueError: ``batch`` is not the batch in flight, or ``output`` has the wrong number of rows (nothing is
-                changed then).
+            ValueError: ``batch`` is not the oldest batch in flight, or ``output`` has the wrong number of rows
+                (nothing is changed then).
         """
-        if batch is not self._inflight:
-            raise ValueError("process_batch_result: this batch is not the one in flight")
+        if not self._inflight or batch is not self._inflight[0]:
+            raise ValueError("process_batch_result: this batch is not the oldest one in flight")
         if len(output.next_token_ids) != batch.batch_size:  # StepOutput itself checks logprobs against its tokens
             raise ValueError(f"StepOutput has {len(output.next_token_ids)} tokens for {batch.batch_size} requests")
-        self._inflight = None
+        self._inflight.popleft()
         logprobs = output.logprobs or [None] * batch.batch_size
         out: list[Req] = []
         rows = zip(batch.reqs, batch.partial, output.next_token_ids, logprobs, strict=True)
@@ -361,6 +424,7 @@ class Scheduler:
             if req.finished or partial:
                 continue
             try:
+                req.pending_ids.pop(0)
                 req.append_token(token, lp)
                 finished = req.check_finished(self.eos_token_ids, self.detokenize,
                                               self.cache_config.max_context_len,
@@ -372,9 +436,12 @@ class Scheduler:
                 out.append(req)
                 continue
             if finished:
-                self.running.remove(req)
                 self._unfinished.pop(req.rid, None)
-                self._release(req, cache=True)
+                if req in self.running:
+                    self.running.remove(req)
+                    self._release(req, cache=True)
+                else:  # retracted while this batch was in flight: it holds no KV
+                    self.waiting.remove(req)
             out.append(req)
         return out
 
@@ -384,9 +451,13 @@ class Scheduler:
             return
         slots = req.kv_slots
         if cache:
-            n = self.tree_cache.insert(req.fill_ids[: len(slots)], slots)
+            fill = req.fill_ids
+            k = min(len(slots), len(fill))  # slots past the real tokens (a step in flight) are not cached
+            n = self.tree_cache.insert(fill[:k], slots[:k])
             if n > req.prefix_len:
                 self.token_allocator.free(slots[req.prefix_len : n])
+            if len(slots) > k:
+                self.token_allocator.free(slots[k:])
         elif len(slots) > req.prefix_len:
             self.token_allocator.free(slots[req.prefix_len :])
         if req.last_node is not None:
@@ -418,7 +489,7 @@ class Scheduler:
 
     def idle_report(self) -> IdleReport | None:
         """The idle invariant's counts when this group holds no unfinished request (``None`` otherwise). O(1)."""
-        if self._unfinished or self._inflight is not None:
+        if self._unfinished or self._inflight:
             return None
         size = self.token_allocator.size
         return IdleReport(

@@ -29,7 +29,11 @@ class ModelWorkerBatch:
         extend_lens: ``bs`` tokens computed this step per request (1 for decode rows).
         out_cache_loc: ``T`` KV slots that receive this step's keys/values (slot 0 is the dummy slot).
         prefix_slots: for EXTEND/MIXED, the concatenation over requests of the KV slots of positions
-            ``[0, prefix_len)`` (so ``len == sum(prefix_lens)``), written into the rank's table; empty for DECODE.
+            ``[table_len, prefix_len)`` (so ``len == sum(prefix_lens) - sum(table_lens)``), written into the rank's
+            table; empty for DECODE.
+        table_lens: for EXTEND/MIXED, ``bs`` counts of leading positions each request's table row already holds
+            from earlier steps (a continued prefill chunk, or a decode row of a MIXED batch), whose slots are not
+            resent; empty means all zeros.
         sampling: ``bs`` rows of sampling parameters (default: zero rows, for IDLE).
         use_tbo: run this step with two-batch overlap (decided once by the driver for all ranks).
         graph_bs: padded batch size of the captured graph to replay, or ``None`` for eager.
@@ -38,7 +42,8 @@ class ModelWorkerBatch:
             rank (``raymoe.comm.a2a_plan``); None: normal-mode dispatch.
     Raises:
         ValueError: a per-request list or ``sampling`` does not have ``bs`` entries, ``out_cache_loc`` does not
-            have ``T``, or an IDLE batch carries requests or tokens.
+            have ``T``, ``prefix_slots`` does not match ``prefix_lens - table_lens``, or an IDLE batch carries
+            requests or tokens.
     """
 
     forward_mode: ForwardMode
@@ -54,9 +59,17 @@ class ModelWorkerBatch:
     graph_bs: int | None = None
     global_num_tokens: tuple[int, ...] = ()
     dispatch_capacity: int | None = None
+    table_lens: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         bs = len(self.req_pool_indices)
+        if self.table_lens and len(self.table_lens) != bs:
+            raise ValueError(f"ModelWorkerBatch.table_lens has {len(self.table_lens)} entries, expected {bs}")
+        if self.forward_mode.is_extend():
+            want = sum(self.prefix_lens) - sum(self.table_lens)
+            if len(self.prefix_slots) != want:
+                raise ValueError(f"ModelWorkerBatch.prefix_slots has {len(self.prefix_slots)} entries, expected "
+                                 f"{want} (prefix_lens - table_lens)")
         for name in ("seq_lens", "prefix_lens", "extend_lens"):
             if len(getattr(self, name)) != bs:
                 raise ValueError(f"ModelWorkerBatch.{name} has {len(getattr(self, name))} entries, expected {bs}")
