@@ -37,6 +37,7 @@ from raymoe.scheduler.req import Req, RequestFault, RequestFaultError
 from raymoe.scheduler.sampling_params import SamplingParams
 from raymoe.scheduler.schedule_batch import ScheduleBatch, check_sampling_row
 from raymoe.scheduler.scheduler import IdleReport, Scheduler
+from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
 
@@ -102,6 +103,7 @@ class Driver:
         self.num_tbo_steps = 0
         self.num_graph_steps = 0
         self.num_low_latency_steps = 0  # steps whose MoE dispatch ran in low-latency mode
+        self.num_mixed_steps = 0  # steps in which some group ran a MIXED batch (prefill chunks + decodes)
         self.num_failed_steps = 0  # steps a rank raised in (their requests failed; ranks kept)
         self._step_errors_in_a_row = 0
         self.last_step_seconds: list[float] = []  # forward+sample seconds of each DP group's tp-rank 0
@@ -206,6 +208,7 @@ class Driver:
         self.num_tbo_steps += worker_batches[0].use_tbo
         self.num_graph_steps += worker_batches[0].graph_bs is not None
         self.num_low_latency_steps += worker_batches[0].dispatch_capacity is not None
+        self.num_mixed_steps += any(b.forward_mode == ForwardMode.MIXED for b in worker_batches)
         launch = self.executor.launch if self.overlap_schedule else self._launch_inline
         return _LaunchedStep(sched_batches, launch(worker_batches))
 

@@ -35,6 +35,8 @@ def add_bench_parser(sub, model_arg) -> None:
     p.add_argument("--fanout", default="compiled", choices=["remote", "compiled"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where raymoe's ranks and transformers run (the vLLM-CPU peer always runs on CPU)")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="raymoe forms each step after the previous one finished (default: overlap scheduling)")
     p.add_argument("--output-json", default="bench_results/offline.json")
     p.set_defaults(func=_run_offline)
 

@@ -75,7 +75,8 @@ def bench_raymoe(model: str, prompts: list[list[int]], output_len: int, dtype: s
     secs = _time(run, repeats)
     tokens = sum(len(o.token_ids) for o in outs)
     topo = (f"tp{options.get('tp_size', 1)}-dp{options.get('dp_size', 1)}-ep{options.get('ep_size', 1)}"
-            f"{'-' + options['device'] if options.get('device', 'cpu') != 'cpu' else ''}")
+            f"{'-' + options['device'] if options.get('device', 'cpu') != 'cpu' else ''}"
+            f"{'-no-overlap' if options.get('disable_overlap_schedule') else ''}")
     result = {"engine": f"raymoe[{topo}, {dtype}]", "seconds": secs, "output_tokens": tokens,
               "output_tok_per_s": tokens / secs, "steps": engine.driver.num_steps,
               "max_total_tokens": engine.config.cache.max_total_tokens}
@@ -144,7 +145,8 @@ def run_offline(a: argparse.Namespace) -> dict:
     model = resolve_model(a.model)
     vocab = ModelConfig.from_hf(model).vocab_size
     prompts = _prompts(vocab, a.num_prompts, a.input_len, a.seed)
-    topo = {"tp_size": a.tp, "dp_size": a.dp, "ep_size": a.ep, "device": a.device}
+    topo = {"tp_size": a.tp, "dp_size": a.dp, "ep_size": a.ep, "device": a.device,
+            "disable_overlap_schedule": a.disable_overlap_schedule}
     if a.tp * a.dp > 1:
         topo["fanout"] = a.fanout
     decode_batches = tuple(int(n) for n in a.decode_batches.split(",") if n.strip())
