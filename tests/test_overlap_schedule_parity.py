@@ -145,3 +145,35 @@ def test_dp2_ep2_tbo_graphs_match_transformers(ray_cluster, tiny_model, oracle, 
         assert sum(s.num_retractions for s in d.schedulers) > 0 and sum(s.hit_tokens for s in d.schedulers) > 0
         assert (d.num_mixed_steps > 0) == mixed
         assert d.idle_report().clean
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "mixtral"])
+def test_mixed_and_overlap_on_other_architectures_match_transformers(tmp_path, arch):
+    """MLA (DeepSeek-V3) and Mixtral attention read a MIXED batch's decode rows from the ranks' table."""
+    from transformers import AutoModelForCausalLM
+
+    from raymoe.models.checkpoint import make_checkpoint
+
+    dims = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+            "moe_intermediate_size": 32, "intermediate_size": 96, "vocab_size": 512}
+    path = str(make_checkpoint(arch, tmp_path / arch, seed=3, **dims))
+    prompts = [[(7 * i + 5 * j + 11) % 500 + 3 for j in range(n)] for i, n in enumerate([9, 30, 14, 41, 5])]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    want = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, min_new_tokens=10,
+                              do_sample=False)
+        want.append(out[0, len(p):].tolist())
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    with Engine(path, chunked_prefill_size=8, cuda_graph_max_bs=4) as e:
+        d = e.driver
+        reqs = [d.add_request(d.new_rid(), p, params) for p in prompts[:2]]
+        for _ in range(6):
+            d.step()
+        reqs += [d.add_request(d.new_rid(), p, params) for p in prompts[2:]]
+        while d.has_unfinished():
+            d.step()
+        assert d.num_mixed_steps > 0
+    assert [r.output_ids for r in reqs] == want

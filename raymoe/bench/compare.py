@@ -32,7 +32,7 @@ def add_compare_args(p) -> None:
     p.add_argument("--topologies", default="dp=1;dp=2,ep=2",
                    help="raymoe serve layouts, ';'-separated, each "
                         "'dp=D,tp=T,ep=E[,tbo=0|1][,fanout=compiled|remote][,a2a=normal|low_latency|auto]"
-                        "[,overlap=0|1][,mixed=0|1]'")
+                        "[,overlap=0|1][,mixed=0|1][,threads=N]'")
     p.add_argument("--skip-peer", action="store_true", help="only raymoe (no ratios)")
     p.add_argument("--step-batch", type=int, default=16, help="batch of the offline decode-step measurement")
     p.add_argument("--port", type=int, default=8031)
@@ -77,7 +77,7 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-TOPOLOGY_KEYS = ("dp", "tp", "ep", "tbo", "fanout", "a2a", "overlap", "mixed")
+TOPOLOGY_KEYS = ("dp", "tp", "ep", "tbo", "fanout", "a2a", "overlap", "mixed", "threads")
 
 
 def parse_topology(topology: str) -> dict[str, str]:
@@ -95,8 +95,9 @@ def parse_topology(topology: str) -> dict[str, str]:
 
 def raymoe_serve_cmd(model: str, port: int, topology: str) -> list[str]:
     """The ``raymoe serve`` command line (model served as ``tiny`` on 127.0.0.1:``port``) of one topology string
-    ``'dp=D,tp=T,ep=E[,tbo=0|1][,fanout=compiled|remote][,a2a=normal|low_latency|auto][,overlap=0|1][,mixed=0|1]'``
-    (``overlap``: overlap scheduling, ``mixed``: MIXED batches; both default on)."""
+    ``'dp=D,tp=T,ep=E[,tbo=0|1][,fanout=compiled|remote][,a2a=normal|low_latency|auto][,overlap=0|1][,mixed=0|1]
+    [,threads=N]'`` (``overlap``: overlap scheduling, ``mixed``: MIXED batches, both default on; ``threads``: intra-op
+    threads per CPU rank)."""
     layout = parse_topology(topology)
     cmd = [sys.executable, "-m", "raymoe.deploy.cli", "serve", "--model", model, "--served-model-name", "tiny",
            "--port", str(port)]
@@ -113,6 +114,8 @@ def raymoe_serve_cmd(model: str, port: int, topology: str) -> list[str]:
         cmd.append("--disable-overlap-schedule")
     if "mixed" in layout:
         cmd.append("--enable-mixed-chunk" if layout["mixed"] == "1" else "--no-enable-mixed-chunk")
+    if "threads" in layout:
+        cmd += ["--cpu-threads", layout["threads"]]
     return cmd
 
 

@@ -67,7 +67,8 @@ def _cmd_serve(a: argparse.Namespace) -> None:
             max_queued_requests=a.max_queued_requests, max_in_flight=a.max_in_flight,
             api_key=a.api_key or os.environ.get("RAYMOE_API_KEY"), ray_address=a.address, fanout=a.fanout,
             limits=_limits(a), a2a_mode=a.a2a_mode, chunked_prefill_size=a.chunked_prefill_size,
-            enable_mixed_chunk=a.enable_mixed_chunk, disable_overlap_schedule=a.disable_overlap_schedule)
+            enable_mixed_chunk=a.enable_mixed_chunk, disable_overlap_schedule=a.disable_overlap_schedule,
+            cpu_threads=a.cpu_threads)
     except ValidationError as e:
         first = e.errors()[0]
         raise InvalidRequestError(".".join(map(str, first["loc"])), first["msg"]) from None
@@ -109,6 +110,8 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--disable-overlap-schedule", action="store_true", default=None,
                    help="form each step after the previous one finished (default: the next step is formed and "
                         "sent while the ranks compute)")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="intra-op threads of each CPU rank (default: (cores - 1) // ranks, at least 1)")
     p.add_argument("--max-in-flight", type=int, default=None, help="HTTP requests served at once before 429")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $RAYMOE_API_KEY)")
     p.add_argument("--fanout", default=None, choices=["compiled", "remote"],

@@ -97,6 +97,7 @@ class ServeOptions(BaseModel):
         chunked_prefill_size: prompt tokens per step (None: the engine default). enable_mixed_chunk: prefill steps
             also decode the running requests (None: the engine default, on). disable_overlap_schedule: form each
             step only after the previous one finished (None: the engine default, overlap on).
+        cpu_threads: intra-op threads of each CPU rank (None: the engine default, ``(cores - 1) // ranks``).
     """
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
@@ -123,6 +124,7 @@ class ServeOptions(BaseModel):
     chunked_prefill_size: int | None = Field(None, ge=1)
     enable_mixed_chunk: bool | None = None
     disable_overlap_schedule: bool | None = None
+    cpu_threads: int | None = Field(None, ge=1)
 
     @property
     def world_size(self) -> int:
@@ -150,7 +152,8 @@ class ServeOptions(BaseModel):
                    "dtype": self.dtype, "seed": self.seed, "device": self.device,
                    "ray_address": self.ray_address}
         for name in ("max_total_tokens", "max_context_len", "max_running_requests", "max_queued_requests",
-                     "fanout", "a2a_mode", "chunked_prefill_size", "enable_mixed_chunk", "disable_overlap_schedule"):
+                     "fanout", "a2a_mode", "chunked_prefill_size", "enable_mixed_chunk", "disable_overlap_schedule",
+                     "cpu_threads"):
             if getattr(self, name) is not None:
                 options[name] = getattr(self, name)
         config = _split_options(model, options)
