@@ -133,7 +133,9 @@ class Engine:
                 self.driver.abort_request(rid)
             raise
         done: dict[str, Req] = {}
-        while len(done) < len(rids):
+        # With overlap scheduling the last step sent may still be in flight once every request finished: wait
+        # for it too, so that the engine is idle (every KV slot accounted for) between calls.
+        while len(done) < len(rids) or self.driver.has_unfinished():
             try:
                 updated = self.driver.step()
             except EngineUnhealthyError as e:

@@ -133,7 +133,7 @@ def test_single_rank_matches_transformers(tiny_model, oracle, overlap, mixed):
         assert d.idle_report().clean
 
 
-@pytest.mark.parametrize(("overlap", "mixed"), [(True, True), (False, False)], ids=["overlap_mixed", "plain"])
+@pytest.mark.parametrize(("overlap", "mixed"), MODES, ids=IDS)
 def test_dp2_ep2_tbo_graphs_match_transformers(ray_cluster, tiny_model, oracle, overlap, mixed):
     with Engine(tiny_model, dp_size=2, ep_size=2, enable_tbo=True, tbo_min_tokens_decode=2,
                 tbo_min_tokens_extend=4, chunked_prefill_size=16, max_total_tokens=100, cuda_graph_max_bs=4,
