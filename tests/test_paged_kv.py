@@ -128,12 +128,13 @@ def test_small_paged_pool_retracts_and_still_matches():
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(seed=st.integers(0, 10**6), n=st.integers(1, 8), shared=st.integers(0, 20), page=st.sampled_from([2, 4, 16]),
        pages=st.integers(2, 40), chunk=st.one_of(st.none(), st.integers(1, 16)), radix=st.booleans(),
-       spread=st.integers(0, 4))
-def test_random_paged_workloads(seed, n, shared, page, pages, chunk, radix, spread):
+       spread=st.integers(0, 4), overlap=st.booleans(), mixed=st.booleans())
+def test_random_paged_workloads(seed, n, shared, page, pages, chunk, radix, spread, overlap, mixed):
     specs = workload(n=n, shared=shared, seed=seed, max_tokens=(1, 30))
     specs = [spec for spec in specs if len(spec[1]) <= page * pages]  # prompts the pool can hold
-    s = make_paged(page=page, pool=page * pages, radix=radix, chunked_prefill_size=chunk, max_prefill_tokens=48)
-    finished = drive(s, stagger(specs, lambda i: spread * i))
+    s = make_paged(page=page, pool=page * pages, radix=radix, chunked_prefill_size=chunk, max_prefill_tokens=48,
+                   enable_mixed_chunk=mixed)
+    finished = drive(s, stagger(specs, lambda i: spread * i), overlap=overlap)
     ctx = min(512, s.token_allocator.size + 1)
     for rid, prompt, params in specs:
         assert finished[rid].output_ids == reference(prompt, params, ctx=ctx), rid

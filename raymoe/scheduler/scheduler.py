@@ -29,13 +29,13 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from raymoe.config import CacheConfig, SchedulerConfig
 from raymoe.errors import InvalidRequestError
 from raymoe.kvcache.allocator import ReqSlotAllocator
 from raymoe.kvcache.paged_allocator import make_token_allocator
 from raymoe.kvcache.radix_cache import RadixCache
+from raymoe.scheduler.accounting import IdleReport, check_memory_invariants, idle_report
 from raymoe.scheduler.policy import order_waiting
 from raymoe.scheduler.prefill_adder import AddResult, PrefillAdder, decode_reservation
 from raymoe.scheduler.req import FinishKind, Req, RequestFault, RequestFaultError
@@ -43,30 +43,9 @@ from raymoe.scheduler.schedule_batch import ScheduleBatch
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.step_output import StepOutput
 
+__all__ = ["IdleReport", "Scheduler"]
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class IdleReport:
-    """KV accounting of one DP group while it holds no request (all counts in slots or rows).
-
-    The idle invariant: with no request in flight every KV slot is free or held by an unlocked (evictable)
-    radix-cache node, and every ReqToTokenPool row is free. Non-zero fields are leaks.
-
-    Attributes:
-        leaked_kv_slots: slots neither free nor held by the radix cache.
-        leaked_req_rows: rows in use.
-        locked_cache_tokens: radix-cache tokens still locked (protected) although no request holds them.
-    """
-
-    leaked_kv_slots: int
-    leaked_req_rows: int
-    locked_cache_tokens: int
-
-    @property
-    def clean(self) -> bool:
-        """Whether the idle invariant holds."""
-        return self.leaked_kv_slots == 0 and self.leaked_req_rows == 0 and self.locked_cache_tokens == 0
 
 
 class Scheduler:
@@ -488,38 +467,11 @@ class Scheduler:
         return used / alloc.size
 
     def idle_report(self) -> IdleReport | None:
-        """The idle invariant's counts when this group holds no unfinished request (``None`` otherwise). O(1)."""
-        if self._unfinished or self._inflight:
-            return None
-        size = self.token_allocator.size
-        return IdleReport(
-            leaked_kv_slots=size - self.token_allocator.available_size() - self.tree_cache.evictable_size(),
-            leaked_req_rows=self.req_allocator.size - self.req_allocator.available_size(),
-            locked_cache_tokens=self.tree_cache.protected_size())
+        """The idle invariant's counts when this group holds no unfinished request and no batch is in flight
+        (``None`` otherwise). O(1). See :func:`raymoe.scheduler.accounting.idle_report`."""
+        return idle_report(self)
 
     def check_memory_invariants(self) -> None:
-        """Assert that every KV slot and row is accounted for exactly once (tests and debugging).
-
-        Checks: free + radix-cache + owned by live requests + stranded (paged allocator) slots == pool size; owned
-        slots are distinct and never the dummy slot 0; rows in use == live requests; waiting requests hold nothing; with
-        no live request no radix lock is held. Raises ``AssertionError`` with details otherwise.
-        """
-        live = list(self.running) + ([self.chunked_req] if self.chunked_req is not None else [])
-        owned: list[int] = []
-        for r in live:
-            assert r.req_pool_idx is not None, f"live request {r.rid!r} has no row"
-            assert r.prefix_len <= r.kv_len, f"request {r.rid!r}: prefix_len {r.prefix_len} > kv_len {r.kv_len}"
-            owned += r.kv_slots[r.prefix_len :]
-        for r in self.waiting:
-            assert r.req_pool_idx is None and not r.kv_slots and r.last_node is None, f"waiting {r.rid!r} holds KV"
-        assert 0 not in owned, "dummy slot 0 is owned by a request"
-        assert len(set(owned)) == len(owned), "a KV slot is owned by two requests (or twice by one)"
-        free, tree = self.token_allocator.available_size(), self.tree_cache.total_size()
-        size, stranded = self.token_allocator.size, self.token_allocator.stranded_size()
-        assert free + tree + len(owned) + stranded == size, (
-            f"KV slots leak or double count: free {free} + tree {tree} + owned {len(owned)} + stranded {stranded} "
-            f"!= size {size}")
-        rows = self.req_allocator.size - self.req_allocator.available_size()
-        assert rows == len(live), f"{rows} rows in use for {len(live)} live requests"
-        if not live:
-            assert self.tree_cache.protected_size() == 0, "radix locks held with no live request"
+        """Assert that every KV slot and row is accounted for exactly once (tests and debugging); see
+        :func:`raymoe.scheduler.accounting.check_memory_invariants`."""
+        check_memory_invariants(self)
