@@ -209,22 +209,12 @@ class Driver:
         self.num_graph_steps += worker_batches[0].graph_bs is not None
         self.num_low_latency_steps += worker_batches[0].dispatch_capacity is not None
         self.num_mixed_steps += any(b.forward_mode == ForwardMode.MIXED for b in worker_batches)
-        launch = self.executor.launch if self.overlap_schedule else self._launch_inline
-        return _LaunchedStep(sched_batches, launch(worker_batches))
-
-    def _launch_inline(self, worker_batches: list[ModelWorkerBatch]) -> Any:
-        """Without overlap: run the step now; its outputs (or its error) are the handle."""
-        try:
-            return self.executor.execute(worker_batches)
-        except RankStepError as e:
-            return e
+        return _LaunchedStep(sched_batches, self.executor.launch(worker_batches))
 
     def _finish(self, launched: _LaunchedStep) -> list[Req]:
         """Wait for a launched step and apply its tokens; a step the ranks raised in fails its requests."""
         try:
-            if isinstance(launched.handle, RankStepError):
-                raise launched.handle
-            outputs = (launched.handle if not self.overlap_schedule else self.executor.collect(launched.handle))
+            outputs = self.executor.collect(launched.handle)
         except RankStepError as e:
             return self._fail_step(e)
         self._step_errors_in_a_row = 0

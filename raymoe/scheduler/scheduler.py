@@ -180,11 +180,7 @@ class Scheduler:
         scheduling a finished request may have cached a slot that only the failed step would have written).
         Returns the failed requests."""
         batches, self._inflight = list(self._inflight), deque()
-        failed: list[Req] = []
-        for batch in batches:
-            for req in batch.reqs:
-                if not req.finished and req not in failed:
-                    failed.append(req)
+        failed = list({id(r): r for b in batches for r in b.reqs if not r.finished}.values())  # each request once
         for req in failed:
             self.fail_request(req, fault, report=False)
         if batches:
@@ -322,11 +318,14 @@ class Scheduler:
         if not decoders or len(decoders) >= budget:  # no room left for a prompt token: prefill alone first
             return None
         alloc = self.token_allocator
-        short = alloc.decode_cost([r.kv_slots[-1] for r in decoders]) - alloc.available_size()
-        if short > 0 and (self.tree_cache.evictable_size() < short or self.tree_cache.evict(short) < short):
-            return None
-        if alloc.decode_cost([r.kv_slots[-1] for r in decoders]) > alloc.available_size():
-            return None  # pages: evicted tokens did not free whole pages
+        cost = alloc.decode_cost([r.kv_slots[-1] for r in decoders])
+        short = cost - alloc.available_size()
+        if short > 0:
+            if self.tree_cache.evictable_size() < short:
+                return None
+            self.tree_cache.evict(short)
+            if cost > alloc.available_size():
+                return None  # pages: the evicted tokens did not free whole pages
         self._alloc_decode_slots(decoders)
         batch = self._get_prefill_batch(decoders)
         if batch is None:
