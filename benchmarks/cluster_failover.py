@@ -20,9 +20,10 @@ Run:  PYTHONPATH=. python benchmarks/cluster_failover.py   (exit status 0 when e
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
+
+from raymoe.cluster.bootstrap import free_port  # does not import ray
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every node on 127.0.0.1 (before importing ray)
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -33,12 +34,6 @@ T0 = time.monotonic()
 
 def say(msg: str) -> None:
     print(f"[{time.monotonic() - T0:6.1f} s] {msg}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_args() -> dict:

@@ -39,7 +39,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,8 @@ from pathlib import Path
 
 import yaml
 
+from raymoe.cluster.bootstrap import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 T0 = time.monotonic()
 MAX_TOKENS = 48
@@ -57,12 +58,6 @@ CONCURRENCY = 8
 
 def say(msg: str) -> None:
     print(f"[{time.monotonic() - T0:6.1f} s] {msg}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def autoscaling_config(gcs: str) -> dict:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 
@@ -11,11 +10,6 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -33,13 +27,15 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
+    from raymoe.cluster.bootstrap import free_port
+
     # Free ports everywhere, so the suite can run beside another Ray instance on the same machine.
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 8, "num_gpus": 2, "include_dashboard": False, "gcs_server_port": _free_port(),
-        "dashboard_agent_listen_port": _free_port(), "metrics_export_port": _free_port()})
+        "num_cpus": 8, "num_gpus": 2, "include_dashboard": False, "gcs_server_port": free_port(),
+        "dashboard_agent_listen_port": free_port(), "metrics_export_port": free_port()})
     for _ in range(2):
-        cluster.add_node(num_cpus=2, num_gpus=2, dashboard_agent_listen_port=_free_port(),
-                         metrics_export_port=_free_port())
+        cluster.add_node(num_cpus=2, num_gpus=2, dashboard_agent_listen_port=free_port(),
+                         metrics_export_port=free_port())
     ray.init(address=cluster.address)
     yield cluster
     ray.shutdown()

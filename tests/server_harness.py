@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from raymoe.cluster.bootstrap import free_port
 
 
 @contextlib.contextmanager

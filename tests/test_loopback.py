@@ -16,7 +16,8 @@ import time
 
 import httpx
 import psutil
-from server_harness import free_port
+
+from raymoe.cluster.bootstrap import free_port
 
 _SESSION_ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "GLOO_SOCKET_IFNAME", "RAY_ADDRESS")
 

@@ -8,7 +8,9 @@ import httpx
 import pydantic
 import pytest
 from openai import OpenAI
-from server_harness import free_port, metrics
+from server_harness import metrics
+
+from raymoe.cluster.bootstrap import free_port
 
 KEY = "serve-key"
 

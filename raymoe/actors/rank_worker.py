@@ -12,7 +12,6 @@ concurrently (gloo on CPU, nccl on GPU, with a timeout), then :meth:`load` build
 from __future__ import annotations
 
 import os
-import socket
 
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ParallelConfig
@@ -43,11 +42,10 @@ class RankWorker:
         """``tcp://ip:port`` of a free port on this rank's node (called on rank 0)."""
         import ray
 
+        from raymoe.cluster.bootstrap import free_port
+
         ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        with socket.socket() as s:
-            s.bind((ip, 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ip}:{port}"
+        return f"tcp://{ip}:{free_port(ip)}"
 
     def init_distributed(self, init_method: str, timeout_s: float = 60.0) -> int:
         """Join the world group and create the TP/EP groups; returns this process id."""

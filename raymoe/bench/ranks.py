@@ -8,18 +8,12 @@ module-level function (it is pickled into spawned processes).
 
 from __future__ import annotations
 
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
+from raymoe.cluster.bootstrap import free_port
 from raymoe.config import ParallelConfig
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank, parallel, port, threads, fn, args, queue):
@@ -51,7 +45,7 @@ def spawn_ranks(fn, parallel: ParallelConfig, *args, threads_per_rank: int = 1, 
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, parallel, port, threads_per_rank, fn, args, queue), daemon=True)
              for r in range(parallel.world_size)]
     for p in procs:

@@ -13,12 +13,21 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 
 log = logging.getLogger(__name__)
 
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo"}
 """Environment of a process that starts a loopback-only local Ray cluster (values the user set are kept)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (the OS picks it; another process may take it before the
+    caller binds it, which the callers' start-up errors then report)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def use_loopback_environment() -> None:
