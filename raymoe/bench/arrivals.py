@@ -173,7 +173,12 @@ def add_arrivals_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_arrivals(a: argparse.Namespace) -> dict:
-    """Entry point of ``raymoe bench arrivals``: every server in turn, then the table and the JSON."""
+    """Entry point of ``raymoe bench arrivals``: every server in turn, then the table and the JSON.
+
+    Raises:
+        SystemExit: bad options, a missing model, dataset or peer, a busy port, or (after the table and the JSON
+            are written) a configuration whose server failed (exit status 1).
+    """
     try:
         configs = parse_configs(a.configs)
         raymoe_serve_cmd("", a.port, a.topology)  # checks the topology string before anything starts
@@ -210,4 +215,7 @@ def run_arrivals(a: argparse.Namespace) -> dict:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {a.out}")
+    failed = [r["config"] for r in rows if r["failed"]]
+    if failed:
+        raise SystemExit(f"raymoe bench arrivals: configuration(s) failed: {', '.join(failed)}")
     return result

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+from collections.abc import Callable
 
 
 def add_bench_parser(sub, model_arg) -> None:
@@ -38,7 +40,7 @@ def add_bench_parser(sub, model_arg) -> None:
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="raymoe forms each step after the previous one finished (default: overlap scheduling)")
     p.add_argument("--output-json", default="bench_results/offline.json")
-    p.set_defaults(func=_run_offline)
+    p.set_defaults(func=_lazy("raymoe.bench.offline", "run_offline"))
 
     p = bench.add_parser("fanout", help="per-step fan-out overhead: Ray Compiled Graph vs plain actor calls")
     model_arg(p)
@@ -48,7 +50,7 @@ def add_bench_parser(sub, model_arg) -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
     p.add_argument("--output-json", default="bench_results/fanout.json")
-    p.set_defaults(func=_run_fanout)
+    p.set_defaults(func=_lazy("raymoe.bench.fanout", "run_fanout"))
 
     p = bench.add_parser("graph", help="decode step time: graph replay vs eager, per bucket")
     model_arg(p)
@@ -64,100 +66,35 @@ def add_bench_parser(sub, model_arg) -> None:
     p.add_argument("--a2a-mode", default="auto", choices=["normal", "low_latency", "auto"],
                    help="MoE dispatch mode (auto: low-latency for decode, so CUDA graphs can capture it)")
     p.add_argument("--output-json", default="bench_results/graph.json")
-    p.set_defaults(func=_run_graph)
+    p.set_defaults(func=_lazy("raymoe.bench.graph", "run_graph_bench"))
 
-    p = bench.add_parser("overlap", help="two-batch overlap efficiency on gloo ranks with injected a2a latency")
-    p.add_argument("--model", default=None, help="Hugging Face model folder (default: a seeded benchmark "
-                                                 "checkpoint of the sizes below, built on first use)")
-    from raymoe.bench.overlap import add_overlap_args
-
-    add_overlap_args(p)
-    p.set_defaults(func=_run_overlap)
-
-    p = bench.add_parser("compare", help="raymoe serve vs the vLLM-CPU peer: same model, same client, one run")
-    from raymoe.bench.compare import add_compare_args
-
-    add_compare_args(p)
-    p.set_defaults(func=_run_compare)
-
-    p = bench.add_parser("profile-serve", help="py-spy breakdown of a served step over every engine process")
-    from raymoe.bench.profile_serve import add_profile_args
-
-    add_profile_args(p)
-    p.set_defaults(func=_run_profile_serve)
-
-    p = bench.add_parser("serve", help="streaming load against an OpenAI-compatible server: TTFT, ITL, throughput")
-    from raymoe.bench.serve import add_serve_bench_args
-
-    add_serve_bench_args(p)
-    p.set_defaults(func=_run_serve)
-
-    p = bench.add_parser("arrivals", help="TTFT/ITL p50/p99 of two-turn chats arriving during decoding, per server "
-                                          "config (e.g. mixed chunked prefill off/on), one run")
-    from raymoe.bench.arrivals import add_arrivals_args
-
-    add_arrivals_args(p)
-    p.set_defaults(func=_run_arrivals)
-
-    p = bench.add_parser("stress", help="thousands of concurrent short streams, some hanging up: nothing lost?")
-    from raymoe.bench.stress import add_stress_args
-
-    add_stress_args(p)
-    p.set_defaults(func=_run_stress)
+    for name, help_, module, add_args, run in _MODULE_COMMANDS:
+        p = bench.add_parser(name, help=help_)
+        getattr(importlib.import_module(module), add_args)(p)
+        p.set_defaults(func=_lazy(module, run))
 
 
-def _run_offline(a: argparse.Namespace) -> None:
-    from raymoe.bench.offline import run_offline
-
-    run_offline(a)
-
-
-def _run_fanout(a: argparse.Namespace) -> None:
-    from raymoe.bench.fanout import run_fanout
-
-    run_fanout(a)
-
-
-def _run_graph(a: argparse.Namespace) -> None:
-    from raymoe.bench.graph import run_graph_bench
-
-    run_graph_bench(a)
-
-
-def _run_overlap(a: argparse.Namespace) -> None:
-    from raymoe.bench.overlap import run_overlap_bench
-
-    run_overlap_bench(a)
+# Commands whose options live in their own module: (name, help, module, options function, entry point).
+_MODULE_COMMANDS = (
+    ("overlap", "two-batch overlap efficiency on gloo ranks with injected a2a latency",
+     "raymoe.bench.overlap", "add_overlap_args", "run_overlap_bench"),
+    ("compare", "raymoe serve vs the vLLM-CPU peer: same model, same client, one run",
+     "raymoe.bench.compare", "add_compare_args", "run_compare"),
+    ("profile-serve", "py-spy breakdown of a served step over every engine process",
+     "raymoe.bench.profile_serve", "add_profile_args", "run_profile"),
+    ("serve", "streaming load against an OpenAI-compatible server: TTFT, ITL, throughput",
+     "raymoe.bench.serve", "add_serve_bench_args", "run_serve_bench"),
+    ("arrivals", "TTFT/ITL p50/p99 of two-turn chats arriving during decoding, per server config (e.g. mixed "
+                 "chunked prefill off/on), one run",
+     "raymoe.bench.arrivals", "add_arrivals_args", "run_arrivals"),
+    ("stress", "thousands of concurrent short streams, some hanging up: nothing lost?",
+     "raymoe.bench.stress", "add_stress_args", "run_stress"),
+)
 
 
-def _run_serve(a: argparse.Namespace) -> None:
-    from raymoe.bench.serve import run_serve_bench
+def _lazy(module: str, function: str) -> Callable[[argparse.Namespace], None]:
+    """A command entry point that imports ``module`` only when the command runs."""
+    def run(a: argparse.Namespace) -> None:
+        getattr(importlib.import_module(module), function)(a)
 
-    run_serve_bench(a)
-
-
-def _run_stress(a: argparse.Namespace) -> None:
-    from raymoe.bench.stress import run_stress
-
-    run_stress(a)
-
-
-def _run_arrivals(a: argparse.Namespace) -> None:
-    from raymoe.bench.arrivals import run_arrivals
-
-    result = run_arrivals(a)
-    failed = [r["config"] for r in result["rows"] if r["failed"]]
-    if failed:
-        raise SystemExit(f"raymoe bench arrivals: configuration(s) failed: {', '.join(failed)}")
-
-
-def _run_compare(a: argparse.Namespace) -> None:
-    from raymoe.bench.compare import run_compare
-
-    run_compare(a)
-
-
-def _run_profile_serve(a: argparse.Namespace) -> None:
-    from raymoe.bench.profile_serve import run_profile
-
-    run_profile(a)
+    return run

@@ -120,7 +120,9 @@ def run_overlap_bench(a: argparse.Namespace) -> dict:
 
 
 def add_overlap_args(p: argparse.ArgumentParser) -> None:
-    """Options of ``raymoe bench overlap`` (``--model`` is added by the caller)."""
+    """Options of ``raymoe bench overlap``."""
+    p.add_argument("--model", default=None, help="Hugging Face model folder (default: a seeded benchmark "
+                                                 "checkpoint of the sizes below, built on first use)")
     p.add_argument("--ep", type=int, default=2, help="ranks (= expert-parallel size = DP groups)")
     p.add_argument("--a2a-mode", default="both", choices=["normal", "low_latency", "both"],
                    help="MoE dispatch mode of the decode steps (both: normal, then low-latency, in one run)")
