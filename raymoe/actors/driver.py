@@ -177,13 +177,10 @@ class Driver:
         """
         updated: list[Req] = []
         launched = self._launch_next(updated)
-        if not self.overlap_schedule:
-            if launched is not None:
-                updated.extend(self._finish(launched))
-            return self._forget_finished(updated)
-        previous, self._launched = self._launched, launched
-        if previous is not None:
-            updated.extend(self._finish(previous))
+        if self.overlap_schedule:  # finish the previous step; this one stays in flight until the next call
+            launched, self._launched = self._launched, launched
+        if launched is not None:
+            updated.extend(self._finish(launched))
         return self._forget_finished(updated)
 
     def _launch_next(self, early: list[Req]) -> _LaunchedStep | None:
