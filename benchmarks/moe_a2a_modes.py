@@ -1,15 +1,17 @@
-"""One MoE layer's dispatch + experts + combine on gloo ranks, normal vs low-latency mode (issue 12).
+"""One MoE layer's dispatch + experts + combine on CPU ranks: normal vs low-latency mode, gloo vs shared memory.
 
     python benchmarks/moe_a2a_modes.py [--ep 2] [--tokens 8,32] [--experts 8] [--hidden 128] [--iters 200]
 
-Each rank routes its own random tokens (top-2, distinct experts) through ``TorchDispatcher`` in both modes, the
-modes taking turns; the median over ``iters`` calls (ranks start each call together) is printed in ms. The
-low-latency capacity is the token count, as the driver plans an eager decode step.
+Each rank routes its own random tokens (top-2, distinct experts) through ``TorchDispatcher`` in both modes and over
+both carriers (gloo, and the shared-memory mapping of ``raymoe.comm.shm`` where this machine supports it), all
+four taking turns in one process; the median over ``iters`` calls (ranks start each call together) is printed in
+ms. The low-latency capacity is the token count, as the driver plans an eager decode step.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -27,20 +29,23 @@ def _layer_ms(groups, n: int, experts: int, hidden: int, iters: int) -> dict[str
     x = torch.randn(n, hidden)
     ids = torch.stack([torch.randperm(experts)[:2] for _ in range(n)])
     w = torch.rand(n, 2)
-    a2a = TorchDispatcher(groups, experts)
+    carriers = {"gloo": TorchDispatcher(dataclasses.replace(groups, ep_shm=None), experts)}
+    if groups.ep_shm is not None:
+        carriers["shm"] = TorchDispatcher(groups, experts)
     local = LocalExperts(experts, hidden, hidden // 2, groups, torch.float32)
     local.w13.data.normal_(0, 0.05)
     local.w2.data.normal_(0, 0.05)
-    times: dict[str, list[float]] = {"normal": [], "low_latency": []}
+    times: dict[str, list[float]] = {}
     for _ in range(iters):
-        for mode, capacity in (("normal", None), ("low_latency", n)):
-            dist.barrier(group=groups.ep_group)
-            t0 = time.perf_counter()
-            handle = a2a.dispatch_a(x, ids, w, capacity)
-            a2a.combine_a(handle, local.forward_input(a2a.dispatch_b(handle)))
-            a2a.combine_b(handle)
-            times[mode].append(time.perf_counter() - t0)
-    return {mode: 1e3 * statistics.median(ts) for mode, ts in times.items()}
+        for carrier, a2a in carriers.items():
+            for mode, capacity in (("normal", None), ("low_latency", n)):
+                dist.barrier(group=groups.ep_group)
+                t0 = time.perf_counter()
+                handle = a2a.dispatch_a(x, ids, w, capacity)
+                a2a.combine_a(handle, local.forward_input(a2a.dispatch_b(handle)))
+                a2a.combine_b(handle)
+                times.setdefault(f"{carrier} {mode}", []).append(time.perf_counter() - t0)
+    return {key: 1e3 * statistics.median(ts) for key, ts in times.items()}
 
 
 def main() -> None:
@@ -53,10 +58,11 @@ def main() -> None:
     a = p.parse_args()
     parallel = ParallelConfig(tp_size=1, dp_size=a.ep, ep_size=a.ep)
     print(f"ep={a.ep}, {a.experts} experts top-2, hidden {a.hidden}; ms per MoE layer (median of {a.iters})")
-    print(f"{'tokens':>7} {'normal':>8} {'low-lat':>8}")
-    for n in (int(t) for t in a.tokens.split(",")):
+    for i, n in enumerate(int(t) for t in a.tokens.split(",")):
         r = spawn_ranks(_layer_ms, parallel, n, a.experts, a.hidden, a.iters)[0]
-        print(f"{n:>7} {r['normal']:>8.2f} {r['low_latency']:>8.2f}", flush=True)
+        if i == 0:
+            print(f"{'tokens':>7} " + " ".join(f"{key:>17}" for key in r))
+        print(f"{n:>7} " + " ".join(f"{v:>17.3f}" for v in r.values()), flush=True)
 
 
 if __name__ == "__main__":

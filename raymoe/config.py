@@ -311,6 +311,9 @@ class OverlapConfig:
                                       f"must be in [0, 0.5], got {self.tbo_token_distribution_threshold!r}")
 
 
+CPU_COMM_MODES = ("auto", "shm", "gloo")
+
+
 @dataclass(frozen=True)
 class MoeCommConfig:
     """How MoE layers move tokens between expert-parallel ranks (``raymoe.comm.dispatcher``); same on every rank.
@@ -325,11 +328,15 @@ class MoeCommConfig:
             ``auto`` means normal: ``raymoe.comm.expert_input.effective_a2a_mode``).
         num_max_dispatch_tokens_per_rank: most tokens one rank may send in a low-latency step (sizes DeepEP's
             buffers); a step with more tokens on some rank runs in normal mode. None: ``max_running_requests``.
+        cpu_comm: what carries the ``torch`` backend's all-to-all between CPU (gloo) ranks: ``"auto"`` (a
+            shared-memory mapping when every EP rank is on one x86-64 node, ``raymoe.comm.shm``; else gloo),
+            ``"shm"`` (shared memory or an error at start-up) or ``"gloo"``. Ignored on GPU.
     """
 
     a2a_backend: str = "torch"
     a2a_mode: str = "auto"
     num_max_dispatch_tokens_per_rank: int | None = None
+    cpu_comm: str = "auto"
 
     def __post_init__(self) -> None:
         from raymoe.comm.expert_input import A2A_BACKENDS, A2A_MODES
@@ -338,6 +345,8 @@ class MoeCommConfig:
             raise InvalidRequestError("a2a_backend", f"must be one of {A2A_BACKENDS}, got {self.a2a_backend!r}")
         if self.a2a_mode not in A2A_MODES:
             raise InvalidRequestError("a2a_mode", f"must be one of {A2A_MODES}, got {self.a2a_mode!r}")
+        if self.cpu_comm not in CPU_COMM_MODES:
+            raise InvalidRequestError("cpu_comm", f"must be one of {CPU_COMM_MODES}, got {self.cpu_comm!r}")
         m = self.num_max_dispatch_tokens_per_rank
         if m is not None and (not isinstance(m, int) or m < 1):
             raise InvalidRequestError("num_max_dispatch_tokens_per_rank", f"must be a positive integer, got {m!r}")

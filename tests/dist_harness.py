@@ -10,6 +10,6 @@ from raymoe.bench.ranks import spawn_ranks
 from raymoe.config import ParallelConfig
 
 
-def run_ranks(fn, parallel: ParallelConfig, *args, timeout_s: float = 240.0) -> list:
+def run_ranks(fn, parallel: ParallelConfig, *args, timeout_s: float = 240.0, cpu_comm: str = "auto") -> list:
     """Run ``fn(groups, *args)`` on every rank; returns the results in rank order."""
-    return spawn_ranks(fn, parallel, *args, threads_per_rank=1, timeout_s=timeout_s)
+    return spawn_ranks(fn, parallel, *args, threads_per_rank=1, timeout_s=timeout_s, cpu_comm=cpu_comm)

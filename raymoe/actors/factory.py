@@ -23,7 +23,7 @@ def runner_config_for(config: EngineConfig) -> RunnerConfig:
         enable_torch_compile=g.enable_torch_compile, overlap=config.overlap, cpu_threads=config.cpu_threads,
         a2a_backend=config.moe_comm.a2a_backend,
         a2a_mode=effective_a2a_mode(config.moe_comm.a2a_mode, config.parallel.ep_size, engine_device(config.device)),
-        num_max_dispatch_tokens_per_rank=config.max_dispatch_tokens_per_rank)
+        num_max_dispatch_tokens_per_rank=config.max_dispatch_tokens_per_rank, cpu_comm=config.moe_comm.cpu_comm)
 
 
 def build_executor(config: EngineConfig):

@@ -58,7 +58,8 @@ class RankWorker:
         backend = "nccl" if device.type == "cuda" else "gloo"
         torch.set_num_threads(rank_cpu_threads(self.runner_cfg.cpu_threads, self.parallel.world_size))
         self.groups = init_parallel_groups(self.rank, self.parallel, init_method, backend, timeout_s,
-                                           device_id=device if device.type == "cuda" else None)
+                                           device_id=device if device.type == "cuda" else None,
+                                           cpu_comm=self.runner_cfg.cpu_comm)
         return os.getpid()
 
     def _device(self):

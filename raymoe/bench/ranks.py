@@ -16,7 +16,7 @@ from raymoe.cluster.bootstrap import free_port
 from raymoe.config import ParallelConfig
 
 
-def _entry(rank, parallel, port, threads, fn, args, queue):
+def _entry(rank, parallel, port, threads, cpu_comm, fn, args, queue):
     import os
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -27,7 +27,8 @@ def _entry(rank, parallel, port, threads, fn, args, queue):
 
     torch.set_num_threads(threads)
     try:
-        groups = init_parallel_groups(rank, parallel, f"tcp://127.0.0.1:{port}", "gloo", timeout_s=300)
+        groups = init_parallel_groups(rank, parallel, f"tcp://127.0.0.1:{port}", "gloo", timeout_s=300,
+                                      cpu_comm=cpu_comm)
         queue.put((rank, "ok", fn(groups, *args)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, "error", traceback.format_exc()))
@@ -36,8 +37,10 @@ def _entry(rank, parallel, port, threads, fn, args, queue):
             dist.destroy_process_group()
 
 
-def spawn_ranks(fn, parallel: ParallelConfig, *args, threads_per_rank: int = 1, timeout_s: float = 3600.0) -> list:
+def spawn_ranks(fn, parallel: ParallelConfig, *args, threads_per_rank: int = 1, timeout_s: float = 3600.0,
+                cpu_comm: str = "auto") -> list:
     """Run ``fn(groups, *args)`` on every rank of ``parallel``; returns the per-rank results in rank order.
+    ``cpu_comm``: the EP all-to-all carrier (``init_parallel_groups``: auto, shm or gloo).
 
     Raises:
         RuntimeError: a rank raised (its traceback is in the message).
@@ -46,8 +49,8 @@ def spawn_ranks(fn, parallel: ParallelConfig, *args, threads_per_rank: int = 1, 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, parallel, port, threads_per_rank, fn, args, queue), daemon=True)
-             for r in range(parallel.world_size)]
+    procs = [ctx.Process(target=_entry, args=(r, parallel, port, threads_per_rank, cpu_comm, fn, args, queue),
+                         daemon=True) for r in range(parallel.world_size)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from raymoe.comm.ep_transport import EpTransport
 from raymoe.comm.expert_input import ExpertRows
 from raymoe.comm.groups import ParallelGroups
 
@@ -34,7 +34,8 @@ class DispatchHandle:
     destination rank; ``send_counts`` /
     ``recv_counts`` are pairs per peer rank; ``recv_hidden`` [R, H] and ``recv_expert_ids`` [R] (local expert
     ids) are filled when the transfer completes; ``works`` are pending async collective handles;
-    ``combine_parts`` are (part, num_parts, receive buffer) of a combine sent in parts.
+    ``combine_parts`` are (part, num_parts, receive buffer) of a combine sent in parts; ``max_pair_rows`` is the
+    largest count any rank sends any peer in this dispatch (picks the transport path, the same on every rank).
     """
 
     num_tokens: int
@@ -48,10 +49,13 @@ class DispatchHandle:
     works: list[Any]
     combined: torch.Tensor | None = None
     combine_parts: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    max_pair_rows: int = 0
 
 
 class TorchAllToAll:
-    """Dispatch/combine with ``torch.distributed.all_to_all_single`` (gloo on CPU, nccl on GPU).
+    """Dispatch/combine with ``all_to_all_single`` exchanges over the EP group's transport
+    (:class:`~raymoe.comm.ep_transport.EpTransport`: shared memory between CPU ranks of one node, else gloo on
+    CPU and NCCL on GPU).
 
     Args:
         groups: the rank's process groups; ``groups.ep_group`` is used (never the world group).
@@ -63,6 +67,7 @@ class TorchAllToAll:
         self.ep_size = groups.ep_size
         self.num_local_experts = num_experts // groups.ep_size
         self.local_expert_start = groups.ep_rank * self.num_local_experts
+        self.transport = EpTransport(groups) if groups.ep_size > 1 else None
 
     def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchHandle:
         """Start sending each routing pair's hidden row to its expert's owner (syncs once for the row counts).
@@ -81,21 +86,18 @@ class TorchAllToAll:
             return DispatchHandle(n, k, topk_weights, order, [n * k], [n * k], recv, flat_ids, [])
         dest = torch.div(flat_ids, self.num_local_experts, rounding_mode="floor")
         order = torch.argsort(dest, stable=True)
-        send_counts_t = torch.bincount(dest, minlength=self.ep_size)
-        recv_counts_t = torch.empty_like(send_counts_t)
-        dist.all_to_all_single(recv_counts_t, send_counts_t, group=self.groups.ep_group)
-        send_counts, recv_counts = send_counts_t.tolist(), recv_counts_t.tolist()
+        send_counts, recv_counts, max_pair = self.transport.exchange_counts(
+            torch.bincount(dest, minlength=self.ep_size))
         token_of_pair = torch.div(order, k, rounding_mode="floor")
         send_hidden = hidden[token_of_pair]
         send_ids = flat_ids[order]
         total = sum(recv_counts)
         recv_hidden = hidden.new_empty((total, hidden.shape[1]))
         recv_ids = flat_ids.new_empty((total,))
-        w1 = dist.all_to_all_single(recv_hidden, send_hidden, recv_counts, send_counts,
-                                    group=self.groups.ep_group, async_op=True)
-        w2 = dist.all_to_all_single(recv_ids, send_ids, recv_counts, send_counts,
-                                    group=self.groups.ep_group, async_op=True)
-        return DispatchHandle(n, k, topk_weights, order, send_counts, recv_counts, recv_hidden, recv_ids, [w1, w2])
+        w1 = self.transport.all_to_all_rows(recv_hidden, send_hidden, recv_counts, send_counts, max_pair)
+        w2 = self.transport.all_to_all_rows(recv_ids, send_ids, recv_counts, send_counts, max_pair)
+        return DispatchHandle(n, k, topk_weights, order, send_counts, recv_counts, recv_hidden, recv_ids, [w1, w2],
+                              max_pair_rows=max_pair)
 
     def dispatch_b(self, handle: DispatchHandle) -> ExpertRows:
         """Wait for the dispatch; returns the received rows ``x`` [R, H] and their local expert ids [R] int64."""
@@ -117,8 +119,8 @@ class TorchAllToAll:
             handle.combined = expert_out
             return
         back = expert_out.new_empty((sum(handle.send_counts), expert_out.shape[1]))
-        w = dist.all_to_all_single(back, expert_out.contiguous(), handle.send_counts, handle.recv_counts,
-                                   group=self.groups.ep_group, async_op=True)
+        w = self.transport.all_to_all_rows(back, expert_out, handle.send_counts, handle.recv_counts,
+                                           handle.max_pair_rows)
         handle.combined = back
         handle.works = [w]
 
@@ -127,9 +129,8 @@ class TorchAllToAll:
             handle.combine_parts.append((part, num_parts, rows))
             return
         recv = rows.new_empty((sum(part_counts(handle.send_counts, part, num_parts)), rows.shape[1]))
-        w = dist.all_to_all_single(recv, rows.contiguous(), part_counts(handle.send_counts, part, num_parts),
-                                   part_counts(handle.recv_counts, part, num_parts), group=self.groups.ep_group,
-                                   async_op=True)
+        w = self.transport.all_to_all_rows(recv, rows, part_counts(handle.send_counts, part, num_parts),
+                                           part_counts(handle.recv_counts, part, num_parts), handle.max_pair_rows)
         handle.combine_parts.append((part, num_parts, recv))
         handle.works.append(w)
 

@@ -23,6 +23,8 @@ class ParallelGroups:
         tp_rank, tp_size, tp_group: tensor-parallel group of attention/dense layers (ranks of one DP group).
         dp_rank, dp_size: data-parallel attention group index and count.
         ep_rank, ep_size, ep_group: expert-parallel group (``ep_size == world_size`` or 1).
+        ep_shm: the EP group's shared-memory all-to-all (:class:`~raymoe.comm.shm.ShmAllToAll`) when its CPU
+            ranks share a node and ``cpu_comm`` allows it; None: ``ep_group`` carries everything.
     """
 
     world_rank: int = 0
@@ -35,6 +37,7 @@ class ParallelGroups:
     ep_rank: int = 0
     ep_size: int = 1
     ep_group: Any = None
+    ep_shm: Any = None
 
     def __post_init__(self) -> None:
         if self.world_size != self.tp_size * self.dp_size:

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from raymoe.comm.ep_transport import EpTransport
 from raymoe.comm.expert_input import MaskedExpertRows
 from raymoe.comm.groups import ParallelGroups
 
@@ -64,7 +64,9 @@ def _aligned(nbytes: int, align: int = 8) -> int:
 
 
 class TorchLowLatencyAllToAll:
-    """Fixed-shape dispatch/combine with equal-split ``all_to_all_single`` (gloo on CPU, nccl on GPU).
+    """Fixed-shape dispatch/combine with equal-split all-to-alls over the EP group's transport
+    (:class:`~raymoe.comm.ep_transport.EpTransport`: shared memory between CPU ranks of one node, else gloo on CPU
+    and NCCL on GPU).
 
     Args:
         groups: the rank's process groups; ``groups.ep_group`` is used (never the world group).
@@ -76,6 +78,7 @@ class TorchLowLatencyAllToAll:
         self.ep_size = groups.ep_size
         self.num_experts = num_experts
         self.num_local_experts = num_experts // groups.ep_size
+        self.transport = EpTransport(groups) if groups.ep_size > 1 else None
 
     def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    capacity: int) -> LowLatencyHandle:
@@ -109,7 +112,7 @@ class TorchLowLatencyAllToAll:
             handle.payload = payload
             return handle
         handle.payload = torch.empty_like(payload)
-        handle.works = [dist.all_to_all_single(handle.payload, payload, group=self.groups.ep_group, async_op=True)]
+        handle.works = [self.transport.all_to_all_equal(handle.payload, payload)]
         return handle
 
     def dispatch_b(self, handle: LowLatencyHandle) -> MaskedExpertRows:
@@ -146,7 +149,7 @@ class TorchLowLatencyAllToAll:
             handle.combined = back
             return
         handle.combined = torch.empty_like(back)
-        handle.works = [dist.all_to_all_single(handle.combined, back, group=self.groups.ep_group, async_op=True)]
+        handle.works = [self.transport.all_to_all_equal(handle.combined, back)]
 
     def combine_b(self, handle: LowLatencyHandle) -> torch.Tensor:
         """Wait for the combine; returns ``sum_j topk_weights[t, j] * expert_out(t, j)`` as [N, H]."""

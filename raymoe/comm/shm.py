@@ -1,0 +1,270 @@
+"""Shared-memory all-to-all between the CPU ranks of one process group on one node.
+
+gloo moves even a few kilobytes through the TCP loopback, and each exchange needs the kernel to wake the peer
+process: about 2 ms per MoE layer between two ranks on two shared cores (measured, docs/performance.md). Ranks of
+one node can instead exchange through one shared mapping, as the CPU communicators of vLLM and SGLang do for
+all-reduce. This module does it for the MoE all-to-all.
+
+Layout of the mapping (``P`` ranks, ``K`` slots per ordered pair, ``C`` bytes per slot):
+
+* control: ``ready[src, dst]`` and ``done[src, dst]`` int64 sequence numbers, each on its own 64-byte line;
+* data: one mailbox ring per ordered pair ``(src, dst)``, ``K`` slots of ``C`` bytes.
+
+Every call is a collective: all ranks of the group make the same calls in the same order, so the ``n``-th call
+has sequence number ``n`` on every rank. Posting call ``s`` copies the chunk for ``dst`` into slot ``s % K`` of
+``(me, dst)`` (after ``dst`` has consumed call ``s - K`` from that slot) and then stores ``ready[me, dst] = s``;
+waiting for it polls ``ready[src, me] >= s``, copies the slot out and stores ``done[src, me] = s``. Posting
+returns at once, so the ``_a``/``_b`` halves of a dispatch or combine overlap other work (two-batch overlap)
+without a progress thread. At most ``K - 1`` calls may be posted and not yet waited on by one rank.
+
+Ordering: the flag store follows the data copy in program order, and x86-64 (TSO) keeps stores in order as seen
+by other cores, so a reader that sees the flag sees the data. :func:`shm_supported` is False elsewhere, and
+``cpu_comm="auto"`` then keeps gloo.
+
+The file lives in ``/dev/shm`` only until every rank has mapped it (then rank 0 unlinks it), so a crashed rank
+leaves nothing behind. Its space is reserved with ``posix_fallocate`` up front: a full ``/dev/shm`` fails the
+setup with OSError instead of a SIGBUS mid-step.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+SHM_DIR = "/dev/shm"
+_LINE = 8  # int64 per control entry: one 64-byte cache line each (no false sharing between writers)
+
+
+def shm_supported() -> bool:
+    """Whether this machine can run :class:`ShmAllToAll`: x86-64 (store order) and a writable ``/dev/shm``."""
+    return platform.machine().lower() in ("x86_64", "amd64") and os.access(SHM_DIR, os.W_OK)
+
+
+@dataclass(frozen=True)
+class ShmLayout:
+    """Geometry of the mapping: ``size`` ranks P, ``num_slots`` K per ordered pair, ``slot_bytes`` C each.
+
+    Raises:
+        ValueError: P < 2, K < 2 or C < 64.
+    """
+
+    size: int
+    num_slots: int
+    slot_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.size < 2 or self.num_slots < 2 or self.slot_bytes < 64:
+            raise ValueError(f"need size >= 2, num_slots >= 2 and slot_bytes >= 64, got {self}")
+
+    @property
+    def control_bytes(self) -> int:
+        raw = 2 * self.size * self.size * _LINE * 8
+        return (raw + 4095) // 4096 * 4096
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the whole mapping: control page(s) plus ``P * P * K * C`` of mailboxes."""
+        return self.control_bytes + self.size * self.size * self.num_slots * self.slot_bytes
+
+    def slot_offset(self, src: int, dst: int, slot: int) -> int:
+        """Byte offset of slot ``slot`` of the mailbox ``src -> dst``."""
+        return self.control_bytes + ((src * self.size + dst) * self.num_slots + slot) * self.slot_bytes
+
+
+class ShmWork:
+    """A posted :meth:`ShmAllToAll` call; :meth:`wait` receives the peers' chunks (same role as gloo's Work)."""
+
+    def __init__(self, comm: ShmAllToAll, seq: int, out: torch.Tensor, out_chunks: list[tuple[int, int]]):
+        self._comm, self._seq, self._out, self._chunks = comm, seq, out, out_chunks
+        self._done = False
+
+    def wait(self) -> bool:
+        """Block until every peer's chunk of this call has been copied into the output. Idempotent.
+
+        Raises:
+            TimeoutError: a peer did not post within the communicator's timeout.
+        """
+        if not self._done:
+            self._comm._receive(self._seq, self._out, self._chunks)
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+
+class ShmAllToAll:
+    """All-to-all over a shared mapping among the ``P`` ranks of ``group`` (all on this node; CPU tensors only).
+
+    Build it with :meth:`create` (collective over ``group``). Messages are byte ranges of contiguous CPU tensors;
+    a message larger than ``slot_bytes`` cannot go through (check :meth:`fits`; callers then use gloo, deciding
+    from sizes every rank knows, so all ranks choose alike).
+
+    Args:
+        rank, layout: this rank's index in the group and the mapping's geometry.
+        buf: the mapping (``mmap``), kept open for the communicator's life.
+        timeout_s: how long :meth:`ShmWork.wait` and slot reuse wait for a peer, seconds.
+    """
+
+    def __init__(self, rank: int, layout: ShmLayout, buf: mmap.mmap, timeout_s: float = 60.0):
+        self.rank, self.layout, self.timeout_s = rank, layout, timeout_s
+        self._buf = buf
+        self._bytes = torch.frombuffer(buf, dtype=torch.uint8)
+        p = layout.size
+        self._ctl = np.frombuffer(buf, dtype=np.int64, count=2 * p * p * _LINE).reshape(2, p, p, _LINE)
+        self._ready, self._doneflag = self._ctl[0, :, :, 0], self._ctl[1, :, :, 0]
+        self._seq = 0
+        self._waited = 0  # highest sequence number this rank has received
+        self.num_calls = 0
+
+    @classmethod
+    def create(cls, group, slot_bytes: int = 2 << 20, num_slots: int = 4, timeout_s: float = 60.0) -> ShmAllToAll:
+        """Create the mapping on the group's rank 0, map it on every rank, then unlink it (collective).
+
+        Raises:
+            OSError: ``/dev/shm`` cannot hold ``layout.total_bytes`` (raised on every rank alike).
+        """
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        layout = ShmLayout(size, num_slots, slot_bytes)
+        path = [os.path.join(SHM_DIR, f"raymoe-a2a-{uuid.uuid4().hex}") if rank == 0 else None]
+        err = [None]
+        if rank == 0:
+            try:
+                fd = os.open(path[0], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, layout.total_bytes)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                err[0] = f"{type(e).__name__}: {e}"
+        dist.broadcast_object_list(path, src=dist.get_global_rank(group, 0), group=group)
+        dist.broadcast_object_list(err, src=dist.get_global_rank(group, 0), group=group)
+        if err[0] is not None:
+            raise OSError(f"shared-memory all-to-all: cannot reserve {layout.total_bytes} bytes in {SHM_DIR}: "
+                          f"{err[0]}")
+        fd = os.open(path[0], os.O_RDWR)
+        try:
+            buf = mmap.mmap(fd, layout.total_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        dist.barrier(group=group)
+        if rank == 0:
+            os.unlink(path[0])
+        return cls(rank, layout, buf, timeout_s)
+
+    @property
+    def size(self) -> int:
+        return self.layout.size
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether one message (one rank's chunk for one peer) of ``nbytes`` fits a slot."""
+        return nbytes <= self.layout.slot_bytes
+
+    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
+                          in_splits: list[int] | None = None) -> ShmWork:
+        """Post a ``torch.distributed.all_to_all_single``: chunk ``d`` of ``inp`` goes to rank ``d``, chunk ``s``
+        of ``out`` comes from rank ``s``. Splits are rows of dim 0 (None: equal chunks). Returns at once.
+
+        Args:
+            out, inp: contiguous CPU tensors of one dtype whose rows have the same size.
+        Raises:
+            ValueError: non-contiguous or non-CPU tensors, splits that do not add up, or a chunk over a slot.
+            RuntimeError: more than ``num_slots - 1`` calls posted and not waited on.
+        """
+        p = self.size
+        if not (out.is_contiguous() and inp.is_contiguous()) or out.device.type != "cpu" or inp.dtype != out.dtype:
+            raise ValueError("shared-memory all-to-all needs contiguous CPU tensors of one dtype")
+        in_chunks = _chunks(inp, in_splits, p)
+        out_chunks = _chunks(out, out_splits, p)
+        if max(n for _, n in in_chunks + out_chunks) > self.layout.slot_bytes:
+            raise ValueError(f"a chunk exceeds the shared-memory slot of {self.layout.slot_bytes} bytes")
+        if self._seq - self._waited >= self.layout.num_slots - 1:
+            raise RuntimeError(f"{self._seq - self._waited} shared-memory all-to-alls are posted and not waited on "
+                               f"(at most {self.layout.num_slots - 1})")
+        self._seq += 1
+        self.num_calls += 1
+        seq, me = self._seq, self.rank
+        src_bytes, dst_bytes = _byte_view(inp), _byte_view(out)
+        k = self.layout.num_slots
+        for step in range(1, p):
+            dst = (me + step) % p
+            self._wait_flag(self._doneflag, me, dst, seq - k, "free its slot")
+            off, n = in_chunks[dst]
+            base = self.layout.slot_offset(me, dst, seq % k)
+            self._bytes[base:base + n].copy_(src_bytes[off:off + n])
+            self._ready[me, dst] = seq
+        (o_off, o_n), (i_off, _) = out_chunks[me], in_chunks[me]
+        dst_bytes[o_off:o_off + o_n].copy_(src_bytes[i_off:i_off + o_n])
+        return ShmWork(self, seq, out, out_chunks)
+
+    def _receive(self, seq: int, out: torch.Tensor, out_chunks: list[tuple[int, int]]) -> None:
+        p, me, k = self.size, self.rank, self.layout.num_slots
+        dst_bytes = _byte_view(out)
+        for step in range(1, p):
+            src = (me - step) % p
+            self._wait_flag(self._ready, src, me, seq, "post")
+            off, n = out_chunks[src]
+            base = self.layout.slot_offset(src, me, seq % k)
+            dst_bytes[off:off + n].copy_(self._bytes[base:base + n])
+            self._doneflag[src, me] = seq
+        self._waited = max(self._waited, seq)
+
+    def _wait_flag(self, flags: np.ndarray, src: int, dst: int, target: int, what: str) -> None:
+        """Poll ``flags[src, dst] >= target``: spin briefly, then yield the core, then sleep (a rank that waits
+        must not starve its peer of the CPU on a small machine)."""
+        if flags[src, dst] >= target:
+            return
+        spins, deadline = 0, None
+        while flags[src, dst] < target:
+            spins += 1
+            if spins < 200:
+                continue
+            if spins < 4000:
+                os.sched_yield()
+                continue
+            if deadline is None:
+                deadline = time.monotonic() + self.timeout_s
+            elif time.monotonic() > deadline:
+                peer = dst if what == "free its slot" else src
+                raise TimeoutError(f"shared-memory all-to-all: rank {peer} did not {what} for call {target} "
+                                   f"within {self.timeout_s:.0f} s")
+            time.sleep(20e-6)
+
+    def close(self) -> None:
+        """Unmap (the file was unlinked at creation). The communicator is unusable afterwards."""
+        self._ready = self._doneflag = self._ctl = self._bytes = None
+        try:
+            self._buf.close()
+        except BufferError:  # a tensor view is still alive; the mapping goes with the process
+            pass
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _chunks(t: torch.Tensor, splits: list[int] | None, p: int) -> list[tuple[int, int]]:
+    """(byte offset, byte count) of each of the ``p`` chunks of ``t`` along dim 0."""
+    total = t.numel() * t.element_size()
+    if splits is None:
+        if total % p:
+            raise ValueError(f"{total} bytes do not split into {p} equal chunks")
+        n = total // p
+        return [(i * n, n) for i in range(p)]
+    rows = t.shape[0] if t.dim() else 1
+    if len(splits) != p or sum(splits) != rows:
+        raise ValueError(f"splits {splits} do not cover the {rows} rows for {p} ranks")
+    row = total // rows if rows else 0
+    out, off = [], 0
+    for s in splits:
+        out.append((off, s * row))
+        off += s * row
+    return out

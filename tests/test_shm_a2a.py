@@ -1,0 +1,145 @@
+"""Shared-memory EP all-to-all (``raymoe.comm.shm``, ``raymoe.comm.ep_transport``): byte-identical to gloo for
+equal and variable splits, several calls in flight, both MoE dispatch modes; the gloo fallback for messages over a
+slot; clear errors for misuse, a silent peer and a bad ``cpu_comm``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from raymoe.comm.dispatcher import TorchDispatcher
+from raymoe.comm.ep_transport import EpTransport
+from raymoe.comm.expert_input import MaskedExpertRows
+from raymoe.comm.groups import ParallelGroups
+from raymoe.comm.shm import ShmAllToAll, ShmLayout, shm_supported
+from raymoe.config import MoeCommConfig, ParallelConfig
+from raymoe.errors import InvalidRequestError
+
+pytestmark = pytest.mark.skipif(not shm_supported(), reason="needs x86-64 and a writable /dev/shm")
+
+
+def _split_matrix(p: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 6, (p, p), generator=g).tolist()  # [src][dst] rows, the same on every rank
+
+
+def _exchanges(groups: ParallelGroups) -> dict:
+    """Run the same exchanges through shared memory and through gloo; report whether they agree."""
+    shm, p, me = groups.ep_shm, groups.ep_size, groups.ep_rank
+    assert shm is not None, "cpu_comm=shm must give the EP group a shared-memory communicator"
+    report = {}
+    # equal splits, three dtypes, two calls in flight, waited in reverse order
+    g = torch.Generator().manual_seed(me)
+    inputs = [torch.randn(p * 5, 3, generator=g), torch.randint(0, 1 << 40, (p * 4,), generator=g),
+              torch.randn(p * 2, 7, generator=g).to(torch.bfloat16)]
+    for i, x in enumerate(inputs):
+        ref = torch.empty_like(x)
+        dist.all_to_all_single(ref, x, group=groups.ep_group)
+        a, b = torch.empty_like(x), torch.empty_like(x)
+        wa, wb = shm.all_to_all_single(a, x), shm.all_to_all_single(b, x * 2 if x.is_floating_point() else x)
+        wb.wait()
+        wa.wait()
+        report[f"equal{i}"] = torch.equal(a, ref) and torch.equal(b, ref * 2 if x.is_floating_point() else ref)
+    # variable splits (rows of dim 0), including empty chunks
+    m = _split_matrix(p, 7)
+    send, recv = m[me], [m[s][me] for s in range(p)]
+    x = torch.randn(sum(send), 4, generator=g)
+    ref = x.new_empty(sum(recv), 4)
+    dist.all_to_all_single(ref, x, recv, send, group=groups.ep_group)
+    out = x.new_empty(sum(recv), 4)
+    shm.all_to_all_single(out, x, recv, send).wait()
+    report["varlen"] = torch.equal(out, ref)
+    # the transport: counts matrix, and the fallback to gloo for a message over a slot
+    t = EpTransport(groups)
+    s_l, r_l, max_pair = t.exchange_counts(torch.tensor(send))
+    report["counts"] = (s_l, r_l, max_pair) == (send, recv, max(max(r) for r in m))
+    big = torch.randn(p * (shm.layout.slot_bytes // 4 + 1), generator=g)
+    ref = torch.empty_like(big)
+    dist.all_to_all_single(ref, big, group=groups.ep_group)
+    got = torch.empty_like(big)
+    before = t.dist_calls
+    t.all_to_all_equal(got, big).wait()
+    report["fallback"] = torch.equal(got, ref) and t.dist_calls == before + 1
+    # misuse: too many calls posted and not waited on
+    works = [shm.all_to_all_single(torch.empty(p), torch.ones(p)) for _ in range(shm.layout.num_slots - 1)]
+    try:
+        shm.all_to_all_single(torch.empty(p), torch.ones(p))
+        report["inflight_error"] = False
+    except RuntimeError as e:
+        report["inflight_error"] = "not waited on" in str(e)
+    for w in works:
+        w.wait()
+    return report
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_shared_memory_all_to_all_equals_gloo(ep):
+    from dist_harness import run_ranks
+
+    for rank, report in enumerate(run_ranks(_exchanges, ParallelConfig(tp_size=1, dp_size=ep, ep_size=ep),
+                                            cpu_comm="shm")):
+        assert all(report.values()), (rank, report)
+
+
+def _dispatch_both_transports(groups: ParallelGroups) -> dict:
+    """Normal and low-latency MoE dispatch/combine with shared memory and with gloo only, same inputs."""
+    e, k, h = 8, 2, 16
+    g = torch.Generator().manual_seed(groups.ep_rank)
+    n = 3 + 2 * groups.ep_rank
+    x = torch.randn(n, h, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+    w = torch.softmax(torch.randn(n, k, generator=g), dim=-1)
+    results = {}
+    for name, grp in (("shm", groups), ("gloo", dataclasses.replace(groups, ep_shm=None))):
+        a2a = TorchDispatcher(grp, e)
+        for mode, capacity in (("normal", None), ("low_latency", 3 + 2 * (groups.ep_size - 1))):
+            handle = a2a.dispatch_a(x, ids, w, capacity)
+            rows = a2a.dispatch_b(handle)
+            y = rows.x * 2.0 + 1.0 if isinstance(rows, MaskedExpertRows) else rows.x * 2.0 + 1.0
+            a2a.combine_a(handle, y)
+            results[f"{name}/{mode}"] = a2a.combine_b(handle)
+        results[f"{name}/calls"] = (a2a.normal.transport.shm_calls + a2a.low_latency.transport.shm_calls)
+    return {"normal": torch.equal(results["shm/normal"], results["gloo/normal"]),
+            "low_latency": torch.equal(results["shm/low_latency"], results["gloo/low_latency"]),
+            "used_shm": results["shm/calls"] > 0 and results["gloo/calls"] == 0}
+
+
+def test_moe_dispatch_through_shared_memory_equals_gloo():
+    from dist_harness import run_ranks
+
+    for rank, report in enumerate(run_ranks(_dispatch_both_transports,
+                                            ParallelConfig(tp_size=1, dp_size=2, ep_size=2), cpu_comm="shm")):
+        assert all(report.values()), (rank, report)
+
+
+def _silent_peer(groups: ParallelGroups) -> str:
+    shm = ShmAllToAll(groups.ep_rank, groups.ep_shm.layout, groups.ep_shm._buf, timeout_s=0.5)
+    if groups.ep_rank == 1:
+        return "skipped"
+    try:
+        shm.all_to_all_single(torch.empty(2), torch.ones(2)).wait()
+    except TimeoutError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_silent_peer_times_out_with_a_clear_error():
+    from dist_harness import run_ranks
+
+    msg = run_ranks(_silent_peer, ParallelConfig(tp_size=1, dp_size=2, ep_size=2), cpu_comm="shm")[0]
+    assert "rank 1 did not post" in msg
+
+
+def test_config_checks():
+    with pytest.raises(InvalidRequestError) as e:
+        MoeCommConfig(cpu_comm="nvlink")
+    assert e.value.field == "cpu_comm"
+    for bad in ((1, 4, 1024), (2, 1, 1024), (2, 4, 8)):
+        with pytest.raises(ValueError):
+            ShmLayout(*bad)
+    layout = ShmLayout(2, 4, 4096)
+    assert layout.total_bytes == layout.control_bytes + 2 * 2 * 4 * 4096
+    assert layout.slot_offset(1, 0, 3) == layout.control_bytes + (2 * 4 + 3) * 4096
