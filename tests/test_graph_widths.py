@@ -9,6 +9,7 @@ Exactness: float64, as ``tests/test_graph_runner.py`` (a stale or wrong-width bu
 from __future__ import annotations
 
 import pytest
+import torch
 
 from raymoe.attention.torch_native import TorchNativeAttnBackend
 from raymoe.config import OverlapConfig
@@ -144,3 +145,25 @@ def test_fixed_widths_match_eager_across_width_boundaries(tiny_model, monkeypatc
         expected += ([(2, w), (2, w)] if tbo else [(4, w)]) * layers  # bucket 4, TBO halves of 2 rows
     assert sorted(seen) == sorted(expected)
     assert gr.replayed_widths == {8: 0, 16: 6, 32: 16, CTX: 8}  # seq_len 11..16, 17..32, 33..40
+
+
+@pytest.mark.parametrize("widths,finite", [((16, 32), True), ((CTX,), False)], ids=["width16", "full"])
+def test_graph_reads_only_its_kv_width(tiny_model, widths, finite):
+    """Table columns 16.. of every row point at a slot of NaN keys/values (masked, but NaN poisons SDPA anyway):
+    a step of seq_len 11 replays the 16-wide graph, which must not read them; the full-width control does."""
+    runner = _runner(tiny_model, tbo=False)
+    gr = runner.graph_runner = runner.build_graph_runner(kv_widths=widths)
+    rows = [0, 1, 2]
+    runner.forward_batch_generation(_prefill(rows))
+    poison = runner.cfg.num_kv_slots  # last slot, beyond every _slot() used here
+    for buf in runner.token_to_kv_pool.k_buffer + runner.token_to_kv_pool.v_buffer:
+        buf[poison] = float("nan")
+    runner.req_to_token_pool.req_to_token[:, 16:] = poison
+    step = _decode(rows, [5, 6, 7], 0, 4, False)
+    eager = runner.forward(runner.prepare(step)).clone()
+    graph = gr.replay(runner.prepare(step, for_graph=True))
+    assert gr.replayed_widths[widths[0]] == 1
+    assert torch.isfinite(eager).all()
+    assert bool(torch.isfinite(graph).all()) == finite
+    if finite:
+        assert (graph - eager).abs().max().item() <= 1e-5
