@@ -118,8 +118,8 @@ def test_replay_matches_eager_every_batch_size(tiny_model, dtype, tbo):
     max_bs = 24
     runner = _runner(tiny_model, max_bs, dtype=dtype, overlap=OverlapConfig(enable_tbo=tbo))
     assert runner.cfg.graph_capture_sizes == (1, 2, 4, 8, 16, 24)
-    assert sorted(runner.graph_runner.graphs) == sorted([(bs, False) for bs in runner.cfg.graph_capture_sizes]
-                                                        + [(bs, True) for bs in (2, 4, 8, 16, 24) if tbo])
+    assert sorted(runner.graph_runner.graphs) == sorted([(bs, False, CTX) for bs in runner.cfg.graph_capture_sizes]
+                                                        + [(bs, True, CTX) for bs in (2, 4, 8, 16, 24) if tbo])
     for (bs, use_tbo), static in runner.graph_runner.static_batches.items():
         halves = [c.batch_size for c in static.tbo_children] if use_tbo else None
         assert halves == ([bs // 2, bs - bs // 2] if use_tbo else None)  # split of the padded size

@@ -41,22 +41,27 @@ class AttentionBackend(ABC):
         return self.forward_extend(q, k, v, layer_id, forward_batch)
 
     # ---- decode graph hooks (raymoe.runner.graph_runner); backends without graph support keep these ----
+    supports_graph_kv_widths = False  # True: decode cost follows the graph's KV width (CUDA captures a width ladder)
+
     def init_cuda_graph_state(self, max_bs: int, max_kv_len: int) -> None:
         """Allocate fixed-address metadata buffers for graphs of up to ``max_bs`` rows attending over at
         most ``max_kv_len`` tokens. Raises NotImplementedError when the backend cannot be captured."""
         raise NotImplementedError(f"{type(self).__name__} does not support graph capture")
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                 seq_lens: torch.Tensor, forward_mode) -> None:
+                                                 seq_lens: torch.Tensor, forward_mode, *,
+                                                 kv_width: int | None = None) -> None:
         """Point this step's metadata at the graph buffers' first ``bs`` rows and fill them from the static
-        inputs ``req_pool_indices``, ``seq_lens`` ([bs] int64) before capturing bucket ``bs``."""
+        inputs ``req_pool_indices``, ``seq_lens`` ([bs] int64) before capturing bucket ``bs`` at ``kv_width``
+        tokens (``None``: the full width of ``init_cuda_graph_state``; a backend whose kernels do not depend on
+        the width may ignore it)."""
         raise NotImplementedError(f"{type(self).__name__} does not support graph capture")
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                 seq_lens: torch.Tensor, seq_lens_cpu: list[int],
-                                                forward_mode) -> None:
+                                                forward_mode, *, kv_width: int | None = None) -> None:
         """Refresh the graph buffers in place (same addresses) from the padded static inputs ([bs] int64;
-        ``seq_lens_cpu`` their host copy) before replaying bucket ``bs``."""
+        ``seq_lens_cpu`` their host copy) before replaying bucket ``bs`` captured at ``kv_width`` tokens."""
         raise NotImplementedError(f"{type(self).__name__} does not support graph capture")
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:

@@ -135,12 +135,15 @@ class FlashAttnBackend(AttentionBackend):
         self.graph_cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.graph_max_seqlen_k = width
 
-    def init_forward_metadata_capture_cuda_graph(self, bs, req_pool_indices, seq_lens, forward_mode) -> None:
+    def init_forward_metadata_capture_cuda_graph(self, bs, req_pool_indices, seq_lens, forward_mode, *,
+                                                 kv_width=None) -> None:
         self.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens, [], forward_mode)
 
     def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_cpu,
-                                                forward_mode) -> None:
-        """Refresh rows ``[0, bs)`` of the buffers in place and point this step's metadata at them."""
+                                                forward_mode, *, kv_width=None) -> None:
+        """Refresh rows ``[0, bs)`` of the buffers in place and point this step's metadata at them. ``kv_width``
+        is ignored: the kernel reads each row only up to its ``seqused_k``, so one full-width graph is as fast
+        (``supports_graph_kv_widths`` is False and the runner captures one width)."""
         pages = self.graph_block_table.shape[1]
         self.graph_block_table[:bs].copy_(self._block_table(req_pool_indices[:bs], pages))
         self.graph_seqused_k[:bs].copy_(seq_lens[:bs])

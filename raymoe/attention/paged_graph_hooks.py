@@ -3,23 +3,27 @@
 Eager decode: ``kv_indices`` [bs, L] int64 are the cache slots of each row's first L positions (L the step's
 longest sequence) and ``kv_mask`` [bs, 1, 1, L] bool marks positions below each row's seq_len.
 
-A captured decode graph reads fixed-address buffers: ``graph_kv_indices`` [max_bs, W] int64 (cache slots of each
-row's positions, from the ReqToTokenPool table) and ``graph_kv_mask`` [max_bs, 1, 1, W] bool (position <
-seq_len). The runner refreshes them in place before each replay; the backend's decode kernel reads
-``kv_indices`` / ``kv_mask``, views of their first ``bs`` rows.
+A decode graph of bucket ``bs`` at KV width ``w`` (tokens, ``raymoe.runner.graph_buckets.kv_width_ladder``) reads
+fixed-address buffers sized for the largest graph (``max_bs`` rows, W = the table width): ``graph_kv_indices``
+[max_bs * W] int64 and ``graph_kv_mask`` [max_bs * W] bool, flat. Its ``kv_indices`` [bs, w] (cache slots of each
+row's first w positions, from the ReqToTokenPool table) and ``kv_mask`` [bs, 1, 1, w] (position < seq_len) are
+contiguous views of their first ``bs * w`` elements, so the kernels captured at width w see exactly that shape and
+every graph reads the same addresses. The runner refreshes the whole view in place before each replay (no stale
+element of a wider or larger graph is ever read). The cost of the decode kernels (index gather, SDPA) follows w.
 """
 
 from __future__ import annotations
 
 import torch
 
-_CPU_WIDTH_STEP = 16  # tokens: granularity of the attended width of a CPU graph replay
+_CPU_WIDTH_STEP = 16  # tokens: granularity of the attended width of a CPU graph replay without a fixed width
 
 
 class PagedDecodeGraphHooks:
     """Mixin of the eager decode metadata and the graph hooks of ``AttentionBackend``, for a backend holding
     ``req_to_token`` [rows, max_ctx] int64 and reading ``kv_indices`` / ``kv_mask`` in its decode kernel."""
 
+    supports_graph_kv_widths = True  # decode cost follows the attended width: capture a width ladder
     req_to_token: torch.Tensor
     kv_indices: torch.Tensor | None
     kv_mask: torch.Tensor | None
@@ -33,29 +37,43 @@ class PagedDecodeGraphHooks:
         self.kv_mask = (ar[None, :] < fb.seq_lens[:, None])[:, None, None, :]
 
     def init_cuda_graph_state(self, max_bs: int, max_kv_len: int) -> None:
-        """Allocate the buffers with W = ``min(max_kv_len, max_context_len)``: a graph always attends over W slots
-        (masked past seq_len), since its shapes cannot follow the step's longest sequence."""
+        """Allocate the flat buffers for ``max_bs`` rows of W = ``min(max_kv_len, max_context_len)`` tokens."""
         width = min(max_kv_len, self.req_to_token.shape[1])
         dev = self.req_to_token.device
-        self.graph_kv_indices = torch.zeros((max_bs, width), dtype=torch.int64, device=dev)
-        self.graph_kv_mask = torch.zeros((max_bs, 1, 1, width), dtype=torch.bool, device=dev)
+        self.graph_max_bs, self.graph_width = max_bs, width
+        self.graph_kv_indices = torch.zeros(max_bs * width, dtype=torch.int64, device=dev)
+        self.graph_kv_mask = torch.zeros(max_bs * width, dtype=torch.bool, device=dev)
         self.graph_positions = torch.arange(width, device=dev)
 
-    def init_forward_metadata_capture_cuda_graph(self, bs, req_pool_indices, seq_lens, forward_mode) -> None:
-        self.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens, [], forward_mode)
+    def init_forward_metadata_capture_cuda_graph(self, bs, req_pool_indices, seq_lens, forward_mode, *,
+                                                 kv_width: int | None = None) -> None:
+        self.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens, [], forward_mode,
+                                                     kv_width=kv_width)
 
     def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_cpu,
-                                                forward_mode) -> None:
-        """Refresh the buffers for rows ``[0, bs)``. On CUDA the captured kernels read all W columns; on CPU a
-        replay is a Python callable whose shapes may change, so it attends only over the step's longest sequence
-        rounded up to ``_CPU_WIDTH_STEP`` columns (same buffers, a narrower view)."""
-        width = self.graph_kv_indices.shape[1]
-        if self.graph_kv_indices.device.type == "cpu" and len(seq_lens_cpu):
+                                                forward_mode, *, kv_width: int | None = None) -> None:
+        """Refresh the views of rows ``[0, bs)`` at ``kv_width`` tokens (the width the graph was captured at) and
+        point ``kv_indices`` / ``kv_mask`` at them. ``kv_width=None``: W on CUDA; on CPU, where a replay is a Python
+        callable whose shapes may change, the step's longest sequence rounded up to ``_CPU_WIDTH_STEP`` (capped
+        at W). Rows must satisfy seq_len <= the width (the runner picks a width that holds them).
+
+        Raises:
+            ValueError: ``kv_width`` is above W or below 1, or ``bs`` above the allocated rows.
+        """
+        width = self.graph_width
+        if kv_width is not None:
+            if not 1 <= kv_width <= width:
+                raise ValueError(f"graph KV width {kv_width} outside [1, {width}] tokens")
+            width = kv_width
+        elif self.graph_kv_indices.device.type == "cpu" and len(seq_lens_cpu):
             width = min(width, -(-max(seq_lens_cpu) // _CPU_WIDTH_STEP) * _CPU_WIDTH_STEP)
-        self.graph_kv_indices[:bs, :width].copy_(self.req_to_token[req_pool_indices[:bs], :width])
-        self.graph_kv_mask[:bs, 0, 0, :width].copy_(self.graph_positions[None, :width] < seq_lens[:bs, None])
-        self.kv_indices = self.graph_kv_indices[:bs, :width]
-        self.kv_mask = self.graph_kv_mask[:bs, :, :, :width]
+        if bs > self.graph_max_bs:
+            raise ValueError(f"graph batch of {bs} rows above the {self.graph_max_bs} allocated")
+        indices = self.graph_kv_indices[:bs * width].view(bs, width)
+        mask = self.graph_kv_mask[:bs * width].view(bs, 1, 1, width)
+        indices.copy_(self.req_to_token[req_pool_indices[:bs], :width])
+        mask[:, 0, 0, :].copy_(self.graph_positions[None, :width] < seq_lens[:bs, None])
+        self.kv_indices, self.kv_mask = indices, mask
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """1: a padding row attends to one slot (a row with every key masked would make SDPA return NaN)."""

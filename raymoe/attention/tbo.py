@@ -65,13 +65,19 @@ class TboAttnBackend(AttentionBackend):
     def init_cuda_graph_state(self, max_bs: int, max_kv_len: int) -> None:
         self.primary.init_cuda_graph_state(max_bs, max_kv_len)
 
-    def init_forward_metadata_capture_cuda_graph(self, bs, req_pool_indices, seq_lens, forward_mode) -> None:
-        self.primary.init_forward_metadata_capture_cuda_graph(bs, req_pool_indices, seq_lens, forward_mode)
+    @property
+    def supports_graph_kv_widths(self) -> bool:
+        return self.primary.supports_graph_kv_widths
+
+    def init_forward_metadata_capture_cuda_graph(self, bs, req_pool_indices, seq_lens, forward_mode, *,
+                                                 kv_width=None) -> None:
+        self.primary.init_forward_metadata_capture_cuda_graph(bs, req_pool_indices, seq_lens, forward_mode,
+                                                              kv_width=kv_width)
 
     def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_cpu,
-                                                forward_mode) -> None:
+                                                forward_mode, *, kv_width=None) -> None:
         self.primary.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens, seq_lens_cpu,
-                                                             forward_mode)
+                                                             forward_mode, kv_width=kv_width)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.primary.get_cuda_graph_seq_len_fill_value()

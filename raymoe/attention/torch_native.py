@@ -3,8 +3,9 @@
 Decode gathers each request's keys/values through its ReqToTokenPool row into a padded [bs, L_max] batch and
 masks the padding; grouped-query heads are folded into the query-length dim so KV is never repeated.
 Extend runs one SDPA call per request with a causal mask shifted by the cached prefix length.
-Under a decode graph (``raymoe.runner.graph_runner``) the same decode kernel reads fixed-size index/mask buffers
-that span the whole table width, refreshed in place by the graph hooks before each replay.
+Under a decode graph (``raymoe.runner.graph_runner``) the same decode kernel reads fixed-address index/mask
+buffers, refreshed in place by the graph hooks before each replay, over the graph's KV width (on CUDA one capture
+per width of a ladder up to the table width; ``raymoe.attention.paged_graph_hooks``).
 
 On CPU the decode gather writes into two buffers the backend keeps (grown on demand, shared by every layer): a
 fresh multi-megabyte tensor per layer would come from ``mmap`` and be page-faulted in on every call, which made

@@ -1,4 +1,4 @@
-"""Decode graph buckets: which batch sizes are captured, and which bucket a step replays.
+"""Decode graph buckets: which batch sizes and KV widths are captured, and which graph a step replays.
 
 Pure functions over plain numbers (no torch), shared by both sides of the step boundary:
 
@@ -7,7 +7,11 @@ Pure functions over plain numbers (no torch), shared by both sides of the step b
 * the driver calls :func:`apply_graph_plan` (:func:`plan_graph_bs` + ``replace``) once per global step with
   every DP group's ``ModelWorkerBatch``, after the TBO decision, and ships the answer in
   ``ModelWorkerBatch.graph_bs`` to all ranks, so every rank pads to the same size and the MoE collectives of
-  all ranks see the same number of rows.
+  all ranks see the same number of rows;
+* on CUDA the rank also captures each bucket at every KV width of :func:`kv_width_ladder` and a replay takes
+  :func:`select_kv_width` of the step's longest sequence. The width changes only the attention of the rank's own
+  rows (no collective), so it is a rank-local choice made from the host copy of the sequence lengths: no driver
+  decision, no host sync, and ranks of one step may replay different widths.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections.abc import Sequence
 from raymoe.step.forward_mode import ForwardMode
 
 SMALL_SIZES = (1, 2, 4, 8)
+DEFAULT_MIN_KV_WIDTH = 128  # tokens: first KV width of the decode-graph width ladder
 
 
 def default_capture_sizes(max_bs: int) -> list[int]:
@@ -91,3 +96,33 @@ def apply_graph_plan(batches: Sequence, sizes: Sequence[int]) -> list:
     """``batches`` (``ModelWorkerBatch`` per DP group) with ``graph_bs`` set to :func:`plan_graph_bs` on each."""
     graph_bs = plan_graph_bs(batches, sizes)
     return [b if b.graph_bs == graph_bs else dataclasses.replace(b, graph_bs=graph_bs) for b in batches]
+
+
+def kv_width_ladder(max_kv_len: int, min_kv_width: int | None = DEFAULT_MIN_KV_WIDTH) -> list[int]:
+    """KV widths (tokens) the decode graphs of a bucket are captured at, ascending: ``min_kv_width``, doubling
+    while below ``max_kv_len``, and always ``max_kv_len`` itself (the ReqToTokenPool row width), so that every
+    sequence has a width. A graph at width W attends over W key positions per row (masked past its seq_len).
+
+    Args:
+        max_kv_len: the longest sequence a graph must hold, tokens (>= 1).
+        min_kv_width: first width, tokens (>= 1); ``None`` disables the ladder: ``[max_kv_len]`` only.
+    Raises:
+        ValueError: ``max_kv_len`` or ``min_kv_width`` below 1.
+    """
+    if max_kv_len < 1:
+        raise ValueError(f"max_kv_len must be >= 1, got {max_kv_len}")
+    if min_kv_width is None:
+        return [max_kv_len]
+    if min_kv_width < 1:
+        raise ValueError(f"min_kv_width must be >= 1, got {min_kv_width}")
+    widths, w = [], min_kv_width
+    while w < max_kv_len:
+        widths.append(w)
+        w *= 2
+    return widths + [max_kv_len]
+
+
+def select_kv_width(max_seq_len: int, widths: Sequence[int]) -> int | None:
+    """Smallest captured KV width >= ``max_seq_len`` (the step's longest sequence, padding rows included, tokens;
+    ``widths`` ascending), or ``None`` when the sequence is longer than every width."""
+    return select_graph_bs(max_seq_len, widths)

@@ -1,4 +1,5 @@
-"""GraphRunner: capture decode forwards once per batch-size bucket, replay them with padded static inputs.
+"""GraphRunner: capture decode forwards per batch-size bucket (and, on CUDA, per KV width), replay them with
+padded static inputs.
 
 Ownership: one per ``ModelRunner`` (rank side). The driver picks the bucket of a step for all ranks
 (``raymoe.runner.graph_buckets.plan_graph_bs``, shipped as ``ModelWorkerBatch.graph_bs``); the runner asks
@@ -8,7 +9,8 @@ Capture (largest bucket first): point the attention backend's metadata at its gr
 (``init_forward_metadata_capture_cuda_graph``), then
 
 * on CUDA: warm-up runs on a side stream, then ``torch.cuda.CUDAGraph`` capture into one memory pool shared
-  by every bucket (the largest graph sizes the pool, the smaller ones reuse it);
+  by every graph (the largest graph sizes the pool, the smaller ones reuse it). Every graph copies its logits
+  into one shared output buffer [max_bs, V] float32, so the graphs kept alive hold no per-graph output;
 * on CPU: record a callable over the bucket's static ``ForwardBatch`` (optionally ``torch.compile``-d) and run
   it once. It reads only the static buffers and the backend's graph buffers, exactly what a CUDA graph would
   read, so buffer, padding and metadata bugs show up in CPU tests. With the low-latency MoE dispatch that run is
@@ -19,6 +21,16 @@ the attention metadata in place (``init_forward_metadata_replay_cuda_graph``), r
 ``batch_size`` rows of the output. Graphs are keyed by ``(bucket, use_tbo)``: with two-batch overlap a bucket is
 captured with the split of its padded size (children are views of the static buffers, each child refreshes its
 own attention backend's graph buffers), so replay needs the same TBO decision as capture.
+
+KV widths: a CUDA graph's shapes are frozen, so a graph attends over a fixed number of key positions per row. On
+CUDA, with a backend whose decode cost follows that width (``supports_graph_kv_widths``), each (bucket, use_tbo)
+is captured at every width of ``graph_buckets.kv_width_ladder`` (tokens, up to the table width) and a replay picks
+the smallest width that holds the step's longest sequence (``graph_buckets.select_kv_width`` over the host copy
+of the padded sequence lengths: no host sync). The width changes only attention over the rank's own rows, no
+collective, so it is chosen on each rank alone (no driver decision). Graphs are keyed by
+``(bucket, use_tbo, kv_width)``. On CPU a replay is a Python callable, so by default each (bucket, use_tbo) is
+recorded once at the table width and the backend narrows every replay to the step's longest sequence;
+``kv_widths=`` forces the CUDA scheme on CPU (tests cover that path without a GPU).
 """
 
 from __future__ import annotations
@@ -32,7 +44,7 @@ import torch
 from tqdm import tqdm
 
 from raymoe.runner.forward_batch import ForwardBatch
-from raymoe.runner.graph_buckets import select_graph_bs
+from raymoe.runner.graph_buckets import kv_width_ladder, select_graph_bs, select_kv_width
 from raymoe.runner.graph_buffers import GraphInputBuffers
 from raymoe.runner.sync_guard import HostSyncGuard
 from raymoe.step.forward_mode import ForwardMode
@@ -65,7 +77,8 @@ class _CudaStep:
 
 
 def _capture_cuda(fn: Callable[[], torch.Tensor], pool, stream, warmup_runs: int) -> _CudaStep:
-    """Warm up ``fn`` on ``stream`` (lazy inits, allocator, kernel selection), then capture it into ``pool``."""
+    """Warm up ``fn`` on ``stream`` (lazy inits, allocator, kernel selection), then capture it into ``pool``.
+    ``fn`` must return a tensor that outlives the graph's temporaries (the shared output buffer's rows)."""
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(warmup_runs):
@@ -87,6 +100,10 @@ class GraphRunner:
         sizes: bucket sizes to capture (any order; ``graph_buckets.capture_sizes``).
         device: the rank's device; ``cuda`` captures CUDA graphs, anything else records CPU callables.
         max_kv_len: longest sequence a graph attends over, tokens (the ReqToTokenPool row width).
+        kv_widths: KV widths to capture each (bucket, use_tbo) at, tokens (``max_kv_len`` is always added; none
+            may exceed it). ``None``: on CUDA ``graph_buckets.kv_width_ladder(max_kv_len)`` when the backend
+            ``supports_graph_kv_widths``, else ``[max_kv_len]``; on CPU one recording per (bucket, use_tbo) that
+            narrows dynamically on replay. Given explicitly, the fixed-width scheme runs on CPU too.
         tbo_modes: which ``use_tbo`` values to capture per bucket (``(False,)``: TBO steps run eagerly). TBO
             is captured for buckets of 2 rows or more (a decode split at ``bs // 2`` needs both halves).
         tbo_prepare: ``fb -> None`` attaching ``fb.tbo_children`` (each with its own attention backend) to a
@@ -99,13 +116,15 @@ class GraphRunner:
         show_progress: show a tqdm bar while capturing.
     Raises:
         NotImplementedError: the attention backend cannot be captured.
-        ValueError: ``sizes`` is empty or has a size below 1, or TBO capture without ``tbo_prepare``.
+        ValueError: ``sizes`` is empty or has a size below 1, a KV width outside ``[1, max_kv_len]``, or TBO
+            capture without ``tbo_prepare``.
     """
 
     def __init__(self, forward_fn: ForwardFn, attn_backend, sizes: Sequence[int], device: torch.device | str,
                  max_kv_len: int, tbo_modes: Sequence[bool] = (False,),
                  tbo_prepare: Callable[[ForwardBatch], None] | None = None, use_compile: bool = False,
-                 low_latency: bool = False, warmup_runs: int = 2, show_progress: bool = True):
+                 low_latency: bool = False, warmup_runs: int = 2, show_progress: bool = True,
+                 kv_widths: Sequence[int] | None = None):
         if not sizes or min(sizes) < 1:
             raise ValueError(f"graph batch sizes must be a non-empty list of sizes >= 1, got {list(sizes)}")
         if True in tbo_modes and tbo_prepare is None:
@@ -117,6 +136,15 @@ class GraphRunner:
         self.tbo_modes = tuple(dict.fromkeys(tbo_modes))
         self.tbo_prepare = tbo_prepare
         self.max_kv_len = max_kv_len
+        self.fixed_width = kv_widths is not None or self.is_cuda  # False: CPU, narrowed per replay
+        if kv_widths is None:
+            ladder = self.is_cuda and getattr(attn_backend, "supports_graph_kv_widths", False)
+            kv_widths = kv_width_ladder(max_kv_len) if ladder else [max_kv_len]
+        if any(not 1 <= w <= max_kv_len for w in kv_widths):
+            raise ValueError(f"graph KV widths must lie in [1, {max_kv_len}] tokens, got {list(kv_widths)}")
+        self.kv_widths = sorted(set(kv_widths) | {max_kv_len})
+        self.replayed_widths: dict[int, int] = dict.fromkeys(self.kv_widths, 0)  # replays per KV width
+        self._output: torch.Tensor | None = None  # CUDA: logits [max_bs, V] float32 shared by every graph
         self.use_compile = use_compile
         self.low_latency = low_latency
         self.warmup_runs = warmup_runs
@@ -125,8 +153,8 @@ class GraphRunner:
         self._backends_with_state = {id(attn_backend)}
         self.buffers = GraphInputBuffers.create(self.max_bs, self.device,
                                                 attn_backend.get_cuda_graph_seq_len_fill_value())
-        self.static_batches: dict[tuple[int, bool], ForwardBatch] = {}
-        self.graphs: dict[tuple[int, bool], _CpuStep | _CudaStep] = {}
+        self.static_batches: dict[tuple[int, bool], ForwardBatch] = {}  # shared by the widths of a bucket
+        self.graphs: dict[tuple[int, bool, int], _CpuStep | _CudaStep] = {}  # (bs, use_tbo, kv_width)
         self.capture_seconds = 0.0
         self.capture(show_progress)
 
@@ -135,20 +163,22 @@ class GraphRunner:
         return self.device.type == "cuda"
 
     def capture(self, show_progress: bool = True) -> None:
-        """Capture every (bucket, use_tbo), largest bucket first, and log the sizes and the time taken."""
-        keys = [(bs, tbo) for bs in reversed(self.sizes) for tbo in self.tbo_modes if bs >= 2 or not tbo]
+        """Capture every (bucket, use_tbo, kv_width), largest first, and log the count, sizes and time taken."""
+        keys = [(bs, tbo, w) for bs in reversed(self.sizes) for tbo in self.tbo_modes if bs >= 2 or not tbo
+                for w in reversed(self.kv_widths)]
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle() if self.is_cuda else None
         stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         with self._compile_limits(len(keys)):
-            for bs, tbo in tqdm(keys, desc="capture decode graphs", unit="graph", disable=not show_progress):
-                self.graphs[(bs, tbo)] = self._capture_one(bs, tbo, pool, stream)
+            for bs, tbo, w in tqdm(keys, desc="capture decode graphs", unit="graph", disable=not show_progress):
+                self.graphs[(bs, tbo, w)] = self._capture_one(bs, tbo, w, pool, stream)
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
-        logger.info("captured %d decode graphs on %s (batch sizes %s, tbo %s%s) in %.2f s", len(keys),
-                    self.device, self.sizes, list(self.tbo_modes), ", torch.compile" if self.use_compile else "",
-                    self.capture_seconds)
+        widths = self.kv_widths if self.fixed_width else f"dynamic up to {self.max_kv_len}"
+        logger.info("captured %d decode graphs on %s (batch sizes %s, tbo %s, KV widths %s tokens%s) in %.2f s",
+                    len(keys), self.device, self.sizes, list(self.tbo_modes), widths,
+                    ", torch.compile" if self.use_compile else "", self.capture_seconds)
 
     def _compile_limits(self, num_graphs: int):
         """Let torch.compile keep one specialization per bucket (its default limit is 8 per function)."""
@@ -157,31 +187,47 @@ class GraphRunner:
         limit = num_graphs + 8
         return torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, 8 * limit))
 
-    def _capture_one(self, bs: int, use_tbo: bool, pool, stream) -> _CpuStep | _CudaStep:
+    def _static_batch(self, bs: int, use_tbo: bool) -> ForwardBatch:
+        """The static batch of (bs, use_tbo), built on first use (with its TBO split and children's state)."""
+        if (bs, use_tbo) in self.static_batches:
+            return self.static_batches[(bs, use_tbo)]
         fb = self.buffers.forward_batch(bs, self.attn_backend, use_tbo)
         fb.dispatch_capacity = bs if self.low_latency else None
         self.static_batches[(bs, use_tbo)] = fb
-        self.buffers.pad(0, bs)
         if use_tbo:
             self.tbo_prepare(fb)
             for child in fb.tbo_children:
                 if id(child.attn_backend) not in self._backends_with_state:
                     child.attn_backend.init_cuda_graph_state(self.max_bs, self.max_kv_len)
                     self._backends_with_state.add(id(child.attn_backend))
+        return fb
+
+    def _capture_one(self, bs: int, use_tbo: bool, kv_width: int, pool, stream) -> _CpuStep | _CudaStep:
+        fb = self._static_batch(bs, use_tbo)
+        self.buffers.pad(0, bs)
+        width = kv_width if self.fixed_width else None
         for part in fb.tbo_children or [fb]:
             part.attn_backend.init_forward_metadata_capture_cuda_graph(part.batch_size, part.req_pool_indices,
-                                                                       part.seq_lens, ForwardMode.DECODE)
+                                                                       part.seq_lens, ForwardMode.DECODE,
+                                                                       kv_width=width)
         forward_fn = self.forward_fn
 
         def run() -> torch.Tensor:
             return forward_fn(fb)
 
         if self.is_cuda:
+            def run_into_output() -> torch.Tensor:
+                logits = run()
+                if self._output is None:  # first (eager warm-up) run of the largest bucket: V is known now
+                    self._output = logits.new_empty((self.max_bs, logits.shape[1]))
+                return self._output[:bs].copy_(logits)
+
             try:
-                return _capture_cuda(run, pool, stream, self.warmup_runs)
+                return _capture_cuda(run_into_output, pool, stream, self.warmup_runs)
             except RuntimeError as e:  # e.g. a host sync (.tolist(), .item()) inside the forward
-                raise RuntimeError(f"CUDA graph capture of decode batch size {bs} (tbo={use_tbo}) failed: {e}. "
-                                   "The forward must not sync with the host; or set disable_cuda_graph=True") from e
+                raise RuntimeError(f"CUDA graph capture of decode batch size {bs} (tbo={use_tbo}, KV width "
+                                   f"{kv_width}) failed: {e}. The forward must not sync with the host; "
+                                   "or set disable_cuda_graph=True") from e
         # CPU "capture": prove the bucket runs (and compile it when use_compile); with the low-latency dispatch the
         # forward must also be free of host syncs, as a CUDA graph needs, and the guard proves it.
         with HostSyncGuard() if self.low_latency and not self.use_compile else contextlib.nullcontext():
@@ -211,16 +257,31 @@ class GraphRunner:
         if not fb.forward_mode.is_decode_or_idle() or fb.num_tokens != fb.batch_size:
             return False
         bs = self.bucket_for(fb)
-        return bs is not None and (bs, fb.use_tbo) in self.graphs
+        return bs is not None and (bs, fb.use_tbo) in self.static_batches
+
+    def kv_width_for(self, seq_lens_cpu: Sequence[int]) -> int:
+        """The captured KV width (tokens) a step with these host sequence lengths (padding rows included) replays:
+        the smallest that holds the longest (on CPU without fixed widths: the one recording, ``max_kv_len``).
+
+        Raises:
+            ValueError: a sequence is longer than ``max_kv_len`` (it could not be in the table either).
+        """
+        longest = max(seq_lens_cpu, default=1)
+        width = select_kv_width(longest, self.kv_widths)
+        if width is None:
+            raise ValueError(f"sequence of {longest} tokens is longer than the graphs' {self.max_kv_len}")
+        return width if self.fixed_width else self.max_kv_len
 
     @torch.no_grad()
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Run ``forward_batch`` through its bucket's graph.
+        """Run ``forward_batch`` through the graph of its bucket, TBO decision and KV width (:meth:`kv_width_for`,
+        chosen on this rank from host values; counted in ``replayed_widths``).
 
         Returns:
-            float32 logits [batch_size, V] (on CUDA a view of the graph's output, valid until the next replay).
+            float32 logits [batch_size, V] (on CUDA a view of the graphs' shared output, valid until the next
+            replay).
         Raises:
-            ValueError: :meth:`can_run` is false for this batch.
+            ValueError: :meth:`can_run` is false for this batch, or a sequence is longer than ``max_kv_len``.
         """
         fb = forward_batch
         if not self.can_run(fb):
@@ -229,10 +290,12 @@ class GraphRunner:
         bs = self.bucket_for(fb)
         static = self.static_batches[(bs, fb.use_tbo)]
         seq_lens_cpu = self.buffers.populate(fb, bs)
+        width = self.kv_width_for(seq_lens_cpu)
         for part in static.tbo_children or [static]:
             r0, r1 = part.tbo_parent_token_range or (0, bs)  # decode: one token per row
-            part.attn_backend.init_forward_metadata_replay_cuda_graph(part.batch_size, part.req_pool_indices,
-                                                                      part.seq_lens, seq_lens_cpu[r0:r1],
-                                                                      ForwardMode.DECODE)
-        out = self.graphs[(bs, fb.use_tbo)].replay()
+            part.attn_backend.init_forward_metadata_replay_cuda_graph(
+                part.batch_size, part.req_pool_indices, part.seq_lens, seq_lens_cpu[r0:r1], ForwardMode.DECODE,
+                kv_width=width if self.fixed_width else None)
+        out = self.graphs[(bs, fb.use_tbo, width)].replay()
+        self.replayed_widths[width] += 1
         return out[:fb.batch_size]

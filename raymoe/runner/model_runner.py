@@ -8,6 +8,7 @@ captured graph) and samples, answering with a ``StepOutput``.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +25,7 @@ from raymoe.models.registry import get_model_class
 from raymoe.overlap.split import TboForwardBatchPreparer
 from raymoe.runner.forward_batch import ForwardBatch
 from raymoe.runner.future_tokens import FutureTokenMap
-from raymoe.runner.graph_buckets import capture_sizes
+from raymoe.runner.graph_buckets import DEFAULT_MIN_KV_WIDTH, capture_sizes, kv_width_ladder
 from raymoe.runner.sampler import Sampler
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
@@ -52,6 +53,10 @@ class RunnerConfig:
             static-buffer callables with the same contract (``raymoe.runner.graph_runner``).
         cuda_graph_max_bs: largest captured batch size (``None``: ``max_req_rows``).
         cuda_graph_bs: explicit batch sizes to capture (``None``: 1, 2, 4, 8, 16, 24, 32, 48, 64, ... up to the max).
+        cuda_graph_min_kv_width: first KV width, tokens, of the ladder each CUDA decode graph bucket is captured at
+            (doubling up to ``max_context_len``; ``graph_buckets.kv_width_ladder``); a replay attends over the
+            smallest width that holds its longest sequence. Raise it to capture fewer graphs; ``None``: one
+            width (``max_context_len``). CPU ignores it (its replays narrow dynamically).
         enable_torch_compile: run each captured bucket's forward through ``torch.compile``.
         overlap: two-batch / single-batch overlap options (the engine's ``OverlapConfig``; same on every rank).
         inject_a2a_latency_ms: benchmarks only: delay each MoE dispatch/combine completion by this one-way
@@ -75,6 +80,7 @@ class RunnerConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: tuple[int, ...] | None = None
+    cuda_graph_min_kv_width: int | None = DEFAULT_MIN_KV_WIDTH
     enable_torch_compile: bool = False
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     inject_a2a_latency_ms: float = 0.0
@@ -95,6 +101,8 @@ class RunnerConfig:
             from raymoe.attention.flash_attn_provider import check_flash_attn_config
 
             check_flash_attn_config(self.page_size, self.dtype)
+        if self.cuda_graph_min_kv_width is not None and self.cuda_graph_min_kv_width < 1:
+            raise ValueError(f"cuda_graph_min_kv_width must be >= 1 or None, got {self.cuda_graph_min_kv_width}")
         _ = self.graph_capture_sizes  # validates the graph options
         resolve_a2a_mode(self.a2a_mode, True)  # validates the mode
 
@@ -105,6 +113,12 @@ class RunnerConfig:
         if self.disable_cuda_graph:
             return ()
         return tuple(capture_sizes(self.max_req_rows, self.cuda_graph_bs, self.cuda_graph_max_bs))
+
+    @property
+    def graph_kv_widths(self) -> tuple[int, ...]:
+        """KV widths (tokens) every CUDA decode-graph bucket is captured at, ascending, ending at
+        ``max_context_len`` (a rank-local choice per replay: only attention depends on it)."""
+        return tuple(kv_width_ladder(self.max_context_len, self.cuda_graph_min_kv_width))
 
 
 class ModelRunner:
@@ -141,22 +155,32 @@ class ModelRunner:
         self.attn_backend = TboAttnBackend.create(make_backend) if cfg.overlap.enable_tbo else make_backend()
         self.sampler = Sampler(cfg.seed, self.device)
         self.future_tokens = FutureTokenMap(cfg.max_req_rows, self.device)
-        self.graph_runner = None
-        if cfg.graph_capture_sizes:
-            from raymoe.runner.graph_runner import GraphRunner
+        self.graph_runner = self.build_graph_runner() if cfg.graph_capture_sizes else None
 
-            def tbo_prepare(fb: ForwardBatch) -> None:  # TBO buckets: the split of the padded batch
-                TboForwardBatchPreparer.prepare(fb, cfg.overlap.tbo_token_distribution_threshold,
-                                                self.attn_backend.children)
+    def build_graph_runner(self, kv_widths: Sequence[int] | None = None):
+        """Capture the decode graphs of ``cfg.graph_capture_sizes`` (a ``GraphRunner``).
 
-            tbo = cfg.overlap.enable_tbo
-            self.graph_runner = GraphRunner(self.forward, self.attn_backend, cfg.graph_capture_sizes, self.device,
-                                            max_kv_len=cfg.max_context_len,
-                                            tbo_modes=(False, True) if tbo else (False,),
-                                            tbo_prepare=tbo_prepare if tbo else None,
-                                            use_compile=cfg.enable_torch_compile,
-                                            low_latency=resolve_a2a_mode(cfg.a2a_mode, True) == "low_latency",
-                                            show_progress=self.groups.world_rank == 0)
+        Args:
+            kv_widths: KV widths to capture, tokens. ``None``: on CUDA ``cfg.graph_kv_widths`` when the attention
+                backend ``supports_graph_kv_widths`` (else the table width only); on CPU one recording per
+                bucket, narrowed on replay. Explicit widths force fixed-width graphs, on CPU too (tests).
+        """
+        from raymoe.runner.graph_runner import GraphRunner
+
+        cfg = self.cfg
+
+        def tbo_prepare(fb: ForwardBatch) -> None:  # TBO buckets: the split of the padded batch
+            TboForwardBatchPreparer.prepare(fb, cfg.overlap.tbo_token_distribution_threshold,
+                                            self.attn_backend.children)
+
+        if kv_widths is None and self.device.type == "cuda":
+            kv_widths = cfg.graph_kv_widths if self.attn_backend.supports_graph_kv_widths else None
+        tbo = cfg.overlap.enable_tbo
+        return GraphRunner(self.forward, self.attn_backend, cfg.graph_capture_sizes, self.device,
+                           max_kv_len=cfg.max_context_len, tbo_modes=(False, True) if tbo else (False,),
+                           tbo_prepare=tbo_prepare if tbo else None, use_compile=cfg.enable_torch_compile,
+                           low_latency=resolve_a2a_mode(cfg.a2a_mode, True) == "low_latency",
+                           show_progress=self.groups.world_rank == 0, kv_widths=kv_widths)
 
     def prepare(self, batch: ModelWorkerBatch, for_graph: bool = False) -> ForwardBatch:
         """Write the slot table for ``batch`` and build its ForwardBatch with attention metadata and TBO children.

@@ -1,6 +1,7 @@
 """The GPU suite (``pytest -m gpu tests/gpu``; skipped without CUDA): a CUDA rank gives the CPU engine's greedy
-tokens with decode graphs (CUDA graphs, low-latency MoE dispatch) on and off and two-batch overlap on and off;
-its prefill logits match transformers on the same GPU."""
+tokens with decode graphs (CUDA graphs, low-latency MoE dispatch) on and off and two-batch overlap on and off, also
+while decoding crosses the KV widths of the graph ladder; a narrow graph reads only its width of the table; its
+prefill logits match transformers on the same GPU."""
 
 from __future__ import annotations
 
@@ -70,3 +71,70 @@ def test_bfloat16_cuda_graphs_run(tiny_model):
         outs = e.generate(PROMPTS, GREEDY)
         assert e.driver.num_graph_steps > 0
     assert all(len(o.token_ids) > 0 for o in outs)
+
+
+# Decode graphs at several KV widths: max_context_len 512 gives the ladder 128, 256, 512 (tokens); 200 tokens past
+# the short prompts cross 128 while decoding, so steps replay the 128 graphs, then wider ones.
+WIDE = {**OPTS, "max_context_len": 512}
+LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cpu_long_tokens(tiny_model):
+    with Engine(tiny_model, device="cpu", **WIDE) as e:
+        return [o.token_ids for o in e.generate(PROMPTS, LONG)]
+
+
+@pytest.mark.parametrize("tbo", [False, True], ids=["plain", "tbo"])
+def test_cuda_graph_kv_widths_match_cpu_engine(tiny_model, cpu_long_tokens, tbo):
+    with Engine(tiny_model, device="cuda", **WIDE, **(TBO if tbo else {})) as e:
+        graphs = e.driver.executor.worker.runner.graph_runner
+        assert graphs.kv_widths == [128, 256, 512]
+        assert {w for _, _, w in graphs.graphs} == {128, 256, 512}
+        outs = [o.token_ids for o in e.generate(PROMPTS, LONG)]
+        assert e.driver.num_graph_steps > 0
+        replayed = {w for w, n in graphs.replayed_widths.items() if n}
+    assert 128 in replayed and len(replayed) > 1, graphs.replayed_widths  # a width boundary was crossed
+    assert outs == cpu_long_tokens
+
+
+def test_cuda_graph_reads_only_its_kv_width(tiny_model):
+    """A graph captured at width 16 reads only the first 16 table columns: columns 16.. of every row point at a
+    slot whose keys/values are NaN, so a graph attending over more columns (the full-width control, same inputs)
+    gives NaN logits (masked NaN keys/values still poison SDPA), while the 16-wide one equals eager."""
+    from raymoe.runner.model_runner import ModelRunner, RunnerConfig
+    from raymoe.step.forward_mode import ForwardMode
+    from raymoe.step.sampling_inputs import SamplingInputs
+    from raymoe.step.worker_batch import ModelWorkerBatch
+
+    rows, ctx, prompt = 4, 64, 5
+    poison = rows * ctx  # last KV slot, never handed out below
+
+    def logits(min_kv_width):
+        runner = ModelRunner(RunnerConfig(model_path=tiny_model, dtype="float32", num_kv_slots=rows * ctx,
+                                          max_req_rows=rows, max_context_len=ctx, device="cuda",
+                                          cuda_graph_bs=(1, 2, 4), cuda_graph_min_kv_width=min_kv_width))
+        ids = [(7 * r + i) % 500 + 10 for r in range(rows) for i in range(prompt)]
+        lens = [prompt] * rows
+        runner.forward(runner.prepare(ModelWorkerBatch(
+            ForwardMode.EXTEND, ids, list(range(rows)), lens, [0] * rows, lens,
+            [1 + r * ctx + i for r in range(rows) for i in range(prompt)], sampling=SamplingInputs.greedy(rows))))
+        for buf in runner.token_to_kv_pool.k_buffer + runner.token_to_kv_pool.v_buffer:
+            buf[poison] = float("nan")
+        runner.req_to_token_pool.req_to_token[:rows, 16:] = poison
+        step = ModelWorkerBatch(ForwardMode.DECODE, [3 + r for r in range(rows)], list(range(rows)),
+                                [prompt + 1] * rows, lens, [1] * rows, [1 + r * ctx + prompt for r in range(rows)],
+                                sampling=SamplingInputs.greedy(rows), graph_bs=4)
+        eager = runner.forward(runner.prepare(step)).clone()
+        graphs = runner.graph_runner
+        graph = graphs.replay(runner.prepare(step, for_graph=True)).clone()
+        torch.cuda.synchronize()
+        return eager, graph, graphs
+
+    eager, narrow, graphs = logits(16)
+    assert graphs.kv_widths == [16, 32, 64] and graphs.replayed_widths[16] == 1
+    assert torch.isfinite(eager).all() and torch.isfinite(narrow).all()
+    torch.testing.assert_close(narrow, eager, rtol=1e-3, atol=1e-3)
+    _, full, graphs = logits(None)
+    assert graphs.kv_widths == [64] and graphs.replayed_widths[64] == 1
+    assert not torch.isfinite(full).all(), "control: a 64-wide graph must read the poisoned columns"
