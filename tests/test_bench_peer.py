@@ -58,3 +58,14 @@ def test_peer_gets_the_workload_and_env(tmp_path):
     r = run_peer(_fake_peers(tmp_path), "/m", PeerMode("float32", True), 16, 32)
     assert r["output_tokens"] == 16 * 32 and r["seconds"] == 1.0
     assert r["output_tok_per_s"] == 1001.0  # EAGER=1
+
+
+def test_compare_topology_strings_become_serve_flags():
+    from raymoe.bench.compare import parse_topology, raymoe_serve_cmd
+
+    cmd = raymoe_serve_cmd("/m", 8000, "dp=2,ep=2,a2a=normal,overlap=0,threads=2,comm=gloo")
+    flags = " ".join(cmd[cmd.index("--port") + 2:])
+    assert flags == ("--dp 2 --ep 2 --a2a-mode normal --disable-overlap-schedule --cpu-threads 2 "
+                     "--cpu-comm gloo")
+    with pytest.raises(ValueError):
+        parse_topology("dp=2,nvlink=1")

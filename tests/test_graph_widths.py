@@ -61,6 +61,19 @@ def test_runner_config_kv_widths():
             RunnerConfig("m", "float32", 8, 4, 2048, cuda_graph_min_kv_width=bad)
 
 
+def test_engine_option_reaches_the_rank(tiny_model):
+    from raymoe.actors.factory import runner_config_for
+    from raymoe.engine import _split_options
+    from raymoe.errors import InvalidRequestError
+
+    for value in (64, None):
+        cfg = runner_config_for(_split_options(tiny_model, {"cuda_graph_min_kv_width": value}))
+        assert cfg.cuda_graph_min_kv_width == value
+    with pytest.raises(InvalidRequestError) as e:
+        _split_options(tiny_model, {"cuda_graph_min_kv_width": 0})
+    assert e.value.field == "cuda_graph_min_kv_width"
+
+
 def _runner(path: str, tbo: bool) -> ModelRunner:
     rows = 2 * len(PROMPTS)
     cfg = RunnerConfig(path, "float64", num_kv_slots=rows * CTX, max_req_rows=rows, max_context_len=CTX,

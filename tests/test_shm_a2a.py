@@ -63,8 +63,17 @@ def _exchanges(groups: ParallelGroups) -> dict:
     before = t.dist_calls
     t.all_to_all_equal(got, big).wait()
     report["fallback"] = torch.equal(got, ref) and t.dist_calls == before + 1
-    # misuse: too many calls posted and not waited on
-    works = [shm.all_to_all_single(torch.empty(p), torch.ones(p)) for _ in range(shm.layout.num_slots - 1)]
+    # waits in any order (TBO children interleave): K calls in flight, waited newest first, twice around the ring
+    k = shm.layout.num_slots
+    for _ in range(2):
+        outs = [torch.empty(p) for _ in range(k)]
+        works = [shm.all_to_all_single(o, torch.full((p,), float(10 * me + i))) for i, o in enumerate(outs)]
+        for w in reversed(works):
+            w.wait()
+        expect = [torch.tensor([10.0 * s + i for s in range(p)]) for i in range(k)]
+        report["out_of_order"] = report.get("out_of_order", True) and all(map(torch.equal, outs, expect))
+    # misuse: a call whose slot is still held by a call this rank never waited on
+    works = [shm.all_to_all_single(torch.empty(p), torch.ones(p)) for _ in range(k)]
     try:
         shm.all_to_all_single(torch.empty(p), torch.ones(p))
         report["inflight_error"] = False
@@ -141,5 +150,6 @@ def test_config_checks():
         with pytest.raises(ValueError):
             ShmLayout(*bad)
     layout = ShmLayout(2, 4, 4096)
+    assert layout.control_entries == 2 * 2 * (1 + 4)
     assert layout.total_bytes == layout.control_bytes + 2 * 2 * 4 * 4096
     assert layout.slot_offset(1, 0, 3) == layout.control_bytes + (2 * 4 + 3) * 4096

@@ -77,7 +77,7 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-TOPOLOGY_KEYS = ("dp", "tp", "ep", "tbo", "fanout", "a2a", "overlap", "mixed", "threads")
+TOPOLOGY_KEYS = ("dp", "tp", "ep", "tbo", "fanout", "a2a", "overlap", "mixed", "threads", "comm")
 
 
 def parse_topology(topology: str) -> dict[str, str]:
@@ -96,8 +96,8 @@ def parse_topology(topology: str) -> dict[str, str]:
 def raymoe_serve_cmd(model: str, port: int, topology: str) -> list[str]:
     """The ``raymoe serve`` command line (model served as ``tiny`` on 127.0.0.1:``port``) of one topology string
     ``'dp=D,tp=T,ep=E[,tbo=0|1][,fanout=compiled|remote][,a2a=normal|low_latency|auto][,overlap=0|1][,mixed=0|1]
-    [,threads=N]'`` (``overlap``: overlap scheduling, ``mixed``: MIXED batches, both default on; ``threads``: intra-op
-    threads per CPU rank)."""
+    [,threads=N][,comm=auto|shm|gloo]'`` (``overlap``: overlap scheduling, ``mixed``: MIXED batches, both default on;
+    ``threads``: intra-op threads per CPU rank; ``comm``: the MoE all-to-all carrier between CPU ranks)."""
     layout = parse_topology(topology)
     cmd = [sys.executable, "-m", "raymoe.deploy.cli", "serve", "--model", model, "--served-model-name", "tiny",
            "--port", str(port)]
@@ -116,6 +116,8 @@ def raymoe_serve_cmd(model: str, port: int, topology: str) -> list[str]:
         cmd.append("--enable-mixed-chunk" if layout["mixed"] == "1" else "--no-enable-mixed-chunk")
     if "threads" in layout:
         cmd += ["--cpu-threads", layout["threads"]]
+    if "comm" in layout:
+        cmd += ["--cpu-comm", layout["comm"]]
     return cmd
 
 

@@ -98,17 +98,18 @@ def run_overlap_bench(a: argparse.Namespace) -> dict:
     sizes = [int(x) for x in a.batch_sizes.split(",")]
     latencies = [float(x) for x in a.latency_ms.split(",")]
     parallel = ParallelConfig(tp_size=1, dp_size=a.ep, ep_size=a.ep)
-    print(f"model {model}; ep={a.ep} ranks x {a.threads_per_rank} thread(s), context {a.context_len} tokens")
+    print(f"model {model}; ep={a.ep} ranks x {a.threads_per_rank} thread(s), context {a.context_len} tokens, "
+          f"all-to-all over {a.cpu_comm}")
     modes = ["normal", "low_latency"] if a.a2a_mode == "both" else [a.a2a_mode]
     points = []
     for mode in modes:
         print(f"a2a mode {mode}")
         per_rank = spawn_ranks(measure_rank, parallel, model, sizes, latencies, a.context_len, a.warmup, a.iters,
-                               a.seed, mode, threads_per_rank=a.threads_per_rank)
+                               a.seed, mode, threads_per_rank=a.threads_per_rank, cpu_comm=a.cpu_comm)
         points += add_efficiency(per_rank[0])
     print(format_table(points))
     result = {"benchmark": "overlap", "model": model, "ep": a.ep, "a2a_mode": a.a2a_mode,
-              "threads_per_rank": a.threads_per_rank,
+              "threads_per_rank": a.threads_per_rank, "cpu_comm": a.cpu_comm,
               "context_len": a.context_len, "iters": a.iters, "warmup": a.warmup, "cpu_count": os.cpu_count(),
               "platform": platform.platform(), "points": points}
     out = Path(a.output_json)
@@ -138,6 +139,8 @@ def add_overlap_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--moe-intermediate-size", type=int, default=512)
     p.add_argument("--threads-per-rank", type=int, default=1)
+    p.add_argument("--cpu-comm", default="auto", choices=["auto", "shm", "gloo"],
+                   help="what carries the all-to-all between the ranks (auto: shared memory on one node)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)

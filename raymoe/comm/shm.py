@@ -7,15 +7,18 @@ all-reduce. This module does it for the MoE all-to-all.
 
 Layout of the mapping (``P`` ranks, ``K`` slots per ordered pair, ``C`` bytes per slot):
 
-* control: ``ready[src, dst]`` and ``done[src, dst]`` int64 sequence numbers, each on its own 64-byte line;
+* control: ``ready[src, dst]`` (the last call ``src`` posted to ``dst``) and ``done[src, dst, slot]`` (the last
+  call ``dst`` consumed from that slot) int64 sequence numbers, each on its own 64-byte line;
 * data: one mailbox ring per ordered pair ``(src, dst)``, ``K`` slots of ``C`` bytes.
 
 Every call is a collective: all ranks of the group make the same calls in the same order, so the ``n``-th call
 has sequence number ``n`` on every rank. Posting call ``s`` copies the chunk for ``dst`` into slot ``s % K`` of
 ``(me, dst)`` (after ``dst`` has consumed call ``s - K`` from that slot) and then stores ``ready[me, dst] = s``;
-waiting for it polls ``ready[src, me] >= s``, copies the slot out and stores ``done[src, me] = s``. Posting
-returns at once, so the ``_a``/``_b`` halves of a dispatch or combine overlap other work (two-batch overlap)
-without a progress thread. At most ``K - 1`` calls may be posted and not yet waited on by one rank.
+waiting for it polls ``ready[src, me] >= s``, copies the slot out and stores ``done[src, me, s % K] = s``.
+Posting returns at once, so the ``_a``/``_b`` halves of a dispatch or combine overlap other work (two-batch
+overlap) without a progress thread. Calls may be waited on in any order (two TBO children interleave), but call
+``s - K`` must have been waited on before call ``s`` is posted: every rank runs the same sequence, so each peer
+then has consumed it too (or will, without waiting for this rank), and no post can block forever.
 
 Ordering: the flag store follows the data copy in program order, and x86-64 (TSO) keeps stores in order as seen
 by other cores, so a reader that sees the flag sees the data. :func:`shm_supported` is False elsewhere, and
@@ -65,8 +68,13 @@ class ShmLayout:
             raise ValueError(f"need size >= 2, num_slots >= 2 and slot_bytes >= 64, got {self}")
 
     @property
+    def control_entries(self) -> int:
+        """int64 control lines: ``ready`` [P, P] then ``done`` [P, P, K]."""
+        return self.size * self.size * (1 + self.num_slots)
+
+    @property
     def control_bytes(self) -> int:
-        raw = 2 * self.size * self.size * _LINE * 8
+        raw = self.control_entries * _LINE * 8
         return (raw + 4095) // 4096 * 4096
 
     @property
@@ -119,15 +127,20 @@ class ShmAllToAll:
         self._buf = buf
         self._bytes = torch.frombuffer(buf, dtype=torch.uint8)
         p = layout.size
-        self._ctl = np.frombuffer(buf, dtype=np.int64, count=2 * p * p * _LINE).reshape(2, p, p, _LINE)
-        self._ready, self._doneflag = self._ctl[0, :, :, 0], self._ctl[1, :, :, 0]
+        ctl = np.frombuffer(buf, dtype=np.int64, count=layout.control_entries * _LINE).reshape(-1, _LINE)[:, 0]
+        self._ready = ctl[:p * p].reshape(p, p)
+        self._doneflag = ctl[p * p:].reshape(p, p, layout.num_slots)
         self._seq = 0
-        self._waited = 0  # highest sequence number this rank has received
+        self._pending: set[int] = set()  # calls this rank posted and has not waited on
         self.num_calls = 0
 
     @classmethod
-    def create(cls, group, slot_bytes: int = 2 << 20, num_slots: int = 4, timeout_s: float = 60.0) -> ShmAllToAll:
+    def create(cls, group, slot_bytes: int = 1 << 20, num_slots: int = 8, timeout_s: float = 60.0) -> ShmAllToAll:
         """Create the mapping on the group's rank 0, map it on every rank, then unlink it (collective).
+
+        Defaults: 8 slots per pair, as two-batch overlap over a DeepSeek layer keeps up to 5 calls in flight (a
+        normal-mode dispatch is three calls: counts, rows, ids), and 1 MiB slots (2,048 fp32 rows of hidden 128
+        per peer; a larger message goes through gloo). P ranks reserve ``P * P * 8`` MiB of ``/dev/shm``.
 
         Raises:
             OSError: ``/dev/shm`` cannot hold ``layout.total_bytes`` (raised on every rank alike).
@@ -177,7 +190,7 @@ class ShmAllToAll:
             out, inp: contiguous CPU tensors of one dtype whose rows have the same size.
         Raises:
             ValueError: non-contiguous or non-CPU tensors, splits that do not add up, or a chunk over a slot.
-            RuntimeError: more than ``num_slots - 1`` calls posted and not waited on.
+            RuntimeError: call ``s - num_slots`` is still not waited on (the ring would need its slot).
         """
         p = self.size
         if not (out.is_contiguous() and inp.is_contiguous()) or out.device.type != "cpu" or inp.dtype != out.dtype:
@@ -186,17 +199,17 @@ class ShmAllToAll:
         out_chunks = _chunks(out, out_splits, p)
         if max(n for _, n in in_chunks + out_chunks) > self.layout.slot_bytes:
             raise ValueError(f"a chunk exceeds the shared-memory slot of {self.layout.slot_bytes} bytes")
-        if self._seq - self._waited >= self.layout.num_slots - 1:
-            raise RuntimeError(f"{self._seq - self._waited} shared-memory all-to-alls are posted and not waited on "
-                               f"(at most {self.layout.num_slots - 1})")
-        self._seq += 1
+        seq, me, k = self._seq + 1, self.rank, self.layout.num_slots
+        if self._pending and min(self._pending) <= seq - k:
+            raise RuntimeError(f"shared-memory all-to-all call {min(self._pending)} is posted and not waited on, "
+                               f"and call {seq} needs its slot (at most {k} calls in flight)")
+        self._seq = seq
+        self._pending.add(seq)
         self.num_calls += 1
-        seq, me = self._seq, self.rank
         src_bytes, dst_bytes = _byte_view(inp), _byte_view(out)
-        k = self.layout.num_slots
         for step in range(1, p):
             dst = (me + step) % p
-            self._wait_flag(self._doneflag, me, dst, seq - k, "free its slot")
+            self._wait_flag(self._doneflag[me, dst], seq % k, seq - k, dst, "free its slot")
             off, n = in_chunks[dst]
             base = self.layout.slot_offset(me, dst, seq % k)
             self._bytes[base:base + n].copy_(src_bytes[off:off + n])
@@ -210,20 +223,20 @@ class ShmAllToAll:
         dst_bytes = _byte_view(out)
         for step in range(1, p):
             src = (me - step) % p
-            self._wait_flag(self._ready, src, me, seq, "post")
+            self._wait_flag(self._ready[src], me, seq, src, "post")
             off, n = out_chunks[src]
             base = self.layout.slot_offset(src, me, seq % k)
             dst_bytes[off:off + n].copy_(self._bytes[base:base + n])
-            self._doneflag[src, me] = seq
-        self._waited = max(self._waited, seq)
+            self._doneflag[src, me, seq % k] = seq
+        self._pending.discard(seq)
 
-    def _wait_flag(self, flags: np.ndarray, src: int, dst: int, target: int, what: str) -> None:
-        """Poll ``flags[src, dst] >= target``: spin briefly, then yield the core, then sleep (a rank that waits
-        must not starve its peer of the CPU on a small machine)."""
-        if flags[src, dst] >= target:
+    def _wait_flag(self, flags: np.ndarray, i: int, target: int, peer: int, what: str) -> None:
+        """Poll ``flags[i] >= target`` (set by ``peer``): spin briefly, then yield the core, then sleep (a rank
+        that waits must not starve its peer of the CPU on a small machine)."""
+        if flags[i] >= target:
             return
         spins, deadline = 0, None
-        while flags[src, dst] < target:
+        while flags[i] < target:
             spins += 1
             if spins < 200:
                 continue
@@ -233,7 +246,6 @@ class ShmAllToAll:
             if deadline is None:
                 deadline = time.monotonic() + self.timeout_s
             elif time.monotonic() > deadline:
-                peer = dst if what == "free its slot" else src
                 raise TimeoutError(f"shared-memory all-to-all: rank {peer} did not {what} for call {target} "
                                    f"within {self.timeout_s:.0f} s")
             time.sleep(20e-6)

@@ -68,7 +68,7 @@ def _cmd_serve(a: argparse.Namespace) -> None:
             api_key=a.api_key or os.environ.get("RAYMOE_API_KEY"), ray_address=a.address, fanout=a.fanout,
             limits=_limits(a), a2a_mode=a.a2a_mode, chunked_prefill_size=a.chunked_prefill_size,
             enable_mixed_chunk=a.enable_mixed_chunk, disable_overlap_schedule=a.disable_overlap_schedule,
-            cpu_threads=a.cpu_threads)
+            cpu_threads=a.cpu_threads, cpu_comm=a.cpu_comm)
     except ValidationError as e:
         first = e.errors()[0]
         raise InvalidRequestError(".".join(map(str, first["loc"])), first["msg"]) from None
@@ -118,6 +118,9 @@ def _add_serve_parser(sub) -> None:
                    help="how steps reach the rank actors: Ray Compiled Graph or plain actor calls")
     p.add_argument("--a2a-mode", default=None, choices=["normal", "low_latency", "auto"],
                    help="MoE all-to-all mode (default auto: fixed-shape low-latency dispatch for decode steps)")
+    p.add_argument("--cpu-comm", default=None, choices=["auto", "shm", "gloo"],
+                   help="what carries the MoE all-to-all between CPU ranks (default auto: shared memory when "
+                        "every rank is on this node, else gloo)")
     p.add_argument("--address", default=None, help="Ray cluster to join, e.g. ray://head:10001 (default: a "
                                                    "local Ray on 127.0.0.1)")
     limits = p.add_argument_group("per-request limits (README: Limits and failure behaviour)")

@@ -98,6 +98,8 @@ class ServeOptions(BaseModel):
             also decode the running requests (None: the engine default, on). disable_overlap_schedule: form each
             step only after the previous one finished (None: the engine default, overlap on).
         cpu_threads: intra-op threads of each CPU rank (None: the engine default, ``(cores - 1) // ranks``).
+        cpu_comm: MoE all-to-all carrier between CPU ranks, ``"auto"`` | ``"shm"`` | ``"gloo"`` (None: the engine
+            default, ``auto``: shared memory when every rank is on one node).
     """
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
@@ -125,6 +127,7 @@ class ServeOptions(BaseModel):
     enable_mixed_chunk: bool | None = None
     disable_overlap_schedule: bool | None = None
     cpu_threads: int | None = Field(None, ge=1)
+    cpu_comm: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -153,7 +156,7 @@ class ServeOptions(BaseModel):
                    "ray_address": self.ray_address}
         for name in ("max_total_tokens", "max_context_len", "max_running_requests", "max_queued_requests",
                      "fanout", "a2a_mode", "chunked_prefill_size", "enable_mixed_chunk", "disable_overlap_schedule",
-                     "cpu_threads"):
+                     "cpu_threads", "cpu_comm"):
             if getattr(self, name) is not None:
                 options[name] = getattr(self, name)
         config = _split_options(model, options)
