@@ -400,8 +400,11 @@ class EngineConfig:
             ``dtype`` / ``page_size`` fails at config time; see ``raymoe.attention.flash_attn_provider``).
         ray_address: Ray cluster to join for world size > 1 (None: start a local one on 127.0.0.1).
         fanout: how a step reaches the ranks: ``"compiled"`` (Ray Compiled Graph: shared-memory channels, no task
-            submission per rank and step; measured faster by ``raymoe bench fanout``) or ``"remote"`` (plain actor
-            calls; also the fallback when a compiled graph cannot be built).
+            submission per rank and step; faster on IDLE steps in ``raymoe bench fanout``), ``"remote"`` (plain
+            actor calls; also the fallback when a compiled graph cannot be built) or None: ``"remote"`` for CPU
+            ranks, ``"compiled"`` for CUDA ranks. Served dp=2 ep=2 on 2 cores with the shared-memory all-to-all,
+            plain calls gave 1,319 against 980 out tok/s (docs/performance.md): the compiled graph's waiting
+            readers take CPU the ranks need.
         step_timeout_s: bound on one step across all ranks, seconds (a hung rank fails the step).
         cpu_threads: intra-op threads of each rank that computes on CPU in a served or multi-rank engine (None:
             ``(cores - 1) // ranks``, at least 1, leaving a core to the HTTP front end, the driver and Ray; on
@@ -419,7 +422,7 @@ class EngineConfig:
     device: str | None = None
     attention_backend: str = "torch_native"
     ray_address: str | None = None
-    fanout: str = "compiled"
+    fanout: str | None = None
     step_timeout_s: float = 300.0
     cpu_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -443,7 +446,7 @@ class EngineConfig:
             from raymoe.attention.flash_attn_provider import check_flash_attn_config
 
             check_flash_attn_config(self.cache.page_tokens, self.dtype)
-        if self.fanout not in ("remote", "compiled"):
+        if self.fanout not in (None, "remote", "compiled"):
             raise InvalidRequestError("fanout", f"must be 'remote' or 'compiled', got {self.fanout!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise InvalidRequestError("cpu_threads", f"must be >= 1, got {self.cpu_threads!r}")

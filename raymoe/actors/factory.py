@@ -37,7 +37,8 @@ def build_executor(config: EngineConfig):
     init_ray(config.ray_address)
     bundle_gpus = config.parallel.bundle_gpus
     use_gpu = runner_cfg.device.startswith("cuda") if bundle_gpus is None else bundle_gpus
-    return RayExecutor(runner_cfg, config.parallel, use_gpu=use_gpu, fanout=config.fanout,
+    fanout = config.fanout or ("compiled" if runner_cfg.device.startswith("cuda") else "remote")
+    return RayExecutor(runner_cfg, config.parallel, use_gpu=use_gpu, fanout=fanout,
                        step_timeout_s=config.step_timeout_s)
 
 

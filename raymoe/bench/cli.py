@@ -34,7 +34,8 @@ def add_bench_parser(sub, model_arg) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (world > 1 runs Ray rank actors)")
     p.add_argument("--dp", type=int, default=1, help="DP-attention groups")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (1 or tp*dp)")
-    p.add_argument("--fanout", default="compiled", choices=["remote", "compiled"])
+    p.add_argument("--fanout", default=None, choices=["remote", "compiled"],
+                   help="how steps reach the rank actors (default: plain calls on CPU, compiled graph on CUDA)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where raymoe's ranks and transformers run (the vLLM-CPU peer always runs on CPU)")
     p.add_argument("--disable-overlap-schedule", action="store_true",

@@ -32,7 +32,7 @@ def add_compare_args(p) -> None:
     p.add_argument("--topologies", default="dp=1;dp=2,ep=2",
                    help="raymoe serve layouts, ';'-separated, each "
                         "'dp=D,tp=T,ep=E[,tbo=0|1][,fanout=compiled|remote][,a2a=normal|low_latency|auto]"
-                        "[,overlap=0|1][,mixed=0|1][,threads=N]'")
+                        "[,overlap=0|1][,mixed=0|1][,threads=N][,comm=auto|shm|gloo]'")
     p.add_argument("--skip-peer", action="store_true", help="only raymoe (no ratios)")
     p.add_argument("--step-batch", type=int, default=16, help="batch of the offline decode-step measurement")
     p.add_argument("--port", type=int, default=8031)
