@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 SHM_DIR = "/dev/shm"
+DEFAULT_BUDGET_BYTES = 128 << 20  # /dev/shm one EP group's mapping may take by default (slots only)
 _LINE = 8  # int64 per control entry: one 64-byte cache line each (no false sharing between writers)
 
 
@@ -135,17 +136,21 @@ class ShmAllToAll:
         self.num_calls = 0
 
     @classmethod
-    def create(cls, group, slot_bytes: int = 1 << 20, num_slots: int = 8, timeout_s: float = 60.0) -> ShmAllToAll:
+    def create(cls, group, slot_bytes: int | None = None, num_slots: int = 8,
+               timeout_s: float = 60.0) -> ShmAllToAll:
         """Create the mapping on the group's rank 0, map it on every rank, then unlink it (collective).
 
         Defaults: 8 slots per pair, as two-batch overlap over a DeepSeek layer keeps up to 5 calls in flight (a
-        normal-mode dispatch is three calls: counts, rows, ids), and 1 MiB slots (2,048 fp32 rows of hidden 128
-        per peer; a larger message goes through gloo). P ranks reserve ``P * P * 8`` MiB of ``/dev/shm``.
+        normal-mode dispatch is three calls: counts, rows, ids). ``slot_bytes`` None shares
+        :data:`DEFAULT_BUDGET_BYTES` of ``/dev/shm`` among the ``P * P * num_slots`` slots, within [256 KiB, 8 MiB]
+        per slot (4 MiB at P = 2, 1 MiB at P = 4); a larger message goes through gloo.
 
         Raises:
             OSError: ``/dev/shm`` cannot hold ``layout.total_bytes`` (raised on every rank alike).
         """
         rank, size = dist.get_rank(group), dist.get_world_size(group)
+        if slot_bytes is None:
+            slot_bytes = min(max(DEFAULT_BUDGET_BYTES // (size * size * num_slots), 256 << 10), 8 << 20)
         layout = ShmLayout(size, num_slots, slot_bytes)
         path = [os.path.join(SHM_DIR, f"raymoe-a2a-{uuid.uuid4().hex}") if rank == 0 else None]
         err = [None]
