@@ -107,7 +107,8 @@ def _dispatch_both_transports(groups: ParallelGroups) -> dict:
         for mode, capacity in (("normal", None), ("low_latency", 3 + 2 * (groups.ep_size - 1))):
             handle = a2a.dispatch_a(x, ids, w, capacity)
             rows = a2a.dispatch_b(handle)
-            y = rows.x * 2.0 + 1.0 if isinstance(rows, MaskedExpertRows) else rows.x * 2.0 + 1.0
+            assert isinstance(rows, MaskedExpertRows) == (mode == "low_latency")
+            y = rows.x * 2.0 + 1.0  # any per-row function: both carriers must return the same combine
             a2a.combine_a(handle, y)
             results[f"{name}/{mode}"] = a2a.combine_b(handle)
         results[f"{name}/calls"] = (a2a.normal.transport.shm_calls + a2a.low_latency.transport.shm_calls)

@@ -106,16 +106,13 @@ class ShmWork:
             self._done = True
         return True
 
-    def is_completed(self) -> bool:
-        return self._done
-
 
 class ShmAllToAll:
     """All-to-all over a shared mapping among the ``P`` ranks of ``group`` (all on this node; CPU tensors only).
 
-    Build it with :meth:`create` (collective over ``group``). Messages are byte ranges of contiguous CPU tensors;
-    a message larger than ``slot_bytes`` cannot go through (check :meth:`fits`; callers then use gloo, deciding
-    from sizes every rank knows, so all ranks choose alike).
+    Build it with :meth:`create` (collective over ``group``); the mapping lives as long as the process. Messages
+    are byte ranges of contiguous CPU tensors; a message larger than ``slot_bytes`` cannot go through (check
+    :meth:`fits`; callers then use gloo, deciding from sizes every rank knows, so all ranks choose alike).
 
     Args:
         rank, layout: this rank's index in the group and the mapping's geometry.
@@ -133,7 +130,6 @@ class ShmAllToAll:
         self._doneflag = ctl[p * p:].reshape(p, p, layout.num_slots)
         self._seq = 0
         self._pending: set[int] = set()  # calls this rank posted and has not waited on
-        self.num_calls = 0
 
     @classmethod
     def create(cls, group, slot_bytes: int | None = None, num_slots: int = 8,
@@ -210,7 +206,6 @@ class ShmAllToAll:
                                f"and call {seq} needs its slot (at most {k} calls in flight)")
         self._seq = seq
         self._pending.add(seq)
-        self.num_calls += 1
         src_bytes, dst_bytes = _byte_view(inp), _byte_view(out)
         for step in range(1, p):
             dst = (me + step) % p
@@ -254,14 +249,6 @@ class ShmAllToAll:
                 raise TimeoutError(f"shared-memory all-to-all: rank {peer} did not {what} for call {target} "
                                    f"within {self.timeout_s:.0f} s")
             time.sleep(20e-6)
-
-    def close(self) -> None:
-        """Unmap (the file was unlinked at creation). The communicator is unusable afterwards."""
-        self._ready = self._doneflag = self._ctl = self._bytes = None
-        try:
-            self._buf.close()
-        except BufferError:  # a tensor view is still alive; the mapping goes with the process
-            pass
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ import torch
 from tqdm import tqdm
 
 from raymoe.runner.forward_batch import ForwardBatch
-from raymoe.runner.graph_buckets import kv_width_ladder, select_graph_bs, select_kv_width
+from raymoe.runner.graph_buckets import select_graph_bs, select_kv_width
 from raymoe.runner.graph_buffers import GraphInputBuffers
 from raymoe.runner.sync_guard import HostSyncGuard
 from raymoe.step.forward_mode import ForwardMode
@@ -101,9 +101,10 @@ class GraphRunner:
         device: the rank's device; ``cuda`` captures CUDA graphs, anything else records CPU callables.
         max_kv_len: longest sequence a graph attends over, tokens (the ReqToTokenPool row width).
         kv_widths: KV widths to capture each (bucket, use_tbo) at, tokens (``max_kv_len`` is always added; none
-            may exceed it). ``None``: on CUDA ``graph_buckets.kv_width_ladder(max_kv_len)`` when the backend
-            ``supports_graph_kv_widths``, else ``[max_kv_len]``; on CPU one recording per (bucket, use_tbo) that
-            narrows dynamically on replay. Given explicitly, the fixed-width scheme runs on CPU too.
+            may exceed it; only ``max_kv_len`` when the backend does not ``supports_graph_kv_widths``). ``None``:
+            on CUDA ``[max_kv_len]`` (the model runner passes ``RunnerConfig.graph_kv_widths``); on CPU one
+            recording per (bucket, use_tbo) that narrows dynamically on replay. Given explicitly, the fixed-width
+            scheme runs on CPU too.
         tbo_modes: which ``use_tbo`` values to capture per bucket (``(False,)``: TBO steps run eagerly). TBO
             is captured for buckets of 2 rows or more (a decode split at ``bs // 2`` needs both halves).
         tbo_prepare: ``fb -> None`` attaching ``fb.tbo_children`` (each with its own attention backend) to a
@@ -137,11 +138,11 @@ class GraphRunner:
         self.tbo_prepare = tbo_prepare
         self.max_kv_len = max_kv_len
         self.fixed_width = kv_widths is not None or self.is_cuda  # False: CPU, narrowed per replay
-        if kv_widths is None:
-            ladder = self.is_cuda and getattr(attn_backend, "supports_graph_kv_widths", False)
-            kv_widths = kv_width_ladder(max_kv_len) if ladder else [max_kv_len]
+        kv_widths = [max_kv_len] if kv_widths is None else list(kv_widths)
         if any(not 1 <= w <= max_kv_len for w in kv_widths):
-            raise ValueError(f"graph KV widths must lie in [1, {max_kv_len}] tokens, got {list(kv_widths)}")
+            raise ValueError(f"graph KV widths must lie in [1, {max_kv_len}] tokens, got {kv_widths}")
+        if not getattr(attn_backend, "supports_graph_kv_widths", False):  # its kernels ignore the width
+            kv_widths = [max_kv_len]
         self.kv_widths = sorted(set(kv_widths) | {max_kv_len})
         self.replayed_widths: dict[int, int] = dict.fromkeys(self.kv_widths, 0)  # replays per KV width
         self._output: torch.Tensor | None = None  # CUDA: logits [max_bs, V] float32 shared by every graph

@@ -161,8 +161,8 @@ class ModelRunner:
         """Capture the decode graphs of ``cfg.graph_capture_sizes`` (a ``GraphRunner``).
 
         Args:
-            kv_widths: KV widths to capture, tokens. ``None``: on CUDA ``cfg.graph_kv_widths`` when the attention
-                backend ``supports_graph_kv_widths`` (else the table width only); on CPU one recording per
+            kv_widths: KV widths to capture, tokens. ``None``: on CUDA ``cfg.graph_kv_widths`` (the graph runner
+                keeps only the table width for a backend whose kernels ignore it); on CPU one recording per
                 bucket, narrowed on replay. Explicit widths force fixed-width graphs, on CPU too (tests).
         """
         from raymoe.runner.graph_runner import GraphRunner
@@ -174,7 +174,7 @@ class ModelRunner:
                                             self.attn_backend.children)
 
         if kv_widths is None and self.device.type == "cuda":
-            kv_widths = cfg.graph_kv_widths if self.attn_backend.supports_graph_kv_widths else None
+            kv_widths = cfg.graph_kv_widths
         tbo = cfg.overlap.enable_tbo
         return GraphRunner(self.forward, self.attn_backend, cfg.graph_capture_sizes, self.device,
                            max_kv_len=cfg.max_context_len, tbo_modes=(False, True) if tbo else (False,),
