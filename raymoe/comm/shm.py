@@ -34,13 +34,14 @@ from __future__ import annotations
 import mmap
 import os
 import platform
-import time
 import uuid
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from raymoe.comm.futex import flag_address, futex_wake, wait_flag_ge
 
 SHM_DIR = "/dev/shm"
 DEFAULT_BUDGET_BYTES = 128 << 20  # /dev/shm one EP group's mapping may take by default (slots only)
@@ -128,6 +129,7 @@ class ShmAllToAll:
         ctl = np.frombuffer(buf, dtype=np.int64, count=layout.control_entries * _LINE).reshape(-1, _LINE)[:, 0]
         self._ready = ctl[:p * p].reshape(p, p)
         self._doneflag = ctl[p * p:].reshape(p, p, layout.num_slots)
+        self._ready_addr = [[flag_address(self._ready[s], d) for d in range(p)] for s in range(p)]
         self._seq = 0
         self._pending: set[int] = set()  # calls this rank posted and has not waited on
 
@@ -214,6 +216,7 @@ class ShmAllToAll:
             base = self.layout.slot_offset(me, dst, seq % k)
             self._bytes[base:base + n].copy_(src_bytes[off:off + n])
             self._ready[me, dst] = seq
+            futex_wake(self._ready_addr[me][dst])
         (o_off, o_n), (i_off, _) = out_chunks[me], in_chunks[me]
         dst_bytes[o_off:o_off + o_n].copy_(src_bytes[i_off:i_off + o_n])
         return ShmWork(self, seq, out, out_chunks)
@@ -228,27 +231,15 @@ class ShmAllToAll:
             base = self.layout.slot_offset(src, me, seq % k)
             dst_bytes[off:off + n].copy_(self._bytes[base:base + n])
             self._doneflag[src, me, seq % k] = seq
+            futex_wake(flag_address(self._doneflag[src, me], seq % k))
         self._pending.discard(seq)
 
     def _wait_flag(self, flags: np.ndarray, i: int, target: int, peer: int, what: str) -> None:
-        """Poll ``flags[i] >= target`` (set by ``peer``): spin briefly, then yield the core, then sleep (a rank
-        that waits must not starve its peer of the CPU on a small machine)."""
+        """Wait for ``flags[i] >= target`` (set by ``peer``): a short spin, then sleep on the flag's futex
+        (``raymoe.comm.futex``), so a rank that waits leaves the CPU to the peer it waits for."""
         if flags[i] >= target:
             return
-        spins, deadline = 0, None
-        while flags[i] < target:
-            spins += 1
-            if spins < 200:
-                continue
-            if spins < 4000:
-                os.sched_yield()
-                continue
-            if deadline is None:
-                deadline = time.monotonic() + self.timeout_s
-            elif time.monotonic() > deadline:
-                raise TimeoutError(f"shared-memory all-to-all: rank {peer} did not {what} for call {target} "
-                                   f"within {self.timeout_s:.0f} s")
-            time.sleep(20e-6)
+        wait_flag_ge(flags, i, target, self.timeout_s, what=f"shared-memory all-to-all: rank {peer} did not {what}")
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
