@@ -399,12 +399,13 @@ class EngineConfig:
             ``vllm.vllm_flash_attn``, imported lazily; checked here, so a missing package or an unsupported
             ``dtype`` / ``page_size`` fails at config time; see ``raymoe.attention.flash_attn_provider``).
         ray_address: Ray cluster to join for world size > 1 (None: start a local one on 127.0.0.1).
-        fanout: how a step reaches the ranks: ``"compiled"`` (Ray Compiled Graph: shared-memory channels, no task
-            submission per rank and step; faster on IDLE steps in ``raymoe bench fanout``), ``"remote"`` (plain
-            actor calls; also the fallback when a compiled graph cannot be built) or None: ``"remote"`` for CPU
-            ranks, ``"compiled"`` for CUDA ranks. Served dp=2 ep=2 on 2 cores with the shared-memory all-to-all,
-            plain calls gave 1,319 against 980 out tok/s (docs/performance.md): the compiled graph's waiting
-            readers take CPU the ranks need.
+        fanout: how a step reaches the ranks: ``"channel"`` (the step channel: one authenticated Unix socket per
+            rank on the driver's machine, ``raymoe.actors.step_channel``; a rank that cannot reach it makes the
+            engine use ``"remote"``), ``"compiled"`` (Ray Compiled Graph: shared-memory channels whose readers
+            poll), ``"remote"`` (plain actor calls; also the fallback when a compiled graph cannot be built) or
+            None: ``"channel"`` for CPU ranks, ``"compiled"`` for CUDA ranks. Served dp=2 ep=2 on 2 cores, an
+            actor call cost the driver and each rank about 1 ms of CPU per step and the compiled graph's polling
+            readers took CPU the ranks need (docs/performance.md).
         step_timeout_s: bound on one step across all ranks, seconds (a hung rank fails the step).
         cpu_threads: intra-op threads of each rank that computes on CPU in a served or multi-rank engine (None:
             ``(cores - 1) // ranks``, at least 1, leaving a core to the HTTP front end, the driver and Ray; on
@@ -446,8 +447,8 @@ class EngineConfig:
             from raymoe.attention.flash_attn_provider import check_flash_attn_config
 
             check_flash_attn_config(self.cache.page_tokens, self.dtype)
-        if self.fanout not in (None, "remote", "compiled"):
-            raise InvalidRequestError("fanout", f"must be 'remote' or 'compiled', got {self.fanout!r}")
+        if self.fanout not in (None, "channel", "remote", "compiled"):
+            raise InvalidRequestError("fanout", f"must be 'channel', 'remote' or 'compiled', got {self.fanout!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise InvalidRequestError("cpu_threads", f"must be >= 1, got {self.cpu_threads!r}")
         if self.step_timeout_s <= 0:

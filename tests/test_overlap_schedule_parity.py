@@ -135,9 +135,10 @@ def test_single_rank_matches_transformers(tiny_model, oracle, overlap, mixed):
 
 @pytest.mark.parametrize(("overlap", "mixed"), MODES, ids=IDS)
 def test_dp2_ep2_tbo_graphs_match_transformers(ray_cluster, tiny_model, oracle, overlap, mixed):
-    # Both fan-outs (plain actor calls are the CPU default; the compiled graph keeps two steps in flight) and both
-    # all-to-all carriers (shared memory is the CPU default) take part.
-    fanout, cpu_comm = ("compiled", "gloo") if overlap != mixed else ("remote", "auto")
+    # Every fan-out (the step channel is the CPU default; the compiled graph keeps two steps in flight; plain actor
+    # calls) and both all-to-all carriers (shared memory is the CPU default) take part.
+    fanout, cpu_comm = {(True, True): ("channel", "auto"), (False, False): ("remote", "auto")}.get(
+        (overlap, mixed), ("compiled", "gloo"))
     with Engine(tiny_model, dp_size=2, ep_size=2, enable_tbo=True, tbo_min_tokens_decode=2,
                 tbo_min_tokens_extend=4, chunked_prefill_size=16, max_total_tokens=100, cuda_graph_max_bs=4,
                 disable_overlap_schedule=not overlap, enable_mixed_chunk=mixed, fanout=fanout,

@@ -2,17 +2,14 @@
 
 ``LocalExecutor`` runs a single in-process rank. ``RayExecutor`` owns the rank actors of a multi-rank world: it
 places them (``raymoe.cluster.placement``), runs the process-group rendezvous, and every step sends each rank
-its DP group's batch (plain ``.remote()`` calls, or a Ray Compiled Graph when ``fanout="compiled"``). A rank
+its DP group's batch: over the step channel (``fanout="channel"``: a Unix socket per rank on the driver's machine,
+``raymoe.actors.step_channel``), through a Ray Compiled Graph (``"compiled"``) or as plain ``.remote()`` calls. A rank
 that dies or raises fails the step within seconds (``ray.wait`` on all ranks, first error wins) instead of
 leaving the driver blocked behind ranks stuck in a collective; ``restart()`` rebuilds the whole rank group.
 
-Two kinds of step failure, told apart here so that the driver restarts ranks only for rank faults:
-
-* :class:`RankFailure` (an ``EngineUnhealthyError``): a rank process died, a step ran past its bound, or a
-  collective failed. The rank group must be restarted.
-* :class:`RankStepError`: a rank raised an ordinary exception while computing the step and is still alive
-  (a bad row that validation missed). The driver fails that step's requests and keeps the ranks when
-  :meth:`RayExecutor.ranks_alive` shows none is stuck.
+Two kinds of step failure (``raymoe.actors.step_errors``) are told apart here so that the driver restarts ranks
+only for rank faults: :class:`RankFailure` (restart the rank group) and :class:`RankStepError` (fail the step's
+requests, keep the ranks when :meth:`RayExecutor.ranks_alive` shows none is stuck).
 """
 
 from __future__ import annotations
@@ -22,24 +19,19 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from raymoe.actors.rank_worker import RankWorker
+from raymoe.actors.step_channel import StepChannelHub
+from raymoe.actors.step_errors import RankFailure, RankStepError, is_collective_error
 from raymoe.config import ParallelConfig
-from raymoe.errors import EngineUnhealthyError, RaymoeError
+from raymoe.errors import EngineUnhealthyError
 from raymoe.runner.model_runner import RunnerConfig
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
 
+__all__ = ["FANOUTS", "LocalExecutor", "RankFailure", "RankStepError", "RayExecutor"]
+
 log = logging.getLogger(__name__)
 
-# Exception type names (the rank's exception, as Ray reports it) that mean its collectives are broken.
-_COLLECTIVE_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
-
-
-class RankFailure(EngineUnhealthyError):
-    """A rank died, a step exceeded its bound, or a collective failed: the rank group must be restarted."""
-
-
-class RankStepError(RaymoeError):
-    """A rank raised an ordinary exception in a step and is still alive (its collectives may be intact)."""
+FANOUTS = ("channel", "remote", "compiled")
 
 
 class LocalExecutor:
@@ -117,7 +109,8 @@ class RayExecutor:
     Args:
         runner_cfg: per-rank runner settings (``device="cuda"`` uses GPUs where visible).
         parallel: world layout. use_gpu: bundle GPUs (None: when the cluster declares enough).
-        fanout: ``"remote"`` (plain actor calls) or ``"compiled"`` (Ray Compiled Graph, falls back to remote).
+        fanout: ``"channel"`` (the step channel; falls back to remote when a rank is on another machine),
+            ``"remote"`` (plain actor calls) or ``"compiled"`` (Ray Compiled Graph, falls back to remote).
         init_timeout_s: rendezvous / load timeout, seconds. step_timeout_s: bound on one step, seconds.
         collective_timeout_s: torch.distributed timeout of every collective, seconds.
     Raises:
@@ -127,8 +120,8 @@ class RayExecutor:
     def __init__(self, runner_cfg: RunnerConfig, parallel: ParallelConfig, use_gpu: bool | None = None,
                  fanout: str = "remote", init_timeout_s: float = 180.0, step_timeout_s: float = 300.0,
                  collective_timeout_s: float = 60.0):
-        if fanout not in ("remote", "compiled"):
-            raise ValueError("fanout must be 'remote' or 'compiled'")
+        if fanout not in FANOUTS:
+            raise ValueError(f"fanout must be one of {FANOUTS}, got {fanout!r}")
         self.runner_cfg = runner_cfg
         self.parallel = parallel
         self.use_gpu = use_gpu
@@ -139,6 +132,7 @@ class RayExecutor:
         self.workers: list = []
         self.placements: list = []
         self._dag = None
+        self._hub: StepChannelHub | None = None
         self._owner: str | None = None
         self._start()
 
@@ -170,6 +164,8 @@ class RayExecutor:
             raise EngineUnhealthyError(f"rank group failed to start: {type(e).__name__}: {e}") from e
         if self.fanout == "compiled":
             self._dag = self._compile()
+        elif self.fanout == "channel":
+            self._hub = self._open_channel()
         log.info("started %d ranks (%s) in %.1f s", len(self.workers), self.parallel, time.perf_counter() - t0)
 
     def _compile(self):
@@ -185,6 +181,26 @@ class RayExecutor:
             log.warning("Ray Compiled Graph unavailable (%s); using plain actor calls", e)
             self.fanout = "remote"
             return None
+
+    def _open_channel(self) -> StepChannelHub | None:
+        """Connect every rank to a step channel; None (plain calls) when a rank cannot reach its socket."""
+        import ray
+
+        hub = StepChannelHub(self.parallel.world_size, self.parallel.tp_size)
+        try:
+            reached = ray.get([w.start_step_channel.remote(hub.path, hub.authkey) for w in self.workers],
+                              timeout=self.init_timeout_s)
+            if not all(reached):
+                hub.close()
+                log.info("a rank cannot reach the driver's step channel (another machine): using actor calls")
+                self.fanout = "remote"
+                return None
+            hub.accept(self.init_timeout_s)
+        except Exception as e:
+            hub.close()
+            self.shutdown()
+            raise EngineUnhealthyError(f"rank group failed to open its step channel: {type(e).__name__}: {e}") from e
+        return hub
 
     def execute(self, batches: list[ModelWorkerBatch]) -> list[StepOutput]:
         """Run one step on every rank; returns the tp-rank-0 output of each DP group.
@@ -204,6 +220,8 @@ class RayExecutor:
         """
         if not self.workers:
             raise RankFailure("rank group is not running")
+        if self._hub is not None:
+            return self._hub.send(batches)  # raises RankFailure
         tp = self.parallel.tp_size
         try:
             if self._dag is not None:
@@ -221,6 +239,8 @@ class RayExecutor:
         """
         import ray
 
+        if self._hub is not None:
+            return self._hub.gather(handle, self.step_timeout_s)
         tp = self.parallel.tp_size
         try:
             if self._dag is not None:
@@ -232,7 +252,7 @@ class RayExecutor:
         except ray.exceptions.RayTaskError as e:  # the rank's own code raised; the actor is alive
             cause = getattr(e, "cause", None)
             name = type(cause).__name__ if cause is not None else type(e).__name__
-            if isinstance(e, ray.exceptions.RayActorError) or any(c in name for c in _COLLECTIVE_ERRORS):
+            if isinstance(e, ray.exceptions.RayActorError) or is_collective_error(name):
                 raise RankFailure(f"a rank's collectives failed during a step ({name})") from e
             raise RankStepError(f"a rank raised {name} in a step") from e
         except Exception as e:
@@ -255,11 +275,14 @@ class RayExecutor:
 
     def ranks_alive(self, timeout_s: float = 5.0) -> bool:
         """Whether every rank answers a liveness probe within ``timeout_s`` seconds (a rank still stuck in a
-        collective of a failed step does not: its actor runs one call at a time)."""
+        collective of a failed step does not: its actor runs one call at a time). With the step channel: whether
+        every rank answered the last step (``StepChannelHub.healthy``)."""
         import ray
 
         if not self.workers:
             return False
+        if self._hub is not None:
+            return self._hub.healthy
         try:
             return all(ray.get([w.ready.remote() for w in self.workers], timeout=timeout_s))
         except Exception:  # noqa: BLE001
@@ -275,6 +298,9 @@ class RayExecutor:
 
         from raymoe.cluster.placement import release
 
+        if self._hub is not None:
+            self._hub.close()
+            self._hub = None
         if self._dag is not None:
             try:
                 self._dag.teardown()

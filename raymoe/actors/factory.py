@@ -37,7 +37,7 @@ def build_executor(config: EngineConfig):
     init_ray(config.ray_address)
     bundle_gpus = config.parallel.bundle_gpus
     use_gpu = runner_cfg.device.startswith("cuda") if bundle_gpus is None else bundle_gpus
-    fanout = config.fanout or ("compiled" if runner_cfg.device.startswith("cuda") else "remote")
+    fanout = config.fanout or ("compiled" if runner_cfg.device.startswith("cuda") else "channel")
     return RayExecutor(runner_cfg, config.parallel, use_gpu=use_gpu, fanout=fanout,
                        step_timeout_s=config.step_timeout_s)
 

@@ -88,6 +88,32 @@ class RankWorker:
             raise RuntimeError("injected step error (fault-injection test hook)")
         return self.runner.forward_batch_generation(batch)
 
+    def start_step_channel(self, path: str, authkey: bytes) -> bool:
+        """Connect to the driver's step channel (``raymoe.actors.step_channel``) and serve its steps on a thread of
+        this rank until the driver closes it. Returns False when the socket cannot be reached from this machine.
+
+        The thread keeps this thread's intra-op thread count (``torch.set_num_threads``), and from then on it alone
+        runs the rank's torch work: torch's CPU thread pools belong to OS threads, and a second thread stepping
+        the same rank would start another pool.
+        """
+        import threading
+
+        import torch
+
+        from raymoe.actors.step_channel import connect_step_channel, serve_steps
+
+        conn = connect_step_channel(path, authkey, self.rank)
+        if conn is None:
+            return False
+        threads = torch.get_num_threads()
+
+        def serve() -> None:
+            torch.set_num_threads(threads)
+            serve_steps(conn, self.rank, self.parallel.tp_size, self.step)
+
+        threading.Thread(target=serve, name="raymoe-step-channel", daemon=True).start()
+        return True
+
     def inject_step_errors(self, n: int = 1) -> None:
         """Fault injection for tests: the next ``n`` steps raise ``RuntimeError`` before computing anything (on
         every rank at once, the ranks stay in step: none enters a collective)."""

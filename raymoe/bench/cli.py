@@ -34,8 +34,8 @@ def add_bench_parser(sub, model_arg) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (world > 1 runs Ray rank actors)")
     p.add_argument("--dp", type=int, default=1, help="DP-attention groups")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (1 or tp*dp)")
-    p.add_argument("--fanout", default=None, choices=["remote", "compiled"],
-                   help="how steps reach the rank actors (default: plain calls on CPU, compiled graph on CUDA)")
+    p.add_argument("--fanout", default=None, choices=["channel", "remote", "compiled"],
+                   help="how steps reach the rank actors (default: the step channel on CPU, compiled graph on CUDA)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where raymoe's ranks and transformers run (the vLLM-CPU peer always runs on CPU)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
@@ -43,7 +43,7 @@ def add_bench_parser(sub, model_arg) -> None:
     p.add_argument("--output-json", default="bench_results/offline.json")
     p.set_defaults(func=_lazy("raymoe.bench.offline", "run_offline"))
 
-    p = bench.add_parser("fanout", help="per-step fan-out overhead: Ray Compiled Graph vs plain actor calls")
+    p = bench.add_parser("fanout", help="per-step fan-out overhead: step channel, actor calls, Ray Compiled Graph")
     model_arg(p)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--dp", type=int, default=2)

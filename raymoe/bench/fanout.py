@@ -1,4 +1,5 @@
-"""Fan-out overhead: per-step cost of reaching every rank with plain actor calls vs a Ray Compiled Graph.
+"""Fan-out overhead: per-step cost of reaching every rank over the step channel, with plain actor calls, and through a
+Ray Compiled Graph.
 
 Each timed step sends an IDLE batch (zero tokens) to every rank of a ``dp x tp`` world, so the ranks still run
 the layers and every MoE collective on empty tensors; ``overhead = wall step time - slowest rank's own time``
@@ -45,7 +46,7 @@ def run_fanout(a: argparse.Namespace) -> dict:
     parallel = ParallelConfig(tp_size=a.tp, dp_size=a.dp, ep_size=a.tp * a.dp)
     cfg = RunnerConfig(model_path=model, dtype="float32", num_kv_slots=256, max_req_rows=8, max_context_len=256)
     rows = []
-    for fanout in ("remote", "compiled"):
+    for fanout in ("channel", "remote", "compiled"):
         ex = RayExecutor(cfg, parallel, use_gpu=False, fanout=fanout)
         try:
             rows.append({"fanout": ex.fanout, **_measure(ex, a.dp, a.steps, a.warmup)})

@@ -114,8 +114,9 @@ def _add_serve_parser(sub) -> None:
                    help="intra-op threads of each CPU rank (default: (cores - 1) // ranks, at least 1)")
     p.add_argument("--max-in-flight", type=int, default=None, help="HTTP requests served at once before 429")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $RAYMOE_API_KEY)")
-    p.add_argument("--fanout", default=None, choices=["compiled", "remote"],
-                   help="how steps reach the rank actors: Ray Compiled Graph or plain actor calls")
+    p.add_argument("--fanout", default=None, choices=["channel", "compiled", "remote"],
+                   help="how steps reach the rank actors: the step channel (a local socket per rank; default for "
+                        "CPU ranks), a Ray Compiled Graph (default for CUDA ranks) or plain actor calls")
     p.add_argument("--a2a-mode", default=None, choices=["normal", "low_latency", "auto"],
                    help="MoE all-to-all mode (default auto: fixed-shape low-latency dispatch for decode steps)")
     p.add_argument("--cpu-comm", default=None, choices=["auto", "shm", "gloo"],

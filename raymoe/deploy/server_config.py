@@ -91,7 +91,8 @@ class ServeOptions(BaseModel):
         api_key: bearer token required on ``/v1/*`` (None: open); never shown in ``repr`` or logs.
         limits: per-request limits of the HTTP front end (body size, stop strings, deadline, stream backlog).
         ray_address: Ray cluster to join (None: a local one on 127.0.0.1, or the Serve cluster).
-        fanout: how steps reach multi-rank worlds, ``"compiled"`` | ``"remote"`` (None: the engine default).
+        fanout: how steps reach multi-rank worlds, ``"channel"`` | ``"compiled"`` | ``"remote"`` (None: the engine
+            default).
         a2a_mode: MoE all-to-all mode, ``"normal"`` | ``"low_latency"`` | ``"auto"`` (None: the engine default,
             ``auto``: low-latency for decode steps).
         chunked_prefill_size: prompt tokens per step (None: the engine default). enable_mixed_chunk: prefill steps

@@ -1,0 +1,207 @@
+"""The step channel: the driver's per-step fan-out to rank actors on its own node, over Unix-domain sockets.
+
+A step reaches the ranks as one message per rank and comes back as one reply per rank. Through Ray, each of those
+is an actor task: submission, scheduling and result transfer cost about 1.5 ms of CPU per rank and step across
+the two processes on the 2-core CI machine, a large share of a decode step of a few milliseconds; a Ray Compiled
+Graph avoids the task but its readers poll their channels and take the CPU the ranks need (docs/performance.md).
+Ranks on the driver's node can do without either: the driver listens on a private socket (the same
+authenticated ``multiprocessing.connection`` as the front end's channel, ``raymoe.actors.channel``), each rank
+actor connects (:func:`connect_step_channel`; a rank that cannot reach the socket, on another machine, makes the
+driver use actor calls) and serves steps in order from a thread of its own (:func:`serve_steps`,
+:meth:`RankWorker.start_step_channel`):
+
+* driver -> every rank: ``(seq, batches)``, the step's number and its batches (one ``ModelWorkerBatch`` per DP
+  group), pickled once;
+* rank -> driver: ``(seq, "ok", StepOutput)`` from tp-rank 0 of each DP group (``(seq, "ok", None)`` from the
+  others) or ``(seq, "error", type name, message)`` when the rank raised.
+
+Steps are numbered so that a step the driver sent and then abandoned (its loop restarted, or it reset its
+schedulers) never answers a later one: :meth:`StepChannelHub.gather` skips the replies of older steps.
+
+A waiting rank blocks in ``recv`` (no CPU while idle) and a message costs tens of microseconds. Ray still owns the
+ranks (placement, start-up, restarts, kill) and every other call. Faults, as the Ray fan-out reports them:
+
+* a rank process that dies closes its socket: :class:`RankFailure` at once;
+* no reply within the step bound: :class:`RankFailure`;
+* a rank that raised a collective error (``step_errors.is_collective_error``): :class:`RankFailure`;
+* a rank that raised anything else: the other ranks get ``grace_s`` to answer the same step. If all do, the ranks
+  are in step and alive (:class:`RankStepError`, :attr:`StepChannelHub.healthy` stays True); if one does not, it
+  is stuck in a collective (:class:`RankFailure`).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Client, Connection, Listener, wait
+
+from raymoe.actors.step_errors import RankFailure, RankStepError, is_collective_error
+from raymoe.step.step_output import StepOutput
+from raymoe.step.worker_batch import ModelWorkerBatch
+
+
+class StepChannelHub:
+    """The driver's end of the step channel for ``world_size`` ranks.
+
+    Args:
+        world_size: ranks that will connect. tp_size: ranks per DP group (rank ``r`` serves group ``r // tp``).
+        grace_s: after one rank reported an error, how long the others may take to answer that step, seconds.
+    Attributes:
+        path, authkey: what each rank needs to connect (:func:`serve_step_channel`).
+        healthy: False once the channel lost a rank or its ranks fell out of step (restart the rank group).
+    """
+
+    def __init__(self, world_size: int, tp_size: int, grace_s: float = 5.0):
+        self.world_size, self.tp_size, self.grace_s = world_size, tp_size, grace_s
+        self._dir = tempfile.mkdtemp(prefix="raymoe-steps-")  # mode 0700: only this user can reach the socket
+        self.path = os.path.join(self._dir, "steps.sock")
+        self.authkey = os.urandom(32)
+        self._listener = Listener(self.path, family="AF_UNIX", authkey=self.authkey)
+        self._conns: list[Connection] = []
+        self._seq = 0  # number of the last step sent
+        self.healthy = False
+        self._accepted: dict[int, Connection] = {}
+        self._accept_error: list[BaseException] = []
+        self._accept_thread = threading.Thread(target=self._accept_all, name="raymoe-step-channel-accept",
+                                               daemon=True)
+        self._accept_thread.start()  # a connecting rank waits for the key check, so accept from the start
+
+    def _accept_all(self) -> None:
+        try:
+            while len(self._accepted) < self.world_size:
+                conn = self._listener.accept()
+                self._accepted[int(conn.recv())] = conn
+        except BaseException as e:  # noqa: BLE001 - reported by accept()
+            self._accept_error.append(e)
+
+    def accept(self, timeout_s: float) -> None:
+        """Wait until every rank has connected and said its rank.
+
+        Raises:
+            TimeoutError: not every rank connected within ``timeout_s`` seconds.
+        """
+        self._accept_thread.join(timeout_s)
+        conns = dict(self._accepted)
+        if self._accept_thread.is_alive() or self._accept_error or sorted(conns) != list(range(self.world_size)):
+            err = self._accept_error
+            self.close()
+            why = f"{type(err[0]).__name__}: {err[0]}" if err else f"{len(conns)} connected"
+            raise TimeoutError(f"the ranks did not all connect to the step channel within {timeout_s} s ({why})")
+        self._conns = [conns[r] for r in range(self.world_size)]
+        self.healthy = True
+
+    def send(self, batches: list[ModelWorkerBatch]) -> int:
+        """Send one step (one batch per DP group) to every rank; ranks run steps in the order they were sent.
+        Returns the step's number, for :meth:`gather`.
+
+        Raises:
+            RankFailure: a rank's socket is closed (its process died).
+        """
+        self._seq += 1
+        payload = pickle.dumps((self._seq, batches), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self._conns:
+                conn.send_bytes(payload)
+        except OSError as e:
+            self.healthy = False
+            raise RankFailure(f"sending a step to the ranks failed ({type(e).__name__}: a rank died)") from e
+        return self._seq
+
+    def gather(self, seq: int, timeout_s: float) -> list[StepOutput]:
+        """Every rank's answer to step ``seq`` (replies to older steps are read and dropped); returns each DP
+        group's tp-rank-0 output.
+
+        Raises:
+            RankFailure: a rank died, did not answer within ``timeout_s`` seconds, raised a collective error, or
+                did not answer within ``grace_s`` of another rank's error.
+            RankStepError: a rank raised an ordinary exception and every rank answered the step.
+        """
+        pending = {conn: r for r, conn in enumerate(self._conns)}
+        outs: list[StepOutput | None] = [None] * self.world_size
+        deadline = time.monotonic() + timeout_s
+        error: tuple[int, str, str] | None = None
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.healthy = False
+                if error is not None:
+                    raise RankFailure(f"rank {error[0]} raised {error[1]} in a step and rank(s) "
+                                      f"{sorted(pending.values())} did not answer within {self.grace_s} s "
+                                      "(stuck in a collective)")
+                raise RankFailure(f"step exceeded {timeout_s} s (rank(s) {sorted(pending.values())} did not answer)")
+            for conn in wait(list(pending), left):
+                r = pending[conn]
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError) as e:
+                    self.healthy = False
+                    raise RankFailure(f"rank {r} closed its step channel (its process died)") from e
+                if msg[0] < seq:  # an abandoned step's reply
+                    continue
+                del pending[conn]
+                if msg[1] == "ok":
+                    outs[r] = msg[2]
+                elif error is None:
+                    error = (r, msg[2], msg[3])
+                    deadline = min(deadline, time.monotonic() + self.grace_s)
+        if error is not None:
+            r, name, message = error
+            if is_collective_error(name):
+                self.healthy = False
+                raise RankFailure(f"rank {r}'s collectives failed during a step ({name}: {message})")
+            raise RankStepError(f"rank {r} raised {name} in a step: {message}")
+        return [outs[d * self.tp_size] for d in range(self.world_size // self.tp_size)]
+
+    def close(self) -> None:
+        """Close every connection (the ranks' serving threads end) and remove the socket."""
+        self.healthy = False
+        for conn in {*self._conns, *self._accepted.values()}:
+            conn.close()
+        self._conns = []
+        self._accepted = {}
+        self._listener.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def connect_step_channel(path: str, authkey: bytes, rank: int) -> Connection | None:
+    """The rank's end: connect to the hub at ``path`` and say which rank this is; None when the socket cannot be
+    reached from here (the rank runs on another machine: the driver then uses actor calls).
+
+    Raises:
+        multiprocessing.AuthenticationError: the key does not match.
+    """
+    try:
+        conn = Client(path, family="AF_UNIX", authkey=authkey)
+    except OSError:
+        return None
+    conn.send(rank)
+    return conn
+
+
+def serve_steps(conn: Connection, rank: int, tp_size: int, step: Callable[[ModelWorkerBatch], StepOutput]) -> None:
+    """Answer every step that arrives on ``conn`` with ``step(batch of this rank's DP group)`` until the driver
+    closes the channel. An exception in ``step`` is answered as an error and the loop goes on (the driver decides
+    whether the ranks are still usable)."""
+    group, reply_output = rank // tp_size, rank % tp_size == 0
+    try:
+        while True:
+            try:
+                seq, batches = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                return
+            try:
+                out = step(batches[group])
+                reply = (seq, "ok", out if reply_output else None)
+            except Exception as e:  # noqa: BLE001 - reported to the driver, which owns the decision
+                reply = (seq, "error", type(e).__name__, str(e)[:2000])
+            try:
+                conn.send(reply)
+            except OSError:
+                return
+    finally:
+        conn.close()

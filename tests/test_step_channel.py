@@ -1,0 +1,136 @@
+"""The step channel (``raymoe.actors.step_channel``) without Ray: ranks are threads serving a fake ``step``.
+
+Checked: steps answered in order with each DP group's tp-rank-0 output; an abandoned step's reply never answers a
+later step; a rank error is a ``RankStepError`` when every rank answered (channel healthy) and a ``RankFailure``
+when another rank stays silent, raised a collective error, closed its socket, or the step passed its bound; a
+socket nobody can reach makes the rank report it instead of failing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from raymoe.actors.step_channel import StepChannelHub, connect_step_channel, serve_steps
+from raymoe.actors.step_errors import RankFailure, RankStepError
+from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.sampling_inputs import SamplingInputs
+from raymoe.step.step_output import StepOutput
+from raymoe.step.worker_batch import ModelWorkerBatch
+
+
+def _batch(token: int) -> ModelWorkerBatch:
+    return ModelWorkerBatch(ForwardMode.DECODE, [token], [0], [5], [4], [1], [9], sampling=SamplingInputs.greedy(1))
+
+
+def _start(world: int, tp: int, step_for_rank, grace_s: float = 5.0) -> StepChannelHub:
+    hub = StepChannelHub(world, tp, grace_s=grace_s)
+    for r in range(world):
+        conn = connect_step_channel(hub.path, hub.authkey, r)
+        assert conn is not None
+        threading.Thread(target=serve_steps, args=(conn, r, tp, step_for_rank(r)), daemon=True).start()
+    hub.accept(10.0)
+    return hub
+
+
+def _echo(rank: int):
+    def step(batch: ModelWorkerBatch) -> StepOutput:
+        return StepOutput([batch.input_ids[0] * 10 + rank], [], 0.0)
+    return step
+
+
+def test_steps_come_back_in_order_with_each_groups_tp_rank0_output():
+    hub = _start(4, 2, _echo)  # dp=2 groups of tp=2: ranks 0 and 2 answer for their groups
+    try:
+        first = hub.send([_batch(1), _batch(2)])
+        second = hub.send([_batch(3), _batch(4)])  # two steps in flight, as overlap scheduling sends them
+        assert [o.next_token_ids for o in hub.gather(first, 5.0)] == [[10], [22]]
+        assert [o.next_token_ids for o in hub.gather(second, 5.0)] == [[30], [42]]
+        # An abandoned step (the driver reset while it was in flight) does not answer the next one.
+        hub.send([_batch(5), _batch(6)])
+        latest = hub.send([_batch(7), _batch(8)])
+        assert [o.next_token_ids for o in hub.gather(latest, 5.0)] == [[70], [82]]
+        assert hub.healthy
+    finally:
+        hub.close()
+
+
+def _raising_rank(bad: int, exc: type[BaseException], silent_rank: int | None = None):
+    def factory(rank: int):
+        def step(batch):
+            if rank == bad:
+                raise exc("boom")
+            if rank == silent_rank:
+                time.sleep(30)
+            return StepOutput([rank], [], 0.0)
+        return step
+    return factory
+
+
+def test_an_ordinary_error_answered_by_every_rank_keeps_the_channel_healthy():
+    hub = _start(2, 1, _raising_rank(1, ValueError))
+    try:
+        with pytest.raises(RankStepError, match="rank 1 raised ValueError"):
+            hub.gather(hub.send([_batch(1), _batch(2)]), 5.0)
+        assert hub.healthy
+    finally:
+        hub.close()
+
+
+def test_a_rank_silent_after_another_ranks_error_is_stuck():
+    hub = _start(2, 1, _raising_rank(1, ValueError, silent_rank=0), grace_s=0.3)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure, match="stuck in a collective"):
+            hub.gather(hub.send([_batch(1), _batch(2)]), 30.0)
+        assert time.monotonic() - t0 < 5.0  # the grace period, not the step bound
+        assert not hub.healthy
+    finally:
+        hub.close()
+
+
+def test_a_collective_error_or_timeout_needs_a_restart():
+    for exc in (TimeoutError, type("DistBackendError", (RuntimeError,), {})):
+        hub = _start(2, 1, _raising_rank(0, exc))
+        try:
+            with pytest.raises(RankFailure, match="collectives failed"):
+                hub.gather(hub.send([_batch(1), _batch(2)]), 5.0)
+            assert not hub.healthy
+        finally:
+            hub.close()
+
+
+def test_a_step_past_its_bound_fails():
+    hub = _start(2, 1, _raising_rank(-1, ValueError, silent_rank=1))
+    try:
+        with pytest.raises(RankFailure, match="exceeded"):
+            hub.gather(hub.send([_batch(1), _batch(2)]), 0.3)
+    finally:
+        hub.close()
+
+
+def test_a_rank_whose_socket_closes_is_a_rank_failure():
+    hub = StepChannelHub(2, 1)
+    conns = [connect_step_channel(hub.path, hub.authkey, r) for r in range(2)]
+    threading.Thread(target=serve_steps, args=(conns[0], 0, 1, _echo(0)), daemon=True).start()
+    hub.accept(10.0)
+    try:
+        conns[1].close()  # rank 1's process died
+        with pytest.raises(RankFailure, match="rank 1 closed its step channel|a rank died"):
+            hub.gather(hub.send([_batch(1), _batch(2)]), 5.0)
+        assert not hub.healthy
+    finally:
+        hub.close()
+
+
+def test_an_unreachable_socket_is_reported_not_raised(tmp_path):
+    assert connect_step_channel(str(tmp_path / "nowhere.sock"), b"k" * 32, 0) is None
+
+
+def test_ranks_that_never_connect_time_out():
+    hub = StepChannelHub(2, 1)
+    connect_step_channel(hub.path, hub.authkey, 0)
+    with pytest.raises(TimeoutError, match="did not all connect"):
+        hub.accept(0.5)
