@@ -72,17 +72,16 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotate(positions, q), self.rotate(positions, k)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate every head of ``x`` [T, H, D] at its token's position (``positions`` [T] int64). Queries and keys
+        that sit side by side in one [T, Hq + Hk, D] tensor can be rotated in one call."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         if self.interleaved:
             half = cos.shape[-1] // 2
             cos, sin = cos[..., :half], sin[..., :half]
-
-            def rot(x: torch.Tensor) -> torch.Tensor:
-                x1, x2 = x[..., 0::2], x[..., 1::2]
-                return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-            return rot(q), rot(k)
-        q = q * cos + self._rotate_half(q) * sin
-        k = k * cos + self._rotate_half(k) * sin
-        return q, k
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return x * cos + self._rotate_half(x) * sin

@@ -14,7 +14,7 @@ from torch import nn
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ModelConfig
 from raymoe.layers.linear import QKVParallelLinear, RowParallelLinear
-from raymoe.layers.norm import RMSNorm
+from raymoe.layers.norm import RMSNorm, rms_norm
 from raymoe.layers.rotary import RotaryEmbedding
 from raymoe.models.decoder import DecoderLayer, MoeCausalLM, build_mlp, load_norm
 from raymoe.overlap.operations import ForwardState, OpRole, stage_op
@@ -39,20 +39,24 @@ class Qwen3MoeAttention(nn.Module):
         if qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+            # [Hq + Hkv, D]: q_norm's weight on every query head, then k_norm's on every kv head (set by load)
+            self.register_buffer("qk_norm_weight", torch.ones(self.num_heads + self.num_kv_heads, config.head_dim,
+                                                              dtype=dtype), persistent=False)
         self.rotary = rotary
 
     def op_prepare(self, state: ForwardState) -> None:
+        """qkv projection, q/k RMSNorm and RoPE. Queries and keys stay side by side ([T, Hq + Hkv, D], as the
+        projection lays them out), so both are normed (per-head weights) and rotated by one set of operators."""
         x = state.hidden_states
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qk = qkv[:, :(hq + hkv) * d].reshape(t, hq + hkv, d)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        state.q, state.k = self.rotary(state.forward_batch.positions, q, k)
-        state.v = v.reshape(t, self.num_kv_heads, self.head_dim)
+            qk = rms_norm(qk, self.qk_norm_weight, self.q_norm.eps)
+        qk = self.rotary.rotate(state.forward_batch.positions, qk)
+        state.q, state.k = qk[:, :hq], qk[:, hq:]
+        state.v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
 
     @stage_op(OpRole.ATTN_CORE)
     def op_core(self, state: ForwardState) -> None:
@@ -67,6 +71,8 @@ class Qwen3MoeAttention(nn.Module):
         if self.qk_norm:
             load_norm(self.q_norm, reader, f"{prefix}.q_norm.weight")
             load_norm(self.k_norm, reader, f"{prefix}.k_norm.weight")
+            self.qk_norm_weight[:self.num_heads] = self.q_norm.weight
+            self.qk_norm_weight[self.num_heads:] = self.k_norm.weight
 
 
 class Qwen3MoeForCausalLM(MoeCausalLM):
