@@ -8,27 +8,33 @@ each direction is one equal-split ``all_to_all_single``:
 
 * dispatch, sender: pair ``(t, j)`` going to global expert ``g = topk_ids[t, j]`` takes slot ``s`` = the number of
   earlier tokens of this rank routed to ``g`` (an exclusive cumsum of a one-hot on the device; top-k experts of a
-  token are distinct, so ``s < M``). Row ``(g, s)`` of a send buffer ``[ep, E_local * M, H]`` gets the token, and
-  the per-expert counts ride in the same message (one byte buffer per peer: rows, then int64 counts).
-* dispatch, receiver: the rows of expert ``e`` from source ranks ``r = 0..ep-1`` are packed to the front of
-  ``[E_local, ep * M, H]`` (:class:`~raymoe.comm.expert_input.MaskedExpertRows`; counts [E_local] int32 stay on
-  the device), DeepEP's ``packed_recv_x`` / ``packed_recv_count`` layout.
-* combine: the receiver un-packs the expert outputs into the same ``[ep, E_local * M, H]`` slot layout and sends
-  it back; the sender gathers its pairs' rows and applies the top-k weights, returning ``[N, H]``.
+  token are distinct, so ``s < M``). The message for each peer holds ``E_local * M`` slot rows (row ``e * M + s``:
+  local expert ``e``, slot ``s``) and then, in a row of its own, the per-expert counts (int64); every peer's message
+  is a whole number of rows, so the send buffer is one ``[ep * rows_per_peer, H]`` row matrix (one scatter fills it
+  and one gather reads it, no per-element indexing).
+* dispatch, receiver: the valid rows of expert ``e`` from source ranks ``r = 0..ep-1`` are packed expert after
+  expert into ``[R_max, H]`` with ``R_max = ep * M * min(k, E_local)``, the most pairs a rank can receive
+  (:class:`~raymoe.comm.expert_input.GroupedExpertRows`; segment ends [E_local] int32 stay on the device), so the
+  experts run one grouped GEMM per projection over the received rows, not over all ``E_local * ep * M`` slots.
+* combine: the receiver gathers the expert outputs back into the slot layout ``[ep, E_local * M, H]`` and sends it
+  back; the sender gathers its pairs' rows and applies the top-k weights, returning ``[N, H]``.
 
-The bytes moved per direction are ``ep * E_local * M * H`` elements (every slot, used or not): more than the
+The bytes moved per direction are about ``ep * E_local * M * H`` elements (every slot, used or not): more than the
 normal mode's ``N * k * H`` when few experts are hit, traded for one collective per direction and no host sync.
+Buffers are allocated uninitialized: unused slots carry arbitrary bytes that no valid row ever reads. The index
+tensors that depend only on ``M`` (and ``k``) are built once per capacity and cached.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from raymoe.comm.ep_transport import EpTransport
-from raymoe.comm.expert_input import MaskedExpertRows
+from raymoe.comm.expert_input import GroupedExpertRows
 from raymoe.comm.groups import ParallelGroups
 
 
@@ -40,8 +46,9 @@ class LowLatencyHandle:
         num_tokens, top_k, capacity: N, k and the per-rank capacity M of this call; dtype, hidden_size: of the rows.
         topk_weights: [N, k] weights the combine applies. slot_rows: [N * k] int64 row of each pair in the
             sender's ``[E * M, H]`` slot layout (``g * M + s``).
-        payload: uint8 [ep, B] received message (rows then counts) until ``dispatch_b`` unpacks it.
-        unpack_index: [ep, E_local, M] packed position of each slot (built in ``dispatch_b``, used by the combine).
+        payload: uint8 [ep, B] received message (slot rows, then the counts row) until ``dispatch_b`` unpacks it.
+        unpack_index: [ep * E_local * M] int64 row of the packed expert input holding each slot (built in
+            ``dispatch_b``, used by the combine).
         combined: the returned slot rows [ep, E_local * M, H] once the combine is posted. works: pending
             collectives.
     """
@@ -57,6 +64,27 @@ class LowLatencyHandle:
     unpack_index: torch.Tensor | None = None
     combined: torch.Tensor | None = None
     works: list[Any] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """Shape constants of one capacity ``M`` (and top-k, hidden size, dtype), with the index tensors that depend
+    on nothing else; built once per capacity (:meth:`TorchLowLatencyAllToAll.geometry`).
+
+    Attributes:
+        rows_per_peer: rows of one peer's message, ``E_local * M`` slot rows plus the counts row(s).
+        counts_offset: byte offset of the int64 counts [E_local] in a peer's message.
+        peer_bytes: bytes of one peer's message (``rows_per_peer`` rows of ``H`` elements).
+        max_rows: ``R_max = ep * M * min(k, E_local)``, rows of the packed expert input.
+        packed_pos: [R_max] int64 ``0..R_max-1``. slot_pos: [M] int64 ``0..M-1``.
+    """
+
+    rows_per_peer: int
+    counts_offset: int
+    peer_bytes: int
+    max_rows: int
+    packed_pos: torch.Tensor
+    slot_pos: torch.Tensor
 
 
 def _aligned(nbytes: int, align: int = 8) -> int:
@@ -79,6 +107,25 @@ class TorchLowLatencyAllToAll:
         self.num_experts = num_experts
         self.num_local_experts = num_experts // groups.ep_size
         self.transport = EpTransport(groups) if groups.ep_size > 1 else None
+        self._geometries: dict[tuple, _Geometry] = {}
+
+    def geometry(self, capacity: int, top_k: int, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device) -> _Geometry:
+        """The message layout and constant index tensors of one capacity (cached: a step's capacity is the
+        decode-graph bucket or the batch size, so few distinct values occur)."""
+        key = (capacity, top_k, hidden_size, dtype, device)
+        geo = self._geometries.get(key)
+        if geo is None:
+            ep, el, m = self.ep_size, self.num_local_experts, capacity
+            row_bytes = hidden_size * dtype.itemsize
+            counts_offset = _aligned(el * m * row_bytes)
+            unit = math.lcm(row_bytes, 8)  # whole rows, and int64-aligned counts in every peer's message
+            peer_bytes = _aligned(counts_offset + 8 * el, unit)
+            max_rows = ep * m * min(top_k, el)
+            geo = _Geometry(peer_bytes // row_bytes, counts_offset, peer_bytes, max_rows,
+                            torch.arange(max_rows, device=device), torch.arange(m, device=device))
+            self._geometries[key] = geo
+        return geo
 
     def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    capacity: int) -> LowLatencyHandle:
@@ -95,18 +142,18 @@ class TorchLowLatencyAllToAll:
         if n > capacity:
             raise ValueError(f"low-latency dispatch of {n} tokens exceeds the per-rank capacity {capacity}")
         ep, el, h, m = self.ep_size, self.num_local_experts, hidden.shape[1], capacity
+        geo = self.geometry(m, k, h, hidden.dtype, hidden.device)
         onehot = torch.zeros(n, self.num_experts, dtype=torch.int64, device=hidden.device)
         onehot.scatter_(1, topk_ids, 1)
         slots = (onehot.cumsum(0) - onehot).gather(1, topk_ids)                  # [N, k]
         slot_rows = (topk_ids * m + slots).reshape(-1)                           # [N * k] in [0, E * M)
-        counts = onehot.sum(0)                                                    # [E] int64
-        row_bytes = el * m * h * hidden.element_size()
-        hb = _aligned(row_bytes)
-        payload = torch.zeros(ep, hb + 8 * el, dtype=torch.uint8, device=hidden.device)
-        rows = payload[:, :row_bytes].view(hidden.dtype).view(ep, el * m, h)
-        dest = torch.div(slot_rows, el * m, rounding_mode="floor")
-        rows.index_put_((dest, slot_rows - dest * (el * m)), hidden.repeat_interleave(k, dim=0) if k > 1 else hidden)
-        payload[:, hb:].view(torch.int64).copy_(counts.view(ep, el))
+        payload = torch.empty(ep, geo.peer_bytes, dtype=torch.uint8, device=hidden.device)
+        rows = payload.view(hidden.dtype).view(ep * geo.rows_per_peer, h)       # every peer's message, as rows
+        # row of pair (t, j) in the send matrix: its slot row, shifted by the counts rows of the peers before it
+        send_rows = slot_rows + torch.div(slot_rows, el * m, rounding_mode="floor") * (geo.rows_per_peer - el * m)
+        rows.index_put_((send_rows.view(n, k),), hidden.unsqueeze(1).expand(n, k, h))
+        counts = payload[:, geo.counts_offset:geo.counts_offset + 8 * el].view(torch.int64)  # [ep, E_local]
+        counts.copy_(onehot.sum(0).view(ep, el))
         handle = LowLatencyHandle(n, k, m, hidden.dtype, h, topk_weights, slot_rows)
         if ep == 1:
             handle.payload = payload
@@ -115,35 +162,35 @@ class TorchLowLatencyAllToAll:
         handle.works = [self.transport.all_to_all_equal(handle.payload, payload)]
         return handle
 
-    def dispatch_b(self, handle: LowLatencyHandle) -> MaskedExpertRows:
-        """Wait for the dispatch and pack each expert's rows: ``x`` [E_local, ep * M, H], ``counts`` [E_local] int32."""
+    def dispatch_b(self, handle: LowLatencyHandle) -> GroupedExpertRows:
+        """Wait for the dispatch and pack the received rows expert after expert: ``x`` [R_max, H], ``ends``
+        [E_local] int32 (:class:`~raymoe.comm.expert_input.GroupedExpertRows`)."""
         for w in handle.works:
             w.wait()
         handle.works = []
-        ep, el, m, h, dtype = self.ep_size, self.num_local_experts, handle.capacity, handle.hidden_size, handle.dtype
+        ep, el, m, h = self.ep_size, self.num_local_experts, handle.capacity, handle.hidden_size
+        geo = self.geometry(m, handle.top_k, h, handle.dtype, handle.payload.device)
         payload, handle.payload = handle.payload, None
-        row_bytes = el * m * h * dtype.itemsize
-        hb = _aligned(row_bytes)
-        rows = payload[:, :row_bytes].view(dtype).view(ep, el, m, h)             # [src, E_local, M, H]
-        per_src = payload[:, hb:].view(torch.int64).view(ep, el).t()             # [E_local, src]
-        incl = per_src.cumsum(1)
-        excl = incl - per_src
-        c = ep * m
-        pos = torch.arange(c, device=payload.device)
-        src = (pos.view(1, 1, c) >= incl.unsqueeze(-1)).sum(1).clamp_(max=ep - 1)  # [E_local, C] source rank
-        slot = (pos.view(1, c) - excl.gather(1, src)).clamp_(0, m - 1)             # [E_local, C] its slot
-        expert = torch.arange(el, device=payload.device).view(el, 1).expand(el, c)
-        x = rows[src, expert, slot]                                                 # [E_local, C, H]
-        unpack = (excl.t().unsqueeze(-1) + torch.arange(m, device=payload.device)).clamp_(max=c - 1)  # [ep, EL, M]
-        handle.unpack_index = unpack
-        return MaskedExpertRows(x, incl[:, -1].to(torch.int32))
+        rows = payload.view(handle.dtype).view(ep * geo.rows_per_peer, h)
+        per_src = payload[:, geo.counts_offset:geo.counts_offset + 8 * el].view(torch.int64)  # [src, E_local]
+        count = per_src.t().reshape(-1)                          # [E_local * ep]: segment (e, src) = e * ep + src
+        end = count.cumsum(0)
+        start = end - count
+        # packed row p belongs to the segment whose end is the first one above p (padding rows: the last one)
+        seg = torch.searchsorted(end, geo.packed_pos, right=True).clamp_(max=el * ep - 1)
+        slot = (geo.packed_pos - start[seg]).clamp_(0, m - 1)
+        expert = torch.div(seg, ep, rounding_mode="floor")
+        src_row = (seg - expert * ep) * geo.rows_per_peer + expert * m + slot
+        x = rows.index_select(0, src_row)                                           # [R_max, H]
+        # slot (src, e, s) -> its packed row, for the combine (unused slots point at some row; never read back)
+        first = start.view(el, ep).t().unsqueeze(-1)                                 # [src, E_local, 1]
+        handle.unpack_index = (first + geo.slot_pos).clamp_(max=geo.max_rows - 1).reshape(-1)
+        return GroupedExpertRows(x, end.view(el, ep)[:, -1].to(torch.int32), ep * m)
 
     def combine_a(self, handle: LowLatencyHandle, expert_out: torch.Tensor) -> None:
-        """Start sending expert outputs ``expert_out`` [E_local, ep * M, H] (packed, as dispatched) back."""
-        ep, el, m = self.ep_size, self.num_local_experts, handle.capacity
-        h = expert_out.shape[-1]
-        expert = torch.arange(el, device=expert_out.device).view(1, el, 1).expand(ep, el, m)
-        back = expert_out[expert, handle.unpack_index].reshape(ep, el * m * h)     # slot layout per source rank
+        """Start sending expert outputs ``expert_out`` [R_max, H] (packed, as dispatched) back."""
+        ep = self.ep_size
+        back = expert_out.index_select(0, handle.unpack_index).view(ep, -1)        # slot layout per source rank
         handle.unpack_index = None
         if ep == 1:
             handle.combined = back
