@@ -43,10 +43,13 @@ def _inputs(rank: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return x, ids, w
 
 
-def _moe_both_modes(groups: ParallelGroups, sizes: list[int]) -> dict:
-    """One MoE call per mode on this rank's tokens (``sizes[rank]`` of them; capacity = max over ranks)."""
+def _moe_both_modes(groups: ParallelGroups, sizes: list[int], skewed: bool = False) -> dict:
+    """One MoE call per mode on this rank's tokens (``sizes[rank]`` of them; capacity = max over ranks).
+    ``skewed``: every token picks experts 1 and 0, both on rank 0 (the fullest message a rank can send)."""
     n = sizes[groups.ep_rank]
     x, ids, w = _inputs(groups.ep_rank, n)
+    if skewed:
+        ids = torch.tensor([[1, 0]] * n, dtype=torch.int64).view(n, K)
     experts, w13, w2 = _experts(groups)
     a2a = TorchDispatcher(groups, E)
     out = {}
@@ -56,7 +59,7 @@ def _moe_both_modes(groups: ParallelGroups, sizes: list[int]) -> dict:
         if isinstance(rows, GroupedExpertRows):  # packed expert after expert, sized by the capacity only
             ends = [0, *rows.ends.tolist()]
             out["counts"] = [b - a for a, b in zip(ends[:-1], ends[1:], strict=True)]
-            assert rows.x.shape == (capacity * groups.ep_size * min(K, experts.num_local), H)
+            assert rows.x.shape == (groups.ep_size * capacity * min(K, experts.num_local), H)
             assert rows.expert_capacity == capacity * groups.ep_size
         a2a.combine_a(handle, experts.forward_input(rows))
         out[mode] = a2a.combine_b(handle)
@@ -72,12 +75,13 @@ def _moe_both_modes(groups: ParallelGroups, sizes: list[int]) -> dict:
     return {key: v.tolist() if isinstance(v, torch.Tensor) else v for key, v in out.items()}
 
 
-@pytest.mark.parametrize("sizes", [[5, 3], [4, 0, 7, 2]], ids=["ep2", "ep4_with_idle_rank"])
-def test_low_latency_combine_equals_normal_mode_and_reference(sizes):
+@pytest.mark.parametrize(("sizes", "skewed"), [([5, 3], False), ([4, 0, 7, 2], False), ([5, 5], True)],
+                         ids=["ep2", "ep4_with_idle_rank", "ep2_all_to_rank0"])
+def test_low_latency_combine_equals_normal_mode_and_reference(sizes, skewed):
     from dist_harness import run_ranks
 
     ep = len(sizes)
-    per_rank = run_ranks(_moe_both_modes, ParallelConfig(tp_size=1, dp_size=ep, ep_size=ep), sizes)
+    per_rank = run_ranks(_moe_both_modes, ParallelConfig(tp_size=1, dp_size=ep, ep_size=ep), sizes, skewed)
     el = E // ep
     per_rank = [{key: torch.tensor(v) for key, v in out.items()} for out in per_rank]
     for r, out in enumerate(per_rank):
