@@ -26,6 +26,7 @@ from raymoe.overlap.split import TboForwardBatchPreparer
 from raymoe.runner.forward_batch import ForwardBatch
 from raymoe.runner.future_tokens import FutureTokenMap
 from raymoe.runner.graph_buckets import DEFAULT_MIN_KV_WIDTH, capture_sizes, kv_width_ladder
+from raymoe.runner.host_alloc import tune_host_allocator
 from raymoe.runner.sampler import Sampler
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
@@ -132,6 +133,8 @@ class ModelRunner:
         self.cfg = cfg
         self.groups = groups or ParallelGroups.single()
         self.device = torch.device(cfg.device)
+        if self.device.type == "cpu":
+            tune_host_allocator()  # reuse freed host blocks: no fresh pages per step (raymoe.runner.host_alloc)
         self.dtype = DTYPES[cfg.dtype]
         self.model_config = ModelConfig.from_hf(cfg.model_path)
         with CheckpointReader(cfg.model_path) as reader:
