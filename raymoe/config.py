@@ -291,6 +291,10 @@ class OverlapConfig:
         tbo_token_distribution_threshold: an EXTEND split whose left token share lies outside
             ``[threshold, 1 - threshold]`` is replaced by the two-chunk split (one sequence cut across both halves).
         enable_sbo: single-batch overlap inside each MoE layer; mutually exclusive with ``enable_tbo``.
+        tbo_decode_schedule: stage boundaries of a DECODE TBO step (``raymoe.overlap.strategy``): ``"fine"``
+            (SGLang's five stages per MoE layer, child B two stages behind), ``"coarse"`` (the prefill schedule's
+            three stages, children in step: each transfer overlaps a whole attention or expert stage of the other
+            child), or ``"auto"``: coarse on CPU, fine on CUDA.
     """
 
     enable_tbo: bool = False
@@ -298,6 +302,7 @@ class OverlapConfig:
     tbo_min_tokens_extend: int = 128
     tbo_token_distribution_threshold: float = 0.48
     enable_sbo: bool = False
+    tbo_decode_schedule: str = "auto"
 
     def __post_init__(self) -> None:
         if self.enable_tbo and self.enable_sbo:
@@ -309,6 +314,9 @@ class OverlapConfig:
         if not 0.0 <= self.tbo_token_distribution_threshold <= 0.5:
             raise InvalidRequestError("tbo_token_distribution_threshold",
                                       f"must be in [0, 0.5], got {self.tbo_token_distribution_threshold!r}")
+        if self.tbo_decode_schedule not in ("auto", "fine", "coarse"):
+            raise InvalidRequestError("tbo_decode_schedule",
+                                      f"must be auto, fine or coarse, got {self.tbo_decode_schedule!r}")
 
 
 CPU_COMM_MODES = ("auto", "shm", "gloo")

@@ -12,7 +12,7 @@ import torch
 from raymoe import Engine, SamplingParams
 from raymoe.comm.a2a_plan import child_dispatch_capacity, plan_dispatch_capacity
 from raymoe.comm.dispatcher import TorchDispatcher
-from raymoe.comm.expert_input import MaskedExpertRows, effective_a2a_mode, resolve_a2a_mode
+from raymoe.comm.expert_input import GroupedExpertRows, effective_a2a_mode, resolve_a2a_mode
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ParallelConfig
 from raymoe.layers.moe import LocalExperts
@@ -43,19 +43,24 @@ def _inputs(rank: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return x, ids, w
 
 
-def _moe_both_modes(groups: ParallelGroups, sizes: list[int]) -> dict:
-    """One MoE call per mode on this rank's tokens (``sizes[rank]`` of them; capacity = max over ranks)."""
+def _moe_both_modes(groups: ParallelGroups, sizes: list[int], skewed: bool = False) -> dict:
+    """One MoE call per mode on this rank's tokens (``sizes[rank]`` of them; capacity = max over ranks).
+    ``skewed``: every token picks experts 1 and 0, both on rank 0 (the fullest message a rank can send)."""
     n = sizes[groups.ep_rank]
     x, ids, w = _inputs(groups.ep_rank, n)
+    if skewed:
+        ids = torch.tensor([[1, 0]] * n, dtype=torch.int64).view(n, K)
     experts, w13, w2 = _experts(groups)
     a2a = TorchDispatcher(groups, E)
     out = {}
     for mode, capacity in (("normal", None), ("low_latency", max(sizes))):
         handle = a2a.dispatch_a(x, ids, w, capacity)
         rows = a2a.dispatch_b(handle)
-        if isinstance(rows, MaskedExpertRows):
-            out["counts"] = rows.counts.tolist()
-            assert rows.x.shape == (experts.num_local, capacity * groups.ep_size, H)
+        if isinstance(rows, GroupedExpertRows):  # packed expert after expert, sized by the capacity only
+            ends = [0, *rows.ends.tolist()]
+            out["counts"] = [b - a for a, b in zip(ends[:-1], ends[1:], strict=True)]
+            assert rows.x.shape == (groups.ep_size * capacity * min(K, experts.num_local), H)
+            assert rows.expert_capacity == capacity * groups.ep_size
         a2a.combine_a(handle, experts.forward_input(rows))
         out[mode] = a2a.combine_b(handle)
     ref = torch.zeros(n, H)
@@ -70,12 +75,13 @@ def _moe_both_modes(groups: ParallelGroups, sizes: list[int]) -> dict:
     return {key: v.tolist() if isinstance(v, torch.Tensor) else v for key, v in out.items()}
 
 
-@pytest.mark.parametrize("sizes", [[5, 3], [4, 0, 7, 2]], ids=["ep2", "ep4_with_idle_rank"])
-def test_low_latency_combine_equals_normal_mode_and_reference(sizes):
+@pytest.mark.parametrize(("sizes", "skewed"), [([5, 3], False), ([4, 0, 7, 2], False), ([5, 5], True)],
+                         ids=["ep2", "ep4_with_idle_rank", "ep2_all_to_rank0"])
+def test_low_latency_combine_equals_normal_mode_and_reference(sizes, skewed):
     from dist_harness import run_ranks
 
     ep = len(sizes)
-    per_rank = run_ranks(_moe_both_modes, ParallelConfig(tp_size=1, dp_size=ep, ep_size=ep), sizes)
+    per_rank = run_ranks(_moe_both_modes, ParallelConfig(tp_size=1, dp_size=ep, ep_size=ep), sizes, skewed)
     el = E // ep
     per_rank = [{key: torch.tensor(v) for key, v in out.items()} for out in per_rank]
     for r, out in enumerate(per_rank):
@@ -86,6 +92,27 @@ def test_low_latency_combine_equals_normal_mode_and_reference(sizes):
         # every rank's pairs for this rank's experts were counted, on the device, without an extra exchange
         expected = [sum(int((o["local_ids"] == r * el + e).sum()) for o in per_rank) for e in range(el)]
         assert out["counts"].tolist() == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["grouped_gemm", "masked_fallback"])
+def test_experts_on_packed_rows_ignore_padding(dtype):
+    """Segments of the packed layout go through their own expert, an empty expert included; padding rows (NaN
+    here) leak into no valid row, on the grouped-GEMM path and on the masked fallback (float64 has no grouped
+    GEMM)."""
+    experts, w13, w2 = _experts(ParallelGroups.single())
+    experts.to(dtype)
+    counts = [3, 0, 4, 1, 2, 0, 0, 5]
+    valid = sum(counts)
+    x = torch.randn(valid + 6, H, dtype=dtype)
+    x[valid:] = float("nan")
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    y = experts.forward_input(GroupedExpertRows(x, ends, expert_capacity=max(counts)))
+    ids = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
+    w13, w2 = w13.to(dtype), w2.to(dtype)
+    ref = torch.stack([w2[e] @ (torch.nn.functional.silu(w13[e, :INTER] @ x[i]) * (w13[e, INTER:] @ x[i]))
+                       for i, e in enumerate(ids.tolist())])
+    assert y.shape == x.shape
+    torch.testing.assert_close(y[:valid], ref)
 
 
 def test_low_latency_at_ep1_and_capacity_checks():

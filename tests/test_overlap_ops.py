@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from raymoe.comm.all_to_all import part_counts, part_row_index
 from raymoe.comm.latency import LatencyInjectedAllToAll
+from raymoe.config import OverlapConfig
+from raymoe.errors import InvalidRequestError
 from raymoe.overlap.operations import (
     ForwardState,
     OpRole,
@@ -20,7 +22,7 @@ from raymoe.overlap.operations import (
     split_into_stages,
     stage_op,
 )
-from raymoe.overlap.strategy import OperationsStrategy
+from raymoe.overlap.strategy import OperationsStrategy, resolve_decode_schedule
 from raymoe.step.forward_mode import ForwardMode
 
 MOE_OPS = ["op_gate", "op_select_experts", "op_dispatch_a", "op_dispatch_b", "op_experts", "op_combine_a",
@@ -62,19 +64,21 @@ class _FakeLayer:
                 self.own.op_comm_prepare_mlp, *mlp, self.own.op_comm_postprocess_layer]
 
 
-def _run(layers, mode):
-    strategy = OperationsStrategy.tbo(layers, mode)
+def _run(layers, mode, decode_schedule="fine"):
+    strategy = OperationsStrategy.tbo(layers, mode, decode_schedule)
     log: list = []
     states = [SimpleNamespace(name=n, log=log) for n in "AB"]
     execute_overlapped_operations(states, [strategy.operations] * 2, [0, strategy.tbo_delta_stages])
     return strategy, log
 
 
+@pytest.mark.parametrize("decode_schedule", ["fine", "coarse"])
 @pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.IDLE])
-def test_tbo_schedule_keeps_op_order_and_overlaps_transfers(mode):
+def test_tbo_schedule_keeps_op_order_and_overlaps_transfers(mode, decode_schedule):
     layers = [_FakeLayer(0, True), _FakeLayer(1, False), _FakeLayer(2, True), _FakeLayer(3, True)]
-    strategy, log = _run(layers, mode)
-    assert strategy.tbo_delta_stages == (0 if mode == ForwardMode.EXTEND else 2)
+    strategy, log = _run(layers, mode, decode_schedule)
+    coarse = mode == ForwardMode.EXTEND or decode_schedule == "coarse"
+    assert strategy.tbo_delta_stages == (0 if coarse else 2)
     plain_log: list = []
     execute_operations(SimpleNamespace(name="A", log=plain_log), OperationsStrategy.plain(layers).operations)
     for child in "AB":  # each child runs exactly the plain op sequence
@@ -91,11 +95,29 @@ def test_tbo_schedule_keeps_op_order_and_overlaps_transfers(mode):
                 j = log.index((child, layer_id, end_op))
                 overlapped = any(e[0] == other for e in log[i + 1:j])
                 tail = child == "B" and layer_id == last_moe and start_op == "op_combine_a"
-                assert overlapped or (tail and mode != ForwardMode.EXTEND), (mode, child, layer_id, start_op)
+                assert overlapped or (tail and not coarse), (mode, child, layer_id, start_op)
 
 
-def _stage_names(layer, mode) -> list[list[str]]:
-    strategy = OperationsStrategy.tbo([layer], mode)
+def test_coarse_decode_schedule_is_the_prefill_schedule_and_auto_follows_the_device():
+    """``coarse`` DECODE (and IDLE, which must match it) steps use the EXTEND stages; ``auto`` means coarse on
+    CPU and SGLang's fine schedule on CUDA; unknown names are refused."""
+    layer = _FakeLayer(0, True, shared=True)
+    prefill = _stage_names(layer, ForwardMode.EXTEND)
+    for mode in (ForwardMode.DECODE, ForwardMode.IDLE):
+        assert _stage_names(layer, mode, "coarse") == prefill
+        assert _stage_names(layer, mode, "fine") != prefill
+    assert resolve_decode_schedule("auto", "cpu") == "coarse" and resolve_decode_schedule("auto", "cuda") == "fine"
+    assert resolve_decode_schedule("fine", "cpu") == "fine"
+    with pytest.raises(ValueError, match="schedule"):
+        resolve_decode_schedule("wide", "cpu")
+    with pytest.raises(ValueError, match="schedule"):
+        OperationsStrategy.tbo([layer], ForwardMode.DECODE, "auto")
+    with pytest.raises(InvalidRequestError, match="tbo_decode_schedule"):
+        OverlapConfig(tbo_decode_schedule="wide")
+
+
+def _stage_names(layer, mode, decode_schedule="fine") -> list[list[str]]:
+    strategy = OperationsStrategy.tbo([layer], mode, decode_schedule)
     return [[op.__name__ for op in stage] for stage in split_into_stages(strategy.operations)]
 
 

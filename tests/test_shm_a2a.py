@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from raymoe.comm.dispatcher import TorchDispatcher
 from raymoe.comm.ep_transport import EpTransport
-from raymoe.comm.expert_input import MaskedExpertRows
+from raymoe.comm.expert_input import GroupedExpertRows
 from raymoe.comm.groups import ParallelGroups
 from raymoe.comm.shm import ShmAllToAll, ShmLayout, shm_supported
 from raymoe.config import MoeCommConfig, ParallelConfig
@@ -107,7 +107,7 @@ def _dispatch_both_transports(groups: ParallelGroups) -> dict:
         for mode, capacity in (("normal", None), ("low_latency", 3 + 2 * (groups.ep_size - 1))):
             handle = a2a.dispatch_a(x, ids, w, capacity)
             rows = a2a.dispatch_b(handle)
-            assert isinstance(rows, MaskedExpertRows) == (mode == "low_latency")
+            assert isinstance(rows, GroupedExpertRows) == (mode == "low_latency")
             y = rows.x * 2.0 + 1.0  # any per-row function: both carriers must return the same combine
             a2a.combine_a(handle, y)
             results[f"{name}/{mode}"] = a2a.combine_b(handle)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from raymoe.comm.all_to_all import DispatchHandle
-from raymoe.comm.expert_input import ExpertRows, MaskedExpertRows
+from raymoe.comm.expert_input import ExpertRows, GroupedExpertRows, MaskedExpertRows
 from raymoe.comm.groups import ParallelGroups
 from raymoe.comm.latency import LatencyInjectedAllToAll, wrap_moe_all_to_all
 from raymoe.config import OverlapConfig
@@ -52,10 +52,11 @@ def _cyclic_rows(x: torch.Tensor, n: int) -> torch.Tensor:
 
 @dataclass
 class _LoopbackMasked:
-    """Loopback stand-in of a low-latency dispatch: this rank's tokens and the recorded received layout."""
+    """Loopback stand-in of a low-latency dispatch: this rank's tokens and the recorded received layout
+    (:class:`GroupedExpertRows` from the torch dispatcher, :class:`MaskedExpertRows` from DeepEP's)."""
 
     hidden: torch.Tensor
-    recorded: MaskedExpertRows
+    recorded: GroupedExpertRows | MaskedExpertRows
     out: torch.Tensor | None = None
 
 
@@ -86,7 +87,7 @@ class BenchAllToAll:
             return self.real.dispatch_a(hidden, topk_ids, topk_weights, capacity)
         recorded = self.tape[self.cursor]
         self.cursor += 1
-        if isinstance(recorded, MaskedExpertRows):
+        if isinstance(recorded, GroupedExpertRows | MaskedExpertRows):
             return _LoopbackMasked(hidden, recorded)
         n, k = topk_ids.shape
         rows = _cyclic_rows(hidden, recorded.numel())
@@ -94,14 +95,21 @@ class BenchAllToAll:
 
     def dispatch_b(self, handle):
         if isinstance(handle, _LoopbackMasked):
-            x = _cyclic_rows(handle.hidden, handle.recorded.x.shape[0] * handle.recorded.x.shape[1])
-            return MaskedExpertRows(x.view_as(handle.recorded.x), handle.recorded.counts)
+            rec = handle.recorded
+            x = _cyclic_rows(handle.hidden, rec.x.numel() // rec.x.shape[-1])
+            if isinstance(rec, GroupedExpertRows):
+                return GroupedExpertRows(x, rec.ends, rec.expert_capacity)
+            return MaskedExpertRows(x.view_as(rec.x), rec.counts)
         if self.mode == "loopback":
             return ExpertRows(handle.recv_hidden, handle.recv_expert_ids)
         rows = self.real.dispatch_b(handle)
         if self.mode == "record":
-            self.tape.append(MaskedExpertRows(torch.empty_like(rows.x), rows.counts.clone())
-                             if isinstance(rows, MaskedExpertRows) else rows.local_ids.clone())
+            if isinstance(rows, GroupedExpertRows):
+                self.tape.append(GroupedExpertRows(torch.empty_like(rows.x), rows.ends.clone(), rows.expert_capacity))
+            elif isinstance(rows, MaskedExpertRows):
+                self.tape.append(MaskedExpertRows(torch.empty_like(rows.x), rows.counts.clone()))
+            else:
+                self.tape.append(rows.local_ids.clone())
         return rows
 
     def combine_a(self, handle, expert_out, part: int = 0, num_parts: int = 1):

@@ -7,7 +7,8 @@ the ``_b`` that waits for it:
 * ``dispatch_a(hidden [N, H], topk_ids [N, k] int64, topk_weights [N, k], capacity: int | None) -> handle``:
   ``capacity`` None runs the normal mode; an int M runs the low-latency mode with M tokens per rank (the same on
   every rank of the step, chosen by the driver: ``ForwardBatch.dispatch_capacity``).
-* ``dispatch_b(handle) -> ExpertRows | MaskedExpertRows`` (``raymoe.comm.expert_input``).
+* ``dispatch_b(handle) -> ExpertRows | MaskedExpertRows | GroupedExpertRows`` (``raymoe.comm.expert_input``; the
+  torch low-latency mode answers ``GroupedExpertRows``, DeepEP's ``MaskedExpertRows``).
 * ``combine_a(handle, expert_out, part=0, num_parts=1)``: ``expert_out`` in the layout ``dispatch_b`` gave;
   parts (single-batch overlap) exist in normal mode only.
 * ``combine_b(handle) -> [N, H]``: the top-k weighted sum of the expert outputs of each token.
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from raymoe.comm.all_to_all import DispatchHandle, TorchAllToAll
-from raymoe.comm.expert_input import A2A_BACKENDS, ExpertRows, MaskedExpertRows
+from raymoe.comm.expert_input import A2A_BACKENDS, ExpertRows, GroupedExpertRows
 from raymoe.comm.groups import ParallelGroups
 from raymoe.comm.low_latency import LowLatencyHandle, TorchLowLatencyAllToAll
 
@@ -46,7 +47,7 @@ class TorchDispatcher:
             return self.normal.dispatch_a(hidden, topk_ids, topk_weights)
         return self.low_latency.dispatch_a(hidden, topk_ids, topk_weights, capacity)
 
-    def dispatch_b(self, handle: DispatchHandle | LowLatencyHandle) -> ExpertRows | MaskedExpertRows:
+    def dispatch_b(self, handle: DispatchHandle | LowLatencyHandle) -> ExpertRows | GroupedExpertRows:
         """Wait for the dispatch; returns the received pairs in the mode's layout."""
         if isinstance(handle, LowLatencyHandle):
             return self.low_latency.dispatch_b(handle)

@@ -1,11 +1,15 @@
-"""What a dispatch hands the local experts: the two layouts of received routing pairs.
+"""What a dispatch hands the local experts: the layouts of received routing pairs.
 
 * :class:`ExpertRows` (normal mode): one row per received (token, k) pair, ``x`` [R, H] with its local expert id
   ``local_ids`` [R]; R depends on the routing, so shapes are data-dependent.
-* :class:`MaskedExpertRows` (low-latency mode, DeepEP's ``low_latency_dispatch`` layout): ``x`` [E_local, C, H]
+* :class:`MaskedExpertRows` (DeepEP's low-latency layout, ``low_latency_dispatch``): ``x`` [E_local, C, H]
   with ``C = num_max_dispatch_tokens_per_rank * ep_size``; rows ``[0, counts[e])`` of expert ``e`` are valid and
   the rest hold arbitrary values. Shapes depend only on the step's per-rank capacity, and ``counts`` stays on the
   device, so a decode graph can capture it.
+* :class:`GroupedExpertRows` (the torch low-latency dispatcher's layout): the same pairs packed expert after
+  expert into ``x`` [R_max, H], ``R_max`` the most rows a rank can receive; segment ends stay on the device.
+  Fixed shapes as well, and one grouped GEMM per projection runs over the valid rows only, where the masked
+  layout's batched GEMM computes every one of the ``E_local * C`` slots.
 
 The experts answer in the layout they were given (``LocalExperts.forward_input``), and the dispatcher's combine
 takes that answer back.
@@ -37,6 +41,19 @@ class MaskedExpertRows:
 
     x: torch.Tensor
     counts: torch.Tensor
+
+
+@dataclass
+class GroupedExpertRows:
+    """Received pairs in expert order, fixed shape: ``x`` [R_max, H] (hidden dtype); local expert ``e``'s rows
+    are ``[ends[e - 1], ends[e])`` (``ends`` [E_local] int32 cumulative row counts, on the device; expert 0
+    starts at row 0). Rows from ``ends[E_local - 1]`` on are padding with arbitrary values (possibly never
+    written), and the experts' answer may hold anything there too. ``expert_capacity``: the most rows one expert
+    can get (``ep * M``), which sizes the masked layout where grouped GEMMs are unavailable."""
+
+    x: torch.Tensor
+    ends: torch.Tensor
+    expert_capacity: int
 
 
 def resolve_a2a_mode(mode: str, is_decode_step: bool) -> str:

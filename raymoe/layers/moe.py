@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raymoe.comm.dispatcher import A2ABackendSpec, get_all_to_all_backend
-from raymoe.comm.expert_input import ExpertRows, MaskedExpertRows
+from raymoe.comm.expert_input import ExpertRows, GroupedExpertRows, MaskedExpertRows
 from raymoe.comm.groups import ParallelGroups, divide, tp_all_reduce
 from raymoe.config_arch import RouterConfig
 from raymoe.errors import CheckpointError
@@ -33,6 +33,13 @@ from raymoe.layers.router import select_experts
 from raymoe.overlap.operations import OpRole, stage_op
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm takes on CPU
+
+
+def _grouped_mm_ok(x: torch.Tensor) -> bool:
+    """Whether the experts can run ``torch._grouped_mm`` on rows ``x``: CPU, a dtype it takes, not under
+    ``torch.compile`` (its shape rule for the op accepts bf16 only)."""
+    return (x.device.type == "cpu" and x.dtype in _GROUPED_MM_DTYPES and hasattr(torch, "_grouped_mm")
+            and not torch.compiler.is_compiling())
 
 
 class DenseMLP(nn.Module):
@@ -86,8 +93,7 @@ class LocalExperts(nn.Module):
         """
         if x.shape[0] == 0:
             return torch.empty_like(x)
-        if (x.device.type == "cpu" and x.dtype in _GROUPED_MM_DTYPES and hasattr(torch, "_grouped_mm")
-                and not torch.compiler.is_compiling()):  # torch.compile's shape rule for it takes bf16 only
+        if _grouped_mm_ok(x):
             return self.forward_grouped(x, local_ids)
         return self.forward_loop(x, local_ids)
 
@@ -106,12 +112,41 @@ class LocalExperts(nn.Module):
         y = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=ends)                    # [R, H]
         return torch.empty_like(x).index_copy_(0, order, y)
 
-    def forward_input(self, rows: ExpertRows | MaskedExpertRows) -> torch.Tensor:
+    def forward_input(self, rows: ExpertRows | MaskedExpertRows | GroupedExpertRows) -> torch.Tensor:
         """Apply the experts to a dispatch's answer, in its layout: [R, H] for :class:`ExpertRows`,
-        [E_local, C, H] for :class:`MaskedExpertRows` (:meth:`forward_masked`)."""
+        [E_local, C, H] for :class:`MaskedExpertRows` (:meth:`forward_masked`), [R_max, H] for
+        :class:`GroupedExpertRows` (:meth:`forward_segments`)."""
+        if isinstance(rows, GroupedExpertRows):
+            return self.forward_segments(rows.x, rows.ends, rows.expert_capacity)
         if isinstance(rows, MaskedExpertRows):
             return self.forward_masked(rows.x)
         return self(rows.x, rows.local_ids)
+
+    def forward_segments(self, x: torch.Tensor, ends: torch.Tensor, expert_capacity: int) -> torch.Tensor:
+        """Expert ``e`` on rows ``[ends[e - 1], ends[e])`` of ``x`` [R_max, H] (``ends`` [E_local] int32 on the
+        device; expert 0 starts at row 0; no expert has more than ``expert_capacity`` rows) -> [R_max, H]; rows
+        from ``ends[-1]`` on are padding in and out.
+
+        One ``torch._grouped_mm`` per projection over the segments, as :meth:`forward_grouped` (no sort: the rows
+        come sorted), so only the received rows are multiplied; shapes depend on ``R_max`` only and nothing is read
+        on the host, so a decode graph can hold it. Without grouped GEMMs (non-CPU devices, float64, under
+        ``torch.compile``) the rows are spread into the masked layout [E_local, expert_capacity, H] and run there
+        (:meth:`forward_masked`).
+        """
+        if x.shape[0] == 0:
+            return torch.empty_like(x)
+        if _grouped_mm_ok(x):
+            h = silu_and_mul(torch._grouped_mm(x, self.w13.transpose(1, 2), offs=ends))   # [R_max, I_local]
+            return torch._grouped_mm(h, self.w2.transpose(1, 2), offs=ends)               # [R_max, H]
+        r, el, c = x.shape[0], self.num_local, expert_capacity
+        ends = ends.to(torch.int64)
+        starts = ends - torch.diff(ends, prepend=ends.new_zeros(1))                      # [E_local]
+        slot = torch.arange(c, device=x.device)
+        spread = (starts.view(el, 1) + slot.view(1, c)).clamp_(max=r - 1)               # [E_local, C]
+        y = self.forward_masked(x.index_select(0, spread.view(-1)).view(el, c, -1))      # [E_local, C, H]
+        pos = torch.arange(r, device=x.device)
+        expert = torch.searchsorted(ends, pos, right=True).clamp_(max=el - 1)            # [R_max]
+        return y.view(el * c, -1).index_select(0, expert * c + (pos - starts[expert]).clamp_(0, c - 1))
 
     def forward_masked(self, x: torch.Tensor) -> torch.Tensor:
         """Every row of the low-latency layout through its expert: ``x`` [E_local, C, H] -> [E_local, C, H].

@@ -119,12 +119,17 @@ class MoeCausalLM(nn.Module):
     Args:
         config: normalized model config. groups: the rank's process groups. dtype: parameter/activation dtype.
         enable_sbo: single-batch overlap inside MoE layers (same on every rank).
+
+    Attributes:
+        tbo_decode_schedule: ``"fine"`` or ``"coarse"`` stage boundaries of DECODE two-batch-overlap steps
+            (``raymoe.overlap.strategy``); the runner sets it from ``OverlapConfig.tbo_decode_schedule``.
     """
 
     def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype, enable_sbo: bool):
         super().__init__()
         self.config = config
         self.enable_sbo = enable_sbo
+        self.tbo_decode_schedule = "fine"
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, groups, dtype)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, groups, dtype)
@@ -149,7 +154,7 @@ class MoeCausalLM(nn.Module):
 
     def forward(self, forward_batch) -> torch.Tensor:
         """All layers (two-batch overlapped when ``forward_batch.tbo_children`` is set) -> final-normed [T, H]."""
-        state = forward_layers(self.layers, self.embed(forward_batch), self.enable_sbo)
+        state = forward_layers(self.layers, self.embed(forward_batch), self.enable_sbo, self.tbo_decode_schedule)
         return self.norm(state.hidden_states)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

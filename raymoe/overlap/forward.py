@@ -47,13 +47,16 @@ def merge_states(parent: ForwardState, children: Sequence[ForwardState]) -> Forw
     return parent
 
 
-def forward_layers(layers: Sequence, state: ForwardState, enable_sbo: bool = False) -> ForwardState:
+def forward_layers(layers: Sequence, state: ForwardState, enable_sbo: bool = False,
+                   tbo_decode_schedule: str = "fine") -> ForwardState:
     """Run ``layers`` on ``state`` (hidden_states [T, H] in and out).
 
     Args:
         layers: decoder layers exposing ``operations()`` (and ``is_moe``).
         state: from the model's embedding; ``state.forward_batch.tbo_children`` selects two-batch overlap.
         enable_sbo: single-batch overlap inside MoE layers (a per-engine setting; ignored for TBO steps).
+        tbo_decode_schedule: ``"fine"`` or ``"coarse"`` stage boundaries of DECODE TBO steps (per engine;
+            ``OperationsStrategy.tbo``).
     Returns:
         ``state`` with the last layer's hidden states.
     """
@@ -61,7 +64,7 @@ def forward_layers(layers: Sequence, state: ForwardState, enable_sbo: bool = Fal
     if fb.tbo_children is None:
         strategy = OperationsStrategy.sbo(layers) if enable_sbo else OperationsStrategy.plain(layers)
         return execute_operations(state, strategy.operations)
-    strategy = OperationsStrategy.tbo(layers, fb.forward_mode)
+    strategy = OperationsStrategy.tbo(layers, fb.forward_mode, tbo_decode_schedule)
     children = execute_overlapped_operations(split_state(state), [strategy.operations] * 2,
                                              [0, strategy.tbo_delta_stages])
     return merge_states(state, children)

@@ -27,7 +27,7 @@ class SboExpertsCombine:
     """Op replacing a MoE block's ``op_experts`` + ``op_combine_a``: experts and combine start, part by part.
 
     Reads ``state.expert_input`` (pair rows [R, H] with local expert ids) and ``state.dispatch_handle``; leaves the
-    combine in flight for the block's ``op_combine_b``. A low-latency dispatch (masked layout) is combined in one
+    combine in flight for the block's ``op_combine_b``. A low-latency dispatch (fixed layout) is combined in one
     part: its message has a fixed layout that parts cannot cut.
 
     Args:

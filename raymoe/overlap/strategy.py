@@ -6,11 +6,16 @@ themselves, never matched by name), may move the shared-experts op (it needs onl
 ``tbo_delta_stages`` (DESIGN section 4; stage boundaries follow SGLang's DeepSeek/Qwen3 schedules as described in
 the TBO reference write-ups):
 
-* DECODE (``delta = 2``): ``[prepare_attn, attn.prepare] | [attn.core, prepare_mlp, gate, select] |
+* DECODE, ``"fine"`` (``delta = 2``): ``[prepare_attn, attn.prepare] | [attn.core, prepare_mlp, gate, select] |
   [dispatch_a, shared experts] | [dispatch_b, experts, combine_a] | [combine_b] | [output, postprocess]``.
   The last stage merges with the next layer's first one. With child B two stages behind child A, A's dispatch
   is in flight during B's output + attention prepare (and A's shared experts), A's combine during B's attention
   core + gate, and symmetrically for B's transfers.
+* DECODE, ``"coarse"``: the EXTEND schedule below. Each transfer is in flight during a whole attention or expert
+  stage of the other child instead of a fraction of one, so on CPU, where a stage of a half-batch takes a few
+  milliseconds, it hides about twice the latency (and switches children half as often); the two children also
+  run the same layer's weights back to back, which leaves some of them in the last-level cache. Engine option
+  ``OverlapConfig.tbo_decode_schedule`` (``auto``: coarse on CPU, fine on CUDA; :func:`resolve_decode_schedule`).
 * EXTEND (``delta = 0``): ``[attention ... dispatch_a] | [dispatch_b, experts, combine_a] | [shared experts,
   combine_b, output, postprocess]`` (merging with the next layer's attention): the shared experts move after the
   combine start, so they compute while the other child's combine is in flight. A's dispatch is in flight during
@@ -40,6 +45,21 @@ _REQUIRED_ROLES = (OpRole.ATTN_CORE, OpRole.DISPATCH_A, OpRole.DISPATCH_B, OpRol
                    OpRole.COMBINE_B, OpRole.OUTPUT)
 DECODE_DELTA_STAGES = 2
 EXTEND_DELTA_STAGES = 0
+DECODE_SCHEDULES = ("fine", "coarse")
+
+
+def resolve_decode_schedule(schedule: str, device_type: str) -> str:
+    """The DECODE TBO schedule (``"fine"`` or ``"coarse"``) of engine option ``schedule`` on ``device_type``:
+    ``auto`` is coarse on CPU and fine elsewhere (CUDA keeps SGLang's schedule).
+
+    Raises:
+        ValueError: an unknown schedule name.
+    """
+    if schedule == "auto":
+        return "coarse" if device_type == "cpu" else "fine"
+    if schedule not in DECODE_SCHEDULES:
+        raise ValueError(f"unknown TBO decode schedule {schedule!r} (expected auto, fine or coarse)")
+    return schedule
 
 
 def check_roles(operations: Sequence[Operation], layer_id: object = "?") -> None:
@@ -122,13 +142,18 @@ class OperationsStrategy:
         return cls([op for layer in layers for op in sbo_operations(layer)])
 
     @classmethod
-    def tbo(cls, layers: Sequence, forward_mode: ForwardMode) -> OperationsStrategy:
-        """Two-batch overlap schedule of ``layers`` for a rank whose batch has ``forward_mode``.
+    def tbo(cls, layers: Sequence, forward_mode: ForwardMode, decode_schedule: str = "fine") -> OperationsStrategy:
+        """Two-batch overlap schedule of ``layers`` for a rank whose batch has ``forward_mode``; DECODE (and IDLE)
+        ranks use ``decode_schedule`` (``"fine"`` or ``"coarse"``, the same on every rank of the engine).
 
         Raises:
-            ValueError: MIXED mode.
+            ValueError: MIXED mode, or an unknown ``decode_schedule``.
         """
+        if decode_schedule not in DECODE_SCHEDULES:
+            raise ValueError(f"unknown TBO decode schedule {decode_schedule!r} (expected one of {DECODE_SCHEDULES})")
         mode = tbo_schedule_mode(forward_mode)
+        if mode == ForwardMode.DECODE and decode_schedule == "coarse":
+            mode = ForwardMode.EXTEND  # the prefill schedule's stages and delta
         ops: list[Operation] = []
         has_moe = False
         for layer in layers:

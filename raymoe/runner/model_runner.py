@@ -23,9 +23,11 @@ from raymoe.kvcache.pools import ReqToTokenPool
 from raymoe.models.loader import CheckpointReader
 from raymoe.models.registry import get_model_class
 from raymoe.overlap.split import TboForwardBatchPreparer
+from raymoe.overlap.strategy import resolve_decode_schedule
 from raymoe.runner.forward_batch import ForwardBatch
 from raymoe.runner.future_tokens import FutureTokenMap
 from raymoe.runner.graph_buckets import DEFAULT_MIN_KV_WIDTH, capture_sizes, kv_width_ladder
+from raymoe.runner.host_alloc import tune_host_allocator
 from raymoe.runner.sampler import Sampler
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
@@ -132,6 +134,8 @@ class ModelRunner:
         self.cfg = cfg
         self.groups = groups or ParallelGroups.single()
         self.device = torch.device(cfg.device)
+        if self.device.type == "cpu":
+            tune_host_allocator()  # reuse freed host blocks: no fresh pages per step (raymoe.runner.host_alloc)
         self.dtype = DTYPES[cfg.dtype]
         self.model_config = ModelConfig.from_hf(cfg.model_path)
         with CheckpointReader(cfg.model_path) as reader:
@@ -142,6 +146,7 @@ class ModelRunner:
                                        enable_sbo=cfg.overlap.enable_sbo)
             self.model.load_weights(reader)
         self.model.eval()
+        self.model.tbo_decode_schedule = resolve_decode_schedule(cfg.overlap.tbo_decode_schedule, self.device.type)
         if cfg.inject_a2a_latency_ms > 0:
             inject_a2a_latency(self.model, cfg.inject_a2a_latency_ms)
         self.req_to_token_pool = ReqToTokenPool(cfg.max_req_rows, cfg.max_context_len, self.device, cfg.page_size)
