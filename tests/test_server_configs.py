@@ -214,3 +214,14 @@ def test_ray_job_script_submits_bench_job_with_variables_it_reads():
     assert {"MODEL", "DP", "OUT", "NUM_PROMPTS"} <= names
     assert names - {"PYTHONPATH"} <= read, names - read
     assert "ray stop" not in script.replace("never `ray stop`", "")
+
+
+def test_two_batch_overlap_defaults_on_for_cuda_ranks_only():
+    from raymoe.deploy.server_config import ServeOptions
+
+    def tbo(**kw) -> bool:
+        return ServeOptions(**kw).engine_config("/m").overlap.enable_tbo
+
+    assert tbo(dp_size=2, device="cuda") and not tbo(dp_size=2, device="cpu")  # ep = world by default
+    assert not tbo(dp_size=1, device="cuda")  # one EP rank: no all-to-all to hide
+    assert tbo(dp_size=2, device="cpu", enable_tbo=True) and not tbo(dp_size=2, device="cuda", enable_tbo=False)

@@ -96,7 +96,8 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--dp", type=int, default=2, help="DP-attention groups")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks: 1 or dp*tp (default: dp*tp)")
     p.add_argument("--enable-tbo", action=argparse.BooleanOptionalAction, default=None,
-                   help="two-batch overlap of MoE layers (default: on when ep > 1)")
+                   help="two-batch overlap of MoE layers (default: on when ep > 1 on CUDA ranks; off on CPU ranks, "
+                        "where the shared-memory all-to-all leaves no latency to hide)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per DP group")
