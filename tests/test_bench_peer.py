@@ -69,3 +69,23 @@ def test_compare_topology_strings_become_serve_flags():
                      "--cpu-comm gloo")
     with pytest.raises(ValueError):
         parse_topology("dp=2,nvlink=1")
+
+
+def test_compare_table_gives_a_ratio_to_each_peer_dtype():
+    """``--peer-dtypes auto,float32``: the peer runs once per dtype, and every raymoe row gets a ratio to each."""
+    from pathlib import Path
+
+    from raymoe.bench.compare import _table, peer_name, peer_serve_cmd
+
+    assert peer_serve_cmd(Path("/p"), "/m", 8000)[-2:] == ["--max-model-len", "1024"]
+    assert peer_serve_cmd(Path("/p"), "/m", 8000, "float32")[-2:] == ["--dtype", "float32"]
+
+    def row(server, tok_s):
+        return {"server": server, "concurrency": 16, "output_throughput": tok_s, "median_tpot_ms": 5.0,
+                "median_ttft_ms": 20.0, "p99_itl_ms": 9.0, "failed": 0}
+
+    rows = [row(peer_name("auto"), 800.0), row(peer_name("float32"), 1600.0), row("raymoe dp=1", 1200.0)]
+    lines = _table(rows, 8.0).splitlines()
+    assert "vs float32" in lines[0]
+    assert lines[3].split()[4:6] == ["1.50x", "0.75x"]
+    assert "<= 12.00 ms" in lines[-1]

