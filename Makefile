@@ -21,7 +21,7 @@ lint: install
 test: install lint
 	$(PY) -m pytest -q
 
-# The main job: the OpenAI-compatible server (demo checkpoint, dp=2 x ep=2 rank actors, two-batch overlap) on
+# The main job: the OpenAI-compatible server (demo checkpoint, dp=2 x ep=2 rank actors; two-batch overlap on CUDA ranks) on
 # 127.0.0.1:8000; once ready it answers one chat completion itself and prints a curl line. Ctrl-C stops it.
 demo: install
 	$(VENV)/bin/raymoe serve --demo-request
