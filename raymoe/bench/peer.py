@@ -16,7 +16,6 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_PEERS_DIR = "/tmp/peers"
 _GEN = re.compile(r"^GEN rep\d+ .*?: (\d+) tokens in ([0-9.]+)s = ([0-9.]+) tok/s", re.MULTILINE)
 _STARTUP = re.compile(r"^STARTUP ([0-9.]+)s", re.MULTILINE)
 

@@ -19,13 +19,6 @@ import torch.distributed as dist
 from raymoe.comm.groups import ParallelGroups
 
 
-class _Completed:
-    """A finished transfer (the blocking path)."""
-
-    def wait(self) -> bool:
-        return True
-
-
 class EpTransport:
     """All-to-all over ``groups.ep_group``, through ``groups.ep_shm`` (:class:`~raymoe.comm.shm.ShmAllToAll`)
     when the ranks have one and the message fits its slots.

@@ -18,11 +18,9 @@ takes that answer back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-A2AMode = Literal["normal", "low_latency", "auto"]
 A2A_MODES: tuple[str, ...] = ("normal", "low_latency", "auto")
 A2A_BACKENDS: tuple[str, ...] = ("torch", "deepep")
 

@@ -135,9 +135,6 @@ class MoeCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, groups, dtype)
         self.layers = nn.ModuleList()
 
-    def layer_operations(self, layer_id: int) -> list:
-        return self.layers[layer_id].operations()
-
     def create_kv_pool(self, num_slots: int, dtype: torch.dtype, device: torch.device | str):
         """KV cache of ``num_slots`` tokens for this rank (GQA models: per-head K/V of the local kv heads)."""
         return gqa_kv_pool(self.config, self.num_local_kv_heads, num_slots, dtype, device)
