@@ -52,7 +52,7 @@ class StepChannelHub:
         world_size: ranks that will connect. tp_size: ranks per DP group (rank ``r`` serves group ``r // tp``).
         grace_s: after one rank reported an error, how long the others may take to answer that step, seconds.
     Attributes:
-        path, authkey: what each rank needs to connect (:func:`serve_step_channel`).
+        path, authkey: what each rank needs to connect (:func:`connect_step_channel`).
         healthy: False once the channel lost a rank or its ranks fell out of step (restart the rank group).
     """
 

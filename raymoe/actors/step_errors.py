@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from raymoe.errors import EngineUnhealthyError, RaymoeError
 
-# Exception type names (a rank's exception, by name) that mean its collectives are broken. TimeoutError: the
-# shared-memory all-to-all waited a whole collective timeout for a peer (``raymoe.comm.shm``).
+# Exception type names (a rank's exception, by name) that mean its collectives are broken; see also
+# is_collective_error.
 COLLECTIVE_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
 
 
@@ -25,5 +25,7 @@ class RankStepError(RaymoeError):
 
 
 def is_collective_error(type_name: str) -> bool:
-    """Whether a rank exception of this type name means the rank group's collectives are broken."""
+    """Whether a rank exception of this type name means the rank group's collectives are broken: a
+    ``torch.distributed`` error, or ``TimeoutError`` (the shared-memory all-to-all waited a whole collective
+    timeout for a peer, ``raymoe.comm.shm``)."""
     return any(c in type_name for c in COLLECTIVE_ERRORS) or type_name == "TimeoutError"

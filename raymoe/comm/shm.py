@@ -237,8 +237,6 @@ class ShmAllToAll:
     def _wait_flag(self, flags: np.ndarray, i: int, target: int, peer: int, what: str) -> None:
         """Wait for ``flags[i] >= target`` (set by ``peer``): a short spin, then sleep on the flag's futex
         (``raymoe.comm.futex``), so a rank that waits leaves the CPU to the peer it waits for."""
-        if flags[i] >= target:
-            return
         wait_flag_ge(flags, i, target, self.timeout_s, what=f"shared-memory all-to-all: rank {peer} did not {what}")
 
 

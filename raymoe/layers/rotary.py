@@ -72,16 +72,27 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotate(positions, q), self.rotate(positions, k)
+        """Rotate queries ``q`` [T, Hq, D] and keys ``k`` [T, Hk, D] at their tokens' positions (``positions`` [T]
+        int64); the table rows are gathered once for both."""
+        cos, sin = self._rows(positions)
+        return self._apply(q, cos, sin), self._apply(k, cos, sin)
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate every head of ``x`` [T, H, D] at its token's position (``positions`` [T] int64). Queries and keys
         that sit side by side in one [T, Hq + Hk, D] tensor can be rotated in one call."""
+        return self._apply(x, *self._rows(positions))
+
+    def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of each position, [T, 1, D] (the first half of D when pairs are interleaved)."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         if self.interleaved:
             half = cos.shape[-1] // 2
             cos, sin = cos[..., :half], sin[..., :half]
+        return cos, sin
+
+    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.interleaved:
             x1, x2 = x[..., 0::2], x[..., 1::2]
             return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return x * cos + self._rotate_half(x) * sin

@@ -21,16 +21,18 @@ from raymoe.overlap.forward import forward_layers
 from raymoe.overlap.operations import ForwardState
 
 
-def load_norm(norm: RMSNorm, reader, name: str) -> None:
-    """Copy a replicated norm weight [hidden] from the checkpoint.
+def load_norm(norm: RMSNorm | torch.Tensor, reader, name: str) -> None:
+    """Copy a replicated norm weight [D] from the checkpoint into ``norm`` (an :class:`RMSNorm`, or a [..., D]
+    tensor every row of which gets the weight: per-head norm weights stacked for several heads).
 
     Raises:
         CheckpointError: missing tensor or wrong shape.
     """
-    w = reader.get(name, dtype=norm.weight.dtype)
-    if tuple(w.shape) != tuple(norm.weight.shape):
-        raise CheckpointError(name, f"shape {tuple(w.shape)} does not match {tuple(norm.weight.shape)}")
-    norm.weight.data.copy_(w)
+    dst = norm.weight.data if isinstance(norm, RMSNorm) else norm
+    w = reader.get(name, dtype=dst.dtype)
+    if tuple(w.shape) != tuple(dst.shape[-1:]):
+        raise CheckpointError(name, f"shape {tuple(w.shape)} does not match {tuple(dst.shape[-1:])}")
+    dst.copy_(w.expand_as(dst))
 
 
 def build_mlp(config: ModelConfig, layer_id: int, groups: ParallelGroups, dtype: torch.dtype,

@@ -14,7 +14,7 @@ from torch import nn
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ModelConfig
 from raymoe.layers.linear import QKVParallelLinear, RowParallelLinear
-from raymoe.layers.norm import RMSNorm, rms_norm
+from raymoe.layers.norm import rms_norm
 from raymoe.layers.rotary import RotaryEmbedding
 from raymoe.models.decoder import DecoderLayer, MoeCausalLM, build_mlp, load_norm
 from raymoe.overlap.operations import ForwardState, OpRole, stage_op
@@ -36,10 +36,9 @@ class Qwen3MoeAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, groups,
                                         dtype, bias=config.attention_bias)
         self.qk_norm = qk_norm
+        self.norm_eps = config.rms_norm_eps
         if qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
-            # [Hq + Hkv, D]: q_norm's weight on every query head, then k_norm's on every kv head (set by load)
+            # [Hq + Hkv, D]: the checkpoint's q_norm weight on every query head, then k_norm's on every kv head
             self.register_buffer("qk_norm_weight", torch.ones(self.num_heads + self.num_kv_heads, config.head_dim,
                                                               dtype=dtype), persistent=False)
         self.rotary = rotary
@@ -53,7 +52,7 @@ class Qwen3MoeAttention(nn.Module):
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qk = qkv[:, :(hq + hkv) * d].reshape(t, hq + hkv, d)
         if self.qk_norm:
-            qk = rms_norm(qk, self.qk_norm_weight, self.q_norm.eps)
+            qk = rms_norm(qk, self.qk_norm_weight, self.norm_eps)
         qk = self.rotary.rotate(state.forward_batch.positions, qk)
         state.q, state.k = qk[:, :hq], qk[:, hq:]
         state.v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
@@ -69,10 +68,8 @@ class Qwen3MoeAttention(nn.Module):
         self.qkv_proj.load(reader, [f"{prefix}.{p}_proj.weight" for p in ("q", "k", "v")])
         self.o_proj.load(reader, f"{prefix}.o_proj.weight")
         if self.qk_norm:
-            load_norm(self.q_norm, reader, f"{prefix}.q_norm.weight")
-            load_norm(self.k_norm, reader, f"{prefix}.k_norm.weight")
-            self.qk_norm_weight[:self.num_heads] = self.q_norm.weight
-            self.qk_norm_weight[self.num_heads:] = self.k_norm.weight
+            load_norm(self.qk_norm_weight[:self.num_heads], reader, f"{prefix}.q_norm.weight")
+            load_norm(self.qk_norm_weight[self.num_heads:], reader, f"{prefix}.k_norm.weight")
 
 
 class Qwen3MoeForCausalLM(MoeCausalLM):
