@@ -59,7 +59,7 @@ def _moe_both_modes(groups: ParallelGroups, sizes: list[int], skewed: bool = Fal
         if isinstance(rows, GroupedExpertRows):  # packed expert after expert, sized by the capacity only
             ends = [0, *rows.ends.tolist()]
             out["counts"] = [b - a for a, b in zip(ends[:-1], ends[1:], strict=True)]
-            assert rows.x.shape == (groups.ep_size * capacity * min(K, experts.num_local), H)
+            assert rows.x.shape == (groups.ep_size * capacity * K, H)  # every received pair, this rank's first
             assert rows.expert_capacity == capacity * groups.ep_size
         a2a.combine_a(handle, experts.forward_input(rows))
         out[mode] = a2a.combine_b(handle)

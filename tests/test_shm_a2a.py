@@ -63,6 +63,21 @@ def _exchanges(groups: ParallelGroups) -> dict:
     before = t.dist_calls
     t.all_to_all_equal(got, big).wait()
     report["fallback"] = torch.equal(got, ref) and t.dist_calls == before + 1
+    # all-gather (the low-latency dispatch): through shared memory, and through gloo for a message over a slot
+    for name, n in (("all_gather", 6), ("all_gather_fallback", shm.layout.slot_bytes // 4 + 1)):
+        x = torch.arange(n, dtype=torch.float32) + 1000 * me
+        ref = [torch.empty_like(x) for _ in range(p)]
+        dist.all_gather(ref, x, group=groups.ep_group)
+        got = torch.empty(p, n)
+        shm_before, dist_before = t.shm_calls, t.dist_calls
+        t.all_gather(got, x).wait()
+        path_ok = (t.dist_calls == dist_before + 1) if name.endswith("fallback") else (t.shm_calls == shm_before + 1)
+        report[name] = torch.equal(got, torch.stack(ref)) and path_ok
+    try:
+        shm.all_gather(torch.empty(p + 1), torch.ones(1))
+        report["all_gather_size_error"] = False
+    except ValueError as e:
+        report["all_gather_size_error"] = "is not" in str(e)
     # waits in any order (TBO children interleave): K calls in flight, waited newest first, twice around the ring
     k = shm.layout.num_slots
     for _ in range(2):

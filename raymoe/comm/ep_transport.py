@@ -45,6 +45,18 @@ class EpTransport:
         self.dist_calls += 1
         return dist.all_to_all_single(out, inp, group=self.group, async_op=True)
 
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
+        """Start an all-gather of ``inp`` into ``out`` (``ep_size`` times its elements; chunk ``s`` from rank
+        ``s``); returns a work whose ``wait()`` completes it. The path depends on the message size only."""
+        if self.shm is not None and self.shm.fits(inp.numel() * inp.element_size()):
+            self.shm_calls += 1
+            return self.shm.all_gather(out, inp)
+        self.dist_calls += 1
+        if inp.device.type == "cuda":
+            return dist.all_gather_into_tensor(out.view(-1), inp.view(-1), group=self.group, async_op=True)
+        return dist.all_to_all_single(out.view(-1), inp.view(-1).repeat(self.ep_size), group=self.group,
+                                      async_op=True)
+
     def exchange_counts(self, send_counts: torch.Tensor) -> tuple[list[int], list[int], int]:
         """Exchange per-peer row counts (blocking; syncs with the host).
 

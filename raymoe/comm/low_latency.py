@@ -1,29 +1,28 @@
-"""Low-latency (fixed-shape) MoE dispatch/combine over ``torch.distributed``, in the style of DeepEP's
-low-latency mode (``Buffer.low_latency_dispatch`` / ``low_latency_combine``).
+"""Low-latency (fixed-shape) MoE dispatch/combine over ``torch.distributed``, in the gather-scatter layout: every
+rank's tokens go to every peer once, and each peer's partial sums come back once.
 
-Every rank of a step uses the same per-rank capacity ``M`` (tokens a rank may send, chosen once by the driver:
-the decode-graph bucket, or the busiest DP group's token count). Every buffer shape then depends on ``M`` only,
-routing is counted on the device (no ``bincount(...).tolist()``, no exchange of counts before the data), and
-each direction is one equal-split ``all_to_all_single``. With ``Q = M * min(k, E_local)``, the most pairs one
-rank can route to one peer (a token's top-k experts are distinct):
+DeepEP's low-latency mode (``Buffer.low_latency_dispatch`` / ``low_latency_combine``) fixes every shape by the
+per-rank capacity ``M`` (tokens a rank may send, chosen once by the driver: the decode-graph bucket, or the
+busiest DP group's token count), counts routing on the device and never syncs with the host. This backend keeps
+those properties with the all-gather / reduce-scatter exchange SGLang's DP attention and vLLM's
+``allgather_reducescatter`` all-to-all put around expert-parallel MoE:
 
-* dispatch, sender: pair ``(t, j)`` going to global expert ``g = topk_ids[t, j]`` (local expert ``e`` of peer
-  ``d``) takes slot ``s`` = the number of earlier tokens of this rank routed to ``g`` (an exclusive cumsum of a
-  one-hot on the device), and row ``first[g] + s`` of the message for ``d``, where ``first[g]`` counts this rank's
-  pairs for ``d``'s experts before ``e``: each message holds its ``Q`` rows sorted by local expert, then, in a row
-  of its own, the per-expert counts (int64). Every message is a whole number of rows, so the send buffer is one
-  ``[ep * rows_per_peer, H]`` row matrix (one scatter fills it, one gather reads it; no per-element indexing).
-* dispatch, receiver: the rows of expert ``e`` from source ranks ``r = 0..ep-1`` are packed expert after expert
-  into ``[R_max, H]`` with ``R_max = ep * Q``, the most pairs a rank can receive
-  (:class:`~raymoe.comm.expert_input.GroupedExpertRows`; segment ends [E_local] int32 stay on the device), so the
-  experts run one grouped GEMM per projection over the received rows only.
-* combine: the receiver gathers the expert outputs back into each source's message order, ``[ep, Q, H]``, and
-  sends them back; the sender gathers its pairs' rows and applies the top-k weights, returning ``[N, H]``.
+* dispatch (an all-gather over the EP transport): each rank sends the same message to every peer: its ``M``
+  token rows [M, H] (rows ``N..M-1`` unused), then its routing, ``topk_ids`` [M, k] int64 (unused rows hold
+  ``E``, an expert nobody owns) and ``topk_weights`` [M, k] in the hidden dtype. The receiver maps each of the
+  ``P = ep * M * k`` received pairs to its local expert (``E_local`` for another rank's expert), sorts the pairs
+  by it on the device, and hands the experts the token rows in that order
+  (:class:`~raymoe.comm.expert_input.GroupedExpertRows`, segment ends [E_local] int32 on the device), so one
+  grouped GEMM per projection runs over this rank's pairs only.
+* combine (a reduce-scatter: an equal-split all-to-all, then a sum): the receiver weights its pairs' outputs,
+  adds them per token into [ep * M, H] partial sums and sends source ``r`` its [M, H]; each rank sums the
+  ``ep`` partial sums of its tokens.
 
-The bytes moved per direction are about ``ep * Q * H`` elements, used or not (DeepEP's messages are sized by
-``M`` alike): more than the normal mode's ``N * k * H`` when the routing is uneven, traded for one collective per
-direction and no host sync. Buffers are allocated uninitialized: unused rows carry arbitrary bytes that no valid
-row ever reads. The index tensors that depend only on ``M`` (and ``k``) are built once per capacity and cached.
+Bytes per peer and direction: ``M`` rows plus the routing. The layout before it sent each (token, expert) pair
+to its expert's rank, in messages of ``M * min(k, E_local)`` rows (the worst case of one rank sending every pair
+to one peer), and packed the received pairs per expert with about twice the index ops; on two CPU ranks a decode
+step took 0.5-0.9 ms longer with it (docs/performance.md). Fixed-size messages are sent whole, so the pair
+layout moves fewer bytes only where ``k`` or ``E_local`` is 1.
 """
 
 from __future__ import annotations
@@ -44,62 +43,56 @@ class LowLatencyHandle:
     """State of one low-latency dispatch until its combine returns (one per MoE call; one per TBO child).
 
     Attributes:
-        num_tokens, top_k, capacity: N, k and the per-rank capacity M of this call; dtype, hidden_size: of the rows.
-        topk_weights: [N, k] weights the combine applies. slot_rows: [N * k] int64 row of each pair in the
-            ``[ep * Q, H]`` matrix of messages (``d * Q + first[g] + s``, module docstring); the combine answers in
-            that layout.
-        payload: uint8 [ep, B] received messages (rows, then the counts row) until ``dispatch_b`` unpacks them.
-        unpack_index: [ep * Q] int64 row of the packed expert input holding each message row (built in
-            ``dispatch_b``, used by the combine).
-        combined: the returned rows [ep, Q * H] once the combine is posted. works: pending collectives.
+        num_tokens, capacity: this rank's N and the step's per-rank capacity M. top_k, hidden_size, dtype: of
+            the call.
+        payload: uint8 [ep, B] received messages until ``dispatch_b`` unpacks them.
+        token: [ep * M * k] int64 gathered token (``src * M + t``) of each sorted pair, for the combine.
+        weight: [ep * M * k] top-k weight of each sorted pair (hidden dtype). ends: [E_local] int32 segment ends.
+        partial: [ep, M * H] per-source partial sums once the combine is posted. works: pending collectives.
     """
 
     num_tokens: int
-    top_k: int
     capacity: int
-    dtype: torch.dtype
+    top_k: int
     hidden_size: int
-    topk_weights: torch.Tensor
-    slot_rows: torch.Tensor
+    dtype: torch.dtype
     payload: torch.Tensor | None = None
-    unpack_index: torch.Tensor | None = None
-    combined: torch.Tensor | None = None
+    token: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    ends: torch.Tensor | None = None
+    partial: torch.Tensor | None = None
     works: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class _Geometry:
-    """Shape constants of one capacity ``M`` (and top-k, hidden size, dtype), with the index tensors that depend
-    on nothing else; built once per capacity (:meth:`TorchLowLatencyAllToAll.geometry`).
+    """Message layout of one capacity ``M`` (with top-k, hidden size, dtype); cached per capacity.
 
     Attributes:
-        peer_rows: ``Q = M * min(k, E_local)``, data rows of one message (and of one combine answer).
-        rows_per_peer: rows of one dispatch message: ``Q`` data rows plus the counts row(s).
-        counts_offset: byte offset of the int64 counts [E_local] in a message.
-        peer_bytes: bytes of one dispatch message (``rows_per_peer`` rows of ``H`` elements).
-        max_rows: ``R_max = ep * Q``, rows of the packed expert input.
-        packed_pos: [R_max] int64 ``0..R_max-1``. message_pos: [ep, Q] int64, each row ``0..Q-1``.
-        peers: [ep, 1] int64 ``0..ep-1``.
+        rows_per_peer: rows of ``H`` elements in one message: ``M`` token rows, then the routing rows.
+        ids_offset, weights_offset, nbytes: byte offsets of ``topk_ids`` and ``topk_weights``, bytes of a message.
+        pair_rows: [ep * M * k] int64 row of the received rows matrix holding each pair's token.
+        positions: [ep * M * k] int64 ``0..`` (to mask the pairs of other ranks' experts after the sort).
+        local_experts: [E_local] int64 ``0..E_local-1`` (segment ends by ``searchsorted``).
     """
 
-    peer_rows: int
     rows_per_peer: int
-    counts_offset: int
-    peer_bytes: int
-    max_rows: int
-    packed_pos: torch.Tensor
-    message_pos: torch.Tensor
-    peers: torch.Tensor
+    ids_offset: int
+    weights_offset: int
+    nbytes: int
+    pair_rows: torch.Tensor
+    positions: torch.Tensor
+    local_experts: torch.Tensor
 
 
-def _aligned(nbytes: int, align: int = 8) -> int:
+def _aligned(nbytes: int, align: int) -> int:
     return (nbytes + align - 1) // align * align
 
 
 class TorchLowLatencyAllToAll:
-    """Fixed-shape dispatch/combine with equal-split all-to-alls over the EP group's transport
-    (:class:`~raymoe.comm.ep_transport.EpTransport`: shared memory between CPU ranks of one node, else gloo on CPU
-    and NCCL on GPU).
+    """Fixed-shape dispatch/combine by all-gather and reduce-scatter (module docstring) over the EP group's transport
+    (:class:`~raymoe.comm.ep_transport.EpTransport`: shared memory between CPU ranks of one node, else gloo on
+    CPU and NCCL on GPU).
 
     Args:
         groups: the rank's process groups; ``groups.ep_group`` is used (never the world group).
@@ -107,40 +100,53 @@ class TorchLowLatencyAllToAll:
     """
 
     def __init__(self, groups: ParallelGroups, num_experts: int):
-        self.groups = groups
         self.ep_size = groups.ep_size
         self.num_experts = num_experts
         self.num_local_experts = num_experts // groups.ep_size
         self.transport = EpTransport(groups) if groups.ep_size > 1 else None
+        start = groups.ep_rank * self.num_local_experts
+        # global expert id (E: an unused row) -> local expert, E_local for every expert of another rank
+        remap = torch.full((num_experts + 1,), self.num_local_experts, dtype=torch.int64)
+        remap[start:start + self.num_local_experts] = torch.arange(self.num_local_experts)
+        self._remap = {torch.device("cpu"): remap}
         self._geometries: dict[tuple, _Geometry] = {}
+
+    def remap(self, device: torch.device) -> torch.Tensor:
+        """[E + 1] int64: global expert id -> local expert id, ``E_local`` where another rank owns it."""
+        table = self._remap.get(device)
+        if table is None:
+            table = self._remap[device] = self._remap[torch.device("cpu")].to(device)
+        return table
 
     def geometry(self, capacity: int, top_k: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device) -> _Geometry:
-        """The message layout and constant index tensors of one capacity (cached: a step's capacity is the
-        decode-graph bucket or the batch size, so few distinct values occur)."""
+        """The message layout and constant index tensors of one capacity (cached)."""
         key = (capacity, top_k, hidden_size, dtype, device)
         geo = self._geometries.get(key)
         if geo is None:
-            ep, el = self.ep_size, self.num_local_experts
-            q = capacity * min(top_k, el)
+            m, k, ep = capacity, top_k, self.ep_size
             row_bytes = hidden_size * dtype.itemsize
-            counts_offset = _aligned(q * row_bytes)
-            unit = math.lcm(row_bytes, 8)  # whole rows, and int64-aligned counts in every message
-            peer_bytes = _aligned(counts_offset + 8 * el, unit)
-            rows_per_peer = peer_bytes // row_bytes
-            geo = _Geometry(q, rows_per_peer, counts_offset, peer_bytes, ep * q,
-                            torch.arange(ep * q, device=device), torch.arange(q, device=device).repeat(ep, 1),
-                            torch.arange(ep, device=device).view(ep, 1))
+            ids_offset = _aligned(m * row_bytes, 8)
+            weights_offset = ids_offset + 8 * m * k
+            unit = math.lcm(row_bytes, 8)  # whole rows, and int64-aligned routing in every message
+            nbytes = _aligned(weights_offset + m * k * dtype.itemsize, unit)
+            rows_per_peer = nbytes // row_bytes
+            routing_rows = rows_per_peer - m
+            token = torch.arange(ep * m * k, device=device) // k                       # gathered token of a pair
+            pair_rows = token + (token // m) * routing_rows                            # its row in the messages
+            geo = _Geometry(rows_per_peer, ids_offset, weights_offset, nbytes, pair_rows,
+                            torch.arange(ep * m * k, device=device),
+                            torch.arange(self.num_local_experts, device=device))
             self._geometries[key] = geo
         return geo
 
     def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    capacity: int) -> LowLatencyHandle:
-        """Place each routing pair in its peer's message and start the exchange.
+        """Write this rank's tokens and routing into one message and start sending it to every peer.
 
         Args:
             hidden: [N, H] this rank's tokens (N <= ``capacity``; N may be 0).
-            topk_ids: [N, k] int64 global expert ids (distinct per token). topk_weights: [N, k] hidden dtype.
+            topk_ids: [N, k] int64 global expert ids. topk_weights: [N, k] hidden dtype.
             capacity: M, tokens per rank; the same on every rank of the step.
         Raises:
             ValueError: N > capacity.
@@ -148,75 +154,67 @@ class TorchLowLatencyAllToAll:
         n, k = topk_ids.shape
         if n > capacity:
             raise ValueError(f"low-latency dispatch of {n} tokens exceeds the per-rank capacity {capacity}")
-        ep, el, h = self.ep_size, self.num_local_experts, hidden.shape[1]
-        geo = self.geometry(capacity, k, h, hidden.dtype, hidden.device)
-        onehot = torch.zeros(n, self.num_experts, dtype=torch.int64, device=hidden.device)
-        onehot.scatter_(1, topk_ids, 1)
-        slots = (onehot.cumsum(0) - onehot).gather(1, topk_ids)                  # [N, k] slot among g's tokens
-        counts = onehot.sum(0).view(ep, el)                                       # [peer, E_local]
-        first = (counts.cumsum(1) - counts).view(-1)                              # [E] first row of g in its message
-        dest = torch.div(topk_ids, el, rounding_mode="floor")                     # [N, k] peer of each pair
-        row = first.index_select(0, topk_ids.view(-1)).view(n, k) + slots         # [N, k] row in the message, < Q
-        payload = torch.empty(ep, geo.peer_bytes, dtype=torch.uint8, device=hidden.device)
-        rows = payload.view(hidden.dtype).view(ep * geo.rows_per_peer, h)       # every message, as rows
-        rows.index_put_((dest * geo.rows_per_peer + row,), hidden.unsqueeze(1).expand(n, k, h))
-        payload[:, geo.counts_offset:geo.counts_offset + 8 * el].view(torch.int64).copy_(counts)
-        handle = LowLatencyHandle(n, k, capacity, hidden.dtype, h, topk_weights,
-                                  (dest * geo.peer_rows + row).view(-1))
+        m, h, ep = capacity, hidden.shape[1], self.ep_size
+        geo = self.geometry(m, k, h, hidden.dtype, hidden.device)
+        message = torch.empty(geo.nbytes, dtype=torch.uint8, device=hidden.device)
+        message[:geo.ids_offset].view(hidden.dtype).view(m, h)[:n].copy_(hidden)
+        ids = message[geo.ids_offset:geo.weights_offset].view(torch.int64).view(m, k)
+        ids[:n].copy_(topk_ids)
+        ids[n:].fill_(self.num_experts)
+        weights_end = geo.weights_offset + m * k * hidden.dtype.itemsize
+        message[geo.weights_offset:weights_end].view(hidden.dtype).view(m, k)[:n].copy_(topk_weights)
+        handle = LowLatencyHandle(n, m, k, h, hidden.dtype)
         if ep == 1:
-            handle.payload = payload
+            handle.payload = message.view(1, -1)
             return handle
-        handle.payload = torch.empty_like(payload)
-        handle.works = [self.transport.all_to_all_equal(handle.payload, payload)]
+        handle.payload = torch.empty(ep, geo.nbytes, dtype=torch.uint8, device=hidden.device)
+        handle.works = [self.transport.all_gather(handle.payload, message)]
         return handle
 
     def dispatch_b(self, handle: LowLatencyHandle) -> GroupedExpertRows:
-        """Wait for the dispatch and pack the received rows expert after expert: ``x`` [R_max, H], ``ends``
-        [E_local] int32 (:class:`~raymoe.comm.expert_input.GroupedExpertRows`)."""
+        """Wait for every peer's message; returns this rank's pairs as token rows sorted by local expert,
+        ``x`` [ep * M * k, H] with ``ends`` [E_local] int32 (rows from ``ends[-1]`` on belong to other ranks'
+        experts and are padding to the experts)."""
         for w in handle.works:
             w.wait()
         handle.works = []
-        ep, el, h = self.ep_size, self.num_local_experts, handle.hidden_size
-        geo = self.geometry(handle.capacity, handle.top_k, h, handle.dtype, handle.payload.device)
+        m, k, h, dtype = handle.capacity, handle.top_k, handle.hidden_size, handle.dtype
         payload, handle.payload = handle.payload, None
-        rows = payload.view(handle.dtype).view(ep * geo.rows_per_peer, h)
-        per_src = payload[:, geo.counts_offset:geo.counts_offset + 8 * el].view(torch.int64)  # [src, E_local]
-        src_end = per_src.cumsum(1)                                   # [src, E_local] end of e in src's message
-        src_first = src_end - per_src
-        count = per_src.t().reshape(-1)                               # [E_local * ep]: segment e * ep + src
-        end = count.cumsum(0)
-        start = end - count
-        # packed row p belongs to the segment whose end is the first one above p (padding rows: the last one)
-        seg = torch.searchsorted(end, geo.packed_pos, right=True).clamp_(max=el * ep - 1)
-        expert = torch.div(seg, ep, rounding_mode="floor")
-        src = seg - expert * ep
-        src_row = (geo.packed_pos - start[seg] + src_first[src, expert]).clamp_(0, geo.peer_rows - 1)
-        x = rows.index_select(0, src * geo.rows_per_peer + src_row)                     # [R_max, H]
-        # message row j of source r -> its packed row, for the combine (unused rows point at some valid row)
-        e_of = torch.searchsorted(src_end, geo.message_pos, right=True).clamp_(max=el - 1)
-        seg_of = e_of * ep + geo.peers                                                   # [src, Q]
-        packed = start[seg_of] + geo.message_pos - src_first.gather(1, e_of)
-        handle.unpack_index = packed.clamp_(0, geo.max_rows - 1).view(-1)
-        return GroupedExpertRows(x, end.view(el, ep)[:, -1].to(torch.int32), ep * handle.capacity)
+        geo = self.geometry(m, k, h, dtype, payload.device)
+        ids = payload[:, geo.ids_offset:geo.weights_offset].view(torch.int64)               # [ep, M * k]
+        weights_end = geo.weights_offset + m * k * dtype.itemsize
+        weights = payload[:, geo.weights_offset:weights_end].view(dtype)                  # [ep, M * k]
+        local = self.remap(payload.device)[ids].view(-1)                                  # [P]: E_local = not ours
+        local, order = torch.sort(local, stable=True)
+        handle.ends = torch.searchsorted(local, geo.local_experts, right=True, out_int32=True)
+        handle.token = torch.div(order, k, rounding_mode="floor")
+        handle.weight = weights.reshape(-1).index_select(0, order)
+        rows = payload.view(dtype).view(-1, h)                                            # every message, as rows
+        x = rows.index_select(0, geo.pair_rows.index_select(0, order))
+        return GroupedExpertRows(x, handle.ends, self.ep_size * m)
 
     def combine_a(self, handle: LowLatencyHandle, expert_out: torch.Tensor) -> None:
-        """Start sending expert outputs ``expert_out`` [R_max, H] (packed, as dispatched) back."""
-        ep = self.ep_size
-        back = expert_out.index_select(0, handle.unpack_index).view(ep, -1)        # each source's message order
-        handle.unpack_index = None
+        """Weight this rank's pair outputs (``expert_out`` [ep * M * k, H], as dispatched), add them per token and
+        start sending each source its [M, H] partial sums."""
+        m, h, ep = handle.capacity, handle.hidden_size, self.ep_size
+        geo = self.geometry(m, handle.top_k, h, handle.dtype, expert_out.device)
+        mine = (geo.positions < handle.ends[-1]).unsqueeze(1)                               # [P, 1]
+        weighted = torch.where(mine, expert_out * handle.weight.unsqueeze(1), 0.0)
+        partial = torch.zeros(ep * m, h, dtype=expert_out.dtype, device=expert_out.device)
+        partial.index_add_(0, handle.token, weighted)
+        handle.token = handle.weight = handle.ends = None
         if ep == 1:
-            handle.combined = back
+            handle.partial = partial.view(1, -1)
             return
-        handle.combined = torch.empty_like(back)
-        handle.works = [self.transport.all_to_all_equal(handle.combined, back)]
+        handle.partial = torch.empty_like(partial).view(ep, -1)
+        handle.works = [self.transport.all_to_all_equal(handle.partial, partial.view(ep, -1))]
 
     def combine_b(self, handle: LowLatencyHandle) -> torch.Tensor:
-        """Wait for the combine; returns ``sum_j topk_weights[t, j] * expert_out(t, j)`` as [N, H]."""
+        """Wait for the peers' partial sums; returns ``sum_j topk_weights[t, j] * expert_out(t, j)`` as [N, H]."""
         for w in handle.works:
             w.wait()
         handle.works = []
-        back, handle.combined = handle.combined, None
-        assert back is not None, "combine_a must run before combine_b"
-        h = handle.hidden_size
-        pairs = back.view(-1, h).index_select(0, handle.slot_rows).view(handle.num_tokens, handle.top_k, h)
-        return (pairs * handle.topk_weights.unsqueeze(-1)).sum(dim=1)
+        partial, handle.partial = handle.partial, None
+        assert partial is not None, "combine_a must run before combine_b"
+        m, h = handle.capacity, handle.hidden_size
+        return partial.view(-1, m, h).sum(dim=0)[:handle.num_tokens]

@@ -198,8 +198,29 @@ class ShmAllToAll:
         p = self.size
         if not (out.is_contiguous() and inp.is_contiguous()) or out.device.type != "cpu" or inp.dtype != out.dtype:
             raise ValueError("shared-memory all-to-all needs contiguous CPU tensors of one dtype")
-        in_chunks = _chunks(inp, in_splits, p)
-        out_chunks = _chunks(out, out_splits, p)
+        return self._post(out, inp, _chunks(inp, in_splits, p), _chunks(out, out_splits, p))
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> ShmWork:
+        """Post an all-gather: all of ``inp`` goes to every rank, chunk ``s`` of ``out`` (equal chunks of dim 0)
+        comes from rank ``s``. Returns at once; a collective like :meth:`all_to_all_single` (same ring).
+
+        Args:
+            out: contiguous CPU tensor, ``P`` times ``inp``'s bytes. inp: contiguous CPU tensor of ``out``'s dtype.
+        Raises:
+            ValueError: as :meth:`all_to_all_single`, or ``out`` not ``P`` times the size of ``inp``.
+        """
+        p = self.size
+        if not (out.is_contiguous() and inp.is_contiguous()) or out.device.type != "cpu" or inp.dtype != out.dtype:
+            raise ValueError("shared-memory all-gather needs contiguous CPU tensors of one dtype")
+        if out.numel() != p * inp.numel():
+            raise ValueError(f"all-gather output of {out.numel()} elements is not {p} x {inp.numel()}")
+        return self._post(out, inp, [(0, inp.numel() * inp.element_size())] * p, _chunks(out, None, p))
+
+    def _post(self, out: torch.Tensor, inp: torch.Tensor, in_chunks: list[tuple[int, int]],
+              out_chunks: list[tuple[int, int]]) -> ShmWork:
+        """Copy chunk ``in_chunks[d]`` of ``inp`` into this call's slot for each peer ``d`` (and our own chunk into
+        ``out``), then raise the peers' ready flags."""
+        p = self.size
         if max(n for _, n in in_chunks + out_chunks) > self.layout.slot_bytes:
             raise ValueError(f"a chunk exceeds the shared-memory slot of {self.layout.slot_bytes} bytes")
         seq, me, k = self._seq + 1, self.rank, self.layout.num_slots
