@@ -15,7 +15,7 @@ those properties with the all-gather / reduce-scatter exchange SGLang's DP atten
   (:class:`~raymoe.comm.expert_input.GroupedExpertRows`, segment ends [E_local] int32 on the device), so one
   grouped GEMM per projection runs over this rank's pairs only.
 * combine (a reduce-scatter: an equal-split all-to-all, then a sum): the receiver weights its pairs' outputs,
-  adds them per token into [ep * M, H] partial sums and sends source ``r`` its [M, H]; each rank sums the
+  sums them per token into [ep * M, H] partial sums and sends source ``r`` its [M, H]; each rank sums the
   ``ep`` partial sums of its tokens.
 
 Bytes per peer and direction: ``M`` rows plus the routing. The layout before it sent each (token, expert) pair
@@ -46,8 +46,9 @@ class LowLatencyHandle:
         num_tokens, capacity: this rank's N and the step's per-rank capacity M. top_k, hidden_size, dtype: of
             the call.
         payload: uint8 [ep, B] received messages until ``dispatch_b`` unpacks them.
-        token: [ep * M * k] int64 gathered token (``src * M + t``) of each sorted pair, for the combine.
-        weight: [ep * M * k] top-k weight of each sorted pair (hidden dtype). ends: [E_local] int32 segment ends.
+        order: [ep * M * k] int64 received pair (``(src * M + t) * k + j``) at each sorted position.
+        mine: [ep, M, k, 1] bool, pairs routed to this rank's experts. weights: [ep, M, k, 1] their top-k weights
+            (a view of the received messages).
         partial: [ep, M * H] per-source partial sums once the combine is posted. works: pending collectives.
     """
 
@@ -57,9 +58,9 @@ class LowLatencyHandle:
     hidden_size: int
     dtype: torch.dtype
     payload: torch.Tensor | None = None
-    token: torch.Tensor | None = None
-    weight: torch.Tensor | None = None
-    ends: torch.Tensor | None = None
+    order: torch.Tensor | None = None
+    mine: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
     partial: torch.Tensor | None = None
     works: list[Any] = field(default_factory=list)
 
@@ -72,7 +73,6 @@ class _Geometry:
         rows_per_peer: rows of ``H`` elements in one message: ``M`` token rows, then the routing rows.
         ids_offset, weights_offset, nbytes: byte offsets of ``topk_ids`` and ``topk_weights``, bytes of a message.
         pair_rows: [ep * M * k] int64 row of the received rows matrix holding each pair's token.
-        positions: [ep * M * k] int64 ``0..`` (to mask the pairs of other ranks' experts after the sort).
         local_experts: [E_local] int64 ``0..E_local-1`` (segment ends by ``searchsorted``).
     """
 
@@ -81,7 +81,6 @@ class _Geometry:
     weights_offset: int
     nbytes: int
     pair_rows: torch.Tensor
-    positions: torch.Tensor
     local_experts: torch.Tensor
 
 
@@ -135,7 +134,6 @@ class TorchLowLatencyAllToAll:
             token = torch.arange(ep * m * k, device=device) // k                       # gathered token of a pair
             pair_rows = token + (token // m) * routing_rows                            # its row in the messages
             geo = _Geometry(rows_per_peer, ids_offset, weights_offset, nbytes, pair_rows,
-                            torch.arange(ep * m * k, device=device),
                             torch.arange(self.num_local_experts, device=device))
             self._geometries[key] = geo
         return geo
@@ -185,28 +183,30 @@ class TorchLowLatencyAllToAll:
         weights_end = geo.weights_offset + m * k * dtype.itemsize
         weights = payload[:, geo.weights_offset:weights_end].view(dtype)                  # [ep, M * k]
         local = self.remap(payload.device)[ids].view(-1)                                  # [P]: E_local = not ours
-        local, order = torch.sort(local, stable=True)
-        handle.ends = torch.searchsorted(local, geo.local_experts, right=True, out_int32=True)
-        handle.token = torch.div(order, k, rounding_mode="floor")
-        handle.weight = weights.reshape(-1).index_select(0, order)
+        handle.mine = (local < self.num_local_experts).view(-1, m, k, 1)
+        handle.weights = weights.view(-1, m, k, 1)
+        local, handle.order = torch.sort(local, stable=True)
+        ends = torch.searchsorted(local, geo.local_experts, right=True, out_int32=True)
         rows = payload.view(dtype).view(-1, h)                                            # every message, as rows
-        x = rows.index_select(0, geo.pair_rows.index_select(0, order))
-        return GroupedExpertRows(x, handle.ends, self.ep_size * m)
+        x = rows.index_select(0, geo.pair_rows.index_select(0, handle.order))
+        return GroupedExpertRows(x, ends, self.ep_size * m)
 
     def combine_a(self, handle: LowLatencyHandle, expert_out: torch.Tensor) -> None:
-        """Weight this rank's pair outputs (``expert_out`` [ep * M * k, H], as dispatched), add them per token and
-        start sending each source its [M, H] partial sums."""
-        m, h, ep = handle.capacity, handle.hidden_size, self.ep_size
-        geo = self.geometry(m, handle.top_k, h, handle.dtype, expert_out.device)
-        mine = (geo.positions < handle.ends[-1]).unsqueeze(1)                               # [P, 1]
-        weighted = torch.where(mine, expert_out * handle.weight.unsqueeze(1), 0.0)
-        partial = torch.zeros(ep * m, h, dtype=expert_out.dtype, device=expert_out.device)
-        partial.index_add_(0, handle.token, weighted)
-        handle.token = handle.weight = handle.ends = None
+        """Weight this rank's pair outputs (``expert_out`` [ep * M * k, H], as dispatched), sum them per token
+        and start sending each source its [M, H] partial sums.
+
+        The outputs go back to the received pair order and are summed over k with a plain reduction (no atomic
+        adds), so the result is the same run to run on every device. Rows of other ranks' pairs (padding to the
+        experts, any value) are masked out, never multiplied into the sum.
+        """
+        m, h, k, ep = handle.capacity, handle.hidden_size, handle.top_k, self.ep_size
+        back = torch.empty_like(expert_out).index_copy_(0, handle.order, expert_out).view(-1, m, k, h)
+        partial = torch.where(handle.mine, back * handle.weights, 0.0).sum(dim=2)             # [ep, M, H]
+        handle.order = handle.mine = handle.weights = None
         if ep == 1:
             handle.partial = partial.view(1, -1)
             return
-        handle.partial = torch.empty_like(partial).view(ep, -1)
+        handle.partial = torch.empty(ep, m * h, dtype=partial.dtype, device=partial.device)
         handle.works = [self.transport.all_to_all_equal(handle.partial, partial.view(ep, -1))]
 
     def combine_b(self, handle: LowLatencyHandle) -> torch.Tensor:
