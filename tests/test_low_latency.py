@@ -135,6 +135,25 @@ def test_low_latency_at_ep1_and_capacity_checks():
         a2a.combine_a(h, torch.zeros(E, 6, H), part=0, num_parts=2)
 
 
+@pytest.mark.parametrize(("dtype", "hidden"), [(torch.bfloat16, 3), (torch.float32, 5), (torch.float16, 12)])
+def test_low_latency_message_layout_any_row_size(dtype, hidden):
+    """Rows whose byte size is no multiple of 8 (the routing after them must stay int64-aligned): with identity
+    experts the combine returns each token's weighted sum of itself, as the normal mode does."""
+    a2a = TorchDispatcher(ParallelGroups.single(), E)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, hidden, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(5)])
+    w = torch.softmax(torch.randn(5, K, generator=g), dim=-1).to(dtype)
+    outs = []
+    for capacity in (None, 7):
+        h = a2a.dispatch_a(x, ids, w, capacity)
+        a2a.combine_a(h, a2a.dispatch_b(h).x.clone())
+        outs.append(a2a.combine_b(h))
+    assert outs[1].shape == (5, hidden) and outs[1].dtype == dtype
+    torch.testing.assert_close(outs[1].float(), (x.float() * w.float().sum(1, keepdim=True)), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(outs[1], outs[0])
+
+
 def _batch(mode: ForwardMode, n: int, graph_bs: int | None = None) -> ModelWorkerBatch:
     if mode == ForwardMode.IDLE:
         return ModelWorkerBatch.idle()

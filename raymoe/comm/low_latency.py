@@ -155,7 +155,7 @@ class TorchLowLatencyAllToAll:
         m, h, ep = capacity, hidden.shape[1], self.ep_size
         geo = self.geometry(m, k, h, hidden.dtype, hidden.device)
         message = torch.empty(geo.nbytes, dtype=torch.uint8, device=hidden.device)
-        message[:geo.ids_offset].view(hidden.dtype).view(m, h)[:n].copy_(hidden)
+        message[:m * h * hidden.dtype.itemsize].view(hidden.dtype).view(m, h)[:n].copy_(hidden)
         ids = message[geo.ids_offset:geo.weights_offset].view(torch.int64).view(m, k)
         ids[:n].copy_(topk_ids)
         ids[n:].fill_(self.num_experts)
