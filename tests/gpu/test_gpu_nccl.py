@@ -13,6 +13,20 @@ import torch.multiprocessing as mp
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ GPUs")]
 
 
+def scale_rows(rows, local: torch.Tensor) -> torch.Tensor:
+    """Toy experts for a dispatch's answer: local expert ``e`` multiplies its rows by ``local[e]``, in the
+    answer's own layout (``ExpertRows``: per-row ids; ``GroupedExpertRows``: segments; masked: per expert)."""
+    from raymoe.comm.expert_input import ExpertRows, GroupedExpertRows
+
+    if isinstance(rows, ExpertRows):
+        return rows.x * local[rows.local_ids].unsqueeze(-1)
+    if isinstance(rows, GroupedExpertRows):
+        pos = torch.arange(rows.x.shape[0], device=rows.x.device)
+        expert = torch.searchsorted(rows.ends.long(), pos, right=True).clamp_(max=local.numel() - 1)
+        return rows.x * local[expert].unsqueeze(-1)
+    return rows.x * local.view(-1, 1, 1)
+
+
 def _worker(rank: int, world: int, port: int, queue) -> None:
     os.environ["LOCAL_RANK"] = str(rank)
     from raymoe.cluster.topology import init_parallel_groups
@@ -36,11 +50,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
         handle = a2a.dispatch_a(x, ids, w, capacity)
         rows = a2a.dispatch_b(handle)
         local = scale[groups.ep_rank * a2a.num_local_experts:(groups.ep_rank + 1) * a2a.num_local_experts]
-        if capacity is None:
-            out = rows.x * local[rows.local_ids].unsqueeze(-1)
-        else:
-            out = rows.x * local.view(-1, 1, 1)
-        a2a.combine_a(handle, out)
+        a2a.combine_a(handle, scale_rows(rows, local))
         results.append(a2a.combine_b(handle))
     ref = (x.unsqueeze(1) * (scale[ids] * w).unsqueeze(-1)).sum(1)
     queue.put((rank, [float((r - ref).abs().max()) for r in results]))
