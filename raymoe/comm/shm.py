@@ -3,7 +3,7 @@
 gloo moves even a few kilobytes through the TCP loopback, and each exchange needs the kernel to wake the peer
 process: about 2 ms per MoE layer between two ranks on two shared cores (measured, docs/performance.md). Ranks of
 one node can instead exchange through one shared mapping, as the CPU communicators of vLLM and SGLang do for
-all-reduce. This module does it for the MoE all-to-all.
+all-reduce. This module does it for the MoE all-to-all (and the all-gather of the low-latency dispatch).
 
 Layout of the mapping (``P`` ranks, ``K`` slots per ordered pair, ``C`` bytes per slot):
 
@@ -196,8 +196,7 @@ class ShmAllToAll:
             RuntimeError: call ``s - num_slots`` is still not waited on (the ring would need its slot).
         """
         p = self.size
-        if not (out.is_contiguous() and inp.is_contiguous()) or out.device.type != "cpu" or inp.dtype != out.dtype:
-            raise ValueError("shared-memory all-to-all needs contiguous CPU tensors of one dtype")
+        _check_tensors(out, inp)
         return self._post(out, inp, _chunks(inp, in_splits, p), _chunks(out, out_splits, p))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> ShmWork:
@@ -210,8 +209,7 @@ class ShmAllToAll:
             ValueError: as :meth:`all_to_all_single`, or ``out`` not ``P`` times the size of ``inp``.
         """
         p = self.size
-        if not (out.is_contiguous() and inp.is_contiguous()) or out.device.type != "cpu" or inp.dtype != out.dtype:
-            raise ValueError("shared-memory all-gather needs contiguous CPU tensors of one dtype")
+        _check_tensors(out, inp)
         if out.numel() != p * inp.numel():
             raise ValueError(f"all-gather output of {out.numel()} elements is not {p} x {inp.numel()}")
         return self._post(out, inp, [(0, inp.numel() * inp.element_size())] * p, _chunks(out, None, p))
@@ -259,6 +257,12 @@ class ShmAllToAll:
         """Wait for ``flags[i] >= target`` (set by ``peer``): a short spin, then sleep on the flag's futex
         (``raymoe.comm.futex``), so a rank that waits leaves the CPU to the peer it waits for."""
         wait_flag_ge(flags, i, target, self.timeout_s, what=f"shared-memory all-to-all: rank {peer} did not {what}")
+
+
+def _check_tensors(out: torch.Tensor, inp: torch.Tensor) -> None:
+    """Raise ValueError unless ``out`` and ``inp`` are contiguous CPU tensors of one dtype."""
+    if not (out.is_contiguous() and inp.is_contiguous()) or out.device.type != "cpu" or inp.dtype != out.dtype:
+        raise ValueError("shared-memory collectives need contiguous CPU tensors of one dtype")
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
