@@ -21,7 +21,7 @@ those properties with the all-gather / reduce-scatter exchange SGLang's DP atten
 Bytes per peer and direction: ``M`` rows plus the routing. The layout before it sent each (token, expert) pair
 to its expert's rank, in messages of ``M * min(k, E_local)`` rows (the worst case of one rank sending every pair
 to one peer), and packed the received pairs per expert with about twice the index ops; on two CPU ranks a decode
-step took 0.5-0.9 ms longer with it (docs/performance.md). Fixed-size messages are sent whole, so the pair
+step took 0.35-1.0 ms longer with it (docs/performance.md). Fixed-size messages are sent whole, so the pair
 layout moves fewer bytes only where ``k`` or ``E_local`` is 1.
 """
 
@@ -70,15 +70,17 @@ class _Geometry:
     """Message layout of one capacity ``M`` (with top-k, hidden size, dtype); cached per capacity.
 
     Attributes:
-        rows_per_peer: rows of ``H`` elements in one message: ``M`` token rows, then the routing rows.
-        ids_offset, weights_offset, nbytes: byte offsets of ``topk_ids`` and ``topk_weights``, bytes of a message.
+        hidden_bytes: bytes of the ``M`` token rows that open a message.
+        ids_offset, weights_offset, weights_end: byte range of ``topk_ids`` [M, k] int64, then of ``topk_weights``
+            [M, k]. nbytes: bytes of a message (whole rows of ``H`` elements).
         pair_rows: [ep * M * k] int64 row of the received rows matrix holding each pair's token.
         local_experts: [E_local] int64 ``0..E_local-1`` (segment ends by ``searchsorted``).
     """
 
-    rows_per_peer: int
+    hidden_bytes: int
     ids_offset: int
     weights_offset: int
+    weights_end: int
     nbytes: int
     pair_rows: torch.Tensor
     local_experts: torch.Tensor
@@ -127,13 +129,13 @@ class TorchLowLatencyAllToAll:
             row_bytes = hidden_size * dtype.itemsize
             ids_offset = _aligned(m * row_bytes, 8)
             weights_offset = ids_offset + 8 * m * k
+            weights_end = weights_offset + m * k * dtype.itemsize
             unit = math.lcm(row_bytes, 8)  # whole rows, and int64-aligned routing in every message
-            nbytes = _aligned(weights_offset + m * k * dtype.itemsize, unit)
-            rows_per_peer = nbytes // row_bytes
-            routing_rows = rows_per_peer - m
+            nbytes = _aligned(weights_end, unit)
+            routing_rows = nbytes // row_bytes - m
             token = torch.arange(ep * m * k, device=device) // k                       # gathered token of a pair
             pair_rows = token + (token // m) * routing_rows                            # its row in the messages
-            geo = _Geometry(rows_per_peer, ids_offset, weights_offset, nbytes, pair_rows,
+            geo = _Geometry(m * row_bytes, ids_offset, weights_offset, weights_end, nbytes, pair_rows,
                             torch.arange(self.num_local_experts, device=device))
             self._geometries[key] = geo
         return geo
@@ -155,12 +157,11 @@ class TorchLowLatencyAllToAll:
         m, h, ep = capacity, hidden.shape[1], self.ep_size
         geo = self.geometry(m, k, h, hidden.dtype, hidden.device)
         message = torch.empty(geo.nbytes, dtype=torch.uint8, device=hidden.device)
-        message[:m * h * hidden.dtype.itemsize].view(hidden.dtype).view(m, h)[:n].copy_(hidden)
+        message[:geo.hidden_bytes].view(hidden.dtype).view(m, h)[:n].copy_(hidden)
         ids = message[geo.ids_offset:geo.weights_offset].view(torch.int64).view(m, k)
         ids[:n].copy_(topk_ids)
         ids[n:].fill_(self.num_experts)
-        weights_end = geo.weights_offset + m * k * hidden.dtype.itemsize
-        message[geo.weights_offset:weights_end].view(hidden.dtype).view(m, k)[:n].copy_(topk_weights)
+        message[geo.weights_offset:geo.weights_end].view(hidden.dtype).view(m, k)[:n].copy_(topk_weights)
         handle = LowLatencyHandle(n, m, k, h, hidden.dtype)
         if ep == 1:
             handle.payload = message.view(1, -1)
@@ -180,8 +181,7 @@ class TorchLowLatencyAllToAll:
         payload, handle.payload = handle.payload, None
         geo = self.geometry(m, k, h, dtype, payload.device)
         ids = payload[:, geo.ids_offset:geo.weights_offset].view(torch.int64)               # [ep, M * k]
-        weights_end = geo.weights_offset + m * k * dtype.itemsize
-        weights = payload[:, geo.weights_offset:weights_end].view(dtype)                  # [ep, M * k]
+        weights = payload[:, geo.weights_offset:geo.weights_end].view(dtype)              # [ep, M * k]
         local = self.remap(payload.device)[ids].view(-1)                                  # [P]: E_local = not ours
         handle.mine = (local < self.num_local_experts).view(-1, m, k, 1)
         handle.weights = weights.view(-1, m, k, 1)
