@@ -21,7 +21,12 @@ overlap) without a progress thread. Calls may be waited on in any order (two TBO
 then has consumed it too (or will, without waiting for this rank), and no post can block forever.
 
 Ordering: the flag store follows the data copy in program order, and x86-64 (TSO) keeps stores in order as seen
-by other cores, so a reader that sees the flag sees the data. :func:`shm_supported` is False elsewhere, and
+by other cores, so a reader that sees the flag sees the data (glibc's ``memmove`` ends its non-temporal copies of
+large blocks with an ``sfence``).
+
+Copies are one ``memmove`` (``ctypes``) each between precomputed addresses, not tensor slices: a message is a
+few kilobytes in a decode step, and three tensor calls per copy took longer than the copy (about 60 against 15
+microseconds per two-rank all-gather post, docs/performance.md). :func:`shm_supported` is False elsewhere, and
 ``cpu_comm="auto"`` then keeps gloo.
 
 The file lives in ``/dev/shm`` only until every rank has mapped it (then rank 0 unlinks it), so a crashed rank
@@ -31,6 +36,7 @@ setup with OSError instead of a SIGBUS mid-step.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import platform
@@ -124,7 +130,8 @@ class ShmAllToAll:
     def __init__(self, rank: int, layout: ShmLayout, buf: mmap.mmap, timeout_s: float = 60.0):
         self.rank, self.layout, self.timeout_s = rank, layout, timeout_s
         self._buf = buf
-        self._bytes = torch.frombuffer(buf, dtype=torch.uint8)
+        self._bytes = torch.frombuffer(buf, dtype=torch.uint8)  # keeps the mapping's buffer exported (and alive)
+        self._base = self._bytes.data_ptr()
         p = layout.size
         ctl = np.frombuffer(buf, dtype=np.int64, count=layout.control_entries * _LINE).reshape(-1, _LINE)[:, 0]
         self._ready = ctl[:p * p].reshape(p, p)
@@ -227,28 +234,26 @@ class ShmAllToAll:
                                f"and call {seq} needs its slot (at most {k} calls in flight)")
         self._seq = seq
         self._pending.add(seq)
-        src_bytes, dst_bytes = _byte_view(inp), _byte_view(out)
+        src, dst_ptr = inp.data_ptr(), out.data_ptr()
         for step in range(1, p):
             dst = (me + step) % p
             self._wait_flag(self._doneflag[me, dst], seq % k, seq - k, dst, "free its slot")
             off, n = in_chunks[dst]
-            base = self.layout.slot_offset(me, dst, seq % k)
-            self._bytes[base:base + n].copy_(src_bytes[off:off + n])
+            ctypes.memmove(self._base + self.layout.slot_offset(me, dst, seq % k), src + off, n)
             self._ready[me, dst] = seq
             futex_wake(self._ready_addr[me][dst])
         (o_off, o_n), (i_off, _) = out_chunks[me], in_chunks[me]
-        dst_bytes[o_off:o_off + o_n].copy_(src_bytes[i_off:i_off + o_n])
+        ctypes.memmove(dst_ptr + o_off, src + i_off, o_n)
         return ShmWork(self, seq, out, out_chunks)
 
     def _receive(self, seq: int, out: torch.Tensor, out_chunks: list[tuple[int, int]]) -> None:
         p, me, k = self.size, self.rank, self.layout.num_slots
-        dst_bytes = _byte_view(out)
+        dst_ptr = out.data_ptr()
         for step in range(1, p):
             src = (me - step) % p
             self._wait_flag(self._ready[src], me, seq, src, "post")
             off, n = out_chunks[src]
-            base = self.layout.slot_offset(src, me, seq % k)
-            dst_bytes[off:off + n].copy_(self._bytes[base:base + n])
+            ctypes.memmove(dst_ptr + off, self._base + self.layout.slot_offset(src, me, seq % k), n)
             self._doneflag[src, me, seq % k] = seq
             futex_wake(flag_address(self._doneflag[src, me], seq % k))
         self._pending.discard(seq)
@@ -263,10 +268,6 @@ def _check_tensors(out: torch.Tensor, inp: torch.Tensor) -> None:
     """Raise ValueError unless ``out`` and ``inp`` are contiguous CPU tensors of one dtype."""
     if not (out.is_contiguous() and inp.is_contiguous()) or out.device.type != "cpu" or inp.dtype != out.dtype:
         raise ValueError("shared-memory collectives need contiguous CPU tensors of one dtype")
-
-
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
 
 
 def _chunks(t: torch.Tensor, splits: list[int] | None, p: int) -> list[tuple[int, int]]:
