@@ -12,7 +12,7 @@ import torch
 from raymoe import Engine, SamplingParams
 from raymoe.comm.a2a_plan import child_dispatch_capacity, plan_dispatch_capacity
 from raymoe.comm.dispatcher import TorchDispatcher
-from raymoe.comm.expert_input import GroupedExpertRows, effective_a2a_mode, resolve_a2a_mode
+from raymoe.comm.expert_input import DenseExpertRows, GroupedExpertRows, effective_a2a_mode, resolve_a2a_mode
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ParallelConfig
 from raymoe.layers.moe import LocalExperts
@@ -51,18 +51,25 @@ def _moe_both_modes(groups: ParallelGroups, sizes: list[int], skewed: bool = Fal
     if skewed:
         ids = torch.tensor([[1, 0]] * n, dtype=torch.int64).view(n, K)
     experts, w13, w2 = _experts(groups)
-    a2a = TorchDispatcher(groups, E)
+    a2a = TorchDispatcher(groups, E)  # dense_row_experts 0: the grouped layout at any size
+    dense = TorchDispatcher(groups, E, dense_row_experts=groups.ep_size * max(sizes) * experts.num_local)
     out = {}
-    for mode, capacity in (("normal", None), ("low_latency", max(sizes))):
-        handle = a2a.dispatch_a(x, ids, w, capacity)
-        rows = a2a.dispatch_b(handle)
+    for mode, capacity, disp in (("normal", None, a2a), ("low_latency", max(sizes), a2a),
+                                 ("dense", max(sizes), dense)):
+        handle = disp.dispatch_a(x, ids, w, capacity)
+        rows = disp.dispatch_b(handle)
+        tokens = groups.ep_size * capacity if capacity else 0
         if isinstance(rows, GroupedExpertRows):  # packed expert after expert, sized by the capacity only
             ends = [0, *rows.ends.tolist()]
             out["counts"] = [b - a for a, b in zip(ends[:-1], ends[1:], strict=True)]
-            assert rows.x.shape == (groups.ep_size * capacity * K, H)  # every received pair, this rank's first
-            assert rows.expert_capacity == capacity * groups.ep_size
-        a2a.combine_a(handle, experts.forward_input(rows))
-        out[mode] = a2a.combine_b(handle)
+            assert rows.x.shape == (tokens * K, H)  # every received pair, this rank's first
+            assert rows.expert_capacity == tokens
+        if isinstance(rows, DenseExpertRows):  # every gathered token row once, a weight per local expert
+            assert rows.x.shape == (tokens, H) and rows.weights.shape == (tokens, experts.num_local)
+            out["dense_counts"] = (rows.weights != 0).sum(0).tolist()
+        assert isinstance(rows, DenseExpertRows) == (mode == "dense")
+        disp.combine_a(handle, experts.forward_input(rows))
+        out[mode] = disp.combine_b(handle)
     ref = torch.zeros(n, H)
     for t in range(n):
         for j in range(K):
@@ -86,12 +93,14 @@ def test_low_latency_combine_equals_normal_mode_and_reference(sizes, skewed):
     per_rank = [{key: torch.tensor(v) for key, v in out.items()} for out in per_rank]
     for r, out in enumerate(per_rank):
         assert out["low_latency"].reshape(-1, H).shape == (sizes[r], H)
-        low, normal, ref = (out[key].reshape(-1, H) for key in ("low_latency", "normal", "reference"))
+        low, dense, normal, ref = (out[key].reshape(-1, H) for key in ("low_latency", "dense", "normal", "reference"))
         torch.testing.assert_close(low, normal, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(low, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dense, low, rtol=1e-5, atol=1e-6)  # other GEMM blocking: rounding differs
         # every rank's pairs for this rank's experts were counted, on the device, without an extra exchange
         expected = [sum(int((o["local_ids"] == r * el + e).sum()) for o in per_rank) for e in range(el)]
         assert out["counts"].tolist() == expected
+        assert out["dense_counts"].tolist() == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["grouped_gemm", "masked_fallback"])
@@ -113,6 +122,66 @@ def test_experts_on_packed_rows_ignore_padding(dtype):
                        for i, e in enumerate(ids.tolist())])
     assert y.shape == x.shape
     torch.testing.assert_close(y[:valid], ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_experts_weight_every_row_and_ignore_padding(dtype):
+    """The dense layout: each row gets the weighted sum of the experts it picked (zero weights elsewhere), and
+    padding rows (NaN, all-zero weights) leak into no valid row."""
+    experts, w13, w2 = _experts(ParallelGroups.single())
+    experts.to(dtype)
+    g = torch.Generator().manual_seed(5)
+    valid = 6
+    x = torch.randn(valid + 3, H, generator=g).to(dtype)
+    x[valid:] = float("nan")
+    weights = torch.zeros(valid + 3, E, dtype=dtype)
+    picks = [torch.randperm(E, generator=g)[:K] for _ in range(valid)]
+    for r, pick in enumerate(picks):
+        weights[r, pick] = torch.softmax(torch.randn(K, generator=g), dim=0).to(dtype)
+    y = experts.forward_input(DenseExpertRows(x, weights))
+    assert y.shape == x.shape and y.dtype == dtype
+    w13, w2, xf = w13.float(), w2.float(), x.float()
+    ref = torch.stack([sum(float(weights[r, e]) * (w2[e] @ (torch.nn.functional.silu(w13[e, :INTER] @ xf[r])
+                                                            * (w13[e, INTER:] @ xf[r]))) for e in picks[r].tolist())
+                       for r in range(valid)])
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 3e-2, "atol": 3e-2}
+    torch.testing.assert_close(y[:valid].float(), ref, **tol)
+
+
+def test_dense_layout_only_for_small_cpu_steps():
+    """The layer sizes the dense bound by the multiply-accumulates of its experts; above it, and for float16
+    (whose range a zero-weighted expert output could overflow), the grouped layout answers."""
+    from raymoe.comm.low_latency import DENSE_EXPERT_MAC_BUDGET, dense_row_experts
+
+    assert dense_row_experts(128, 64) == DENSE_EXPERT_MAC_BUDGET // (3 * 128 * 64)
+    assert dense_row_experts(2048, 768) == 0  # a real model's experts never take the dense layout
+    a2a = TorchDispatcher(ParallelGroups.single(), E, dense_row_experts=E * 6)
+    x, ids, w = _inputs(0, 6)
+    kinds = []
+    for capacity, dtype in ((6, torch.float32), (7, torch.float32), (6, torch.float16), (6, torch.bfloat16)):
+        h = a2a.dispatch_a(x.to(dtype), ids, w.to(dtype), capacity)
+        kinds.append(type(a2a.dispatch_b(h)).__name__)
+    assert kinds == ["DenseExpertRows", "GroupedExpertRows", "GroupedExpertRows", "DenseExpertRows"]
+
+
+@pytest.mark.parametrize("capacity", [None, 6])
+def test_dense_at_ep1_sends_nothing_and_equals_the_sorted_path(capacity):
+    """With one EP rank a small CPU step keeps its tokens whole (no pair sort, no message) in either mode, and
+    gives the sorted path's result."""
+    experts, _, _ = _experts(ParallelGroups.single())
+    sorted_path = TorchDispatcher(ParallelGroups.single(), E)
+    dense = TorchDispatcher(ParallelGroups.single(), E, dense_row_experts=E * 6)
+    x, ids, w = _inputs(0, 6)
+    outs = []
+    for disp in (sorted_path, dense):
+        h = disp.dispatch_a(x, ids, w, capacity)
+        rows = disp.dispatch_b(h)
+        assert isinstance(rows, DenseExpertRows) == (disp is dense)
+        disp.combine_a(h, experts.forward_input(rows))
+        outs.append(disp.combine_b(h))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="capacity"):
+        dense.dispatch_a(x, ids, w, 5)
 
 
 def test_low_latency_at_ep1_and_capacity_checks():
@@ -152,6 +221,23 @@ def test_low_latency_message_layout_any_row_size(dtype, hidden):
     assert outs[1].shape == (5, hidden) and outs[1].dtype == dtype
     torch.testing.assert_close(outs[1].float(), (x.float() * w.float().sum(1, keepdim=True)), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(outs[1], outs[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_host_and_device_message_packing_write_the_same_bytes(dtype):
+    """CPU messages are written by ``memmove``; the tensor-copy packer (CUDA) must lay out the same bytes."""
+    from raymoe.comm.low_latency import TorchLowLatencyAllToAll
+
+    a2a = TorchLowLatencyAllToAll(ParallelGroups.single(), E)
+    for n, m, hidden in ((5, 7, 5), (7, 7, 16), (0, 3, 3)):
+        x, ids, w = _inputs(0, n)
+        x = torch.randn(n, hidden).to(dtype)
+        geo = a2a.geometry(m, K, hidden, dtype, torch.device("cpu"))
+        messages = [torch.zeros(geo.nbytes, dtype=torch.uint8) for _ in range(2)]
+        a2a._pack_host(messages[0], geo, x, ids, w.to(dtype))
+        a2a._pack_device(messages[1], geo, x, ids, w.to(dtype))
+        assert torch.equal(messages[0], messages[1])
+        assert messages[0][geo.ids_offset:geo.weights_offset].view(torch.int64)[n * K:].eq(E).all()
 
 
 def _batch(mode: ForwardMode, n: int, graph_bs: int | None = None) -> ModelWorkerBatch:

@@ -7,8 +7,9 @@ the ``_b`` that waits for it:
 * ``dispatch_a(hidden [N, H], topk_ids [N, k] int64, topk_weights [N, k], capacity: int | None) -> handle``:
   ``capacity`` None runs the normal mode; an int M runs the low-latency mode with M tokens per rank (the same on
   every rank of the step, chosen by the driver: ``ForwardBatch.dispatch_capacity``).
-* ``dispatch_b(handle) -> ExpertRows | MaskedExpertRows | GroupedExpertRows`` (``raymoe.comm.expert_input``; the
-  torch low-latency mode answers ``GroupedExpertRows``, DeepEP's ``MaskedExpertRows``).
+* ``dispatch_b(handle) -> ExpertRows | MaskedExpertRows | GroupedExpertRows | DenseExpertRows``
+  (``raymoe.comm.expert_input``; the torch low-latency mode answers ``GroupedExpertRows``, or ``DenseExpertRows``
+  for small CPU steps, DeepEP's ``MaskedExpertRows``).
 * ``combine_a(handle, expert_out, part=0, num_parts=1)``: ``expert_out`` in the layout ``dispatch_b`` gave;
   parts (single-batch overlap) exist in normal mode only.
 * ``combine_b(handle) -> [N, H]``: the top-k weighted sum of the expert outputs of each token.
@@ -21,9 +22,20 @@ from dataclasses import dataclass
 import torch
 
 from raymoe.comm.all_to_all import DispatchHandle, TorchAllToAll
-from raymoe.comm.expert_input import A2A_BACKENDS, ExpertRows, GroupedExpertRows
+from raymoe.comm.expert_input import A2A_BACKENDS, DenseExpertRows, ExpertRows, GroupedExpertRows
 from raymoe.comm.groups import ParallelGroups
-from raymoe.comm.low_latency import LowLatencyHandle, TorchLowLatencyAllToAll
+from raymoe.comm.low_latency import LowLatencyHandle, TorchLowLatencyAllToAll, dense_row_experts
+
+
+@dataclass
+class LocalDenseHandle:
+    """A dispatch that sends nothing (``ep_size == 1``) in a step small enough for the dense layout on CPU: the
+    rank's tokens ``hidden`` [N, H], their routing weight per expert ``weights`` [N, E] (hidden dtype, 0 where
+    not picked), and once the combine has it, the experts' weighted sums ``combined`` [N, H]."""
+
+    hidden: torch.Tensor
+    weights: torch.Tensor
+    combined: torch.Tensor | None = None
 
 
 class TorchDispatcher:
@@ -32,45 +44,65 @@ class TorchDispatcher:
 
     Args:
         groups: the rank's process groups (``ep_group`` is used). num_experts: routed experts E.
+        dense_row_experts: the low-latency mode's dense-layout bound
+            (:class:`~raymoe.comm.low_latency.TorchLowLatencyAllToAll`; 0: never dense).
     """
 
-    def __init__(self, groups: ParallelGroups, num_experts: int):
+    def __init__(self, groups: ParallelGroups, num_experts: int, dense_row_experts: int = 0):
         self.normal = TorchAllToAll(groups, num_experts)
-        self.low_latency = TorchLowLatencyAllToAll(groups, num_experts)
+        self.low_latency = TorchLowLatencyAllToAll(groups, num_experts, dense_row_experts)
         self.ep_size = groups.ep_size
         self.num_local_experts = num_experts // groups.ep_size
 
     def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                   capacity: int | None = None) -> DispatchHandle | LowLatencyHandle:
-        """Start the dispatch (low-latency when ``capacity`` is set). Raises ValueError: N > capacity."""
+                   capacity: int | None = None) -> DispatchHandle | LowLatencyHandle | LocalDenseHandle:
+        """Start the dispatch (low-latency when ``capacity`` is set). With ``ep_size == 1`` nothing is sent, and
+        a CPU step within the dense bound (``M * E`` row-expert products, ``M`` the capacity, else N) keeps its
+        tokens whole for the dense layout instead of sorting pairs. Raises ValueError: N > capacity."""
+        rows = hidden.shape[0] if capacity is None else capacity
+        if self.ep_size == 1 and self.low_latency.uses_dense(rows, hidden.dtype, hidden.device):
+            if hidden.shape[0] > rows:
+                raise ValueError(f"low-latency dispatch of {hidden.shape[0]} tokens exceeds the per-rank capacity "
+                                 f"{capacity}")
+            weights = torch.zeros(hidden.shape[0], self.num_local_experts, dtype=hidden.dtype, device=hidden.device)
+            return LocalDenseHandle(hidden, weights.scatter_(1, topk_ids, topk_weights.to(hidden.dtype)))
         if capacity is None:
             return self.normal.dispatch_a(hidden, topk_ids, topk_weights)
         return self.low_latency.dispatch_a(hidden, topk_ids, topk_weights, capacity)
 
-    def dispatch_b(self, handle: DispatchHandle | LowLatencyHandle) -> ExpertRows | GroupedExpertRows:
+    def dispatch_b(self, handle: DispatchHandle | LowLatencyHandle | LocalDenseHandle
+                   ) -> ExpertRows | GroupedExpertRows | DenseExpertRows:
         """Wait for the dispatch; returns the received pairs in the mode's layout."""
         if isinstance(handle, LowLatencyHandle):
             return self.low_latency.dispatch_b(handle)
+        if isinstance(handle, LocalDenseHandle):
+            return DenseExpertRows(handle.hidden, handle.weights)
         return self.normal.dispatch_b(handle)
 
-    def combine_a(self, handle: DispatchHandle | LowLatencyHandle, expert_out: torch.Tensor, part: int = 0,
-                  num_parts: int = 1) -> None:
+    def combine_a(self, handle: DispatchHandle | LowLatencyHandle | LocalDenseHandle, expert_out: torch.Tensor,
+                  part: int = 0, num_parts: int = 1) -> None:
         """Start the combine of ``expert_out`` (layout of ``dispatch_b``'s answer).
 
         Raises:
-            ValueError: a low-latency combine sent in parts.
+            ValueError: a low-latency or dense combine sent in parts.
         """
-        if isinstance(handle, LowLatencyHandle):
+        if isinstance(handle, LowLatencyHandle | LocalDenseHandle):
             if num_parts != 1:
-                raise ValueError("a low-latency combine is sent in one part")
-            self.low_latency.combine_a(handle, expert_out)
+                raise ValueError("a low-latency or dense combine is sent in one part")
+            if isinstance(handle, LocalDenseHandle):
+                handle.combined = expert_out  # already the weighted sums
+            else:
+                self.low_latency.combine_a(handle, expert_out)
             return
         self.normal.combine_a(handle, expert_out, part=part, num_parts=num_parts)
 
-    def combine_b(self, handle: DispatchHandle | LowLatencyHandle) -> torch.Tensor:
+    def combine_b(self, handle: DispatchHandle | LowLatencyHandle | LocalDenseHandle) -> torch.Tensor:
         """Wait for the combine; returns the weighted per-token sums [N, H]."""
         if isinstance(handle, LowLatencyHandle):
             return self.low_latency.combine_b(handle)
+        if isinstance(handle, LocalDenseHandle):
+            assert handle.combined is not None, "combine_a must run before combine_b"
+            return handle.combined
         return self.normal.combine_b(handle)
 
 
@@ -83,10 +115,12 @@ class A2ABackendSpec:
     mode: str = "auto"
     num_max_dispatch_tokens_per_rank: int = 256
 
-    def options(self, hidden_size: int, dtype: torch.dtype) -> dict:
-        """Constructor options of the backend for a layer of ``hidden_size`` and ``dtype`` (none for torch)."""
+    def options(self, hidden_size: int, dtype: torch.dtype, intermediate_size: int = 0) -> dict:
+        """Constructor options of the backend for a layer of ``hidden_size``, ``dtype`` and local expert
+        ``intermediate_size`` (torch: the dense-layout bound, :func:`~raymoe.comm.low_latency.dense_row_experts`,
+        none without an intermediate size)."""
         if self.name != "deepep":
-            return {}
+            return {"dense_row_experts": dense_row_experts(hidden_size, intermediate_size) if intermediate_size else 0}
         return {"hidden_size": hidden_size, "dtype": dtype, "low_latency": self.mode != "normal",
                 "num_max_dispatch_tokens_per_rank": self.num_max_dispatch_tokens_per_rank}
 
@@ -103,7 +137,7 @@ def get_all_to_all_backend(name: str, groups: ParallelGroups, num_experts: int, 
     if name not in A2A_BACKENDS:
         raise ValueError(f"unknown all-to-all backend {name!r} (expected one of {A2A_BACKENDS})")
     if name == "torch":
-        return TorchDispatcher(groups, num_experts)
+        return TorchDispatcher(groups, num_experts, **options)
     from raymoe.comm.deepep import DeepEPDispatcher  # lazy: needs CUDA and deep_ep
 
     return DeepEPDispatcher(groups, num_experts, **options)

@@ -10,6 +10,11 @@
   expert into ``x`` [R_max, H], ``R_max`` the most rows a rank can receive; segment ends stay on the device.
   Fixed shapes as well, and one grouped GEMM per projection runs over the valid rows only, where the masked
   layout's batched GEMM computes every one of the ``E_local * C`` slots.
+* :class:`DenseExpertRows` (the torch low-latency dispatcher's layout for small steps on CPU): every received
+  token row once, ``x`` [R, H], with its routing weight for each local expert, ``weights`` [R, E_local] (0 where
+  the token did not pick it). Every local expert runs over every row in two batched GEMMs and the experts answer
+  the weighted sum per row; where the rows are few (a decode step of a small model on CPU) that costs less than
+  sorting the pairs and running grouped GEMMs over segments of one or two rows.
 
 The experts answer in the layout they were given (``LocalExperts.forward_input``), and the dispatcher's combine
 takes that answer back.
@@ -52,6 +57,17 @@ class GroupedExpertRows:
     x: torch.Tensor
     ends: torch.Tensor
     expert_capacity: int
+
+
+@dataclass
+class DenseExpertRows:
+    """Received token rows for every local expert: ``x`` [R, H] (hidden dtype), ``weights`` [R, E_local] (hidden
+    dtype) the routing weight of row r for local expert e, 0 where r did not pick e. Rows that carry no token
+    (padding) have all-zero weights and arbitrary values (possibly never written), and the experts' answer may
+    hold anything there. The experts answer ``sum_e weights[r, e] * expert_e(x[r])`` as [R, H]."""
+
+    x: torch.Tensor
+    weights: torch.Tensor
 
 
 def resolve_a2a_mode(mode: str, is_decode_step: bool) -> str:

@@ -18,6 +18,14 @@ those properties with the all-gather / reduce-scatter exchange SGLang's DP atten
   sums them per token into [ep * M, H] partial sums and sends source ``r`` its [M, H]; each rank sums the
   ``ep`` partial sums of its tokens.
 
+Small steps on CPU (``ep * M * E_local`` row-expert products within the dispatcher's ``dense_row_experts``, which
+the MoE layer sizes by :data:`DENSE_EXPERT_MAC_BUDGET`) skip the sort: the receiver hands the experts every
+gathered token row once with a dense [ep * M, E_local] routing-weight matrix
+(:class:`~raymoe.comm.expert_input.DenseExpertRows`), every local expert runs over every row in two batched GEMMs,
+and the experts answer the weighted per-token sums the combine sends back as they are. On two CPU ranks of the
+tiny benchmark model (8 tokens per rank, 4 experts each) this takes about a quarter less CPU per MoE layer than
+the sort, the grouped GEMMs over one- or two-row segments and the masked sum (docs/performance.md).
+
 Bytes per peer and direction: ``M`` rows plus the routing. The layout before it sent each (token, expert) pair
 to its expert's rank, in messages of ``M * min(k, E_local)`` rows (the worst case of one rank sending every pair
 to one peer), and packed the received pairs per expert with about twice the index ops; on two CPU ranks a decode
@@ -27,6 +35,7 @@ layout moves fewer bytes only where ``k`` or ``E_local`` is 1.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,8 +43,21 @@ from typing import Any
 import torch
 
 from raymoe.comm.ep_transport import EpTransport
-from raymoe.comm.expert_input import GroupedExpertRows
+from raymoe.comm.expert_input import DenseExpertRows, GroupedExpertRows
 from raymoe.comm.groups import ParallelGroups
+
+DENSE_EXPERT_MAC_BUDGET = 1 << 22
+"""Multiply-accumulates one MoE layer's local experts may spend on the dense layout (every local expert over every
+gathered row) on CPU: about 0.1 ms on one core of the benchmark machine (an AVX2 EPYC, 30-40 GFLOP/s in float32).
+Below it the dense GEMMs cost less than the sort and the per-segment grouped GEMMs they replace."""
+
+_DENSE_DTYPES = (torch.float32, torch.bfloat16)  # float32 range: a 0-weighted expert output cannot overflow to inf
+
+
+def dense_row_experts(hidden_size: int, intermediate_size: int, budget_macs: int = DENSE_EXPERT_MAC_BUDGET) -> int:
+    """How many (row, local expert) products fit ``budget_macs``: a SwiGLU expert spends ``3 * H * I`` MACs on a row
+    (gate, up and down projections; ``intermediate_size`` is the rank's local I)."""
+    return budget_macs // max(1, 3 * hidden_size * intermediate_size)
 
 
 @dataclass
@@ -47,8 +69,9 @@ class LowLatencyHandle:
             the call.
         payload: uint8 [ep, B] received messages until ``dispatch_b`` unpacks them.
         order: [ep * M * k] int64 received pair (``(src * M + t) * k + j``) at each sorted position.
+        dense: the step uses the dense layout (:class:`~raymoe.comm.expert_input.DenseExpertRows`).
         mine: [ep, M, k, 1] bool, pairs routed to this rank's experts. weights: [ep, M, k, 1] their top-k weights
-            (a view of the received messages).
+            (a view of the received messages). Both unused in the dense layout.
         partial: [ep, M * H] per-source partial sums once the combine is posted. works: pending collectives.
     """
 
@@ -57,6 +80,7 @@ class LowLatencyHandle:
     top_k: int
     hidden_size: int
     dtype: torch.dtype
+    dense: bool = False
     payload: torch.Tensor | None = None
     order: torch.Tensor | None = None
     mine: torch.Tensor | None = None
@@ -82,8 +106,15 @@ class _Geometry:
     weights_offset: int
     weights_end: int
     nbytes: int
+    message_rows: int
     pair_rows: torch.Tensor
     local_experts: torch.Tensor
+
+
+def _host_copy(dst: int, src: torch.Tensor) -> None:
+    """Copy CPU tensor ``src``'s elements (row-major) to address ``dst``."""
+    src = src.contiguous()
+    ctypes.memmove(dst, src.data_ptr(), src.numel() * src.element_size())
 
 
 def _aligned(nbytes: int, align: int) -> int:
@@ -98,9 +129,12 @@ class TorchLowLatencyAllToAll:
     Args:
         groups: the rank's process groups; ``groups.ep_group`` is used (never the world group).
         num_experts: total routed experts E (divisible by ``ep_size``); rank r owns ``[r * E_local, (r+1) * E_local)``.
+        dense_row_experts: CPU steps of float32/bfloat16 tokens with ``ep * M * E_local`` at most this use the
+            dense layout (:func:`dense_row_experts`; 0: never). Every rank of the group has the same value and the
+            same ``M``, though the choice only shapes this rank's own expert work.
     """
 
-    def __init__(self, groups: ParallelGroups, num_experts: int):
+    def __init__(self, groups: ParallelGroups, num_experts: int, dense_row_experts: int = 0):
         self.ep_size = groups.ep_size
         self.num_experts = num_experts
         self.num_local_experts = num_experts // groups.ep_size
@@ -111,6 +145,13 @@ class TorchLowLatencyAllToAll:
         remap[start:start + self.num_local_experts] = torch.arange(self.num_local_experts)
         self._remap = {torch.device("cpu"): remap}
         self._geometries: dict[tuple, _Geometry] = {}
+        self.dense_row_experts = dense_row_experts
+        self._pad_ids = torch.empty(0, dtype=torch.int64)  # E, E, ...: the ids of unused message rows (CPU)
+
+    def uses_dense(self, capacity: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a step of per-rank capacity ``capacity`` answers :class:`DenseExpertRows` (small CPU steps)."""
+        return (device.type == "cpu" and dtype in _DENSE_DTYPES
+                and self.ep_size * capacity * self.num_local_experts <= self.dense_row_experts)
 
     def remap(self, device: torch.device) -> torch.Tensor:
         """[E + 1] int64: global expert id -> local expert id, ``E_local`` where another rank owns it."""
@@ -135,7 +176,7 @@ class TorchLowLatencyAllToAll:
             routing_rows = nbytes // row_bytes - m
             token = torch.arange(ep * m * k, device=device) // k                       # gathered token of a pair
             pair_rows = token + (token // m) * routing_rows                            # its row in the messages
-            geo = _Geometry(m * row_bytes, ids_offset, weights_offset, weights_end, nbytes, pair_rows,
+            geo = _Geometry(m * row_bytes, ids_offset, weights_offset, weights_end, nbytes, m + routing_rows, pair_rows,
                             torch.arange(self.num_local_experts, device=device))
             self._geometries[key] = geo
         return geo
@@ -157,12 +198,9 @@ class TorchLowLatencyAllToAll:
         m, h, ep = capacity, hidden.shape[1], self.ep_size
         geo = self.geometry(m, k, h, hidden.dtype, hidden.device)
         message = torch.empty(geo.nbytes, dtype=torch.uint8, device=hidden.device)
-        message[:geo.hidden_bytes].view(hidden.dtype).view(m, h)[:n].copy_(hidden)
-        ids = message[geo.ids_offset:geo.weights_offset].view(torch.int64).view(m, k)
-        ids[:n].copy_(topk_ids)
-        ids[n:].fill_(self.num_experts)
-        message[geo.weights_offset:geo.weights_end].view(hidden.dtype).view(m, k)[:n].copy_(topk_weights)
-        handle = LowLatencyHandle(n, m, k, h, hidden.dtype)
+        pack = self._pack_host if message.device.type == "cpu" else self._pack_device
+        pack(message, geo, hidden, topk_ids, topk_weights)
+        handle = LowLatencyHandle(n, m, k, h, hidden.dtype, dense=self.uses_dense(m, hidden.dtype, hidden.device))
         if ep == 1:
             handle.payload = message.view(1, -1)
             return handle
@@ -170,10 +208,37 @@ class TorchLowLatencyAllToAll:
         handle.works = [self.transport.all_gather(handle.payload, message)]
         return handle
 
-    def dispatch_b(self, handle: LowLatencyHandle) -> GroupedExpertRows:
+    def _pack_device(self, message: torch.Tensor, geo: _Geometry, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                     topk_weights: torch.Tensor) -> None:
+        """Write ``message`` (uint8 [nbytes], the layout of ``geo``): the N token rows, ``topk_ids`` then ``E`` for
+        the unused rows, ``topk_weights``; tensor copies, so it stays on the device's stream (a graph captures it)."""
+        (n, k), m, h = topk_ids.shape, geo.hidden_bytes // (hidden.shape[1] * hidden.dtype.itemsize), hidden.shape[1]
+        message[:geo.hidden_bytes].view(hidden.dtype).view(m, h)[:n].copy_(hidden)
+        ids = message[geo.ids_offset:geo.weights_offset].view(torch.int64).view(m, k)
+        ids[:n].copy_(topk_ids)
+        ids[n:].fill_(self.num_experts)
+        message[geo.weights_offset:geo.weights_end].view(hidden.dtype).view(m, k)[:n].copy_(topk_weights)
+
+    def _pack_host(self, message: torch.Tensor, geo: _Geometry, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                   topk_weights: torch.Tensor) -> None:
+        """:meth:`_pack_device` for a CPU message, one ``memmove`` per part: on CPU a tensor call costs more than
+        copying a decode step's few kilobytes (the shared-memory carrier copies the same way, ``raymoe.comm.shm``)."""
+        n, k = topk_ids.shape
+        base = message.data_ptr()
+        _host_copy(base, hidden)
+        _host_copy(base + geo.ids_offset, topk_ids.to(torch.int64))
+        pad = (geo.weights_offset - geo.ids_offset) // 8 - n * k
+        if pad:
+            if self._pad_ids.numel() < pad:
+                self._pad_ids = torch.full((pad,), self.num_experts, dtype=torch.int64)
+            ctypes.memmove(base + geo.ids_offset + 8 * n * k, self._pad_ids.data_ptr(), 8 * pad)
+        _host_copy(base + geo.weights_offset, topk_weights.to(hidden.dtype))
+
+    def dispatch_b(self, handle: LowLatencyHandle) -> GroupedExpertRows | DenseExpertRows:
         """Wait for every peer's message; returns this rank's pairs as token rows sorted by local expert,
         ``x`` [ep * M * k, H] with ``ends`` [E_local] int32 (rows from ``ends[-1]`` on belong to other ranks'
-        experts and are padding to the experts)."""
+        experts and are padding to the experts), or for a dense step every gathered token row, ``x`` [ep * M, H],
+        with its weight for each local expert, [ep * M, E_local]."""
         for w in handle.works:
             w.wait()
         handle.works = []
@@ -182,26 +247,37 @@ class TorchLowLatencyAllToAll:
         geo = self.geometry(m, k, h, dtype, payload.device)
         ids = payload[:, geo.ids_offset:geo.weights_offset].view(torch.int64)               # [ep, M * k]
         weights = payload[:, geo.weights_offset:geo.weights_end].view(dtype)              # [ep, M * k]
-        local = self.remap(payload.device)[ids].view(-1)                                  # [P]: E_local = not ours
+        local = self.remap(payload.device)[ids]                                           # E_local = not ours
+        rows = payload.view(dtype).view(-1, h)                                            # every message, as rows
+        if handle.dense:
+            tokens = self.ep_size * m
+            dense = torch.zeros(tokens, self.num_local_experts + 1, dtype=dtype, device=payload.device)
+            dense.scatter_add_(1, local.view(tokens, k), weights.reshape(tokens, k))    # column E_local: others'
+            x = rows.view(self.ep_size, geo.message_rows, h)[:, :m].reshape(tokens, h)
+            return DenseExpertRows(x, dense[:, :self.num_local_experts])
+        local = local.view(-1)                                                            # [P]
         handle.mine = (local < self.num_local_experts).view(-1, m, k, 1)
         handle.weights = weights.view(-1, m, k, 1)
         local, handle.order = torch.sort(local, stable=True)
         ends = torch.searchsorted(local, geo.local_experts, right=True, out_int32=True)
-        rows = payload.view(dtype).view(-1, h)                                            # every message, as rows
         x = rows.index_select(0, geo.pair_rows.index_select(0, handle.order))
         return GroupedExpertRows(x, ends, self.ep_size * m)
 
     def combine_a(self, handle: LowLatencyHandle, expert_out: torch.Tensor) -> None:
         """Weight this rank's pair outputs (``expert_out`` [ep * M * k, H], as dispatched), sum them per token
-        and start sending each source its [M, H] partial sums.
+        and start sending each source its [M, H] partial sums (a dense step's ``expert_out`` [ep * M, H] already
+        holds them).
 
         The outputs go back to the received pair order and are summed over k with a plain reduction (no atomic
         adds), so the result is the same run to run on every device. Rows of other ranks' pairs (padding to the
         experts, any value) are masked out, never multiplied into the sum.
         """
         m, h, k, ep = handle.capacity, handle.hidden_size, handle.top_k, self.ep_size
-        back = torch.empty_like(expert_out).index_copy_(0, handle.order, expert_out).view(-1, m, k, h)
-        partial = torch.where(handle.mine, back * handle.weights, 0.0).sum(dim=2)             # [ep, M, H]
+        if handle.dense:  # the experts answered the weighted sums per gathered token: [ep * M, H]
+            partial = expert_out.contiguous().view(ep, m, h)
+        else:
+            back = torch.empty_like(expert_out).index_copy_(0, handle.order, expert_out).view(-1, m, k, h)
+            partial = torch.where(handle.mine, back * handle.weights, 0.0).sum(dim=2)         # [ep, M, H]
         handle.order = handle.mine = handle.weights = None
         if ep == 1:
             handle.partial = partial.view(1, -1)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raymoe.comm.dispatcher import A2ABackendSpec, get_all_to_all_backend
-from raymoe.comm.expert_input import ExpertRows, GroupedExpertRows, MaskedExpertRows
+from raymoe.comm.expert_input import DenseExpertRows, ExpertRows, GroupedExpertRows, MaskedExpertRows
 from raymoe.comm.groups import ParallelGroups, divide, tp_all_reduce
 from raymoe.config_arch import RouterConfig
 from raymoe.errors import CheckpointError
@@ -112,12 +112,16 @@ class LocalExperts(nn.Module):
         y = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=ends)                    # [R, H]
         return torch.empty_like(x).index_copy_(0, order, y)
 
-    def forward_input(self, rows: ExpertRows | MaskedExpertRows | GroupedExpertRows) -> torch.Tensor:
+    def forward_input(self, rows: ExpertRows | MaskedExpertRows | GroupedExpertRows | DenseExpertRows
+                      ) -> torch.Tensor:
         """Apply the experts to a dispatch's answer, in its layout: [R, H] for :class:`ExpertRows`,
         [E_local, C, H] for :class:`MaskedExpertRows` (:meth:`forward_masked`), [R_max, H] for
-        :class:`GroupedExpertRows` (:meth:`forward_segments`)."""
+        :class:`GroupedExpertRows` (:meth:`forward_segments`), the weighted sums [R, H] for
+        :class:`DenseExpertRows` (:meth:`forward_dense`)."""
         if isinstance(rows, GroupedExpertRows):
             return self.forward_segments(rows.x, rows.ends, rows.expert_capacity)
+        if isinstance(rows, DenseExpertRows):
+            return self.forward_dense(rows.x, rows.weights)
         if isinstance(rows, MaskedExpertRows):
             return self.forward_masked(rows.x)
         return self(rows.x, rows.local_ids)
@@ -147,6 +151,19 @@ class LocalExperts(nn.Module):
         pos = torch.arange(r, device=x.device)
         expert = torch.searchsorted(ends, pos, right=True).clamp_(max=el - 1)            # [R_max]
         return y.view(el * c, -1).index_select(0, expert * c + (pos - starts[expert]).clamp_(0, c - 1))
+
+    def forward_dense(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every local expert over every row, weighted and summed: ``x`` [R, H], ``weights`` [R, E_local] ->
+        ``sum_e weights[:, e] * expert_e(x)`` [R, H] in ``x``'s dtype.
+
+        Two batched GEMMs ([E_local, R, 2 I] then [E_local, R, H]) and one weighted reduction over the experts, in
+        expert order; a row adds exact zeros for the experts it did not pick. Worth it only where ``R * E_local``
+        is small (:data:`~raymoe.comm.low_latency.DENSE_EXPERT_MAC_BUDGET`): the other layouts multiply only routed
+        rows. The GEMMs block differently from the grouped ones, so results agree with them to rounding.
+        """
+        h = silu_and_mul(torch.matmul(x, self.w13.transpose(1, 2)))     # [E_local, R, I_local]
+        y = torch.bmm(h, self.w2.transpose(1, 2))                        # [E_local, R, H]
+        return (y * weights.t().unsqueeze(-1)).sum(dim=0)
 
     def forward_masked(self, x: torch.Tensor) -> torch.Tensor:
         """Every row of the low-latency layout through its expert: ``x`` [E_local, C, H] -> [E_local, C, H].
@@ -225,7 +242,8 @@ class SparseMoeBlock(nn.Module):
         self.shared_experts = (DenseMLP(hidden_size, shared_intermediate_size, groups, dtype)
                                if shared_intermediate_size else None)
         spec = a2a_backend if isinstance(a2a_backend, A2ABackendSpec) else A2ABackendSpec(a2a_backend)
-        self.a2a = get_all_to_all_backend(spec.name, groups, num_experts, **spec.options(hidden_size, dtype))
+        self.a2a = get_all_to_all_backend(spec.name, groups, num_experts,
+                                          **spec.options(hidden_size, dtype, self.experts.inter_local))
 
     # ---- operations (see module docstring) ----
     def op_gate(self, state) -> None:
