@@ -419,6 +419,11 @@ class EngineConfig:
             ``(cores - 1) // ranks``, at least 1, leaving a core to the HTTP front end, the driver and Ray; on
             2 cores a second thread per rank halved served throughput). The offline single-rank ``Engine`` keeps
             torch's default.
+        cpu_rank_nice: nice value (-20..19) of the thread that runs each CPU rank's steps in a multi-rank engine
+            (``raymoe.actors.process_tuning.raise_step_thread_priority``; the ranks are gang-synchronized by their
+            collectives, so a preempted rank stalls all of them). None: -20 where the process may raise its
+            priority (root or CAP_SYS_NICE), else unchanged with a warning; 0 leaves it at the default. A
+            one-rank engine and CUDA ranks are left alone.
         overlap: two-batch / single-batch overlap of MoE layers. graph: decode graph capture. moe_comm: the MoE
             all-to-all backend and mode.
     Raises:
@@ -434,6 +439,7 @@ class EngineConfig:
     fanout: str | None = None
     step_timeout_s: float = 300.0
     cpu_threads: int | None = None
+    cpu_rank_nice: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -459,6 +465,8 @@ class EngineConfig:
             raise InvalidRequestError("fanout", f"must be 'channel', 'remote' or 'compiled', got {self.fanout!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise InvalidRequestError("cpu_threads", f"must be >= 1, got {self.cpu_threads!r}")
+        if self.cpu_rank_nice is not None and not -20 <= self.cpu_rank_nice <= 19:
+            raise InvalidRequestError("cpu_rank_nice", f"must be in [-20, 19], got {self.cpu_rank_nice!r}")
         if self.step_timeout_s <= 0:
             raise InvalidRequestError("step_timeout_s", "must be > 0")
         from raymoe.gpu_backends import check_gpu_backends

@@ -89,3 +89,15 @@ def test_compare_table_gives_a_ratio_to_each_peer_dtype():
     assert "vs float32" in lines[0]
     assert lines[3].split()[4:6] == ["1.50x", "0.75x"]
     assert "<= 12.00 ms" in lines[-1]
+    lines = _table(rows, 8.0, {"dp=2,ep=2": 10.0}).splitlines()
+    assert "<= 12.00 ms" in lines[-2]
+    assert lines[-1].strip() == "same rank layout as raymoe dp=2,ep=2: 10.00 ms (goal <= 15.00 ms)"
+
+
+def test_topology_rank_layouts_and_nice():
+    from raymoe.bench.compare import rank_layout_options, raymoe_serve_cmd
+
+    assert rank_layout_options("dp=2,ep=2,tbo=0") == {"tp_size": 1, "dp_size": 2, "ep_size": 2}
+    assert rank_layout_options("dp=1") == {"tp_size": 1, "dp_size": 1, "ep_size": 1}
+    assert rank_layout_options("tp=2,dp=2") == {"tp_size": 2, "dp_size": 2, "ep_size": 4}
+    assert raymoe_serve_cmd("/m", 8000, "dp=2,nice=0")[-2:] == ["--cpu-rank-nice", "0"]

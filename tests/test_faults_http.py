@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ import httpx
 import pytest
 from idle import assert_idle
 from server_harness import uvicorn_server
+
+from raymoe.actors.process_tuning import DEFAULT_RANK_NICE
 
 NO_EOS = {"ignore_eos": True}
 
@@ -144,7 +147,24 @@ def test_streams_work_and_the_engine_starts_idle(engine, base_url):
     assert_idle(engine)
     import ray
 
-    assert len(set(ray.get(engine.driver.pids.remote()))) == 3  # the driver actor and its two ranks
+    driver_pid, *rank_pids = ray.get(engine.driver.pids.remote())
+    assert len({driver_pid, *rank_pids}) == 3  # the driver actor and its two ranks
+    if os.geteuid() == 0:  # this test cluster starts workers at Ray's niceness 15; only root may lower it
+        # engine actors do not run at Ray's background worker niceness behind the front end and the clients, and
+        # each rank's step thread runs at the raised priority
+        assert thread_nices(driver_pid)[driver_pid] == 0
+        for pid in rank_pids:
+            nices = set(thread_nices(pid).values())
+            assert max(nices) <= 0 and min(nices) == DEFAULT_RANK_NICE
+
+
+def thread_nices(pid: int) -> dict[int, int]:
+    """Nice value of every thread of process ``pid``, by thread id (``/proc/<pid>/task/<tid>/stat`` field 19)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            out[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[16])
+    return out
 
 
 def test_the_overflowing_top_k_request_is_a_400_beside_a_long_stream(engine, base_url):

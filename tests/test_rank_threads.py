@@ -24,3 +24,40 @@ def test_cpu_threads_option_is_checked(tiny_model):
     with pytest.raises(InvalidRequestError) as ei:
         EngineConfig(model=tiny_model, cpu_threads=0)
     assert ei.value.field == "cpu_threads"
+
+
+def test_step_thread_priority_is_per_thread_and_failures_are_logged(monkeypatch, caplog):
+    """The nice value lands on the calling thread only (the rank's step thread), None leaves it alone, and a
+    process without the privilege keeps its priority with a warning instead of failing the rank."""
+    import threading
+
+    from raymoe.actors import process_tuning
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = {}
+
+    def step_thread() -> None:
+        seen["set"] = process_tuning.raise_step_thread_priority(before + 3)  # raising nice needs no privilege
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    t = threading.Thread(target=step_thread)
+    t.start()
+    t.join()
+    assert seen == {"set": before + 3, "nice": before + 3}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # other threads keep theirs
+    assert process_tuning.raise_step_thread_priority(None) is None
+
+    def denied(*_args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "setpriority", denied)
+    with caplog.at_level("WARNING", logger=process_tuning.__name__):
+        assert process_tuning.raise_step_thread_priority(-20) is None
+    assert "cpu_rank_nice" in caplog.text
+
+
+def test_cpu_rank_nice_option_is_checked(tiny_model):
+    with pytest.raises(InvalidRequestError) as ei:
+        EngineConfig(model=tiny_model, cpu_rank_nice=-21)
+    assert ei.value.field == "cpu_rank_nice"
+    assert EngineConfig(model=tiny_model, cpu_rank_nice=0).cpu_rank_nice == 0

@@ -65,7 +65,10 @@ class DriverActor:
 
     def __init__(self, config: EngineConfig):
         from raymoe.actors.factory import build_driver
+        from raymoe.actors.process_tuning import set_engine_process_nice
         from raymoe.tokenizer import load_tokenizer
+
+        set_engine_process_nice()
 
         if config.parallel.world_size == 1:  # the rank computes in this process
             import torch

@@ -21,7 +21,7 @@ def runner_config_for(config: EngineConfig) -> RunnerConfig:
         attention_backend=config.attention_backend, seed=config.seed, device=engine_device(config.device),
         disable_cuda_graph=g.disable_cuda_graph, cuda_graph_max_bs=g.cuda_graph_max_bs, cuda_graph_bs=g.cuda_graph_bs,
         enable_torch_compile=g.enable_torch_compile, cuda_graph_min_kv_width=g.cuda_graph_min_kv_width,
-        overlap=config.overlap, cpu_threads=config.cpu_threads,
+        overlap=config.overlap, cpu_threads=config.cpu_threads, cpu_rank_nice=config.cpu_rank_nice,
         a2a_backend=config.moe_comm.a2a_backend,
         a2a_mode=effective_a2a_mode(config.moe_comm.a2a_mode, config.parallel.ep_size, engine_device(config.device)),
         num_max_dispatch_tokens_per_rank=config.max_dispatch_tokens_per_rank, cpu_comm=config.moe_comm.cpu_comm)

@@ -48,19 +48,31 @@ class RankWorker:
         return f"tcp://{ip}:{free_port(ip)}"
 
     def init_distributed(self, init_method: str, timeout_s: float = 60.0) -> int:
-        """Join the world group and create the TP/EP groups; returns this process id."""
+        """Join the world group and create the TP/EP groups; returns this process id. Also sets the process's
+        priority (``raymoe.actors.process_tuning``): this runs only in rank actors of multi-rank worlds."""
         import torch
 
-        from raymoe.actors.process_tuning import rank_cpu_threads
+        from raymoe.actors.process_tuning import raise_step_thread_priority, rank_cpu_threads, set_engine_process_nice
         from raymoe.cluster.topology import init_parallel_groups
 
         device = self._device()
         backend = "nccl" if device.type == "cuda" else "gloo"
         torch.set_num_threads(rank_cpu_threads(self.runner_cfg.cpu_threads, self.parallel.world_size))
+        set_engine_process_nice()  # a rank actor: not at Ray's background worker niceness
+        raise_step_thread_priority(self._step_nice())  # the actor thread steps under plain calls
         self.groups = init_parallel_groups(self.rank, self.parallel, init_method, backend, timeout_s,
                                            device_id=device if device.type == "cuda" else None,
                                            cpu_comm=self.runner_cfg.cpu_comm)
         return os.getpid()
+
+    def _step_nice(self) -> int | None:
+        """The nice value for this rank's step thread: None (leave it) for CUDA ranks and one-rank worlds."""
+        from raymoe.actors.process_tuning import DEFAULT_RANK_NICE
+
+        if self._device().type != "cpu" or self.parallel.world_size == 1:
+            return None
+        nice = self.runner_cfg.cpu_rank_nice
+        return DEFAULT_RANK_NICE if nice is None else (nice or None)
 
     def _device(self):
         """This rank's ``torch.device`` (made current for CUDA). Raises RankDeviceError: CUDA configured but no
@@ -100,14 +112,17 @@ class RankWorker:
 
         import torch
 
+        from raymoe.actors.process_tuning import raise_step_thread_priority
         from raymoe.actors.step_channel import connect_step_channel, serve_steps
 
         conn = connect_step_channel(path, authkey, self.rank)
         if conn is None:
             return False
         threads = torch.get_num_threads()
+        nice = self._step_nice()
 
         def serve() -> None:
+            raise_step_thread_priority(nice)
             torch.set_num_threads(threads)
             serve_steps(conn, self.rank, self.parallel.tp_size, self.step)
 

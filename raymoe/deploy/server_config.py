@@ -101,6 +101,8 @@ class ServeOptions(BaseModel):
             also decode the running requests (None: the engine default, on). disable_overlap_schedule: form each
             step only after the previous one finished (None: the engine default, overlap on).
         cpu_threads: intra-op threads of each CPU rank (None: the engine default, ``(cores - 1) // ranks``).
+        cpu_rank_nice: nice value of each CPU rank's step thread in a multi-rank engine (None: the engine default,
+            -20 where permitted; 0: unchanged).
         cpu_comm: MoE all-to-all carrier between CPU ranks, ``"auto"`` | ``"shm"`` | ``"gloo"`` (None: the engine
             default, ``auto``: shared memory when every rank is on one node).
     """
@@ -130,6 +132,7 @@ class ServeOptions(BaseModel):
     enable_mixed_chunk: bool | None = None
     disable_overlap_schedule: bool | None = None
     cpu_threads: int | None = Field(None, ge=1)
+    cpu_rank_nice: int | None = Field(None, ge=-20, le=19)
     cpu_comm: str | None = None
 
     @property
@@ -159,7 +162,7 @@ class ServeOptions(BaseModel):
                    "ray_address": self.ray_address}
         for name in ("max_total_tokens", "max_context_len", "max_running_requests", "max_queued_requests",
                      "fanout", "a2a_mode", "chunked_prefill_size", "enable_mixed_chunk", "disable_overlap_schedule",
-                     "cpu_threads", "cpu_comm"):
+                     "cpu_threads", "cpu_rank_nice", "cpu_comm"):
             if getattr(self, name) is not None:
                 options[name] = getattr(self, name)
         config = _split_options(model, options)

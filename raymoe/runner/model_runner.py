@@ -64,6 +64,8 @@ class RunnerConfig:
         inject_a2a_latency_ms: benchmarks only: delay each MoE dispatch/combine completion by this one-way
             latency, milliseconds (``raymoe.comm.latency``; 0 = off).
         cpu_threads: intra-op threads of a rank process on CPU (None: derived, see ``EngineConfig.cpu_threads``).
+        cpu_rank_nice: nice value of a multi-rank engine's CPU rank step thread (``EngineConfig.cpu_rank_nice``;
+            None: the default, -20).
         cpu_comm: EP all-to-all carrier between gloo ranks (``MoeCommConfig.cpu_comm``: auto, shm or gloo).
     """
 
@@ -87,6 +89,7 @@ class RunnerConfig:
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     inject_a2a_latency_ms: float = 0.0
     cpu_threads: int | None = None
+    cpu_rank_nice: int | None = None
     cpu_comm: str = "auto"
 
     def __post_init__(self) -> None:
