@@ -421,7 +421,7 @@ class EngineConfig:
             torch's default.
         cpu_rank_nice: nice value (-20..19) of the thread that runs each CPU rank's steps in a multi-rank engine
             (``raymoe.actors.process_tuning.raise_step_thread_priority``; the ranks are gang-synchronized by their
-            collectives, so a preempted rank stalls all of them). None: -20 where the process may raise its
+            collectives, so a preempted rank stalls all of them). None: -10 where the process may raise its
             priority (root or CAP_SYS_NICE), else unchanged with a warning; 0 leaves it at the default. A
             one-rank engine and CUDA ranks are left alone.
         overlap: two-batch / single-batch overlap of MoE layers. graph: decode graph capture. moe_comm: the MoE

@@ -210,15 +210,15 @@ def _table(rows: list[dict], step_ms: float, layout_steps: dict[str, float] | No
     ``step_ms``, and per topology ``layout_steps``) with the TPOT goal each gives."""
     peer_names = list(dict.fromkeys(r["server"] for r in rows if r["server"].startswith(PEER_NAME)))
     peer = {(r["server"], r["concurrency"]): r for r in rows if r["server"] in peer_names}
-    ratio_heads = "".join(f"{'vs ' + n.removeprefix(PEER_NAME).strip() if n != PEER_NAME else 'ratio':>10}"
-                          for n in peer_names) or f"{'ratio':>10}"
+    ratio_heads = "".join(f"{'vs ' + n.removeprefix(PEER_NAME).strip() if n != PEER_NAME else 'ratio':>11}"
+                          for n in peer_names) or f"{'ratio':>11}"
     lines = [f"{'server':<26}{'conc':>5}{'out tok/s':>11}{ratio_heads}{'TPOT p50':>10}{'TTFT p50':>10}"
              f"{'ITL p99':>9}{'failed':>7}"]
     for r in rows:
         cells = [f"{(r['output_throughput'] / peer[(n, r['concurrency'])]['output_throughput']):.2f}x"
                  if (n, r["concurrency"]) in peer else "-" for n in (peer_names or [None])]
         lines.append(f"{r['server']:<26}{r['concurrency']:>5}{r['output_throughput']:>11.0f}"
-                     + "".join(f"{c:>10}" for c in cells)
+                     + "".join(f"{c:>11}" for c in cells)
                      + f"{r['median_tpot_ms']:>8.1f}ms{r['median_ttft_ms']:>8.0f}ms{r['p99_itl_ms']:>7.0f}ms"
                        f"{r['failed'] or 0:>7}")
     lines.append(f"raymoe offline decode step at this batch: {step_ms:.2f} ms (goal: raymoe TPOT p50 at the "

@@ -114,7 +114,7 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="intra-op threads of each CPU rank (default: (cores - 1) // ranks, at least 1)")
     p.add_argument("--cpu-rank-nice", type=int, default=None,
-                   help="nice value of each CPU rank's step thread with more than one rank (default: -20 where "
+                   help="nice value of each CPU rank's step thread with more than one rank (default: -10 where "
                         "permitted; 0 leaves it): a preempted rank stalls every rank at the next MoE exchange")
     p.add_argument("--max-in-flight", type=int, default=None, help="HTTP requests served at once before 429")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $RAYMOE_API_KEY)")

@@ -102,7 +102,7 @@ class ServeOptions(BaseModel):
             step only after the previous one finished (None: the engine default, overlap on).
         cpu_threads: intra-op threads of each CPU rank (None: the engine default, ``(cores - 1) // ranks``).
         cpu_rank_nice: nice value of each CPU rank's step thread in a multi-rank engine (None: the engine default,
-            -20 where permitted; 0: unchanged).
+            -10 where permitted; 0: unchanged).
         cpu_comm: MoE all-to-all carrier between CPU ranks, ``"auto"`` | ``"shm"`` | ``"gloo"`` (None: the engine
             default, ``auto``: shared memory when every rank is on one node).
     """

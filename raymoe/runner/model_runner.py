@@ -65,7 +65,7 @@ class RunnerConfig:
             latency, milliseconds (``raymoe.comm.latency``; 0 = off).
         cpu_threads: intra-op threads of a rank process on CPU (None: derived, see ``EngineConfig.cpu_threads``).
         cpu_rank_nice: nice value of a multi-rank engine's CPU rank step thread (``EngineConfig.cpu_rank_nice``;
-            None: the default, -20).
+            None: the default, -10).
         cpu_comm: EP all-to-all carrier between gloo ranks (``MoeCommConfig.cpu_comm``: auto, shm or gloo).
     """
 
