@@ -23,8 +23,8 @@ the MoE layer sizes by :data:`DENSE_EXPERT_MAC_BUDGET`) skip the sort: the recei
 gathered token row once with a dense [ep * M, E_local] routing-weight matrix
 (:class:`~raymoe.comm.expert_input.DenseExpertRows`), every local expert runs over every row in two batched GEMMs,
 and the experts answer the weighted per-token sums the combine sends back as they are. On two CPU ranks of the
-tiny benchmark model (8 tokens per rank, 4 experts each) this takes about a quarter less CPU per MoE layer than
-the sort, the grouped GEMMs over one- or two-row segments and the masked sum (docs/performance.md).
+tiny benchmark model (8 or 16 tokens per rank, 4 experts each) a decode step took 0.2-0.5 ms less than with the
+sort, the grouped GEMMs over one- or two-row segments and the masked sum (docs/performance.md).
 
 Bytes per peer and direction: ``M`` rows plus the routing. The layout before it sent each (token, expert) pair
 to its expert's rank, in messages of ``M * min(k, E_local)`` rows (the worst case of one rank sending every pair
@@ -48,8 +48,9 @@ from raymoe.comm.groups import ParallelGroups
 
 DENSE_EXPERT_MAC_BUDGET = 1 << 22
 """Multiply-accumulates one MoE layer's local experts may spend on the dense layout (every local expert over every
-gathered row) on CPU: about 0.1 ms on one core of the benchmark machine (an AVX2 EPYC, 30-40 GFLOP/s in float32).
-Below it the dense GEMMs cost less than the sort and the per-segment grouped GEMMs they replace."""
+gathered row) on CPU: 0.15-0.25 ms on one core of the benchmark machine (an AVX2 EPYC, where a [16, 128] x [128, 512]
+float32 GEMM ran at about 60 GFLOP/s). Below it the dense GEMMs cost less than the sort and the per-segment grouped
+GEMMs they replace (measured crossover on one rank with 8 experts: about 24 tokens, where the budget allows 21)."""
 
 _DENSE_DTYPES = (torch.float32, torch.bfloat16)  # float32 range: a 0-weighted expert output cannot overflow to inf
 
