@@ -11,7 +11,7 @@ the ``_b`` that waits for it:
   (``raymoe.comm.expert_input``; the torch low-latency mode answers ``GroupedExpertRows``, or ``DenseExpertRows``
   for small CPU steps, DeepEP's ``MaskedExpertRows``).
 * ``combine_a(handle, expert_out, part=0, num_parts=1)``: ``expert_out`` in the layout ``dispatch_b`` gave;
-  parts (single-batch overlap) exist in normal mode only.
+  parts (single-batch overlap) exist in the normal mode's sorted layout only.
 * ``combine_b(handle) -> [N, H]``: the top-k weighted sum of the expert outputs of each token.
 """
 
@@ -44,8 +44,8 @@ class TorchDispatcher:
 
     Args:
         groups: the rank's process groups (``ep_group`` is used). num_experts: routed experts E.
-        dense_row_experts: the low-latency mode's dense-layout bound
-            (:class:`~raymoe.comm.low_latency.TorchLowLatencyAllToAll`; 0: never dense).
+        dense_row_experts: the dense-layout bound (:class:`~raymoe.comm.low_latency.TorchLowLatencyAllToAll`; 0:
+            never dense): low-latency steps at ``ep_size > 1``, any step at ``ep_size == 1``.
     """
 
     def __init__(self, groups: ParallelGroups, num_experts: int, dense_row_experts: int = 0):
