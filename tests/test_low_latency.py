@@ -234,8 +234,8 @@ def test_host_and_device_message_packing_write_the_same_bytes(dtype):
         x = torch.randn(n, hidden).to(dtype)
         geo = a2a.geometry(m, K, hidden, dtype, torch.device("cpu"))
         messages = [torch.zeros(geo.nbytes, dtype=torch.uint8) for _ in range(2)]
-        a2a._pack_host(messages[0], geo, x, ids, w.to(dtype))
-        a2a._pack_device(messages[1], geo, x, ids, w.to(dtype))
+        a2a._pack_host(messages[0], geo, m, x, ids, w.to(dtype))
+        a2a._pack_device(messages[1], geo, m, x, ids, w.to(dtype))
         assert torch.equal(messages[0], messages[1])
         assert messages[0][geo.ids_offset:geo.weights_offset].view(torch.int64)[n * K:].eq(E).all()
 

@@ -61,3 +61,22 @@ def test_cpu_rank_nice_option_is_checked(tiny_model):
         EngineConfig(model=tiny_model, cpu_rank_nice=-21)
     assert ei.value.field == "cpu_rank_nice"
     assert EngineConfig(model=tiny_model, cpu_rank_nice=0).cpu_rank_nice == 0
+
+
+def test_engine_process_nice_reaches_every_live_thread(monkeypatch):
+    """Every thread of the actor process gets the value; a thread that ended between listing and renicing is
+    skipped, not the end of the loop."""
+    from raymoe.actors import process_tuning
+
+    monkeypatch.setattr(os, "listdir", lambda path: ["101", "102", "103"])
+
+    def getpriority(_which, tid):
+        if tid == 102:
+            raise ProcessLookupError(3, "No such process")
+        return 15
+
+    calls = []
+    monkeypatch.setattr(os, "getpriority", getpriority)
+    monkeypatch.setattr(os, "setpriority", lambda _which, tid, nice: calls.append((tid, nice)))
+    assert process_tuning.set_engine_process_nice(0) is True
+    assert calls == [(101, 0), (103, 0)]

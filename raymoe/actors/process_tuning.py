@@ -62,13 +62,13 @@ def set_engine_process_nice(nice: int = 0) -> bool:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
         tids = [threading.get_native_id()]
-    try:
-        for tid in tids:
+    for tid in tids:
+        try:
             if os.getpriority(os.PRIO_PROCESS, tid) != nice:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
-    except ProcessLookupError:  # a thread that ended meanwhile
-        pass
-    except OSError as e:
-        logger.warning("engine actor keeps Ray's worker niceness: cannot set nice %d (%s)", nice, e)
-        return False
+        except ProcessLookupError:  # a thread that ended meanwhile; the others still get the value
+            continue
+        except OSError as e:
+            logger.warning("engine actor keeps Ray's worker niceness: cannot set nice %d (%s)", nice, e)
+            return False
     return True

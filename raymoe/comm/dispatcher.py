@@ -24,7 +24,7 @@ import torch
 from raymoe.comm.all_to_all import DispatchHandle, TorchAllToAll
 from raymoe.comm.expert_input import A2A_BACKENDS, DenseExpertRows, ExpertRows, GroupedExpertRows
 from raymoe.comm.groups import ParallelGroups
-from raymoe.comm.low_latency import LowLatencyHandle, TorchLowLatencyAllToAll, dense_row_experts
+from raymoe.comm.low_latency import LowLatencyHandle, TorchLowLatencyAllToAll, check_capacity, dense_row_experts
 
 
 @dataclass
@@ -61,9 +61,7 @@ class TorchDispatcher:
         tokens whole for the dense layout instead of sorting pairs. Raises ValueError: N > capacity."""
         rows = hidden.shape[0] if capacity is None else capacity
         if self.ep_size == 1 and self.low_latency.uses_dense(rows, hidden.dtype, hidden.device):
-            if hidden.shape[0] > rows:
-                raise ValueError(f"low-latency dispatch of {hidden.shape[0]} tokens exceeds the per-rank capacity "
-                                 f"{capacity}")
+            check_capacity(hidden.shape[0], rows)
             weights = torch.zeros(hidden.shape[0], self.num_local_experts, dtype=hidden.dtype, device=hidden.device)
             return LocalDenseHandle(hidden, weights.scatter_(1, topk_ids, topk_weights.to(hidden.dtype)))
         if capacity is None:
@@ -86,15 +84,14 @@ class TorchDispatcher:
         Raises:
             ValueError: a low-latency or dense combine sent in parts.
         """
-        if isinstance(handle, LowLatencyHandle | LocalDenseHandle):
-            if num_parts != 1:
-                raise ValueError("a low-latency or dense combine is sent in one part")
-            if isinstance(handle, LocalDenseHandle):
-                handle.combined = expert_out  # already the weighted sums
-            else:
-                self.low_latency.combine_a(handle, expert_out)
-            return
-        self.normal.combine_a(handle, expert_out, part=part, num_parts=num_parts)
+        if num_parts != 1 and isinstance(handle, LowLatencyHandle | LocalDenseHandle):
+            raise ValueError("a low-latency or dense combine is sent in one part")
+        if isinstance(handle, LocalDenseHandle):
+            handle.combined = expert_out  # already the weighted sums
+        elif isinstance(handle, LowLatencyHandle):
+            self.low_latency.combine_a(handle, expert_out)
+        else:
+            self.normal.combine_a(handle, expert_out, part=part, num_parts=num_parts)
 
     def combine_b(self, handle: DispatchHandle | LowLatencyHandle | LocalDenseHandle) -> torch.Tensor:
         """Wait for the combine; returns the weighted per-token sums [N, H]."""

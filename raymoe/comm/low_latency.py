@@ -112,6 +112,12 @@ class _Geometry:
     local_experts: torch.Tensor
 
 
+def check_capacity(num_tokens: int, capacity: int) -> None:
+    """Raise ValueError when a rank dispatches more tokens than the step's per-rank capacity."""
+    if num_tokens > capacity:
+        raise ValueError(f"low-latency dispatch of {num_tokens} tokens exceeds the per-rank capacity {capacity}")
+
+
 def _host_copy(dst: int, src: torch.Tensor) -> None:
     """Copy CPU tensor ``src``'s elements (row-major) to address ``dst``."""
     src = src.contiguous()
@@ -194,13 +200,12 @@ class TorchLowLatencyAllToAll:
             ValueError: N > capacity.
         """
         n, k = topk_ids.shape
-        if n > capacity:
-            raise ValueError(f"low-latency dispatch of {n} tokens exceeds the per-rank capacity {capacity}")
+        check_capacity(n, capacity)
         m, h, ep = capacity, hidden.shape[1], self.ep_size
         geo = self.geometry(m, k, h, hidden.dtype, hidden.device)
         message = torch.empty(geo.nbytes, dtype=torch.uint8, device=hidden.device)
         pack = self._pack_host if message.device.type == "cpu" else self._pack_device
-        pack(message, geo, hidden, topk_ids, topk_weights)
+        pack(message, geo, m, hidden, topk_ids, topk_weights)
         handle = LowLatencyHandle(n, m, k, h, hidden.dtype, dense=self.uses_dense(m, hidden.dtype, hidden.device))
         if ep == 1:
             handle.payload = message.view(1, -1)
@@ -209,26 +214,27 @@ class TorchLowLatencyAllToAll:
         handle.works = [self.transport.all_gather(handle.payload, message)]
         return handle
 
-    def _pack_device(self, message: torch.Tensor, geo: _Geometry, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                     topk_weights: torch.Tensor) -> None:
-        """Write ``message`` (uint8 [nbytes], the layout of ``geo``): the N token rows, ``topk_ids`` then ``E`` for
-        the unused rows, ``topk_weights``; tensor copies, so it stays on the device's stream (a graph captures it)."""
-        (n, k), m, h = topk_ids.shape, geo.hidden_bytes // (hidden.shape[1] * hidden.dtype.itemsize), hidden.shape[1]
+    def _pack_device(self, message: torch.Tensor, geo: _Geometry, m: int, hidden: torch.Tensor,
+                     topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """Write ``message`` (uint8 [nbytes], the layout of ``geo`` for capacity ``m``): the N token rows,
+        ``topk_ids`` then ``E`` for the unused rows, ``topk_weights``; tensor copies, so it stays on the device's
+        stream (a graph captures it)."""
+        (n, k), h = topk_ids.shape, hidden.shape[1]
         message[:geo.hidden_bytes].view(hidden.dtype).view(m, h)[:n].copy_(hidden)
         ids = message[geo.ids_offset:geo.weights_offset].view(torch.int64).view(m, k)
         ids[:n].copy_(topk_ids)
         ids[n:].fill_(self.num_experts)
         message[geo.weights_offset:geo.weights_end].view(hidden.dtype).view(m, k)[:n].copy_(topk_weights)
 
-    def _pack_host(self, message: torch.Tensor, geo: _Geometry, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                   topk_weights: torch.Tensor) -> None:
+    def _pack_host(self, message: torch.Tensor, geo: _Geometry, m: int, hidden: torch.Tensor,
+                   topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         """:meth:`_pack_device` for a CPU message, one ``memmove`` per part: on CPU a tensor call costs more than
         copying a decode step's few kilobytes (the shared-memory carrier copies the same way, ``raymoe.comm.shm``)."""
         n, k = topk_ids.shape
         base = message.data_ptr()
         _host_copy(base, hidden)
         _host_copy(base + geo.ids_offset, topk_ids.to(torch.int64))
-        pad = (geo.weights_offset - geo.ids_offset) // 8 - n * k
+        pad = (m - n) * k
         if pad:
             if self._pad_ids.numel() < pad:
                 self._pad_ids = torch.full((pad,), self.num_experts, dtype=torch.int64)
