@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from raymoe.attention.torch_native import TorchNativeAttnBackend
 from raymoe.comm.groups import ParallelGroups
+from raymoe.kernels import build
 from raymoe.kvcache.pools import ReqToTokenPool, TokenToKVPool
 from raymoe.layers.moe import LocalExperts
 from raymoe.runner.sampler import greedy_argmax
@@ -83,9 +84,21 @@ class _Decode:
         self.out_cache_loc = out_loc
 
 
-def test_decode_attention_reuses_gather_buffers_without_stale_rows():
+@pytest.mark.parametrize("fused", [False, True])
+def test_decode_attention_reuses_gather_buffers_without_stale_rows(fused):
     """Batches of different sizes and widths through one backend (its buffers grow and are reused across
-    layers and steps) equal SDPA over keys gathered afresh."""
+    layers and steps) equal SDPA over keys gathered afresh; with the fused CPU kernels off (the gather path) and
+    on (``raymoe.kernels.cpu_ops.decode_attention``, no gather)."""
+    if fused and build.load() is None:
+        pytest.skip("no C compiler: the kernels are off")
+    build.reset(enabled=fused)
+    try:
+        _check_decode_attention()
+    finally:
+        build.reset(enabled=True)
+
+
+def _check_decode_attention():
     hq, hkv, d, ctx, layers = 4, 2, 8, 40, 2
     req_pool = ReqToTokenPool(16, ctx)
     kv = TokenToKVPool(16 * ctx, layers, hkv, d, torch.float32, "cpu")

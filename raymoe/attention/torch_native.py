@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from raymoe.attention.base import AttentionBackend
 from raymoe.attention.paged_graph_hooks import PagedDecodeGraphHooks
+from raymoe.kernels import cpu_ops
 from raymoe.kvcache.pools import ReqToTokenPool, TokenToKVPool
 
 
@@ -79,9 +80,16 @@ class TorchNativeAttnBackend(PagedDecodeGraphHooks, AttentionBackend):
 
     def forward_decode(self, q, k, v, layer_id, forward_batch):
         """Decode attention: ``q`` [bs, Hq, D], ``k``/``v`` [bs, Hkv, D] (written to ``out_cache_loc`` first)
-        -> [bs, Hq, D]; keys/values of each row are gathered over ``kv_indices`` [bs, L] and masked by ``kv_mask``."""
-        self.kv_pool.set_kv_buffer(layer_id, forward_batch.out_cache_loc, k, v)
+        -> [bs, Hq, D]; keys/values of each row are gathered over ``kv_indices`` [bs, L] and masked by ``kv_mask``.
+        A float32 CPU cache takes the fused kernels instead (``raymoe.kernels.cpu_ops.kv_store`` and
+        ``decode_attention``): they read the cache through ``kv_indices`` in place, masked by ``seq_lens``, with
+        no gather and no SDPA call."""
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
+        if cpu_ops.enabled_for(q, k, v, k_buf):
+            cpu_ops.kv_store(k, v, forward_batch.out_cache_loc, k_buf, v_buf)
+            return cpu_ops.decode_attention(q, k_buf, v_buf, self.kv_indices, forward_batch.seq_lens,
+                                            self.head_dim ** -0.5)
+        self.kv_pool.set_kv_buffer(layer_id, forward_batch.out_cache_loc, k, v)
         bs = q.shape[0]
         idx = self.kv_indices.reshape(-1)  # index_select is far faster than advanced indexing on CPU
         shape = (*self.kv_indices.shape, self.num_kv_heads, self.head_dim)

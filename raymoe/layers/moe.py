@@ -27,6 +27,7 @@ from raymoe.comm.expert_input import DenseExpertRows, ExpertRows, GroupedExpertR
 from raymoe.comm.groups import ParallelGroups, divide, tp_all_reduce
 from raymoe.config_arch import RouterConfig
 from raymoe.errors import CheckpointError
+from raymoe.kernels import cpu_ops
 from raymoe.layers.activation import silu_and_mul
 from raymoe.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from raymoe.layers.router import select_experts
@@ -159,8 +160,11 @@ class LocalExperts(nn.Module):
         Two batched GEMMs ([E_local, R, 2 I] then [E_local, R, H]) and one weighted reduction over the experts, in
         expert order; a row adds exact zeros for the experts it did not pick. Worth it only where ``R * E_local``
         is small (:data:`~raymoe.comm.low_latency.DENSE_EXPERT_MAC_BUDGET`): the other layouts multiply only routed
-        rows. The GEMMs block differently from the grouped ones, so results agree with them to rounding.
+        rows. The GEMMs block differently from the grouped ones, so results agree with them to rounding. Float32
+        CPU experts skip the unrouted pairs in one fused kernel (``raymoe.kernels.cpu_ops.moe_dense_rows``).
         """
+        if x.dim() == 2 and cpu_ops.enabled_for(x, weights, self.w13, self.w2):
+            return cpu_ops.moe_dense_rows(x, weights, self.w13, self.w2)
         h = silu_and_mul(torch.matmul(x, self.w13.transpose(1, 2)))     # [E_local, R, I_local]
         y = torch.bmm(h, self.w2.transpose(1, 2))                        # [E_local, R, H]
         return (y * weights.t().unsqueeze(-1)).sum(dim=0)

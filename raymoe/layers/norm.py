@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raymoe.kernels import cpu_ops
+
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim.
@@ -35,5 +37,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     written-out formula (bitwise equal results), about half the operator dispatches on CPU.
     """
     if x.dtype == torch.float32 and weight.dim() == 1:
+        if x.dim() == 2 and cpu_ops.enabled_for(x, weight):
+            return cpu_ops.add_rms_norm(x, None, weight, eps)[0]
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``: the pre-norm residual step of a decoder layer.
+
+    Shapes: ``x``, ``residual`` [T, D]; ``weight`` [D]. Float32 CPU tensors take one fused kernel call
+    (``raymoe.kernels.cpu_ops.add_rms_norm``), anything else the torch operators.
+    """
+    if x.dim() == 2 and residual.dim() == 2 and weight.dim() == 1 and cpu_ops.enabled_for(x, residual, weight):
+        return cpu_ops.add_rms_norm(x, residual, weight, eps)
+    h = residual + x
+    return rms_norm(h, weight, eps), h

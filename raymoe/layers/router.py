@@ -11,6 +11,7 @@ Variants (``raymoe.config_arch.RouterConfig``):
   two, masked experts get -inf; the weights are the uncorrected sigmoid scores, renormalized (+1e-20).
 
 Every variant finally multiplies the weights by ``routed_scaling_factor``. Scores are computed in float32.
+Float32 CPU logits of the softmax greedy variant take one fused kernel (``raymoe.kernels.cpu_ops.topk_softmax``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from raymoe.config_arch import RouterConfig
+from raymoe.kernels import cpu_ops
 
 
 def _group_mask(choice: torch.Tensor, cfg: RouterConfig) -> torch.Tensor:
@@ -47,6 +49,10 @@ def select_experts(router_logits: torch.Tensor, top_k: int, cfg: RouterConfig,
     Raises:
         ValueError: the bias is missing though the config asks for it.
     """
+    if (cfg.scoring_func == "softmax" and cfg.topk_method == "greedy" and not cfg.use_correction_bias
+            and router_logits.dim() == 2 and 1 <= top_k <= router_logits.shape[1]
+            and cpu_ops.enabled_for(router_logits)):
+        return cpu_ops.topk_softmax(router_logits, top_k, cfg.norm_topk_prob, cfg.routed_scaling_factor)
     logits = router_logits.float()
     scores = torch.sigmoid(logits) if cfg.scoring_func == "sigmoid" else torch.softmax(logits, dim=-1)
     choice = scores

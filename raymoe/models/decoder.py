@@ -16,7 +16,7 @@ from raymoe.config import ModelConfig
 from raymoe.errors import CheckpointError
 from raymoe.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from raymoe.layers.moe import DenseMLP, SparseMoeBlock
-from raymoe.layers.norm import RMSNorm
+from raymoe.layers.norm import RMSNorm, add_rms_norm
 from raymoe.overlap.forward import forward_layers
 from raymoe.overlap.operations import ForwardState
 
@@ -72,9 +72,9 @@ class DecoderLayer(nn.Module):
         state.hidden_states = self.input_layernorm(state.hidden_states)
 
     def op_comm_prepare_mlp(self, state: ForwardState) -> None:
-        h = state.residual + state.hidden_states
-        state.residual = h
-        state.hidden_states = self.post_attention_layernorm(h)
+        norm = self.post_attention_layernorm
+        state.hidden_states, state.residual = add_rms_norm(state.hidden_states, state.residual, norm.weight,
+                                                           norm.eps)
 
     def op_dense_mlp(self, state: ForwardState) -> None:
         state.moe_output = self.mlp(state.hidden_states)

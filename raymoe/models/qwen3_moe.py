@@ -13,6 +13,7 @@ from torch import nn
 
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ModelConfig
+from raymoe.kernels import cpu_ops
 from raymoe.layers.linear import QKVParallelLinear, RowParallelLinear
 from raymoe.layers.norm import rms_norm
 from raymoe.layers.rotary import RotaryEmbedding
@@ -45,15 +46,21 @@ class Qwen3MoeAttention(nn.Module):
 
     def op_prepare(self, state: ForwardState) -> None:
         """qkv projection, q/k RMSNorm and RoPE. Queries and keys stay side by side ([T, Hq + Hkv, D], as the
-        projection lays them out), so both are normed (per-head weights) and rotated by one set of operators."""
+        projection lays them out), so both are normed (per-head weights) and rotated by one set of operators; on
+        a float32 CPU rank by one fused kernel, in place in the projection's output (``raymoe.kernels.cpu_ops``)."""
         x = state.hidden_states
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qk = qkv[:, :(hq + hkv) * d].reshape(t, hq + hkv, d)
-        if self.qk_norm:
-            qk = rms_norm(qk, self.qk_norm_weight, self.norm_eps)
-        qk = self.rotary.rotate(state.forward_batch.positions, qk)
+        positions = state.forward_batch.positions
+        if not self.rotary.interleaved and cpu_ops.enabled_for(qkv, self.rotary.cos):
+            norm_w = self.qk_norm_weight if self.qk_norm else None
+            cpu_ops.qk_norm_rope_(qk, norm_w, self.norm_eps, self.rotary.cos, self.rotary.sin, positions)
+        else:
+            if self.qk_norm:
+                qk = rms_norm(qk, self.qk_norm_weight, self.norm_eps)
+            qk = self.rotary.rotate(positions, qk)
         state.q, state.k = qk[:, :hq], qk[:, hq:]
         state.v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
 

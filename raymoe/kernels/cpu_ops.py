@@ -1,0 +1,212 @@
+"""Python entry points of the fused CPU kernels (``csrc/cpu_ops.c``), each replacing a run of small torch operators
+on the decode path of a CPU rank.
+
+Callers ask :func:`enabled_for` with the float tensors they would pass; when it says no (not float32, not on the
+CPU, inside ``torch.compile`` tracing, the library switched off or not buildable), they run their torch path.
+The functions below check every shape, stride and dtype the C code relies on and raise ``ValueError`` when one
+does not hold, and ``IndexError`` when an index (position, KV slot) is out of range, before anything is written:
+a bad argument never reaches memory it should not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raymoe.kernels import build
+
+
+def enabled_for(*tensors: torch.Tensor) -> bool:
+    """True when the kernels can take these float tensors: all float32 on the CPU, outside ``torch.compile``
+    tracing, and the library is loaded (built on first use)."""
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            return False
+    if torch.compiler.is_compiling():
+        return False
+    return build.load() is not None
+
+
+def _lib():
+    lib = build.load()
+    if lib is None:
+        raise RuntimeError("fused CPU kernels are not loaded; check enabled_for() first")
+    return lib
+
+
+def _need(cond: bool, what) -> None:
+    """Raise ValueError(what) unless ``cond``; ``what`` is a string or a callable returning one (messages that
+    format shapes are only built when they are raised)."""
+    if not cond:
+        raise ValueError(f"fused CPU kernel: {what() if callable(what) else what}")
+
+
+def _rows(x: torch.Tensor, name: str, dim: int) -> None:
+    _need(x.dim() == 2 and x.shape[1] == dim and x.stride(1) == 1,
+          lambda: f"{name} must be [T, {dim}] with unit last stride, got {tuple(x.shape)} strides {x.stride()}")
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm (Zhang & Sennrich 2019) of ``x + residual`` (or of ``x`` when ``residual`` is None).
+
+    Shapes: ``x``, ``residual`` [T, D] float32 (rows may be strided); ``weight`` [D] float32 contiguous.
+    Returns ``(weight * h / sqrt(mean(h^2) + eps), h)``, both new [T, D] contiguous tensors, where ``h`` is the
+    sum (``x`` itself, not a copy, when ``residual`` is None).
+    Raises:
+        ValueError: a shape or stride the kernel cannot take.
+    """
+    d = weight.shape[0]
+    _need(weight.dim() == 1 and weight.is_contiguous(), "weight must be a contiguous [D] tensor")
+    _rows(x, "x", d)
+    out = torch.empty((x.shape[0], d), dtype=torch.float32)
+    if residual is None:
+        h, r_ptr, r_stride, s_ptr = x, None, 0, None
+    else:
+        _rows(residual, "residual", d)
+        _need(residual.shape[0] == x.shape[0], "x and residual must have the same rows")
+        h = torch.empty_like(out)
+        r_ptr, r_stride, s_ptr = residual.data_ptr(), residual.stride(0), h.data_ptr()
+    _lib().raymoe_add_rms_norm_f32(x.data_ptr(), x.stride(0), r_ptr, r_stride, s_ptr, d, weight.data_ptr(),
+                                   out.data_ptr(), d, x.shape[0], d, eps)
+    return out, h
+
+
+def qk_norm_rope_(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """In place: per-head RMSNorm (when ``norm_weight`` is given), then neox RoPE (Su et al. 2021, rotate
+    halves) of every head of ``x`` at its token's position.
+
+    Shapes: ``x`` [T, H, D] float32 with D contiguous and heads adjacent (token stride free); ``norm_weight``
+    [H, D] float32 contiguous; ``cos``/``sin`` [P, D] float32 contiguous tables; ``positions`` [T] int64.
+    Returns ``x``. Raises:
+        ValueError: a shape, stride or dtype the kernel cannot take (D odd or above 1024 included).
+        IndexError: a position outside ``[0, P)``.
+    """
+    t, h, d = x.shape
+    _need(x.stride(2) == 1 and x.stride(1) == d, lambda: f"x must have contiguous heads, got strides {x.stride()}")
+    _need(d % 2 == 0 and d <= 1024, lambda: f"head dim must be even and <= 1024, got {d}")
+    _need(cos.shape == sin.shape and cos.dim() == 2 and cos.shape[1] == d and cos.is_contiguous()
+          and sin.is_contiguous(), "cos/sin must be contiguous [P, D] tables")
+    _need(positions.dtype == torch.int64 and positions.is_contiguous() and positions.shape == (t,),
+          "positions must be a contiguous [T] int64 tensor")
+    w_ptr = None
+    if norm_weight is not None:
+        _need(tuple(norm_weight.shape) == (h, d) and norm_weight.is_contiguous(), "norm_weight must be [H, D]")
+        w_ptr = norm_weight.data_ptr()
+    rc = _lib().raymoe_qk_norm_rope_f32(x.data_ptr(), x.stride(0), t, h, d, w_ptr, eps, cos.data_ptr(),
+                                        sin.data_ptr(), positions.data_ptr(), cos.shape[0])
+    if rc != 0:
+        raise IndexError(f"a position lies outside the rotary table of {cos.shape[0]} rows")
+    return x
+
+
+def _kv_rows(x: torch.Tensor, name: str, hkv: int, d: int) -> None:
+    _need(x.dim() == 3 and x.shape[1:] == (hkv, d) and x.stride(2) == 1 and x.stride(1) == d,
+          lambda: f"{name} must be [T, {hkv}, {d}] with contiguous heads, got {tuple(x.shape)} strides {x.stride()}")
+
+
+def kv_store(k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
+    """``k_buf[loc] = k`` and ``v_buf[loc] = v``.
+
+    Shapes: ``k``, ``v`` [T, Hkv, D] float32 with contiguous heads; ``loc`` [T] int64 contiguous; ``k_buf``,
+    ``v_buf`` [slots, Hkv, D] float32 contiguous.
+    Raises:
+        ValueError: a shape, stride or dtype the kernel cannot take.
+        IndexError: a slot outside ``[0, slots)``.
+    """
+    _need(k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.shape == v_buf.shape and k_buf.dim() == 3,
+          "k_buf and v_buf must be contiguous [slots, Hkv, D] tensors of one shape")
+    slots, hkv, d = k_buf.shape
+    _kv_rows(k, "k", hkv, d)
+    _kv_rows(v, "v", hkv, d)
+    t = k.shape[0]
+    _need(v.shape[0] == t and loc.shape == (t,) and loc.dtype == torch.int64 and loc.is_contiguous(),
+          "loc must be a contiguous [T] int64 tensor matching k and v")
+    rc = _lib().raymoe_kv_store_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), loc.data_ptr(), t,
+                                    hkv * d, k_buf.data_ptr(), v_buf.data_ptr(), slots)
+    if rc != 0:
+        raise IndexError(f"a KV slot lies outside [0, {slots})")
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Paged decode attention, one query token per row, grouped-query heads.
+
+    Row b attends to its first ``n_b = min(max(seq_lens[b], 1), L)`` cache slots ``kv_indices[b, :n_b]``
+    (a padded row with seq_len below 1 attends to one slot, as under SDPA's graph padding); query head h reads
+    kv head ``h // (Hq // Hkv)``; softmax of ``scale * q.k``.
+    Shapes: ``q`` [bs, Hq, D] float32 with contiguous heads; ``k_buf``, ``v_buf`` [slots, Hkv, D] float32
+    contiguous; ``kv_indices`` [bs, L] int64 with unit last stride; ``seq_lens`` [bs] int64 contiguous.
+    Returns [bs, Hq, D] float32 contiguous. Raises:
+        ValueError: a shape, stride or dtype the kernel cannot take (Hq not a multiple of Hkv included).
+        IndexError: an attended slot outside ``[0, slots)``.
+    """
+    bs, hq, d = q.shape
+    _need(k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.shape == v_buf.shape and k_buf.dim() == 3
+          and k_buf.shape[2] == d, "k_buf and v_buf must be contiguous [slots, Hkv, D] tensors of one shape")
+    slots, hkv, _ = k_buf.shape
+    _need(hq % hkv == 0, lambda: f"query heads {hq} must be a multiple of kv heads {hkv}")
+    _need(q.stride(2) == 1 and q.stride(1) == d, lambda: f"q must have contiguous heads, got strides {q.stride()}")
+    _need(kv_indices.dim() == 2 and kv_indices.shape[0] == bs and kv_indices.dtype == torch.int64
+          and kv_indices.stride(1) == 1, "kv_indices must be [bs, L] int64 with unit last stride")
+    _need(seq_lens.shape == (bs,) and seq_lens.dtype == torch.int64 and seq_lens.is_contiguous(),
+          "seq_lens must be a contiguous [bs] int64 tensor")
+    out = torch.empty((bs, hq, d), dtype=torch.float32)
+    if bs == 0:
+        return out
+    rc = _lib().raymoe_decode_attention_f32(q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(),
+                                            kv_indices.data_ptr(), kv_indices.stride(0), kv_indices.shape[1],
+                                            seq_lens.data_ptr(), bs, hq, hkv, d, scale, out.data_ptr(), slots)
+    if rc == -1:
+        raise IndexError(f"an attended KV slot lies outside [0, {slots})")
+    if rc != 0:
+        raise MemoryError("decode attention could not allocate its score buffer")
+    return out
+
+
+def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool,
+                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing with greedy top-k (Qwen3-MoE, Mixtral, DeepSeek-V2 ``greedy``): the ``top_k`` most
+    probable experts of each token, their probabilities (renormalized to sum 1 when ``renormalize``) times
+    ``scale``; ties go to the lower expert id.
+
+    Shapes: ``logits`` [T, E] float32 with unit last stride. Returns ``(weights, ids)``: float32 and int64
+    [T, top_k], most probable first. Raises:
+        ValueError: ``top_k`` outside ``[1, E]`` or a layout the kernel cannot take.
+    """
+    _need(logits.dim() == 2 and logits.stride(1) == 1, "logits must be [T, E] with unit last stride")
+    t, e = logits.shape
+    _need(1 <= top_k <= e, lambda: f"top_k must lie in [1, {e}], got {top_k}")
+    weights = torch.empty((t, top_k), dtype=torch.float32)
+    ids = torch.empty((t, top_k), dtype=torch.int64)
+    _lib().raymoe_topk_softmax_f32(logits.data_ptr(), logits.stride(0), t, e, top_k, int(renormalize), scale,
+                                   weights.data_ptr(), ids.data_ptr())
+    return weights, ids
+
+
+def moe_dense_rows(x: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Routed SwiGLU experts (Shazeer 2020) over dense rows: ``out[r] = sum_e weights[r, e] * expert_e(x[r])``
+    over the experts with a nonzero weight, in expert order (one GEMV pair per routed row and expert, where a
+    batched GEMM would run every expert over every row).
+
+    Shapes: ``x`` [R, H] float32 and ``weights`` [R, E] float32, each with unit last stride; ``w13`` [E, 2I, H]
+    (gate rows, then up rows) and ``w2`` [E, H, I], float32 contiguous. Returns [R, H] float32 contiguous; a
+    row whose weights are all zero gets zeros (its ``x`` is never read, so it may hold anything).
+    Raises:
+        ValueError: a shape, stride or dtype the kernel cannot take.
+    """
+    _need(w13.dim() == 3 and w2.dim() == 3 and w13.is_contiguous() and w2.is_contiguous(),
+          "w13 and w2 must be contiguous [E, 2I, H] and [E, H, I] tensors")
+    e, two_i, h = w13.shape
+    _need(two_i % 2 == 0 and tuple(w2.shape) == (e, h, two_i // 2),
+          lambda: f"w2 must be [E, H, I], got {tuple(w2.shape)}")
+    _rows(x, "x", h)
+    _rows(weights, "weights", e)
+    _need(weights.shape[0] == x.shape[0], "x and weights must have the same rows")
+    out = torch.empty((x.shape[0], h), dtype=torch.float32)
+    rc = _lib().raymoe_moe_dense_rows_f32(x.data_ptr(), x.stride(0), weights.data_ptr(), weights.stride(0),
+                                          x.shape[0], e, w13.data_ptr(), w2.data_ptr(), h, two_i // 2,
+                                          out.data_ptr())
+    if rc != 0:
+        raise MemoryError("routed experts could not allocate their scratch buffer")
+    return out

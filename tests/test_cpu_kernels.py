@@ -1,0 +1,239 @@
+"""The fused CPU kernels (``raymoe.kernels``) against the torch operators they replace: norms, q/k norm + RoPE,
+KV store, paged decode attention, softmax top-k routing and routed experts; their argument checks (a bad index
+raises before anything is written); the switch and the build fallback; and a whole model's decode logits with
+the kernels on and off."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raymoe.config_arch import RouterConfig
+from raymoe.kernels import build, cpu_ops
+from raymoe.layers.norm import rms_norm
+from raymoe.layers.router import select_experts
+
+pytestmark = pytest.mark.skipif(build.load() is None, reason="no C compiler: the kernels are off")
+
+
+@pytest.fixture
+def kernels_off():
+    """Run the body with the kernels switched off (torch paths), then switch them back on."""
+    build.reset(enabled=False)
+    yield
+    build.reset(enabled=True)
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 8), (16, 128), (37, 96)])
+def test_add_rms_norm_matches_torch(rows, dim):
+    g = _gen()
+    base = torch.randn(rows, dim + 5, generator=g)
+    x = base[:, 2:dim + 2]                                   # strided rows
+    res, w = torch.randn(rows, dim, generator=g), torch.randn(dim, generator=g)
+    out, h = cpu_ops.add_rms_norm(x, res, w, 1e-6)
+    assert torch.allclose(h, x + res, atol=0, rtol=0)
+    assert torch.allclose(out, F.rms_norm(x + res, (dim,), w, 1e-6), atol=1e-6, rtol=1e-5)
+    out, h = cpu_ops.add_rms_norm(x, None, w, 1e-6)
+    assert h is x and torch.allclose(out, F.rms_norm(x, (dim,), w, 1e-6), atol=1e-6, rtol=1e-5)
+    assert torch.allclose(rms_norm(x.contiguous(), w, 1e-6), out, atol=0, rtol=0)  # the layer takes the kernel
+
+
+def _rope_tables(positions: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.arange(positions).float()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().contiguous(), emb.sin().contiguous()
+
+
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_qk_norm_rope_matches_torch(with_norm):
+    t, hq, hkv, d = 9, 4, 2, 32
+    g = _gen(1)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    qk = qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d)
+    norm_w = torch.randn(hq + hkv, d, generator=g) if with_norm else None
+    cos, sin = _rope_tables(64, d)
+    pos = torch.randint(0, 64, (t,), generator=g)
+    ref = rms_norm(qk, norm_w, 1e-6) if with_norm else qk.clone()
+    ref = ref * cos[pos][:, None] + torch.cat((-ref[..., d // 2:], ref[..., :d // 2]), -1) * sin[pos][:, None]
+    v_before = qkv[:, (hq + hkv) * d:].clone()
+    cpu_ops.qk_norm_rope_(qk, norm_w, 1e-6, cos, sin, pos)
+    assert torch.allclose(qk, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(qkv[:, (hq + hkv) * d:], v_before)   # values untouched
+
+
+def test_qk_norm_rope_rejects_out_of_table_positions_before_writing():
+    cos, sin = _rope_tables(16, 8)
+    x = torch.randn(3, 2, 8)
+    before = x.clone()
+    with pytest.raises(IndexError, match="rotary table"):
+        cpu_ops.qk_norm_rope_(x, None, 1e-6, cos, sin, torch.tensor([0, 16, 1]))
+    assert torch.equal(x, before)
+    with pytest.raises(ValueError, match="even"):
+        cpu_ops.qk_norm_rope_(torch.randn(3, 2, 7), None, 1e-6, *_rope_tables(16, 7), torch.tensor([0, 1, 2]))
+
+
+def test_kv_store_matches_index_put_and_checks_slots():
+    g = _gen(2)
+    kb, vb = torch.zeros(20, 2, 4), torch.zeros(20, 2, 4)
+    kv = torch.randn(5, 3 * 2 * 4, generator=g)
+    k, v = kv[:, :8].view(5, 2, 4), kv[:, 8:16].view(5, 2, 4)   # strided token rows
+    loc = torch.tensor([3, 19, 0, 7, 11])
+    cpu_ops.kv_store(k, v, loc, kb, vb)
+    assert torch.equal(kb[loc], k) and torch.equal(vb[loc], v)
+    before = kb.clone()
+    with pytest.raises(IndexError, match="KV slot"):
+        cpu_ops.kv_store(k, v, torch.tensor([1, 2, 20, 3, 4]), kb, vb)
+    assert torch.equal(kb, before)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 4), (8, 1)])
+def test_decode_attention_matches_sdpa(hq, hkv):
+    d, slots, width = 16, 300, 40
+    g = _gen(3)
+    kb, vb = torch.randn(slots, hkv, d, generator=g), torch.randn(slots, hkv, d, generator=g)
+    lens = [1, 40, 7, 23, 0]                                  # 0: a padded row (attends to one slot)
+    bs = len(lens)
+    idx = torch.randint(0, slots, (bs, width + 3), generator=g)[:, :width]   # strided rows
+    q_base = torch.randn(bs, hq + 2, d, generator=g)
+    q = q_base[:, :hq]
+    out = cpu_ops.decode_attention(q, kb, vb, idx, torch.tensor(lens), d ** -0.5)
+    for b, n in enumerate(lens):
+        n = max(n, 1)
+        keys, vals = kb[idx[b, :n]].transpose(0, 1), vb[idx[b, :n]].transpose(0, 1)   # [Hkv, n, D]
+        ref = F.scaled_dot_product_attention(q[b].unsqueeze(1), keys, vals, enable_gqa=hq != hkv)
+        assert torch.allclose(out[b], ref.squeeze(1), atol=2e-6, rtol=1e-5), b
+
+
+def test_decode_attention_checks_slots_and_layout():
+    kb = vb = torch.randn(10, 2, 8)
+    q = torch.randn(2, 4, 8)
+    with pytest.raises(IndexError, match="KV slot"):
+        cpu_ops.decode_attention(q, kb, vb, torch.tensor([[1, 10], [2, 3]]), torch.tensor([2, 2]), 1.0)
+    # a slot past a row's length is never read, so it need not be valid
+    cpu_ops.decode_attention(q, kb, vb, torch.tensor([[1, 99], [2, 3]]), torch.tensor([1, 2]), 1.0)
+    with pytest.raises(ValueError, match="multiple"):
+        cpu_ops.decode_attention(torch.randn(2, 3, 8), kb, vb, torch.tensor([[1], [2]]), torch.tensor([1, 1]), 1.0)
+
+
+@pytest.mark.parametrize("experts,k,renorm,scale", [(8, 2, True, 1.0), (64, 6, False, 2.5), (4, 4, True, 1.0)])
+def test_topk_softmax_matches_select_experts(experts, k, renorm, scale, kernels_off):
+    logits = torch.randn(33, experts, generator=_gen(4))
+    cfg = RouterConfig(norm_topk_prob=renorm, routed_scaling_factor=scale)
+    ref_w, ref_ids = select_experts(logits, k, cfg)           # torch path (kernels off)
+    build.reset(enabled=True)
+    w, ids = cpu_ops.topk_softmax(logits, k, renorm, scale)
+    assert torch.equal(ids, ref_ids)
+    assert torch.allclose(w, ref_w, atol=1e-6, rtol=1e-5)
+    got_w, got_ids = select_experts(logits, k, cfg)           # the router takes the kernel
+    assert torch.equal(got_ids, ids) and torch.equal(got_w, w)
+
+
+def test_topk_softmax_breaks_ties_to_the_lower_id():
+    w, ids = cpu_ops.topk_softmax(torch.tensor([[0.5, 2.0, 2.0, 0.5, 2.0]]), 3, True)
+    assert ids.tolist() == [[1, 2, 4]]
+    assert torch.allclose(w, torch.full((1, 3), 1 / 3))
+
+
+def test_moe_dense_rows_match_batched_experts(kernels_off):
+    from raymoe.comm.groups import ParallelGroups
+    from raymoe.layers.moe import LocalExperts
+
+    g = _gen(5)
+    ex = LocalExperts(6, 24, 10, ParallelGroups.single(), torch.float32)
+    ex.w13.data.copy_(torch.randn(ex.w13.shape, generator=g) * 0.3)
+    ex.w2.data.copy_(torch.randn(ex.w2.shape, generator=g) * 0.3)
+    rows = 11
+    x = torch.randn(rows, 24, generator=g)
+    weights = torch.zeros(rows, 6)
+    for r in range(rows - 2):                                 # last two rows: padding, no expert
+        pick = torch.randperm(6, generator=g)[: 1 + r % 3]
+        weights[r, pick] = torch.rand(len(pick), generator=g)
+    weights[3, :] = 0.25                                      # every expert: more than a 4-row block per expert
+    ref = ex.forward_dense(x, weights)                        # batched GEMMs (kernels off)
+    x[rows - 2:] = float("nan")                               # padding rows are never read
+    build.reset(enabled=True)
+    out = ex.forward_dense(x, weights)
+    assert torch.allclose(out[:rows - 2], ref[:rows - 2], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[rows - 2:], torch.zeros(2, 24))
+
+
+def test_enabled_for_dtype_device_and_switch(kernels_off):
+    x = torch.randn(2, 4)
+    assert not cpu_ops.enabled_for(x)                        # switched off
+    build.reset(enabled=True)
+    assert cpu_ops.enabled_for(x)
+    assert not cpu_ops.enabled_for(x, x.double())
+    assert not cpu_ops.enabled_for(x.bfloat16())
+    assert not cpu_ops.enabled_for(torch.empty(2, 4, device="meta"))
+
+
+def test_build_caches_and_falls_back_without_a_compiler(monkeypatch, tmp_path, caplog):
+    cc = build._compiler()
+    monkeypatch.setenv("RAYMOE_CACHE_DIR", str(tmp_path))
+    path = build.build(cc)
+    assert path.exists() and path.parent == tmp_path / "kernels"
+    assert build.build(cc) == path                            # cached: same file, not rebuilt
+    monkeypatch.setattr(build, "_compiler", lambda: None)
+    build.reset()
+    try:
+        with caplog.at_level(logging.WARNING, logger="raymoe.kernels.build"):
+            assert build.load() is None
+        assert "no C compiler" in caplog.text
+        assert not cpu_ops.enabled_for(torch.randn(2))
+        x, w = torch.randn(3, 8), torch.randn(8)
+        assert torch.allclose(rms_norm(x, w, 1e-6), F.rms_norm(x, (8,), w, 1e-6))   # torch path
+    finally:
+        monkeypatch.undo()
+        build.reset(enabled=True)
+
+
+def test_build_error_names_the_compiler_failure(monkeypatch, tmp_path):
+    monkeypatch.setenv("RAYMOE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "CFLAGS", (*build.CFLAGS, "-Werror=this-flag-does-not-exist"))
+    with pytest.raises(RuntimeError, match="failed on cpu_ops.c"):
+        build.build(build._compiler())
+    assert not list((tmp_path / "kernels").glob("*.so"))      # no half-written library left behind
+
+
+def _decode_logits(model_path: str, graphs: bool) -> torch.Tensor:
+    from raymoe.runner.model_runner import ModelRunner, RunnerConfig
+    from raymoe.step.forward_mode import ForwardMode
+    from raymoe.step.sampling_inputs import SamplingInputs
+    from raymoe.step.worker_batch import ModelWorkerBatch
+
+    bs, prompt = 3, 6
+    runner = ModelRunner(RunnerConfig(model_path=model_path, dtype="float32", num_kv_slots=256, max_req_rows=4,
+                                      max_context_len=32, disable_cuda_graph=not graphs, cuda_graph_bs=(4,)))
+    logits = []
+    sample = runner.sampler
+    runner.sampler = lambda lg, sampling: (logits.append(lg.clone()), sample(lg, sampling))[1]
+    ids = torch.randint(1, 100, (bs * prompt,), generator=_gen(6)).tolist()
+    runner.forward_batch_generation(ModelWorkerBatch(
+        ForwardMode.EXTEND, ids, list(range(bs)), [prompt] * bs, [0] * bs, [prompt] * bs,
+        list(range(1, bs * prompt + 1)), [], sampling=SamplingInputs.greedy(bs), global_num_tokens=(bs * prompt,)))
+    slot = bs * prompt + 1
+    for step in range(4):
+        batch = ModelWorkerBatch(ForwardMode.DECODE, [7 + step] * bs, list(range(bs)), [prompt + step + 1] * bs,
+                                 [prompt + step] * bs, [1] * bs, list(range(slot, slot + bs)), [],
+                                 sampling=SamplingInputs.greedy(bs), global_num_tokens=(bs,),
+                                 graph_bs=4 if graphs else None)
+        slot += bs
+        runner.forward_batch_generation(batch)
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_model_decode_logits_equal_with_kernels_on_and_off(tiny_model, graphs, kernels_off):
+    off = _decode_logits(tiny_model, graphs)
+    build.reset(enabled=True)
+    on = _decode_logits(tiny_model, graphs)
+    assert torch.allclose(on, off, atol=1e-4, rtol=1e-4)
+    assert torch.equal(on.argmax(-1), off.argmax(-1))
