@@ -1,7 +1,9 @@
 """Vocabulary-parallel embedding and LM head.
 
-The vocabulary is padded to a multiple of ``tp_size`` and split in contiguous row ranges; rank r holds rows
-``[r * V_local, (r + 1) * V_local)``. Padding rows are zero and their logits are cut off.
+The vocabulary is padded to a multiple of the shard count and split in contiguous row ranges; shard r holds rows
+``[r * V_local, (r + 1) * V_local)``. Padding rows are zero and their logits are cut off. Shards are the TP group's
+ranks, except for an LM head under attention data parallelism (``tp_size == 1``, ``ep_size > 1``), which is split
+over the EP group (every rank) as SGLang splits it under DP attention: see :class:`ParallelLMHead`.
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ from raymoe.errors import CheckpointError
 class VocabParallelEmbedding(nn.Module):
     """Token embedding sharded by vocabulary rows. ``ids`` [T] int64 -> [T, hidden]."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, groups: ParallelGroups, dtype: torch.dtype):
+    def __init__(self, vocab_size: int, hidden_size: int, groups: ParallelGroups, dtype: torch.dtype,
+                 shards: int | None = None, shard_rank: int | None = None):
+        """``shards``/``shard_rank``: how many vocabulary shards and which this rank holds (default: the TP
+        group's size and rank)."""
         super().__init__()
         self.groups = groups
         self.vocab_size = vocab_size
-        self.vocab_local = -(-vocab_size // groups.tp_size)
-        self.start = groups.tp_rank * self.vocab_local
+        self.vocab_local = -(-vocab_size // (groups.tp_size if shards is None else shards))
+        self.start = (groups.tp_rank if shard_rank is None else shard_rank) * self.vocab_local
         self.end = min(self.start + self.vocab_local, vocab_size)
         self.weight = nn.Parameter(torch.zeros(self.vocab_local, hidden_size, dtype=dtype), requires_grad=False)
 
@@ -46,9 +51,53 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Output projection sharded by vocabulary rows. ``hidden`` [N, H] -> logits [N, vocab] (all-gathered)."""
+    """Output projection sharded by vocabulary rows. ``hidden`` [N, H] -> logits [N, vocab] of those rows.
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = F.linear(hidden, self.weight)
-        logits = tp_all_gather_last_dim(logits, self.groups)
-        return logits[..., : self.vocab_size]
+    With tensor parallelism the TP ranks share the rows and all-gather their logits. Under attention data
+    parallelism (``tp_size == 1`` and ``ep_size > 1``: every rank holds its own requests, and a replicated head
+    would stream all V x H weights on every rank each step) the head is split over the EP group instead, as SGLang
+    does under DP attention: each rank all-gathers every rank's rows (padded to the step's common row count),
+    computes their logits over its ``V / ep`` vocabulary rows, and an equal-split all-to-all returns each rank its
+    own rows' slices. Each rank then streams ``1 / ep`` of the weights; the price is two small exchanges per
+    forward, which every rank of the group must enter (an IDLE rank with zero rows too).
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, groups: ParallelGroups, dtype: torch.dtype):
+        self.split_over_dp = groups.tp_size == 1 and groups.ep_size > 1
+        if self.split_over_dp:
+            super().__init__(vocab_size, hidden_size, groups, dtype, groups.ep_size, groups.ep_rank)
+            from raymoe.comm.ep_transport import EpTransport
+
+            self.transport = EpTransport(groups)
+        else:
+            super().__init__(vocab_size, hidden_size, groups, dtype)
+            self.transport = None
+
+    def forward(self, hidden: torch.Tensor, rows_per_rank: int | None = None) -> torch.Tensor:  # type: ignore[override]
+        """Logits [N, vocab] of ``hidden`` [N, H].
+
+        ``rows_per_rank``: under the DP split, an upper bound of N that every rank of the step shares (the decode
+        dispatch capacity; a CUDA graph needs it fixed). None: the ranks exchange their N to find it (a blocking
+        exchange with a host sync). Ignored otherwise.
+        Raises:
+            ValueError: N is above ``rows_per_rank``.
+        """
+        if self.transport is None:
+            logits = F.linear(hidden, self.weight)
+            logits = tp_all_gather_last_dim(logits, self.groups)
+            return logits[..., : self.vocab_size]
+        n, h = hidden.shape
+        ep = self.groups.ep_size
+        if rows_per_rank is None:
+            rows_per_rank = self.transport.exchange_counts(torch.full((ep,), n, dtype=torch.int64))[2]
+        m = rows_per_rank
+        if n > m:
+            raise ValueError(f"LM head got {n} rows, above the {m} rows per rank the step planned")
+        send = hidden.contiguous() if n == m else torch.cat((hidden, hidden.new_zeros(m - n, h)))
+        gathered = hidden.new_empty((ep * m, h))                                # rank s's rows at [s * m, (s+1) * m)
+        self.transport.all_gather(gathered, send).wait()
+        part = F.linear(gathered, self.weight)                                  # [ep * m, V_local]
+        mine = torch.empty_like(part)
+        self.transport.all_to_all_equal(mine, part).wait()                      # chunk s: my rows, shard s's columns
+        logits = mine.view(ep, m, self.vocab_local).transpose(0, 1).reshape(m, ep * self.vocab_local)
+        return logits[:n, : self.vocab_size]

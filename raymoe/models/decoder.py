@@ -156,9 +156,11 @@ class MoeCausalLM(nn.Module):
         state = forward_layers(self.layers, self.embed(forward_batch), self.enable_sbo, self.tbo_decode_schedule)
         return self.norm(state.hidden_states)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head: [N, H] -> float32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, rows_per_rank: int | None = None) -> torch.Tensor:
+        """LM head: [N, H] -> float32 logits [N, vocab]. ``rows_per_rank``: a bound of N shared by every rank of
+        the step, for a head split over DP ranks (:class:`~raymoe.layers.embedding.ParallelLMHead`); None: found
+        by an exchange when the head needs it."""
+        return self.lm_head(hidden, rows_per_rank).float()
 
     @torch.no_grad()
     def load_weights(self, reader) -> None:

@@ -221,7 +221,8 @@ class ModelRunner:
         hidden = self.model(fb)
         if not return_all_logits:
             hidden = hidden[fb.sample_indices]
-        return self.model.compute_logits(hidden)
+        # the decode dispatch capacity bounds every rank's rows alike (a DP-split LM head needs a shared bound)
+        return self.model.compute_logits(hidden, fb.dispatch_capacity)
 
     @torch.inference_mode()
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> StepOutput:
