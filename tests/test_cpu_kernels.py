@@ -142,27 +142,39 @@ def test_topk_softmax_breaks_ties_to_the_lower_id():
     assert torch.allclose(w, torch.full((1, 3), 1 / 3))
 
 
-def test_moe_dense_rows_match_batched_experts(kernels_off):
+@pytest.mark.parametrize("first_expert", [0, 6])
+def test_routed_rows_match_batched_experts(first_expert, kernels_off):
+    """The kernel over blocked, strided token rows with their own routing equals the torch path (dense weights,
+    batched GEMMs); other ranks' and padding ids are skipped, and a row with no pick here answers exact zeros
+    without its (NaN) inputs being read."""
+    from raymoe.comm.expert_input import RoutedTokenRows
     from raymoe.comm.groups import ParallelGroups
     from raymoe.layers.moe import LocalExperts
 
     g = _gen(5)
-    ex = LocalExperts(6, 24, 10, ParallelGroups.single(), torch.float32)
+    e_local, e_total, k, blocks, m, h = 6, 12, 3, 2, 7, 24
+    ex = LocalExperts(e_local, h, 10, ParallelGroups.single(), torch.float32)
     ex.w13.data.copy_(torch.randn(ex.w13.shape, generator=g) * 0.3)
     ex.w2.data.copy_(torch.randn(ex.w2.shape, generator=g) * 0.3)
-    rows = 11
-    x = torch.randn(rows, 24, generator=g)
-    weights = torch.zeros(rows, 6)
-    for r in range(rows - 2):                                 # last two rows: padding, no expert
-        pick = torch.randperm(6, generator=g)[: 1 + r % 3]
-        weights[r, pick] = torch.rand(len(pick), generator=g)
-    weights[3, :] = 0.25                                      # every expert: more than a 4-row block per expert
-    ref = ex.forward_dense(x, weights)                        # batched GEMMs (kernels off)
-    x[rows - 2:] = float("nan")                               # padding rows are never read
+    # messages: [blocks, rows + 2 spare rows, h] with the routing in their own strided buffers
+    x = torch.randn(blocks, m + 2, h, generator=g)[:, :m]
+    ids = torch.stack([torch.stack([torch.randperm(e_total, generator=g)[:k] for _ in range(m)])
+                       for _ in range(blocks)])
+    ids[0, 0] = torch.arange(first_expert, first_expert + k)          # three local picks
+    ids[1, 1:3] = e_total                                               # padding rows: no expert anywhere
+    wts = torch.rand(blocks, m, k + 1, generator=g)[..., :k]
+    x[1, 1:3] = float("nan")
+    wts[1, 1:3] = float("nan")
+    rows = RoutedTokenRows(x, ids, wts, first_expert)
+    ref = ex.forward_input(rows)                                        # dense weights, batched GEMMs (kernels off)
     build.reset(enabled=True)
-    out = ex.forward_dense(x, weights)
-    assert torch.allclose(out[:rows - 2], ref[:rows - 2], atol=1e-5, rtol=1e-5)
-    assert torch.equal(out[rows - 2:], torch.zeros(2, 24))
+    out = ex.forward_input(rows)
+    padding = torch.tensor([1 * m + 1, 1 * m + 2])
+    keep = torch.ones(blocks * m, dtype=torch.bool).index_fill_(0, padding, False)
+    assert torch.allclose(out[keep], ref[keep], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[padding], torch.zeros(2, h))
+    none_here = ((ids < first_expert) | (ids >= first_expert + e_local)).all(-1).view(-1)
+    assert torch.equal(out[none_here], torch.zeros(int(none_here.sum()), h))
 
 
 def test_enabled_for_dtype_device_and_switch(kernels_off):

@@ -12,7 +12,13 @@ import torch
 from raymoe import Engine, SamplingParams
 from raymoe.comm.a2a_plan import child_dispatch_capacity, plan_dispatch_capacity
 from raymoe.comm.dispatcher import TorchDispatcher
-from raymoe.comm.expert_input import DenseExpertRows, GroupedExpertRows, effective_a2a_mode, resolve_a2a_mode
+from raymoe.comm.expert_input import (
+    DenseExpertRows,
+    GroupedExpertRows,
+    RoutedTokenRows,
+    effective_a2a_mode,
+    resolve_a2a_mode,
+)
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ParallelConfig
 from raymoe.layers.moe import LocalExperts
@@ -64,10 +70,13 @@ def _moe_both_modes(groups: ParallelGroups, sizes: list[int], skewed: bool = Fal
             out["counts"] = [b - a for a, b in zip(ends[:-1], ends[1:], strict=True)]
             assert rows.x.shape == (tokens * K, H)  # every received pair, this rank's first
             assert rows.expert_capacity == tokens
-        if isinstance(rows, DenseExpertRows):  # every gathered token row once, a weight per local expert
-            assert rows.x.shape == (tokens, H) and rows.weights.shape == (tokens, experts.num_local)
-            out["dense_counts"] = (rows.weights != 0).sum(0).tolist()
-        assert isinstance(rows, DenseExpertRows) == (mode == "dense")
+        if isinstance(rows, RoutedTokenRows):  # every gathered token row once, with its own routing
+            assert rows.x.shape == (groups.ep_size, capacity, H)
+            assert rows.topk_ids.shape == (groups.ep_size, capacity, K)
+            dense_rows = rows.dense(experts.num_local)                 # the torch path's weight per local expert
+            assert dense_rows.x.shape == (tokens, H) and dense_rows.weights.shape == (tokens, experts.num_local)
+            out["dense_counts"] = (dense_rows.weights != 0).sum(0).tolist()
+        assert isinstance(rows, RoutedTokenRows) == (mode == "dense")
         disp.combine_a(handle, experts.forward_input(rows))
         out[mode] = disp.combine_b(handle)
     ref = torch.zeros(n, H)
@@ -161,7 +170,7 @@ def test_dense_layout_only_for_small_cpu_steps():
     for capacity, dtype in ((6, torch.float32), (7, torch.float32), (6, torch.float16), (6, torch.bfloat16)):
         h = a2a.dispatch_a(x.to(dtype), ids, w.to(dtype), capacity)
         kinds.append(type(a2a.dispatch_b(h)).__name__)
-    assert kinds == ["DenseExpertRows", "GroupedExpertRows", "GroupedExpertRows", "DenseExpertRows"]
+    assert kinds == ["RoutedTokenRows", "GroupedExpertRows", "GroupedExpertRows", "RoutedTokenRows"]
 
 
 @pytest.mark.parametrize("capacity", [None, 6])
@@ -176,7 +185,7 @@ def test_dense_at_ep1_sends_nothing_and_equals_the_sorted_path(capacity):
     for disp in (sorted_path, dense):
         h = disp.dispatch_a(x, ids, w, capacity)
         rows = disp.dispatch_b(h)
-        assert isinstance(rows, DenseExpertRows) == (disp is dense)
+        assert isinstance(rows, RoutedTokenRows) == (disp is dense)
         disp.combine_a(h, experts.forward_input(rows))
         outs.append(disp.combine_b(h))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)

@@ -7,8 +7,8 @@ the ``_b`` that waits for it:
 * ``dispatch_a(hidden [N, H], topk_ids [N, k] int64, topk_weights [N, k], capacity: int | None) -> handle``:
   ``capacity`` None runs the normal mode; an int M runs the low-latency mode with M tokens per rank (the same on
   every rank of the step, chosen by the driver: ``ForwardBatch.dispatch_capacity``).
-* ``dispatch_b(handle) -> ExpertRows | MaskedExpertRows | GroupedExpertRows | DenseExpertRows``
-  (``raymoe.comm.expert_input``; the torch low-latency mode answers ``GroupedExpertRows``, or ``DenseExpertRows``
+* ``dispatch_b(handle) -> ExpertRows | MaskedExpertRows | GroupedExpertRows | RoutedTokenRows``
+  (``raymoe.comm.expert_input``; the torch low-latency mode answers ``GroupedExpertRows``, or ``RoutedTokenRows``
   for small CPU steps, DeepEP's ``MaskedExpertRows``).
 * ``combine_a(handle, expert_out, part=0, num_parts=1)``: ``expert_out`` in the layout ``dispatch_b`` gave;
   parts (single-batch overlap) exist in the normal mode's sorted layout only.
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from raymoe.comm.all_to_all import DispatchHandle, TorchAllToAll
-from raymoe.comm.expert_input import A2A_BACKENDS, DenseExpertRows, ExpertRows, GroupedExpertRows
+from raymoe.comm.expert_input import A2A_BACKENDS, ExpertRows, GroupedExpertRows, RoutedTokenRows
 from raymoe.comm.groups import ParallelGroups
 from raymoe.comm.low_latency import LowLatencyHandle, TorchLowLatencyAllToAll, check_capacity, dense_row_experts
 
@@ -30,11 +30,10 @@ from raymoe.comm.low_latency import LowLatencyHandle, TorchLowLatencyAllToAll, c
 @dataclass
 class LocalDenseHandle:
     """A dispatch that sends nothing (``ep_size == 1``) in a step small enough for the dense layout on CPU: the
-    rank's tokens ``hidden`` [N, H], their routing weight per expert ``weights`` [N, E] (hidden dtype, 0 where
-    not picked), and once the combine has it, the experts' weighted sums ``combined`` [N, H]."""
+    rank's tokens as one block of :class:`~raymoe.comm.expert_input.RoutedTokenRows` (their own top-k ids and
+    weights), and once the combine has it, the experts' weighted sums ``combined`` [N, H]."""
 
-    hidden: torch.Tensor
-    weights: torch.Tensor
+    rows: RoutedTokenRows
     combined: torch.Tensor | None = None
 
 
@@ -62,19 +61,19 @@ class TorchDispatcher:
         rows = hidden.shape[0] if capacity is None else capacity
         if self.ep_size == 1 and self.low_latency.uses_dense(rows, hidden.dtype, hidden.device):
             check_capacity(hidden.shape[0], rows)
-            weights = torch.zeros(hidden.shape[0], self.num_local_experts, dtype=hidden.dtype, device=hidden.device)
-            return LocalDenseHandle(hidden, weights.scatter_(1, topk_ids, topk_weights.to(hidden.dtype)))
+            return LocalDenseHandle(RoutedTokenRows(hidden.unsqueeze(0), topk_ids.unsqueeze(0),
+                                                    topk_weights.to(hidden.dtype).unsqueeze(0), 0))
         if capacity is None:
             return self.normal.dispatch_a(hidden, topk_ids, topk_weights)
         return self.low_latency.dispatch_a(hidden, topk_ids, topk_weights, capacity)
 
     def dispatch_b(self, handle: DispatchHandle | LowLatencyHandle | LocalDenseHandle
-                   ) -> ExpertRows | GroupedExpertRows | DenseExpertRows:
+                   ) -> ExpertRows | GroupedExpertRows | RoutedTokenRows:
         """Wait for the dispatch; returns the received pairs in the mode's layout."""
         if isinstance(handle, LowLatencyHandle):
             return self.low_latency.dispatch_b(handle)
         if isinstance(handle, LocalDenseHandle):
-            return DenseExpertRows(handle.hidden, handle.weights)
+            return handle.rows
         return self.normal.dispatch_b(handle)
 
     def combine_a(self, handle: DispatchHandle | LowLatencyHandle | LocalDenseHandle, expert_out: torch.Tensor,

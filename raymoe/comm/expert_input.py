@@ -10,11 +10,14 @@
   expert into ``x`` [R_max, H], ``R_max`` the most rows a rank can receive; segment ends stay on the device.
   Fixed shapes as well, and one grouped GEMM per projection runs over the valid rows only, where the masked
   layout's batched GEMM computes every one of the ``E_local * C`` slots.
-* :class:`DenseExpertRows` (the torch low-latency dispatcher's layout for small steps on CPU): every received
-  token row once, ``x`` [R, H], with its routing weight for each local expert, ``weights`` [R, E_local] (0 where
-  the token did not pick it). Every local expert runs over every row in two batched GEMMs and the experts answer
-  the weighted sum per row; where the rows are few (a decode step of a small model on CPU) that costs less than
-  sorting the pairs and running grouped GEMMs over segments of one or two rows.
+* :class:`RoutedTokenRows` (the torch low-latency dispatcher's layout for small steps on CPU, and the ep=1 dense
+  path): every received token row once, in blocks (one per source rank: its message, read in place), with the
+  token's own top-k ids and weights. The experts answer the weighted sum of this rank's picks per row: the fused
+  CPU kernel computes only the routed (row, expert) pairs; the torch path converts it to
+* :class:`DenseExpertRows`: the same rows as ``x`` [R, H] with a routing weight per local expert, ``weights``
+  [R, E_local] (0 where the token did not pick it); every local expert runs over every row in two batched GEMMs.
+  Where the rows are few (a decode step of a small model on CPU) either costs less than sorting the pairs and
+  running grouped GEMMs over segments of one or two rows.
 
 The experts answer in the layout they were given (``LocalExperts.forward_input``), and the dispatcher's combine
 takes that answer back.
@@ -94,3 +97,30 @@ def effective_a2a_mode(mode: str, ep_size: int, device: str) -> str:
     if mode == "auto" and ep_size == 1 and not device.startswith("cuda"):
         return "normal"
     return mode
+
+
+@dataclass
+class RoutedTokenRows:
+    """Token rows with their own routing, in blocks: ``x`` [B, M, H] (hidden dtype), ``topk_ids`` [B, M, k] int64
+    global expert ids, ``topk_weights`` [B, M, k] (hidden dtype); any strides with a unit last one (the dispatcher
+    hands out views of the received messages). This rank owns experts ``[first_expert, first_expert + E_local)``;
+    pairs with other ids (another rank's expert, or ``E`` on a padding row, whose ``x`` and weights may hold
+    anything) are not its. The experts answer ``sum over this rank's picks j of topk_weights[b, m, j] *
+    expert(x[b, m])`` per row, as [B * M, H] (row ``b * M + m``)."""
+
+    x: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    first_expert: int
+
+    def dense(self, num_local: int) -> DenseExpertRows:
+        """The same rows as :class:`DenseExpertRows` ([B * M, H], a weight per local expert; pairs that are not
+        this rank's are selected away, never multiplied, so garbage in padding rows stays out of the weights)."""
+        b, m, h = self.x.shape
+        k = self.topk_ids.shape[-1]
+        local = self.topk_ids.reshape(b * m, k) - self.first_expert
+        mine = (local >= 0) & (local < num_local)
+        weights = torch.zeros(b * m, num_local + 1, dtype=self.topk_weights.dtype, device=self.x.device)
+        weights.scatter_add_(1, torch.where(mine, local, num_local),
+                             torch.where(mine, self.topk_weights.reshape(b * m, k), 0.0))
+        return DenseExpertRows(self.x.reshape(b * m, h), weights[:, :num_local])

@@ -20,11 +20,13 @@ those properties with the all-gather / reduce-scatter exchange SGLang's DP atten
 
 Small steps on CPU (``ep * M * E_local`` row-expert products within the dispatcher's ``dense_row_experts``, which
 the MoE layer sizes by :data:`DENSE_EXPERT_MAC_BUDGET`) skip the sort: the receiver hands the experts every
-gathered token row once with a dense [ep * M, E_local] routing-weight matrix
-(:class:`~raymoe.comm.expert_input.DenseExpertRows`), every local expert runs over every row in two batched GEMMs,
-and the experts answer the weighted per-token sums the combine sends back as they are. On two CPU ranks of the
-tiny benchmark model (8 or 16 tokens per rank, 4 experts each) a decode step took 0.2-0.5 ms less than with the
-sort, the grouped GEMMs over one- or two-row segments and the masked sum (docs/performance.md).
+gathered token row once with its own routing, read in place from the messages
+(:class:`~raymoe.comm.expert_input.RoutedTokenRows`). The fused CPU kernel runs only the routed (row, expert)
+pairs; the torch path builds a dense [ep * M, E_local] weight matrix and runs every local expert over every row in
+two batched GEMMs. Either way the experts answer the weighted per-token sums the combine sends back as they are.
+On two CPU ranks of the tiny benchmark model (8 or 16 tokens per rank, 4 experts each) a decode step took
+0.2-0.5 ms less than with the sort, the grouped GEMMs over one- or two-row segments and the masked sum
+(docs/performance.md).
 
 Bytes per peer and direction: ``M`` rows plus the routing. The layout before it sent each (token, expert) pair
 to its expert's rank, in messages of ``M * min(k, E_local)`` rows (the worst case of one rank sending every pair
@@ -43,7 +45,7 @@ from typing import Any
 import torch
 
 from raymoe.comm.ep_transport import EpTransport
-from raymoe.comm.expert_input import DenseExpertRows, GroupedExpertRows
+from raymoe.comm.expert_input import GroupedExpertRows, RoutedTokenRows
 from raymoe.comm.groups import ParallelGroups
 
 DENSE_EXPERT_MAC_BUDGET = 1 << 22
@@ -70,7 +72,7 @@ class LowLatencyHandle:
             the call.
         payload: uint8 [ep, B] received messages until ``dispatch_b`` unpacks them.
         order: [ep * M * k] int64 received pair (``(src * M + t) * k + j``) at each sorted position.
-        dense: the step uses the dense layout (:class:`~raymoe.comm.expert_input.DenseExpertRows`).
+        dense: the step uses the dense layout (:class:`~raymoe.comm.expert_input.RoutedTokenRows`).
         mine: [ep, M, k, 1] bool, pairs routed to this rank's experts. weights: [ep, M, k, 1] their top-k weights
             (a view of the received messages). Both unused in the dense layout.
         partial: [ep, M * H] per-source partial sums once the combine is posted. works: pending collectives.
@@ -146,7 +148,7 @@ class TorchLowLatencyAllToAll:
         self.num_experts = num_experts
         self.num_local_experts = num_experts // groups.ep_size
         self.transport = EpTransport(groups) if groups.ep_size > 1 else None
-        start = groups.ep_rank * self.num_local_experts
+        start = self.first_expert = groups.ep_rank * self.num_local_experts
         # global expert id (E: an unused row) -> local expert, E_local for every expert of another rank
         remap = torch.full((num_experts + 1,), self.num_local_experts, dtype=torch.int64)
         remap[start:start + self.num_local_experts] = torch.arange(self.num_local_experts)
@@ -156,7 +158,7 @@ class TorchLowLatencyAllToAll:
         self._pad_ids = torch.empty(0, dtype=torch.int64)  # E, E, ...: the ids of unused message rows (CPU)
 
     def uses_dense(self, capacity: int, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether a step of per-rank capacity ``capacity`` answers :class:`DenseExpertRows` (small CPU steps)."""
+        """Whether a step of per-rank capacity ``capacity`` answers ``RoutedTokenRows`` (small CPU steps)."""
         return (device.type == "cpu" and dtype in _DENSE_DTYPES
                 and self.ep_size * capacity * self.num_local_experts <= self.dense_row_experts)
 
@@ -241,11 +243,11 @@ class TorchLowLatencyAllToAll:
             ctypes.memmove(base + geo.ids_offset + 8 * n * k, self._pad_ids.data_ptr(), 8 * pad)
         _host_copy(base + geo.weights_offset, topk_weights.to(hidden.dtype))
 
-    def dispatch_b(self, handle: LowLatencyHandle) -> GroupedExpertRows | DenseExpertRows:
+    def dispatch_b(self, handle: LowLatencyHandle) -> GroupedExpertRows | RoutedTokenRows:
         """Wait for every peer's message; returns this rank's pairs as token rows sorted by local expert,
         ``x`` [ep * M * k, H] with ``ends`` [E_local] int32 (rows from ``ends[-1]`` on belong to other ranks'
-        experts and are padding to the experts), or for a dense step every gathered token row, ``x`` [ep * M, H],
-        with its weight for each local expert, [ep * M, E_local]."""
+        experts and are padding to the experts), or for a dense step every gathered token row with its routing,
+        read in place from the messages (:class:`~raymoe.comm.expert_input.RoutedTokenRows`, [ep, M, *])."""
         for w in handle.works:
             w.wait()
         handle.works = []
@@ -254,14 +256,12 @@ class TorchLowLatencyAllToAll:
         geo = self.geometry(m, k, h, dtype, payload.device)
         ids = payload[:, geo.ids_offset:geo.weights_offset].view(torch.int64)               # [ep, M * k]
         weights = payload[:, geo.weights_offset:geo.weights_end].view(dtype)              # [ep, M * k]
-        local = self.remap(payload.device)[ids]                                           # E_local = not ours
         rows = payload.view(dtype).view(-1, h)                                            # every message, as rows
-        if handle.dense:
-            tokens = self.ep_size * m
-            dense = torch.zeros(tokens, self.num_local_experts + 1, dtype=dtype, device=payload.device)
-            dense.scatter_add_(1, local.view(tokens, k), weights.reshape(tokens, k))    # column E_local: others'
-            x = rows.view(self.ep_size, geo.message_rows, h)[:, :m].reshape(tokens, h)
-            return DenseExpertRows(x, dense[:, :self.num_local_experts])
+        if handle.dense:  # the messages in place: [ep, M, H] rows, [ep, M, k] routing
+            x = rows.view(self.ep_size, geo.message_rows, h)[:, :m]
+            return RoutedTokenRows(x, ids.view(self.ep_size, m, k), weights.view(self.ep_size, m, k),
+                                   self.first_expert)
+        local = self.remap(payload.device)[ids]                                           # E_local = not ours
         local = local.view(-1)                                                            # [P]
         handle.mine = (local < self.num_local_experts).view(-1, m, k, 1)
         handle.weights = weights.view(-1, m, k, 1)

@@ -39,7 +39,8 @@ SIGNATURES: dict[str, tuple[object, list]] = {
     "raymoe_decode_attention_f32": (_INT, [_P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _F32,
                                            _P, _I64]),
     "raymoe_topk_softmax_f32": (None, [_P, _I64, _I64, _I64, _I64, _INT, _F32, _P, _P]),
-    "raymoe_moe_dense_rows_f32": (_INT, [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P]),
+    "raymoe_moe_routed_rows_f32": (_INT, [_P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64,
+                                          _I64, _P, _P, _I64, _I64, _P]),
 }
 
 _loaded: ctypes.CDLL | None = None

@@ -14,16 +14,16 @@ import torch
 
 from raymoe.kernels import build
 
+_F32 = torch.float32
+
 
 def enabled_for(*tensors: torch.Tensor) -> bool:
     """True when the kernels can take these float tensors: all float32 on the CPU, outside ``torch.compile``
     tracing, and the library is loaded (built on first use)."""
     for t in tensors:
-        if t.dtype != torch.float32 or t.device.type != "cpu":
+        if t.dtype is not _F32 or not t.is_cpu:  # is_cpu: False for meta and CUDA tensors
             return False
-    if torch.compiler.is_compiling():
-        return False
-    return build.load() is not None
+    return build.load() is not None and not torch.compiler.is_compiling()
 
 
 def _lib():
@@ -184,14 +184,17 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool,
     return weights, ids
 
 
-def moe_dense_rows(x: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """Routed SwiGLU experts (Shazeer 2020) over dense rows: ``out[r] = sum_e weights[r, e] * expert_e(x[r])``
-    over the experts with a nonzero weight, in expert order (one GEMV pair per routed row and expert, where a
-    batched GEMM would run every expert over every row).
+def moe_routed_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, first_expert: int,
+                    w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Routed SwiGLU experts (Shazeer 2020) over token rows in blocks, reading the routing itself: row
+    ``(b, m)`` answers ``sum_j topk_weights[b, m, j] * expert_{topk_ids[b, m, j]}(x[b, m])`` over its picks among
+    this rank's experts ``[first_expert, first_expert + E)``, in expert order; one GEMV pair per routed pair, where
+    a batched GEMM would run every expert over every row. Ids outside the range (other ranks' experts, padding)
+    are skipped, and a row with no pick here answers 0 without its ``x`` or weights being read.
 
-    Shapes: ``x`` [R, H] float32 and ``weights`` [R, E] float32, each with unit last stride; ``w13`` [E, 2I, H]
-    (gate rows, then up rows) and ``w2`` [E, H, I], float32 contiguous. Returns [R, H] float32 contiguous; a
-    row whose weights are all zero gets zeros (its ``x`` is never read, so it may hold anything).
+    Shapes: ``x`` [B, M, H], ``topk_ids`` [B, M, k] int64, ``topk_weights`` [B, M, k] float32, each with a unit
+    last stride (blocks and rows strided freely); ``w13`` [E, 2I, H] (gate rows, then up rows) and ``w2``
+    [E, H, I] float32 contiguous. Returns [B * M, H] float32 contiguous.
     Raises:
         ValueError: a shape, stride or dtype the kernel cannot take.
     """
@@ -200,13 +203,18 @@ def moe_dense_rows(x: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2
     e, two_i, h = w13.shape
     _need(two_i % 2 == 0 and tuple(w2.shape) == (e, h, two_i // 2),
           lambda: f"w2 must be [E, H, I], got {tuple(w2.shape)}")
-    _rows(x, "x", h)
-    _rows(weights, "weights", e)
-    _need(weights.shape[0] == x.shape[0], "x and weights must have the same rows")
-    out = torch.empty((x.shape[0], h), dtype=torch.float32)
-    rc = _lib().raymoe_moe_dense_rows_f32(x.data_ptr(), x.stride(0), weights.data_ptr(), weights.stride(0),
-                                          x.shape[0], e, w13.data_ptr(), w2.data_ptr(), h, two_i // 2,
-                                          out.data_ptr())
+    _need(x.dim() == 3 and x.shape[2] == h and x.stride(2) == 1, lambda: f"x must be [B, M, {h}] with unit last "
+          f"stride, got {tuple(x.shape)} strides {x.stride()}")
+    b, m, _ = x.shape
+    _need(topk_ids.dim() == 3 and topk_ids.shape[:2] == (b, m) and topk_ids.dtype == torch.int64
+          and topk_ids.stride(2) == 1, "topk_ids must be [B, M, k] int64 with unit last stride")
+    _need(topk_weights.shape == topk_ids.shape and topk_weights.stride(2) == 1,
+          "topk_weights must be [B, M, k] with unit last stride")
+    out = torch.empty((b * m, h), dtype=torch.float32)
+    rc = _lib().raymoe_moe_routed_rows_f32(
+        x.data_ptr(), x.stride(0), x.stride(1), topk_ids.data_ptr(), topk_ids.stride(0), topk_ids.stride(1),
+        topk_weights.data_ptr(), topk_weights.stride(0), topk_weights.stride(1), b, m, topk_ids.shape[2],
+        first_expert, e, w13.data_ptr(), w2.data_ptr(), h, two_i // 2, out.data_ptr())
     if rc != 0:
-        raise MemoryError("routed experts could not allocate their scratch buffer")
+        raise MemoryError("routed experts could not allocate their scratch buffers")
     return out

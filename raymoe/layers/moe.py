@@ -23,7 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from raymoe.comm.dispatcher import A2ABackendSpec, get_all_to_all_backend
-from raymoe.comm.expert_input import DenseExpertRows, ExpertRows, GroupedExpertRows, MaskedExpertRows
+from raymoe.comm.expert_input import (
+    DenseExpertRows,
+    ExpertRows,
+    GroupedExpertRows,
+    MaskedExpertRows,
+    RoutedTokenRows,
+)
 from raymoe.comm.groups import ParallelGroups, divide, tp_all_reduce
 from raymoe.config_arch import RouterConfig
 from raymoe.errors import CheckpointError
@@ -114,13 +120,20 @@ class LocalExperts(nn.Module):
         return torch.empty_like(x).index_copy_(0, order, y)
 
     def forward_input(self, rows: ExpertRows | MaskedExpertRows | GroupedExpertRows | DenseExpertRows
-                      ) -> torch.Tensor:
+                      | RoutedTokenRows) -> torch.Tensor:
         """Apply the experts to a dispatch's answer, in its layout: [R, H] for :class:`ExpertRows`,
         [E_local, C, H] for :class:`MaskedExpertRows` (:meth:`forward_masked`), [R_max, H] for
         :class:`GroupedExpertRows` (:meth:`forward_segments`), the weighted sums [R, H] for
-        :class:`DenseExpertRows` (:meth:`forward_dense`)."""
+        :class:`DenseExpertRows` (:meth:`forward_dense`) and [B * M, H] for :class:`RoutedTokenRows` (float32 CPU
+        experts: the fused kernel over the routed pairs only, ``raymoe.kernels.cpu_ops.moe_routed_rows``; else
+        as dense rows)."""
         if isinstance(rows, GroupedExpertRows):
             return self.forward_segments(rows.x, rows.ends, rows.expert_capacity)
+        if isinstance(rows, RoutedTokenRows):
+            if cpu_ops.enabled_for(rows.x, rows.topk_weights, self.w13, self.w2):
+                return cpu_ops.moe_routed_rows(rows.x, rows.topk_ids, rows.topk_weights, rows.first_expert, self.w13,
+                                               self.w2)
+            rows = rows.dense(self.num_local)
         if isinstance(rows, DenseExpertRows):
             return self.forward_dense(rows.x, rows.weights)
         if isinstance(rows, MaskedExpertRows):
@@ -160,11 +173,8 @@ class LocalExperts(nn.Module):
         Two batched GEMMs ([E_local, R, 2 I] then [E_local, R, H]) and one weighted reduction over the experts, in
         expert order; a row adds exact zeros for the experts it did not pick. Worth it only where ``R * E_local``
         is small (:data:`~raymoe.comm.low_latency.DENSE_EXPERT_MAC_BUDGET`): the other layouts multiply only routed
-        rows. The GEMMs block differently from the grouped ones, so results agree with them to rounding. Float32
-        CPU experts skip the unrouted pairs in one fused kernel (``raymoe.kernels.cpu_ops.moe_dense_rows``).
+        rows. The GEMMs block differently from the grouped ones, so results agree with them to rounding.
         """
-        if x.dim() == 2 and cpu_ops.enabled_for(x, weights, self.w13, self.w2):
-            return cpu_ops.moe_dense_rows(x, weights, self.w13, self.w2)
         h = silu_and_mul(torch.matmul(x, self.w13.transpose(1, 2)))     # [E_local, R, I_local]
         y = torch.bmm(h, self.w2.transpose(1, 2))                        # [E_local, R, H]
         return (y * weights.t().unsqueeze(-1)).sum(dim=0)

@@ -196,36 +196,53 @@ void raymoe_topk_softmax_f32(const float *logits, int64_t stride, int64_t tokens
     }
 }
 
-/* Routed experts over dense rows (the DenseExpertRows layout): out[r, :] = sum over experts e with
- * weights[r, e] != 0, in expert order, of weights[r, e] * down_e(silu(gate_e(x[r])) * up_e(x[r])), where
- * w13 [experts, 2 * inter, hidden] holds gate rows then up rows and w2 [experts, hidden, inter] (contiguous).
- * A row with no nonzero weight gets zeros; x of such a row is never read. Rows: x stride x_stride, weights
- * stride w_stride, out contiguous. Each expert takes its rows in blocks of MOE_BLOCK, so a weight row read
- * from cache serves the whole block. Returns 0, or -2 when the scratch buffer cannot be allocated. */
+/* Routed SwiGLU experts over token rows in blocks (the RoutedTokenRows layout). Row (b, r), b < blocks,
+ * r < rows, is x + b * x_bs + r * x_rs (hidden floats), with top-k ids at ids + b * ids_bs + r * ids_rs and weights
+ * at wts + b * w_bs + r * w_rs (k each; strides in elements). Experts [first, first + experts) are this rank's,
+ * expert e's weights w13 [e] (2 * inter rows of hidden: gate rows, then up rows) and w2 [e] (hidden rows of inter),
+ * contiguous. out[b * rows + r, :] = sum over this rank's picks j of the row, in expert order, of
+ * wts[j] * down_e(silu(gate_e(x)) * up_e(x)); 0 for a row with no pick here (its x and weights are never read).
+ * Each expert takes its rows in blocks of MOE_BLOCK, so a weight row read from cache serves the whole block.
+ * Returns 0, or -2 when the scratch buffers cannot be allocated. */
 #define MOE_BLOCK 4
-int raymoe_moe_dense_rows_f32(const float *x, int64_t x_stride, const float *weights, int64_t w_stride,
-                              int64_t rows, int64_t experts, const float *w13, const float *w2, int64_t hidden,
-                              int64_t inter, float *out) {
-    size_t floats = (size_t)MOE_BLOCK * (2 * inter + hidden) + (size_t)inter;
+int raymoe_moe_routed_rows_f32(const float *x, int64_t x_bs, int64_t x_rs, const int64_t *ids, int64_t ids_bs,
+                               int64_t ids_rs, const float *wts, int64_t w_bs, int64_t w_rs, int64_t blocks,
+                               int64_t rows, int64_t k, int64_t first, int64_t experts, const float *w13,
+                               const float *w2, int64_t hidden, int64_t inter, float *out) {
+    int64_t total = blocks * rows;
+    size_t floats = (size_t)MOE_BLOCK * (2 * inter + hidden) + (size_t)inter + (size_t)(total > 0 ? total : 1);
     float *act = (float *)malloc(floats * sizeof(float));
-    if (act == NULL) return -2;
-    float *y = act + MOE_BLOCK * 2 * inter;
-    int64_t *sel = (int64_t *)malloc((size_t)(rows > 0 ? rows : 1) * sizeof(int64_t));
-    if (sel == NULL) {
+    int64_t *sel = (int64_t *)malloc((size_t)(total > 0 ? total : 1) * sizeof(int64_t));
+    if (act == NULL || sel == NULL) {
         free(act);
+        free(sel);
         return -2;
     }
-    memset(out, 0, (size_t)(rows * hidden) * sizeof(float));
+    float *y = act + MOE_BLOCK * 2 * inter;
+    float *ex = y + MOE_BLOCK * hidden;
+    float *selw = ex + inter;
+    memset(out, 0, (size_t)(total * hidden) * sizeof(float));
     for (int64_t e = 0; e < experts; e++) {
         int64_t count = 0;
-        for (int64_t r = 0; r < rows; r++)
-            if (weights[r * w_stride + e] != 0.f) sel[count++] = r;
+        for (int64_t b = 0; b < blocks; b++)
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t *id = ids + b * ids_bs + r * ids_rs;
+                for (int64_t j = 0; j < k; j++)
+                    if (id[j] == first + e) {
+                        sel[count] = b * rows + r;
+                        selw[count++] = wts[b * w_bs + r * w_rs + j];
+                        break;
+                    }
+            }
         const float *g = w13 + e * 2 * inter * hidden;
         const float *dw = w2 + e * hidden * inter;
         for (int64_t b0 = 0; b0 < count; b0 += MOE_BLOCK) {
             int64_t nb = count - b0 < MOE_BLOCK ? count - b0 : MOE_BLOCK;
             const float *xr[MOE_BLOCK];
-            for (int64_t b = 0; b < MOE_BLOCK; b++) xr[b] = x + sel[b0 + (b < nb ? b : 0)] * x_stride;
+            for (int64_t i = 0; i < MOE_BLOCK; i++) {
+                int64_t row = sel[b0 + (i < nb ? i : 0)];
+                xr[i] = x + (row / rows) * x_bs + (row % rows) * x_rs;
+            }
             for (int64_t j = 0; j < 2 * inter; j++) {
                 const float *wr = g + j * hidden;
                 float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
@@ -241,9 +258,8 @@ int raymoe_moe_dense_rows_f32(const float *x, int64_t x_stride, const float *wei
                 act[2 * 2 * inter + j] = d2;
                 act[3 * 2 * inter + j] = d3;
             }
-            for (int64_t b = 0; b < nb; b++) {
-                float *a = act + b * 2 * inter;
-                float *ex = y + MOE_BLOCK * hidden;  /* scratch of inter floats */
+            for (int64_t i = 0; i < nb; i++) {
+                float *a = act + i * 2 * inter;
 #pragma omp simd
                 for (int64_t j = 0; j < inter; j++) ex[j] = fast_expf(-a[j]);
 #pragma omp simd
@@ -264,11 +280,10 @@ int raymoe_moe_dense_rows_f32(const float *x, int64_t x_stride, const float *wei
                 y[2 * hidden + h] = d2;
                 y[3 * hidden + h] = d3;
             }
-            for (int64_t b = 0; b < nb; b++) {
-                int64_t r = sel[b0 + b];
-                float wt = weights[r * w_stride + e];
-                float *o = out + r * hidden;
-                const float *yb = y + b * hidden;
+            for (int64_t i = 0; i < nb; i++) {
+                float wt = selw[b0 + i];
+                float *o = out + sel[b0 + i] * hidden;
+                const float *yb = y + i * hidden;
                 for (int64_t h = 0; h < hidden; h++) o[h] += wt * yb[h];
             }
         }
