@@ -157,20 +157,37 @@ def test_dense_experts_weight_every_row_and_ignore_padding(dtype):
     torch.testing.assert_close(y[:valid].float(), ref, **tol)
 
 
-def test_dense_layout_only_for_small_cpu_steps():
+@pytest.mark.parametrize("kernels", [False, True])
+def test_dense_layout_only_for_small_cpu_steps(kernels):
     """The layer sizes the dense bound by the multiply-accumulates of its experts; above it, and for float16
-    (whose range a zero-weighted expert output could overflow), the grouped layout answers."""
-    from raymoe.comm.low_latency import DENSE_EXPERT_MAC_BUDGET, dense_row_experts
+    (whose range a zero-weighted expert output could overflow), the grouped layout answers. Where the fused
+    kernel takes float32 experts, the token-row layout also answers up to ``ROUTED_KERNEL_ROWS_PER_EXPERT``
+    routed pairs per local expert; a layer whose bound is 0 never takes it."""
+    from raymoe.comm.low_latency import DENSE_EXPERT_MAC_BUDGET, ROUTED_KERNEL_ROWS_PER_EXPERT, dense_row_experts
+    from raymoe.kernels import build
 
+    if kernels and build.load() is None:
+        pytest.skip("no C compiler: the kernels are off")
     assert dense_row_experts(128, 64) == DENSE_EXPERT_MAC_BUDGET // (3 * 128 * 64)
     assert dense_row_experts(2048, 768) == 0  # a real model's experts never take the dense layout
     a2a = TorchDispatcher(ParallelGroups.single(), E, dense_row_experts=E * 6)
-    x, ids, w = _inputs(0, 6)
-    kinds = []
-    for capacity, dtype in ((6, torch.float32), (7, torch.float32), (6, torch.float16), (6, torch.bfloat16)):
-        h = a2a.dispatch_a(x.to(dtype), ids, w.to(dtype), capacity)
-        kinds.append(type(a2a.dispatch_b(h)).__name__)
-    assert kinds == ["RoutedTokenRows", "GroupedExpertRows", "GroupedExpertRows", "RoutedTokenRows"]
+    never = TorchDispatcher(ParallelGroups.single(), E, dense_row_experts=0)
+    kernel_max = ROUTED_KERNEL_ROWS_PER_EXPERT * E // K      # most tokens per rank the kernel rule admits
+    build.reset(enabled=kernels)
+    try:
+        kinds = []
+        for disp, capacity, dtype in ((a2a, 6, torch.float32), (a2a, 7, torch.float32),
+                                      (a2a, kernel_max, torch.float32), (a2a, kernel_max + 1, torch.float32),
+                                      (a2a, 6, torch.float16), (a2a, 6, torch.bfloat16), (a2a, 7, torch.bfloat16),
+                                      (never, 1, torch.float32)):
+            x, ids, w = _inputs(0, capacity)
+            h = disp.dispatch_a(x.to(dtype), ids, w.to(dtype), capacity)
+            kinds.append(type(disp.dispatch_b(h)).__name__)
+    finally:
+        build.reset(enabled=True)
+    small = "RoutedTokenRows" if kernels else "GroupedExpertRows"
+    assert kinds == ["RoutedTokenRows", small, small, "GroupedExpertRows", "GroupedExpertRows", "RoutedTokenRows",
+                     "GroupedExpertRows", "GroupedExpertRows"]
 
 
 @pytest.mark.parametrize("capacity", [None, 6])

@@ -56,10 +56,10 @@ class TorchDispatcher:
     def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    capacity: int | None = None) -> DispatchHandle | LowLatencyHandle | LocalDenseHandle:
         """Start the dispatch (low-latency when ``capacity`` is set). With ``ep_size == 1`` nothing is sent, and
-        a CPU step within the dense bound (``M * E`` row-expert products, ``M`` the capacity, else N) keeps its
-        tokens whole for the dense layout instead of sorting pairs. Raises ValueError: N > capacity."""
+        a small CPU step (``TorchLowLatencyAllToAll.uses_dense`` at ``M``, the capacity, else N) keeps its tokens
+        whole for the token-row layout instead of sorting pairs. Raises ValueError: N > capacity."""
         rows = hidden.shape[0] if capacity is None else capacity
-        if self.ep_size == 1 and self.low_latency.uses_dense(rows, hidden.dtype, hidden.device):
+        if self.ep_size == 1 and self.low_latency.uses_dense(rows, topk_ids.shape[1], hidden):
             check_capacity(hidden.shape[0], rows)
             return LocalDenseHandle(RoutedTokenRows(hidden.unsqueeze(0), topk_ids.unsqueeze(0),
                                                     topk_weights.to(hidden.dtype).unsqueeze(0), 0))

@@ -47,12 +47,20 @@ import torch
 from raymoe.comm.ep_transport import EpTransport
 from raymoe.comm.expert_input import GroupedExpertRows, RoutedTokenRows
 from raymoe.comm.groups import ParallelGroups
+from raymoe.kernels import cpu_ops
 
 DENSE_EXPERT_MAC_BUDGET = 1 << 22
 """Multiply-accumulates one MoE layer's local experts may spend on the dense layout (every local expert over every
 gathered row) on CPU: 0.15-0.25 ms on one core of the benchmark machine (an AVX2 EPYC, where a [16, 128] x [128, 512]
 float32 GEMM ran at about 60 GFLOP/s). Below it the dense GEMMs cost less than the sort and the per-segment grouped
 GEMMs they replace (measured crossover on one rank with 8 experts: about 24 tokens, where the budget allows 21)."""
+
+ROUTED_KERNEL_ROWS_PER_EXPERT = 24
+"""Where the fused CPU kernel takes the experts (float32, ``raymoe.kernels.cpu_ops.moe_routed_rows``), a step uses
+the token-row layout while its routed pairs per local expert, ``ep * M * k / E``, are at most this, whatever the
+MAC budget: the kernel's cost follows the routed pairs, not every expert over every row. Measured on the
+benchmark machine (tiny model, 8 experts top-2, whole decode steps): at 16 pairs per expert 12-15 % less CPU per
+step than the sort and grouped GEMMs (ep=2 at 32 tokens per rank, ep=1 at 64), even at 32, grouped ahead at 64."""
 
 _DENSE_DTYPES = (torch.float32, torch.bfloat16)  # float32 range: a 0-weighted expert output cannot overflow to inf
 
@@ -157,10 +165,17 @@ class TorchLowLatencyAllToAll:
         self.dense_row_experts = dense_row_experts
         self._pad_ids = torch.empty(0, dtype=torch.int64)  # E, E, ...: the ids of unused message rows (CPU)
 
-    def uses_dense(self, capacity: int, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether a step of per-rank capacity ``capacity`` answers ``RoutedTokenRows`` (small CPU steps)."""
-        return (device.type == "cpu" and dtype in _DENSE_DTYPES
-                and self.ep_size * capacity * self.num_local_experts <= self.dense_row_experts)
+    def uses_dense(self, capacity: int, top_k: int, hidden: torch.Tensor) -> bool:
+        """Whether a step of per-rank capacity ``capacity`` (tokens like ``hidden``, top-``top_k`` routing) answers
+        ``RoutedTokenRows`` (small CPU steps; never with ``dense_row_experts`` 0, a layer whose experts are too
+        large for the layout): within the dense MAC budget, or where the fused kernel takes the experts and the
+        routed pairs per local expert stay within :data:`ROUTED_KERNEL_ROWS_PER_EXPERT`."""
+        if hidden.device.type != "cpu" or hidden.dtype not in _DENSE_DTYPES or self.dense_row_experts <= 0:
+            return False
+        if self.ep_size * capacity * self.num_local_experts <= self.dense_row_experts:
+            return True
+        return (self.ep_size * capacity * top_k <= ROUTED_KERNEL_ROWS_PER_EXPERT * self.num_experts
+                and cpu_ops.enabled_for(hidden))
 
     def remap(self, device: torch.device) -> torch.Tensor:
         """[E + 1] int64: global expert id -> local expert id, ``E_local`` where another rank owns it."""
@@ -208,7 +223,7 @@ class TorchLowLatencyAllToAll:
         message = torch.empty(geo.nbytes, dtype=torch.uint8, device=hidden.device)
         pack = self._pack_host if message.device.type == "cpu" else self._pack_device
         pack(message, geo, m, hidden, topk_ids, topk_weights)
-        handle = LowLatencyHandle(n, m, k, h, hidden.dtype, dense=self.uses_dense(m, hidden.dtype, hidden.device))
+        handle = LowLatencyHandle(n, m, k, h, hidden.dtype, dense=self.uses_dense(m, k, hidden))
         if ep == 1:
             handle.payload = message.view(1, -1)
             return handle
