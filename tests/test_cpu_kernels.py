@@ -6,6 +6,7 @@ the kernels on and off."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -21,10 +22,10 @@ pytestmark = pytest.mark.skipif(build.load() is None, reason="no C compiler: the
 
 @pytest.fixture
 def kernels_off():
-    """Run the body with the kernels switched off (torch paths), then switch them back on."""
+    """Run the body with the kernels switched off (torch paths); afterwards the environment decides again."""
     build.reset(enabled=False)
     yield
-    build.reset(enabled=True)
+    build.reset()
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -177,7 +178,7 @@ def test_routed_rows_match_batched_experts(first_expert, kernels_off):
     assert torch.equal(out[none_here], torch.zeros(int(none_here.sum()), h))
 
 
-def test_enabled_for_dtype_device_and_switch(kernels_off):
+def test_enabled_for_dtype_device_and_switch(kernels_off, monkeypatch):
     x = torch.randn(2, 4)
     assert not cpu_ops.enabled_for(x)                        # switched off
     build.reset(enabled=True)
@@ -185,6 +186,22 @@ def test_enabled_for_dtype_device_and_switch(kernels_off):
     assert not cpu_ops.enabled_for(x, x.double())
     assert not cpu_ops.enabled_for(x.bfloat16())
     assert not cpu_ops.enabled_for(torch.empty(2, 4, device="meta"))
+    monkeypatch.setenv("RAYMOE_CPU_KERNELS", "0")            # the environment decides after reset()
+    build.reset()
+    assert not cpu_ops.enabled_for(x)
+    monkeypatch.setenv("RAYMOE_CPU_KERNELS", "1")
+    build.reset()
+    assert cpu_ops.enabled_for(x)
+
+
+def test_reset_never_writes_the_environment(monkeypatch):
+    monkeypatch.delenv("RAYMOE_CPU_KERNELS", raising=False)
+    try:
+        build.reset(enabled=False)
+        assert "RAYMOE_CPU_KERNELS" not in os.environ and build.load() is None
+    finally:
+        build.reset()
+    assert build.load() is not None
 
 
 def test_build_caches_and_falls_back_without_a_compiler(monkeypatch, tmp_path, caplog):
@@ -192,7 +209,8 @@ def test_build_caches_and_falls_back_without_a_compiler(monkeypatch, tmp_path, c
     monkeypatch.setenv("RAYMOE_CACHE_DIR", str(tmp_path))
     path = build.build(cc)
     assert path.exists() and path.parent == tmp_path / "kernels"
-    assert build.build(cc) == path                            # cached: same file, not rebuilt
+    built = path.stat().st_mtime_ns
+    assert build.build(cc) == path and path.stat().st_mtime_ns == built   # cached: not rebuilt
     monkeypatch.setattr(build, "_compiler", lambda: None)
     build.reset()
     try:
@@ -204,7 +222,7 @@ def test_build_caches_and_falls_back_without_a_compiler(monkeypatch, tmp_path, c
         assert torch.allclose(rms_norm(x, w, 1e-6), F.rms_norm(x, (8,), w, 1e-6))   # torch path
     finally:
         monkeypatch.undo()
-        build.reset(enabled=True)
+        build.reset()
 
 
 def test_build_error_names_the_compiler_failure(monkeypatch, tmp_path):

@@ -95,7 +95,7 @@ def test_decode_attention_reuses_gather_buffers_without_stale_rows(fused):
     try:
         _check_decode_attention()
     finally:
-        build.reset(enabled=True)
+        build.reset()
 
 
 def _check_decode_attention():

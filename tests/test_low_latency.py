@@ -184,7 +184,7 @@ def test_dense_layout_only_for_small_cpu_steps(kernels):
             h = disp.dispatch_a(x.to(dtype), ids, w.to(dtype), capacity)
             kinds.append(type(disp.dispatch_b(h)).__name__)
     finally:
-        build.reset(enabled=True)
+        build.reset()
     small = "RoutedTokenRows" if kernels else "GroupedExpertRows"
     assert kinds == ["RoutedTokenRows", small, small, "GroupedExpertRows", "GroupedExpertRows", "RoutedTokenRows",
                      "GroupedExpertRows", "GroupedExpertRows"]

@@ -45,6 +45,7 @@ SIGNATURES: dict[str, tuple[object, list]] = {
 
 _loaded: ctypes.CDLL | None = None
 _tried = False
+_override: bool | None = None  # set by reset(enabled=...): wins over RAYMOE_CPU_KERNELS until reset() clears it
 
 
 def _compiler() -> str | None:
@@ -113,8 +114,10 @@ def load() -> ctypes.CDLL | None:
     if _tried:
         return _loaded
     _tried = True
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        logger.info("fused CPU kernels off (%s=0): torch operators only", ENV_SWITCH)
+    enabled = os.environ.get(ENV_SWITCH, "1") != "0" if _override is None else _override
+    if not enabled:
+        logger.info("fused CPU kernels switched off (%s=0 or reset(enabled=False)): torch operators only",
+                    ENV_SWITCH)
         return None
     cc = _compiler()
     if cc is None:
@@ -129,9 +132,8 @@ def load() -> ctypes.CDLL | None:
 
 
 def reset(enabled: bool | None = None) -> None:
-    """Forget the loaded library so the next :func:`load` decides again; ``enabled`` (if given) sets the
-    ``RAYMOE_CPU_KERNELS`` switch first. For tests and benchmarks that compare both paths in one process."""
-    global _loaded, _tried
-    if enabled is not None:
-        os.environ[ENV_SWITCH] = "1" if enabled else "0"
-    _loaded, _tried = None, False
+    """Forget the loaded library so the next :func:`load` decides again: switched on (when buildable) or off
+    by ``enabled``, or by ``RAYMOE_CPU_KERNELS`` again when ``enabled`` is None. The environment is never
+    written. For tests and benchmarks that compare both paths in one process."""
+    global _loaded, _tried, _override
+    _loaded, _tried, _override = None, False, enabled

@@ -50,8 +50,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """RMSNorm (Zhang & Sennrich 2019) of ``x + residual`` (or of ``x`` when ``residual`` is None).
 
     Shapes: ``x``, ``residual`` [T, D] float32 (rows may be strided); ``weight`` [D] float32 contiguous.
-    Returns ``(weight * h / sqrt(mean(h^2) + eps), h)``, both new [T, D] contiguous tensors, where ``h`` is the
-    sum (``x`` itself, not a copy, when ``residual`` is None).
+    Returns ``(weight * h / sqrt(mean(h^2) + eps), h)``: the first a new [T, D] contiguous tensor; ``h`` the sum
+    ``x + residual`` as a new [T, D] contiguous tensor, or ``x`` itself (not a copy) when ``residual`` is None.
     Raises:
         ValueError: a shape or stride the kernel cannot take.
     """

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raymoe.comm.ep_transport import EpTransport
 from raymoe.comm.groups import ParallelGroups, tp_all_gather_last_dim, tp_all_reduce
 from raymoe.errors import CheckpointError
 
@@ -63,15 +64,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, groups: ParallelGroups, dtype: torch.dtype):
-        self.split_over_dp = groups.tp_size == 1 and groups.ep_size > 1
-        if self.split_over_dp:
-            super().__init__(vocab_size, hidden_size, groups, dtype, groups.ep_size, groups.ep_rank)
-            from raymoe.comm.ep_transport import EpTransport
-
-            self.transport = EpTransport(groups)
-        else:
-            super().__init__(vocab_size, hidden_size, groups, dtype)
-            self.transport = None
+        split = groups.tp_size == 1 and groups.ep_size > 1
+        super().__init__(vocab_size, hidden_size, groups, dtype, *((groups.ep_size, groups.ep_rank) if split else ()))
+        self.split_over_dp = split
+        self.transport = EpTransport(groups) if split else None
 
     def forward(self, hidden: torch.Tensor, rows_per_rank: int | None = None) -> torch.Tensor:  # type: ignore[override]
         """Logits [N, vocab] of ``hidden`` [N, H].

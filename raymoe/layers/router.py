@@ -50,7 +50,6 @@ def select_experts(router_logits: torch.Tensor, top_k: int, cfg: RouterConfig,
         ValueError: the bias is missing though the config asks for it.
     """
     if (cfg.scoring_func == "softmax" and cfg.topk_method == "greedy" and not cfg.use_correction_bias
-            and router_logits.dim() == 2 and 1 <= top_k <= router_logits.shape[1]
             and cpu_ops.enabled_for(router_logits)):
         return cpu_ops.topk_softmax(router_logits, top_k, cfg.norm_topk_prob, cfg.routed_scaling_factor)
     logits = router_logits.float()
