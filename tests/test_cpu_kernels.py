@@ -17,7 +17,8 @@ from raymoe.kernels import build, cpu_ops
 from raymoe.layers.norm import rms_norm
 from raymoe.layers.router import select_experts
 
-pytestmark = pytest.mark.skipif(build.load() is None, reason="no C compiler: the kernels are off")
+pytestmark = pytest.mark.skipif(build.load() is None,
+                                reason="fused CPU kernels unavailable (no C compiler, or RAYMOE_CPU_KERNELS=0)")
 
 
 @pytest.fixture

@@ -90,7 +90,7 @@ def test_decode_attention_reuses_gather_buffers_without_stale_rows(fused):
     layers and steps) equal SDPA over keys gathered afresh; with the fused CPU kernels off (the gather path) and
     on (``raymoe.kernels.cpu_ops.decode_attention``, no gather)."""
     if fused and build.load() is None:
-        pytest.skip("no C compiler: the kernels are off")
+        pytest.skip("fused CPU kernels unavailable (no C compiler, or RAYMOE_CPU_KERNELS=0)")
     build.reset(enabled=fused)
     try:
         _check_decode_attention()
