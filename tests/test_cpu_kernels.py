@@ -1,7 +1,7 @@
 """The fused CPU kernels (``raymoe.kernels``) against the torch operators they replace: norms, q/k norm + RoPE,
 KV store, paged decode attention, softmax top-k routing and routed experts; their argument checks (a bad index
-raises before anything is written); the switch and the build fallback; and a whole model's decode logits with
-the kernels on and off."""
+raises before anything is written); the switch and the build fallback; and a whole model's prefill, decode and
+mixed-step logits with the kernels on and off."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from raymoe.attention import torch_native
 from raymoe.config_arch import RouterConfig
 from raymoe.kernels import build, cpu_ops
 from raymoe.layers.norm import rms_norm
@@ -123,6 +124,30 @@ def test_decode_attention_checks_slots_and_layout():
     cpu_ops.decode_attention(q, kb, vb, torch.tensor([[1, 99], [2, 3]]), torch.tensor([1, 2]), 1.0)
     with pytest.raises(ValueError, match="multiple"):
         cpu_ops.decode_attention(torch.randn(2, 3, 8), kb, vb, torch.tensor([[1], [2]]), torch.tensor([1, 1]), 1.0)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (8, 1)])
+def test_extend_attention_matches_causal_sdpa(hq, hkv):
+    d, slots = 16, 300
+    g = _gen(7)
+    kb, vb = torch.randn(slots, hkv, d, generator=g), torch.randn(slots, hkv, d, generator=g)
+    table = torch.randint(0, slots, (6, 50), generator=g)
+    reqs = [(4, 0, 9), (1, 12, 5), (5, 30, 1)]               # (table row, cached prefix, new tokens)
+    rows = torch.tensor([r for r, _, ext in reqs for _ in range(ext)])
+    lens = torch.tensor([pre + j + 1 for _, pre, ext in reqs for j in range(ext)])
+    q = torch.randn(len(rows), hq, d, generator=g)
+    out = cpu_ops.extend_attention(q, kb, vb, table[:, :35], rows, lens, d ** -0.5)
+    start = 0
+    for r, pre, ext in reqs:
+        sl = pre + ext
+        keys, vals = kb[table[r, :sl]].transpose(0, 1), vb[table[r, :sl]].transpose(0, 1)   # [Hkv, sl, D]
+        mask = torch.arange(sl)[None, :] <= torch.arange(pre, sl)[:, None]
+        ref = F.scaled_dot_product_attention(q[start:start + ext].transpose(0, 1), keys, vals, attn_mask=mask,
+                                             enable_gqa=hq != hkv)
+        assert torch.allclose(out[start:start + ext], ref.transpose(0, 1), atol=2e-6, rtol=1e-5), r
+        start += ext
+    with pytest.raises(IndexError, match="token row"):
+        cpu_ops.extend_attention(q, kb, vb, table[:4], rows, lens, 1.0)
 
 
 @pytest.mark.parametrize("experts,k,renorm,scale", [(8, 2, True, 1.0), (64, 6, False, 2.5), (4, 4, True, 1.0)])
@@ -258,11 +283,20 @@ def _decode_logits(model_path: str, graphs: bool) -> torch.Tensor:
                                  graph_bs=4 if graphs else None)
         slot += bs
         runner.forward_batch_generation(batch)
+    # a second chunk of request 0's prompt after its cached tokens, beside a decode row (MIXED)
+    seq0, seq1 = prompt + 4, prompt + 4
+    runner.forward_batch_generation(ModelWorkerBatch(
+        ForwardMode.MIXED, [11, 12, 13, 14], [0, 1], [seq0 + 3, seq1 + 1], [seq0, seq1], [3, 1],
+        list(range(slot, slot + 4)), [], sampling=SamplingInputs.greedy(2), global_num_tokens=(4,),
+        table_lens=[seq0, seq1]))
     return torch.cat(logits)
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_model_decode_logits_equal_with_kernels_on_and_off(tiny_model, graphs, kernels_off):
+@pytest.mark.parametrize("graphs,max_pairs", [(False, None), (True, None), (False, 12)])
+def test_model_decode_logits_equal_with_kernels_on_and_off(tiny_model, graphs, max_pairs, kernels_off,
+                                                           monkeypatch):
+    if max_pairs is not None:  # the MIXED step's 3-token chunk (36 pairs) takes SDPA, its decode row (11) the kernel
+        monkeypatch.setattr(torch_native, "EXTEND_KERNEL_MAX_PAIRS", max_pairs)
     off = _decode_logits(tiny_model, graphs)
     build.reset(enabled=True)
     on = _decode_logits(tiny_model, graphs)

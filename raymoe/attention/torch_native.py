@@ -2,7 +2,10 @@
 
 Decode gathers each request's keys/values through its ReqToTokenPool row into a padded [bs, L_max] batch and
 masks the padding; grouped-query heads are folded into the query-length dim so KV is never repeated.
-Extend runs one SDPA call per request with a causal mask shifted by the cached prefix length.
+Extend runs one SDPA call per request with a causal mask shifted by the cached prefix length; on a float32 CPU cache,
+requests short enough (``EXTEND_KERNEL_MAX_PAIRS``) take the fused paged-attention kernel instead, one query token
+per row reading its request's slot row of the ``ReqToTokenPool`` table in place
+(``raymoe.kernels.cpu_ops.extend_attention``).
 Under a decode graph (``raymoe.runner.graph_runner``) the same decode kernel reads fixed-address index/mask
 buffers, refreshed in place by the graph hooks before each replay, over the graph's KV width (on CUDA one capture
 per width of a ladder up to the table width; ``raymoe.attention.paged_graph_hooks``).
@@ -14,6 +17,8 @@ the gather at 256 requests cost ten times the copy itself.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +26,34 @@ from raymoe.attention.base import AttentionBackend
 from raymoe.attention.paged_graph_hooks import PagedDecodeGraphHooks
 from raymoe.kernels import cpu_ops
 from raymoe.kvcache.pools import ReqToTokenPool, TokenToKVPool
+
+# Most (query, key) pairs one extend request may attend to for the fused kernel; longer requests take SDPA. The
+# kernel loops over pairs (about 0.1 us each for 4 heads of 32 on this project's CPU); SDPA costs about 0.1 ms
+# per request and layer before its GEMMs: measured crossover about 1,500-2,000 pairs (docs/performance.md).
+EXTEND_KERNEL_MAX_PAIRS = 1536
+
+
+@dataclass(frozen=True)
+class _KernelRun:
+    """Consecutive extend requests computed by one kernel call: tokens ``[start, end)``, each token's table row
+    and attended length ([end - start] int64), and the longest sequence of the run (the table columns read)."""
+
+    start: int
+    end: int
+    token_rows: torch.Tensor
+    token_lens: torch.Tensor
+    width: int
+
+
+@dataclass(frozen=True)
+class _SdpaRequest:
+    """One extend request computed by SDPA: tokens ``[start, start + ext)``, its slots [seq_len] and its causal
+    mask [ext, seq_len] (None for one token)."""
+
+    start: int
+    ext: int
+    slots: torch.Tensor
+    mask: torch.Tensor | None
 
 
 class TorchNativeAttnBackend(PagedDecodeGraphHooks, AttentionBackend):
@@ -42,7 +75,8 @@ class TorchNativeAttnBackend(PagedDecodeGraphHooks, AttentionBackend):
         self.head_dim = head_dim
         self.kv_indices: torch.Tensor | None = None
         self.kv_mask: torch.Tensor | None = None
-        self.extend_meta: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]] = []
+        # extend: per run of requests, a kernel segment or one SDPA request (see _extend_segments)
+        self.extend_segments: list[_KernelRun | _SdpaRequest] = []
         self._gather_k: torch.Tensor | None = None  # CPU decode gather buffers [rows, Hkv, D], see module doc
         self._gather_v: torch.Tensor | None = None
 
@@ -53,29 +87,77 @@ class TorchNativeAttnBackend(PagedDecodeGraphHooks, AttentionBackend):
         if fb.forward_mode.is_decode():
             self.init_decode_metadata(fb)
             return
-        meta = []
-        start = 0
+        self.extend_segments = self._extend_segments(fb, cpu_ops.enabled_for(self.kv_pool.k_buffer[0]))
+
+    def _extend_segments(self, fb, kernel: bool) -> list[_KernelRun | _SdpaRequest]:
+        """Split an EXTEND/MIXED batch into runs of consecutive requests for the fused kernel (when ``kernel``
+        and the request attends to at most ``EXTEND_KERNEL_MAX_PAIRS`` (query, key) pairs) and single requests
+        for SDPA (longer ones, where SDPA's GEMMs beat the kernel's per-pair loop)."""
+        segments: list[_KernelRun | _SdpaRequest] = []
+        rows: list[int] = []
+        lens: list[int] = []
+        run_start = start = 0
+        width = 0
+
+        def close_run() -> None:
+            if rows:
+                segments.append(_KernelRun(run_start, start, torch.tensor(rows, dtype=torch.int64),
+                                           torch.tensor(lens, dtype=torch.int64), width))
+                rows.clear()
+                lens.clear()
+
         for i in range(fb.batch_size):
             ext, pre, sl = fb.extend_lens_cpu[i], fb.prefix_lens_cpu[i], fb.seq_lens_cpu[i]
-            slots = self.req_to_token[fb.req_pool_indices_cpu[i], :sl]
-            mask = None
-            if ext > 1:
-                q_pos = torch.arange(pre, sl, device=slots.device)[:, None]
-                mask = torch.arange(sl, device=slots.device)[None, :] <= q_pos
-            meta.append((start, ext, sl, slots, mask))
+            row = fb.req_pool_indices_cpu[i]
+            if kernel and ext * pre + ext * (ext + 1) // 2 <= EXTEND_KERNEL_MAX_PAIRS:
+                if not rows:
+                    run_start, width = start, 0
+                rows += [row] * ext  # token t at position pre + j attends to slots [0, pre + j + 1): causal
+                lens += range(pre + 1, sl + 1)
+                width = max(width, sl)
+            else:
+                close_run()
+                slots = self.req_to_token[row, :sl]
+                mask = None
+                if ext > 1:
+                    q_pos = torch.arange(pre, sl, device=slots.device)[:, None]
+                    mask = torch.arange(sl, device=slots.device)[None, :] <= q_pos
+                segments.append(_SdpaRequest(start, ext, slots, mask))
             start += ext
-        self.extend_meta = meta
+        close_run()
+        return segments
 
     def forward_extend(self, q, k, v, layer_id, forward_batch):
-        self.kv_pool.set_kv_buffer(layer_id, forward_batch.out_cache_loc, k, v)
+        """Extend attention: ``q`` [T, Hq, D], ``k``/``v`` [T, Hkv, D] (written to ``out_cache_loc`` first) ->
+        [T, Hq, D], per segment of ``init_forward_metadata``: a run of short requests through the fused kernel
+        (``cpu_ops.extend_attention``, reading each request's table row in place), a longer request through SDPA
+        over its gathered keys/values with a causal mask shifted by its cached prefix."""
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
+        kernel = cpu_ops.enabled_for(q, k, v, k_buf)
+        if not kernel and any(isinstance(s, _KernelRun) for s in self.extend_segments):
+            self.extend_segments = self._extend_segments(forward_batch, False)  # q cannot take the kernel
+        if kernel:
+            cpu_ops.kv_store(k, v, forward_batch.out_cache_loc, k_buf, v_buf)
+        else:
+            self.kv_pool.set_kv_buffer(layer_id, forward_batch.out_cache_loc, k, v)
+        scale = self.head_dim ** -0.5
+        segs = self.extend_segments
+        if len(segs) == 1 and isinstance(segs[0], _KernelRun):  # the common case: no copy
+            s = segs[0]
+            return cpu_ops.extend_attention(q, k_buf, v_buf, self.req_to_token[:, :s.width], s.token_rows,
+                                            s.token_lens, scale)
         out = torch.empty_like(q)
-        for start, ext, _sl, slots, mask in self.extend_meta:
-            qi = q[start:start + ext].transpose(0, 1).unsqueeze(0)          # [1, Hq, ext, D]
-            ki = k_buf[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)      # [1, Hkv, L, D]
-            vi = v_buf[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=self.group > 1)
-            out[start:start + ext] = o[0].transpose(0, 1)
+        for s in segs:
+            if isinstance(s, _KernelRun):
+                out[s.start:s.end] = cpu_ops.extend_attention(q[s.start:s.end], k_buf, v_buf,
+                                                              self.req_to_token[:, :s.width], s.token_rows,
+                                                              s.token_lens, scale)
+                continue
+            qi = q[s.start:s.start + s.ext].transpose(0, 1).unsqueeze(0)        # [1, Hq, ext, D]
+            ki = k_buf[s.slots].transpose(0, 1).unsqueeze(0).to(q.dtype)        # [1, Hkv, L, D]
+            vi = v_buf[s.slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=s.mask, enable_gqa=self.group > 1)
+            out[s.start:s.start + s.ext] = o[0].transpose(0, 1)
         return out
 
     def forward_decode(self, q, k, v, layer_id, forward_batch):

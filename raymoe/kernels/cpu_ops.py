@@ -141,26 +141,56 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         ValueError: a shape, stride or dtype the kernel cannot take (Hq not a multiple of Hkv included).
         IndexError: an attended slot outside ``[0, slots)``.
     """
+    _need(kv_indices.dim() == 2 and kv_indices.shape[0] == q.shape[0],
+          "kv_indices must have one row per query row")
+    return _paged_attention(q, k_buf, v_buf, kv_indices, None, seq_lens, scale)
+
+
+def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
+                     token_rows: torch.Tensor, token_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Paged causal attention for extend (prefill) tokens whose keys/values are already in the cache.
+
+    Token t belongs to request ``token_rows[t]`` and sits at position ``token_lens[t] - 1`` of it, so it attends
+    to that request's slots ``kv_indices[token_rows[t], :token_lens[t]]``: the cached prefix and the new tokens
+    up to itself. The same arithmetic as :func:`decode_attention`, with the row of slots shared by a request's
+    tokens instead of copied per token.
+    Shapes: ``q`` [T, Hq, D] float32 with contiguous heads; ``k_buf``, ``v_buf`` [slots, Hkv, D] float32
+    contiguous; ``kv_indices`` [R, L] int64 with unit last stride; ``token_rows`` and ``token_lens`` [T] int64
+    contiguous. Returns [T, Hq, D] float32 contiguous. Raises:
+        ValueError: a shape, stride or dtype the kernel cannot take.
+        IndexError: a token row outside ``[0, R)`` or an attended slot outside ``[0, slots)``.
+    """
+    _need(token_rows.shape == (q.shape[0],) and token_rows.dtype == torch.int64 and token_rows.is_contiguous(),
+          "token_rows must be a contiguous [T] int64 tensor")
+    _need(kv_indices.dim() == 2, "kv_indices must be [R, L]")
+    if token_rows.numel() and not 0 <= int(token_rows.min()) <= int(token_rows.max()) < kv_indices.shape[0]:
+        raise IndexError(f"a token row lies outside [0, {kv_indices.shape[0]})")
+    return _paged_attention(q, k_buf, v_buf, kv_indices, token_rows, token_lens, scale)
+
+
+def _paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
+                     rows: torch.Tensor | None, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     bs, hq, d = q.shape
     _need(k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.shape == v_buf.shape and k_buf.dim() == 3
           and k_buf.shape[2] == d, "k_buf and v_buf must be contiguous [slots, Hkv, D] tensors of one shape")
     slots, hkv, _ = k_buf.shape
     _need(hq % hkv == 0, lambda: f"query heads {hq} must be a multiple of kv heads {hkv}")
     _need(q.stride(2) == 1 and q.stride(1) == d, lambda: f"q must have contiguous heads, got strides {q.stride()}")
-    _need(kv_indices.dim() == 2 and kv_indices.shape[0] == bs and kv_indices.dtype == torch.int64
-          and kv_indices.stride(1) == 1, "kv_indices must be [bs, L] int64 with unit last stride")
+    _need(kv_indices.dtype == torch.int64 and kv_indices.stride(1) == 1,
+          "kv_indices must be int64 with unit last stride")
     _need(seq_lens.shape == (bs,) and seq_lens.dtype == torch.int64 and seq_lens.is_contiguous(),
           "seq_lens must be a contiguous [bs] int64 tensor")
     out = torch.empty((bs, hq, d), dtype=torch.float32)
     if bs == 0:
         return out
-    rc = _lib().raymoe_decode_attention_f32(q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(),
-                                            kv_indices.data_ptr(), kv_indices.stride(0), kv_indices.shape[1],
-                                            seq_lens.data_ptr(), bs, hq, hkv, d, scale, out.data_ptr(), slots)
+    rc = _lib().raymoe_paged_attention_f32(q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(),
+                                           kv_indices.data_ptr(), kv_indices.stride(0), kv_indices.shape[1],
+                                           None if rows is None else rows.data_ptr(), seq_lens.data_ptr(), bs, hq,
+                                           hkv, d, scale, out.data_ptr(), slots)
     if rc == -1:
         raise IndexError(f"an attended KV slot lies outside [0, {slots})")
     if rc != 0:
-        raise MemoryError("decode attention could not allocate its score buffer")
+        raise MemoryError("paged attention could not allocate its score buffer")
     return out
 
 

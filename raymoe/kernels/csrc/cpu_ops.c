@@ -105,20 +105,24 @@ int raymoe_kv_store_f32(const float *k, int64_t k_stride, const float *v, int64_
     return 0;
 }
 
-/* Decode attention over a paged cache. Row b attends to its first n_b = min(max(seq_lens[b], 1), width) slots
- * kv_indices[b, 0:n_b] of k_buf/v_buf ([slots, kv_heads, dim], contiguous). Query heads are grouped:
- * head h reads kv head h / (heads / kv_heads). q [bs, heads, dim] with token stride q_stride (head stride dim);
- * out [bs, heads, dim] contiguous. Softmax subtracts the row maximum (exact, not online).
+/* Paged attention, one query token per row b. Row b reads the slot list kv_indices[r_b, :] with
+ * r_b = rows ? rows[b] : b (rows lets every token of an extended request share its request's list; the caller
+ * checks each r_b lies in [0, index_rows)) and attends to its first n_b = min(max(seq_lens[b], 1), width) slots
+ * of k_buf/v_buf ([slots, kv_heads, dim], contiguous): a decode row passes its sequence length, an extend token
+ * at position p passes p + 1, which makes the attention causal. Query heads are grouped: head h reads kv head
+ * h / (heads / kv_heads). q [bs, heads, dim] with token stride q_stride (head stride dim); out [bs, heads, dim]
+ * contiguous. Softmax subtracts the row maximum (exact, not online).
  * Returns 0, or -1 (and writes nothing) when an attended slot lies outside [0, slots). */
-int raymoe_decode_attention_f32(const float *q, int64_t q_stride, const float *k_buf, const float *v_buf,
-                                const int64_t *kv_indices, int64_t idx_stride, int64_t width,
-                                const int64_t *seq_lens, int64_t bs, int64_t heads, int64_t kv_heads,
-                                int64_t dim, float scale, float *out, int64_t slots) {
+int raymoe_paged_attention_f32(const float *q, int64_t q_stride, const float *k_buf, const float *v_buf,
+                               const int64_t *kv_indices, int64_t idx_stride, int64_t width, const int64_t *rows,
+                               const int64_t *seq_lens, int64_t bs, int64_t heads, int64_t kv_heads,
+                               int64_t dim, float scale, float *out, int64_t slots) {
     int64_t group = heads / kv_heads;
     for (int64_t b = 0; b < bs; b++) {
         int64_t n = seq_lens[b] > width ? width : (seq_lens[b] < 1 ? 1 : seq_lens[b]);
+        const int64_t *idx = kv_indices + (rows ? rows[b] : b) * idx_stride;
         for (int64_t j = 0; j < n; j++)
-            if (kv_indices[b * idx_stride + j] < 0 || kv_indices[b * idx_stride + j] >= slots) return -1;
+            if (idx[j] < 0 || idx[j] >= slots) return -1;
     }
     size_t need = (size_t)(group * width) * sizeof(float);
     float stack_scores[4096];
@@ -129,7 +133,7 @@ int raymoe_decode_attention_f32(const float *q, int64_t q_stride, const float *k
         int64_t n = seq_lens[b];
         if (n > width) n = width;
         if (n < 1) n = 1;
-        const int64_t *idx = kv_indices + b * idx_stride;
+        const int64_t *idx = kv_indices + (rows ? rows[b] : b) * idx_stride;
         for (int64_t kh = 0; kh < kv_heads; kh++) {
             const float *qh = q + b * q_stride + kh * group * dim;
             for (int64_t j = 0; j < n; j++) {
