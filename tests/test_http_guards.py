@@ -178,7 +178,7 @@ def test_bad_strings_and_operator_limits_are_400s(tokenizer, path, body, param):
 
 
 class _BlockingTokenizer:
-    """The real tokenizer, except that encoding the text "BLOCK" waits until ``release`` is set."""
+    """The real tokenizer, except that encoding a text starting with "BLOCK" waits until ``release`` is set."""
 
     def __init__(self, tokenizer):
         self._tok = tokenizer
@@ -186,7 +186,7 @@ class _BlockingTokenizer:
         self.blocked = threading.Event()
 
     def encode(self, text, **kwargs):
-        if text == "BLOCK":
+        if text.startswith("BLOCK"):
             self.blocked.set()
             assert self.release.wait(30), "never released"
         return self._tok.encode(text, **kwargs)
@@ -198,16 +198,19 @@ class _BlockingTokenizer:
         return len(self._tok)
 
 
-def test_tokenization_runs_off_the_event_loop(tokenizer):
+def test_long_prompts_are_tokenized_off_the_event_loop(tokenizer):
+    from raymoe.deploy.openai_api import INLINE_PREP_MAX_BODY_BYTES
+
     blocking = _BlockingTokenizer(tokenizer)
     engine = FakeEngine(blocking)
     app = _app(engine)
+    long_prompt = "BLOCK" + " a" * INLINE_PREP_MAX_BODY_BYTES  # a body past the inline bound: a worker thread
 
     async def main():
         async with _client(app) as c:
             async def slow():
-                return await c.post("/v1/completions", json={"model": "fake", "prompt": "BLOCK", "max_tokens": 3},
-                                    headers=AUTH)
+                return await c.post("/v1/completions", json={"model": "fake", "prompt": long_prompt,
+                                                             "max_tokens": 3}, headers=AUTH)
 
             async with anyio.create_task_group() as tg:
                 results = {}
@@ -217,7 +220,8 @@ def test_tokenization_runs_off_the_event_loop(tokenizer):
 
                 tg.start_soon(run_slow)
                 await anyio.to_thread.run_sync(blocking.blocked.wait, 30)
-                # Tokenization of "BLOCK" is stuck in a worker thread; the loop still serves a whole stream.
+                # Tokenization of the long prompt is stuck in a worker thread; the loop still serves a whole stream
+                # (its short prompt is prepared on the loop).
                 with anyio.fail_after(30):
                     r = await c.post("/v1/completions", json={"model": "fake", "prompt": "x", "max_tokens": 5,
                                                               "stream": True}, headers=AUTH)
@@ -227,6 +231,33 @@ def test_tokenization_runs_off_the_event_loop(tokenizer):
 
     r = _run(main)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_short_prompts_are_prepared_on_the_loop_without_a_thread(tokenizer, monkeypatch):
+    import raymoe.deploy.openai_api as api
+
+    hops = []
+    real = anyio.to_thread.run_sync
+
+    async def counting(fn, *args, **kwargs):
+        hops.append(getattr(fn, "__name__", fn))
+        return await real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(api.anyio.to_thread, "run_sync", counting)
+    app = _app(FakeEngine(tokenizer))
+
+    async def main():
+        async with _client(app) as c:
+            short = await c.post("/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 2},
+                                 headers=AUTH)
+            hops_after_short = list(hops)
+            long = await c.post("/v1/completions", json={"model": "fake", "prompt": "hi " * 1000, "max_tokens": 2},
+                                headers=AUTH)
+            return short, hops_after_short, long
+
+    short, hops_after_short, long = _run(main)
+    assert short.status_code == 200 and long.status_code == 200, (short.text, long.text)
+    assert "prepare" not in hops_after_short and hops.count("prepare") == 1
 
 
 def _sse_events(text: str) -> list:

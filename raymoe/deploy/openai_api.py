@@ -4,7 +4,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stre
 three need ``Authorization: Bearer KEY`` when an API key is set), ``GET /health`` (503 while the engine is
 unhealthy), ``GET /metrics`` (Prometheus text). Flow of a request: ``http_guard`` gives it an id and checks the
 key and the declared body size before anything is read; FastAPI reads the body (413 past ``max_body_bytes``) and
-pydantic validates it (any error: 400); ``request_prep`` tokenizes it in a worker thread;
+pydantic validates it (any error: 400); ``request_prep`` tokenizes it (on the loop for a short body, else in a worker
+thread);
 ``generation.stream_pieces`` runs it in the engine under its deadline (408 when it passes); ``responses`` shapes
 the answer, and a stream goes through ``sse.EventRelay`` (bounded backlog, deadline, error event). A client that
 disconnects aborts its request. At most ``max_in_flight`` generation requests are served at once; more get 429, as
@@ -29,11 +30,17 @@ from raymoe.deploy.http_errors import APIError, from_raymoe_error, install_error
 from raymoe.deploy.http_guard import RequestGuard
 from raymoe.deploy.metrics import ServerMetrics
 from raymoe.deploy.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
-from raymoe.deploy.request_prep import prepare
+from raymoe.deploy.request_prep import PreparedRequest, prepare
 from raymoe.deploy.responses import ResponseBuilder, TokenTexts
 from raymoe.deploy.server_config import ServerLimits
 from raymoe.deploy.sse import EventRelay, SSEResponse, StreamBounds, sse
 from raymoe.errors import RaymoeError
+
+# Largest request body prepared on the event loop rather than a worker thread (bytes). Handing a short prompt to
+# a thread cost a median 15 ms (p90 52 ms) of time to first token under 16 streams (the thread and the loop wait
+# for each other's GIL turns), while preparing a 350-character prompt takes 0.3 ms (completion) to 0.5 ms (chat
+# template) on this project's CPU: a body of this size stalls the loop for about 1-2 ms at most.
+INLINE_PREP_MAX_BODY_BYTES = 2048
 
 # Status logged for requests whose client went away before the answer (nginx's convention; never seen by anyone).
 _CLIENT_CLOSED = 499
@@ -100,9 +107,7 @@ class OpenAIServing:
         pieces = None
         handed_over = False  # a started stream belongs to its response, which closes it and releases the slot
         try:
-            # Templating and tokenizing cost CPU in proportion to the prompt: a worker thread, never the loop.
-            prep = await anyio.to_thread.run_sync(prepare, body, engine.tokenizer, engine.model_config.vocab_size,
-                                                  engine.max_context_len, self.limits)
+            prep = await self._prepare(request, body)
             deadline = arrival + prep.timeout_s
             builder = ResponseBuilder(isinstance(body, ChatCompletionRequest), engine.model_name, self.token_texts,
                                       prep.logprobs, request_id)
@@ -138,6 +143,21 @@ class OpenAIServing:
                 if pieces is not None:
                     await _close(pieces)  # aborts the request in the engine if it is still running
                 self._release()
+
+    async def _prepare(self, request: Request, body: CompletionRequest | ChatCompletionRequest) -> PreparedRequest:
+        """Template, tokenize and check ``body`` (``request_prep.prepare``). Their CPU cost grows with the prompt:
+        a body of at most ``INLINE_PREP_MAX_BODY_BYTES`` is prepared on the event loop (well under 2 ms), a larger one
+        (or one of unknown size) in a worker thread, so that a long prompt never stalls the other streams.
+
+        Raises:
+            APIError: 400 naming the field (from ``prepare``).
+        """
+        engine = self.engine
+        args = (body, engine.tokenizer, engine.model_config.vocab_size, engine.max_context_len, self.limits)
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) <= INLINE_PREP_MAX_BODY_BYTES:
+            return prepare(*args)
+        return await anyio.to_thread.run_sync(prepare, *args)
 
     @staticmethod
     async def _events(builder: ResponseBuilder, first: Piece | None, pieces, include_usage: bool,
