@@ -150,6 +150,47 @@ def test_extend_attention_matches_causal_sdpa(hq, hkv):
         cpu_ops.extend_attention(q, kb, vb, table[:4], rows, lens, 1.0)
 
 
+def test_sample_rows_inverts_the_tempered_cdf():
+    g = _gen(8)
+    bs, vocab = 300, 1000                                      # 1000: a partial last block of the kernel's sums
+    logits = torch.randn(bs, vocab, generator=g) * 3
+    logits[:, 990:] = float("-inf")                            # masked tokens: zero weight, never drawn
+    temps = torch.tensor([0.0, 0.7, 1.0, 1.5] * (bs // 4))
+    u = torch.rand(bs, generator=g)
+    u[1], u[2] = 0.0, 1.0 - 2 ** -24                           # the ends of [0, 1)
+    ids = cpu_ops.sample_rows(logits, temps, u)
+    t64 = torch.where(temps == 0, 1.0, temps).double()
+    p = torch.softmax(logits.double() / t64[:, None], dim=-1)
+    cdf = p.cumsum(-1)
+    want = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=vocab - 1)
+    want = torch.where(temps == 0, logits.argmax(-1), want)
+    differ = (ids != want).nonzero()[:, 0].tolist()
+    for b in differ:  # only where the draw lies within float32 rounding of a cdf step
+        assert abs(cdf[b, want[b]].item() - u[b].item()) < 1e-5 or abs(cdf[b, ids[b]].item() - u[b].item()) < 1e-5, b
+    assert len(differ) <= 2
+    assert (ids < 990).all()
+    with pytest.raises(ValueError, match="temperatures"):
+        cpu_ops.sample_rows(logits[:2], torch.tensor([1.0, -1.0]), u[:2])
+
+
+def test_sampler_draws_the_same_tokens_with_kernels_on_and_off(kernels_off):
+    from raymoe.runner.forward_batch import SamplingBatchInfo
+    from raymoe.runner.sampler import Sampler
+    from raymoe.step.sampling_inputs import SamplingInputs
+
+    bs = 64
+    logits = torch.randn(bs, 8192, generator=_gen(9)) * 2
+    temps = [0.0, 0.5, 1.0, 1.3] * (bs // 4)
+    seeds = [None, 11] * (bs // 2)
+    info = SamplingBatchInfo.from_inputs(SamplingInputs(
+        temperatures=temps, top_ps=[1.0] * bs, top_ks=[-1] * bs, min_ps=[0.0] * bs, seeds=seeds,
+        output_lens=list(range(bs)), logprobs=[None] * bs), "cpu")
+    off = Sampler(seed=5)(logits, info)[0]
+    build.reset(enabled=True)
+    on = Sampler(seed=5)(logits, info)[0]
+    assert (on != off).sum() <= 1                              # the same draws; at most a rounding-edge draw differs
+
+
 @pytest.mark.parametrize("experts,k,renorm,scale", [(8, 2, True, 1.0), (64, 6, False, 2.5), (4, 4, True, 1.0)])
 def test_topk_softmax_matches_select_experts(experts, k, renorm, scale, kernels_off):
     logits = torch.randn(33, experts, generator=_gen(4))

@@ -15,6 +15,7 @@ import torch
 from raymoe.kernels import build
 
 _F32 = torch.float32
+_SAMPLE_BLOCK = 64  # SAMPLE_BLOCK of csrc/cpu_ops.c: the sampling kernel's scratch holds one sum per block
 
 
 def enabled_for(*tensors: torch.Tensor) -> bool:
@@ -192,6 +193,31 @@ def _paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     if rc != 0:
         raise MemoryError("paged attention could not allocate its score buffer")
     return out
+
+
+def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row, without candidate filters: row b with ``temperatures[b] == 0`` takes its first maximum,
+    any other row the inverse CDF of ``softmax(logits[b] / temperatures[b])`` at ``uniforms[b]``: the first token
+    whose running weight exceeds ``uniforms[b]`` times the total (the same rule as ``Sampler._draw``; a
+    zero-probability token is never chosen). Replaces the softmax, cumulative sum, search and greedy argmax
+    operators of a step (about 0.5 ms at [8, 8192] against 0.05 ms here).
+
+    Shapes: ``logits`` [bs, V] float32 with unit last stride; ``temperatures`` and ``uniforms`` [bs] float32
+    contiguous (temperatures >= 0, uniforms in [0, 1)). Returns [bs] int64 token ids. Raises:
+        ValueError: a shape, stride or dtype the kernel cannot take, or a negative temperature.
+    """
+    bs, vocab = logits.shape
+    _need(logits.stride(1) == 1 and vocab > 0, "logits must be [bs, V] with V > 0 and unit last stride")
+    for name, t in (("temperatures", temperatures), ("uniforms", uniforms)):
+        _need(t.shape == (bs,) and t.dtype is _F32 and t.is_contiguous() and t.is_cpu,
+              lambda name=name: f"{name} must be a contiguous [bs] float32 CPU tensor")
+    _need(bs == 0 or float(temperatures.min()) >= 0.0, "temperatures must be >= 0")
+    ids = torch.empty(bs, dtype=torch.int64)
+    if bs:
+        scratch = torch.empty(vocab + -(-vocab // _SAMPLE_BLOCK), dtype=_F32)
+        _lib().raymoe_sample_rows_f32(logits.data_ptr(), logits.stride(0), bs, vocab, temperatures.data_ptr(),
+                                      uniforms.data_ptr(), scratch.data_ptr(), ids.data_ptr())
+    return ids
 
 
 def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool,
