@@ -97,9 +97,10 @@ def test_kv_store_matches_index_put_and_checks_slots():
     assert torch.equal(kb, before)
 
 
-@pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 4), (8, 1)])
-def test_decode_attention_matches_sdpa(hq, hkv):
-    d, slots, width = 16, 300, 40
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (4, 4, 32), (8, 1, 64), (4, 2, 128), (32, 1, 128)])
+def test_decode_attention_matches_sdpa(hq, hkv, d):
+    # head sizes 32/64/128 take the kernel's unrolled paths; 32 x 128 query heads per kv head exceed its accumulator
+    slots, width = 300, 40
     g = _gen(3)
     kb, vb = torch.randn(slots, hkv, d, generator=g), torch.randn(slots, hkv, d, generator=g)
     lens = [1, 40, 7, 23, 0]                                  # 0: a padded row (attends to one slot)
