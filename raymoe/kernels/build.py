@@ -1,7 +1,8 @@
-"""Build and load raymoe's fused CPU kernels (``csrc/cpu_ops.c``) as a shared library bound through ``ctypes``.
+"""Build and load raymoe's fused CPU kernels (``csrc/*.c``, one concern per file, sharing ``csrc/cpu_ops.h``) as one
+shared library bound through ``ctypes``.
 
-The source is plain C (no torch headers), so a build takes well under a second with the system C compiler
-(``$CC``, else ``cc``). The library is cached under ``cache_dir() / "kernels"``, keyed by a hash of the source,
+The sources are plain C (no torch headers), so a build takes about a second with the system C compiler
+(``$CC``, else ``cc``). The library is cached under ``cache_dir() / "kernels"``, keyed by a hash of the sources,
 the compiler's version line, the flags and this machine's CPU flags (``-march=native`` code must not run on
 another CPU model sharing the cache folder). A build writes a temporary file and renames it into place, so
 processes that build at once never load a half-written library.
@@ -25,13 +26,15 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(sorted(CSRC.glob("*.c")))  # each file's first comment says what it holds
+HEADERS = tuple(sorted(CSRC.glob("*.h")))
 # -fno-math-errno / -fno-trapping-math: let GCC vectorize floorf and the clamps of fast_expf (no FP traps used)
 CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
 ENV_SWITCH = "RAYMOE_CPU_KERNELS"  # "0": never load the kernels (torch paths everywhere)
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-# exported symbol -> (restype, argtypes); the C file documents each one
+# exported symbol -> (restype, argtypes); the C sources document each one
 SIGNATURES: dict[str, tuple[object, list]] = {
     "raymoe_add_rms_norm_f32": (None, [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _F32]),
     "raymoe_qk_norm_rope_f32": (_INT, [_P, _I64, _I64, _I64, _I64, _P, _F32, _P, _P, _P, _I64]),
@@ -70,7 +73,8 @@ def library_path(cc: str) -> Path:
 
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), repr(version).encode(), repr(CFLAGS).encode(), _cpu_flags().encode(),
+    sources = [f.name.encode() + f.read_bytes() for f in (*SOURCES, *HEADERS)]
+    for part in (*sources, repr(version).encode(), repr(CFLAGS).encode(), _cpu_flags().encode(),
                  platform.machine().encode()):
         key.update(part)
     return cache_dir() / "kernels" / f"cpu_ops-{key.hexdigest()[:16]}.so"
@@ -90,10 +94,11 @@ def build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
                               timeout=120)
         if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
+            names = ", ".join(f.name for f in SOURCES)
+            raise RuntimeError(f"{cc} failed on the kernel sources ({names}): {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

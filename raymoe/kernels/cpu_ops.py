@@ -1,4 +1,4 @@
-"""Python entry points of the fused CPU kernels (``csrc/cpu_ops.c``), each replacing a run of small torch operators
+"""Python entry points of the fused CPU kernels (``csrc/*.c``), each replacing a run of small torch operators
 on the decode path of a CPU rank.
 
 Callers ask :func:`enabled_for` with the float tensors they would pass; when it says no (not float32, not on the
@@ -15,7 +15,7 @@ import torch
 from raymoe.kernels import build
 
 _F32 = torch.float32
-_SAMPLE_BLOCK = 64  # SAMPLE_BLOCK of csrc/cpu_ops.c: the sampling kernel's scratch holds one sum per block
+_SAMPLE_BLOCK = 64  # SAMPLE_BLOCK of csrc/sampling.c: the sampling kernel's scratch holds one sum per block
 
 
 def enabled_for(*tensors: torch.Tensor) -> bool:

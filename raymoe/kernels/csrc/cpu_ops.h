@@ -1,0 +1,41 @@
+#ifndef RAYMOE_CPU_OPS_H
+#define RAYMOE_CPU_OPS_H
+
+/* raymoe fused CPU kernels (float32, one thread each call): what every kernel source shares.
+ *
+ * At decode sizes (a few to a few hundred rows, hidden sizes in the hundreds) a step is made of small operators
+ * whose cost is the framework's per-call overhead (about 3 us per tensor call on the CI machine), not
+ * arithmetic. These kernels do one layer stage each in a single call, reading strided inputs in place.
+ * Python binds them through ctypes (raymoe/kernels/cpu_ops.py), which checks dtypes, devices, shapes and
+ * strides before every call; nothing here validates its arguments.
+ *
+ * Reductions accumulate in float (vector lanes where marked `omp simd`, so not in index order); results match
+ * the torch operators they replace to float32 rounding, not bit for bit.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* exp(x) for x in [-87.3, 88.7] (clamped outside), within about 2 ulp: Cody-Waite range reduction and the
+ * Cephes expf polynomial, written so that GCC vectorizes loops that call it (libm's expf is a scalar call). */
+static inline float fast_expf(float x) {
+    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float g = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * g + 1.3981999507e-3f;
+    y = y * g + 8.3334519073e-3f;
+    y = y * g + 4.1665795894e-2f;
+    y = y * g + 1.6666665459e-1f;
+    y = y * g + 5.0000001201e-1f;
+    y = y * g * g + g + 1.f;
+    union {
+        int32_t i;
+        float f;
+    } scale = {((int32_t)n + 127) << 23};
+    return y * scale.f;
+}
+
+#endif
