@@ -148,7 +148,9 @@ def test_extend_attention_matches_causal_sdpa(hq, hkv):
         assert torch.allclose(out[start:start + ext], ref.transpose(0, 1), atol=2e-6, rtol=1e-5), r
         start += ext
     with pytest.raises(IndexError, match="token row"):
-        cpu_ops.extend_attention(q, kb, vb, table[:4], rows, lens, 1.0)
+        cpu_ops.extend_attention(q, kb, vb, table[:4], rows, lens, 1.0)      # row 4 and 5 past the table
+    with pytest.raises(IndexError, match="token row"):
+        cpu_ops.extend_attention(q, kb, vb, table, rows - 5, lens, 1.0)      # negative rows
 
 
 def test_sample_rows_inverts_the_tempered_cdf():

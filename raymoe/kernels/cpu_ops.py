@@ -164,8 +164,6 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     _need(token_rows.shape == (q.shape[0],) and token_rows.dtype == torch.int64 and token_rows.is_contiguous(),
           "token_rows must be a contiguous [T] int64 tensor")
     _need(kv_indices.dim() == 2, "kv_indices must be [R, L]")
-    if token_rows.numel() and not 0 <= int(token_rows.min()) <= int(token_rows.max()) < kv_indices.shape[0]:
-        raise IndexError(f"a token row lies outside [0, {kv_indices.shape[0]})")
     return _paged_attention(q, k_buf, v_buf, kv_indices, token_rows, token_lens, scale)
 
 
@@ -186,10 +184,12 @@ def _paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         return out
     rc = _lib().raymoe_paged_attention_f32(q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(),
                                            kv_indices.data_ptr(), kv_indices.stride(0), kv_indices.shape[1],
-                                           None if rows is None else rows.data_ptr(), seq_lens.data_ptr(), bs, hq,
-                                           hkv, d, scale, out.data_ptr(), slots)
+                                           kv_indices.shape[0], None if rows is None else rows.data_ptr(),
+                                           seq_lens.data_ptr(), bs, hq, hkv, d, scale, out.data_ptr(), slots)
     if rc == -1:
         raise IndexError(f"an attended KV slot lies outside [0, {slots})")
+    if rc == -3:
+        raise IndexError(f"a token row lies outside [0, {kv_indices.shape[0]})")
     if rc != 0:
         raise MemoryError("paged attention could not allocate its score buffer")
     return out

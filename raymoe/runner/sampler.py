@@ -106,10 +106,10 @@ class Sampler:
             (token ids [bs] int64, per-row log-probs of the model distribution or None).
         """
         logits = logits.float()
+        filtered = not info.all_greedy and self._needs_filter(info)
         if info.all_greedy:
             next_ids = greedy_argmax(logits)
-        elif not self._needs_filter(info) and cpu_ops.enabled_for(logits, info.temperatures) \
-                and logits.stride(-1) == 1:
+        elif not filtered and cpu_ops.enabled_for(logits, info.temperatures) and logits.stride(-1) == 1:
             # one fused call: greedy rows (temperature 0) take their first maximum, the others the same inverse
             # CDF at the same draws as below (cpu_ops.sample_rows)
             next_ids = cpu_ops.sample_rows(logits, info.temperatures.contiguous(),
@@ -119,7 +119,7 @@ class Sampler:
             greedy_rows = (info.temperatures == 0.0) | (info.top_ks == 1)
             temps = torch.where(greedy_rows, torch.ones_like(info.temperatures), info.temperatures)
             probs = torch.softmax(logits / temps[:, None], dim=-1)
-            if self._needs_filter(info):  # sorting the vocabulary is the costliest part: only when asked
+            if filtered:  # sorting the vocabulary is the costliest part: only when asked
                 probs = self._filter(probs, info)
             sampled = self._draw(probs, info)
             next_ids = torch.where(greedy_rows, greedy_ids, sampled)

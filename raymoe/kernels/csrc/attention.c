@@ -50,19 +50,21 @@ static inline __attribute__((always_inline)) void attend_kv_head(
 }
 
 /* Paged attention, one query token per row b. Row b reads the slot list kv_indices[r_b, :] with
- * r_b = rows ? rows[b] : b (rows lets every token of an extended request share its request's list; the caller
- * checks each r_b lies in [0, index_rows)) and attends to its first n_b = min(max(seq_lens[b], 1), width) slots
+ * r_b = rows ? rows[b] : b (rows lets every token of an extended request share its request's list of the
+ * index_rows lists) and attends to its first n_b = min(max(seq_lens[b], 1), width) slots
  * of k_buf/v_buf ([slots, kv_heads, dim], contiguous): a decode row passes its sequence length, an extend token
  * at position p passes p + 1, which makes the attention causal. Query heads are grouped: head h reads kv head
  * h / (heads / kv_heads). q [bs, heads, dim] with token stride q_stride (head stride dim); out [bs, heads, dim]
  * contiguous. Softmax subtracts the row maximum (exact, not online).
- * Returns 0, or -1 (and writes nothing) when an attended slot lies outside [0, slots). */
+ * Returns 0, or (writing nothing) -1 when an attended slot lies outside [0, slots), -3 when a row r_b lies
+ * outside [0, index_rows). */
 int raymoe_paged_attention_f32(const float *q, int64_t q_stride, const float *k_buf, const float *v_buf,
-                               const int64_t *kv_indices, int64_t idx_stride, int64_t width, const int64_t *rows,
-                               const int64_t *seq_lens, int64_t bs, int64_t heads, int64_t kv_heads,
-                               int64_t dim, float scale, float *out, int64_t slots) {
+                               const int64_t *kv_indices, int64_t idx_stride, int64_t width, int64_t index_rows,
+                               const int64_t *rows, const int64_t *seq_lens, int64_t bs, int64_t heads,
+                               int64_t kv_heads, int64_t dim, float scale, float *out, int64_t slots) {
     int64_t group = heads / kv_heads;
     for (int64_t b = 0; b < bs; b++) {
+        if (rows && (rows[b] < 0 || rows[b] >= index_rows)) return -3;
         int64_t n = seq_lens[b] > width ? width : (seq_lens[b] < 1 ? 1 : seq_lens[b]);
         const int64_t *idx = kv_indices + (rows ? rows[b] : b) * idx_stride;
         for (int64_t j = 0; j < n; j++)

@@ -7,7 +7,8 @@
  * whose cost is the framework's per-call overhead (about 3 us per tensor call on the CI machine), not
  * arithmetic. These kernels do one layer stage each in a single call, reading strided inputs in place.
  * Python binds them through ctypes (raymoe/kernels/cpu_ops.py), which checks dtypes, devices, shapes and
- * strides before every call; nothing here validates its arguments.
+ * strides before every call; the C code checks only the indices it reads through (positions, KV slots, table
+ * rows), before it writes anything.
  *
  * Reductions accumulate in float (vector lanes where marked `omp simd`, so not in index order); results match
  * the torch operators they replace to float32 rounding, not bit for bit.
