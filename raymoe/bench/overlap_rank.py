@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from raymoe.comm.all_to_all import DispatchHandle
-from raymoe.comm.expert_input import ExpertRows, GroupedExpertRows, MaskedExpertRows
+from raymoe.comm.expert_input import ExpertRows, GroupedExpertRows, MaskedExpertRows, RoutedTokenRows
 from raymoe.comm.groups import ParallelGroups
 from raymoe.comm.latency import LatencyInjectedAllToAll, wrap_moe_all_to_all
 from raymoe.config import OverlapConfig
@@ -53,10 +53,11 @@ def _cyclic_rows(x: torch.Tensor, n: int) -> torch.Tensor:
 @dataclass
 class _LoopbackMasked:
     """Loopback stand-in of a low-latency dispatch: this rank's tokens and the recorded received layout
-    (:class:`GroupedExpertRows` from the torch dispatcher, :class:`MaskedExpertRows` from DeepEP's)."""
+    (:class:`GroupedExpertRows` or, for small CPU steps, :class:`RoutedTokenRows` from the torch dispatcher;
+    :class:`MaskedExpertRows` from DeepEP's)."""
 
     hidden: torch.Tensor
-    recorded: GroupedExpertRows | MaskedExpertRows
+    recorded: GroupedExpertRows | MaskedExpertRows | RoutedTokenRows
     out: torch.Tensor | None = None
 
 
@@ -87,7 +88,7 @@ class BenchAllToAll:
             return self.real.dispatch_a(hidden, topk_ids, topk_weights, capacity)
         recorded = self.tape[self.cursor]
         self.cursor += 1
-        if isinstance(recorded, GroupedExpertRows | MaskedExpertRows):
+        if isinstance(recorded, GroupedExpertRows | MaskedExpertRows | RoutedTokenRows):
             return _LoopbackMasked(hidden, recorded)
         n, k = topk_ids.shape
         rows = _cyclic_rows(hidden, recorded.numel())
@@ -99,6 +100,8 @@ class BenchAllToAll:
             x = _cyclic_rows(handle.hidden, rec.x.numel() // rec.x.shape[-1])
             if isinstance(rec, GroupedExpertRows):
                 return GroupedExpertRows(x, rec.ends, rec.expert_capacity)
+            if isinstance(rec, RoutedTokenRows):
+                return RoutedTokenRows(x.view_as(rec.x), rec.topk_ids, rec.topk_weights, rec.first_expert)
             return MaskedExpertRows(x.view_as(rec.x), rec.counts)
         if self.mode == "loopback":
             return ExpertRows(handle.recv_hidden, handle.recv_expert_ids)
@@ -108,6 +111,9 @@ class BenchAllToAll:
                 self.tape.append(GroupedExpertRows(torch.empty_like(rows.x), rows.ends.clone(), rows.expert_capacity))
             elif isinstance(rows, MaskedExpertRows):
                 self.tape.append(MaskedExpertRows(torch.empty_like(rows.x), rows.counts.clone()))
+            elif isinstance(rows, RoutedTokenRows):  # the routing is the work: keep it, not the rows
+                self.tape.append(RoutedTokenRows(torch.empty_like(rows.x), rows.topk_ids.clone(),
+                                                 rows.topk_weights.clone(), rows.first_expert))
             else:
                 self.tape.append(rows.local_ids.clone())
         return rows
