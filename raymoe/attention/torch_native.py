@@ -183,6 +183,13 @@ class TorchNativeAttnBackend(PagedDecodeGraphHooks, AttentionBackend):
         o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.kv_mask)
         return o.reshape(bs, self.num_heads, self.head_dim)
 
+    def decode_kernel_inputs(self, layer_id, forward_batch):
+        """The cache and this step's ``kv_indices`` when :meth:`forward_decode` would take the fused kernels."""
+        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
+        if self.kv_indices is None or not cpu_ops.enabled_for(k_buf):
+            return None
+        return k_buf, v_buf, self.kv_indices
+
     def _gather(self, k_buf: torch.Tensor, v_buf: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``idx`` [N] of ``k_buf``/``v_buf`` [slots, Hkv, D] -> two [N, Hkv, D] tensors. On CPU they are
         views of the backend's gather buffers (valid until the next call); elsewhere fresh tensors (a CUDA graph

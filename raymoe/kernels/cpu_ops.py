@@ -27,14 +27,15 @@ def enabled_for(*tensors: torch.Tensor) -> bool:
     return build.load() is not None and not torch.compiler.is_compiling()
 
 
-def _lib():
-    lib = build.load()
-    if lib is None:
+def lib():
+    """The loaded kernel library (``ctypes.CDLL``). Raises RuntimeError: it is not loaded."""
+    loaded = build.load()
+    if loaded is None:
         raise RuntimeError("fused CPU kernels are not loaded; check enabled_for() first")
-    return lib
+    return loaded
 
 
-def _need(cond: bool, what) -> None:
+def need(cond: bool, what) -> None:
     """Raise ValueError(what) unless ``cond``; ``what`` is a string or a callable returning one (messages that
     format shapes are only built when they are raised)."""
     if not cond:
@@ -42,7 +43,7 @@ def _need(cond: bool, what) -> None:
 
 
 def _rows(x: torch.Tensor, name: str, dim: int) -> None:
-    _need(x.dim() == 2 and x.shape[1] == dim and x.stride(1) == 1,
+    need(x.dim() == 2 and x.shape[1] == dim and x.stride(1) == 1,
           lambda: f"{name} must be [T, {dim}] with unit last stride, got {tuple(x.shape)} strides {x.stride()}")
 
 
@@ -57,17 +58,17 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         ValueError: a shape or stride the kernel cannot take.
     """
     d = weight.shape[0]
-    _need(weight.dim() == 1 and weight.is_contiguous(), "weight must be a contiguous [D] tensor")
+    need(weight.dim() == 1 and weight.is_contiguous(), "weight must be a contiguous [D] tensor")
     _rows(x, "x", d)
     out = torch.empty((x.shape[0], d), dtype=torch.float32)
     if residual is None:
         h, r_ptr, r_stride, s_ptr = x, None, 0, None
     else:
         _rows(residual, "residual", d)
-        _need(residual.shape[0] == x.shape[0], "x and residual must have the same rows")
+        need(residual.shape[0] == x.shape[0], "x and residual must have the same rows")
         h = torch.empty_like(out)
         r_ptr, r_stride, s_ptr = residual.data_ptr(), residual.stride(0), h.data_ptr()
-    _lib().raymoe_add_rms_norm_f32(x.data_ptr(), x.stride(0), r_ptr, r_stride, s_ptr, d, weight.data_ptr(),
+    lib().raymoe_add_rms_norm_f32(x.data_ptr(), x.stride(0), r_ptr, r_stride, s_ptr, d, weight.data_ptr(),
                                    out.data_ptr(), d, x.shape[0], d, eps)
     return out, h
 
@@ -84,17 +85,17 @@ def qk_norm_rope_(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
         IndexError: a position outside ``[0, P)``.
     """
     t, h, d = x.shape
-    _need(x.stride(2) == 1 and x.stride(1) == d, lambda: f"x must have contiguous heads, got strides {x.stride()}")
-    _need(d % 2 == 0 and d <= 1024, lambda: f"head dim must be even and <= 1024, got {d}")
-    _need(cos.shape == sin.shape and cos.dim() == 2 and cos.shape[1] == d and cos.is_contiguous()
+    need(x.stride(2) == 1 and x.stride(1) == d, lambda: f"x must have contiguous heads, got strides {x.stride()}")
+    need(d % 2 == 0 and d <= 1024, lambda: f"head dim must be even and <= 1024, got {d}")
+    need(cos.shape == sin.shape and cos.dim() == 2 and cos.shape[1] == d and cos.is_contiguous()
           and sin.is_contiguous(), "cos/sin must be contiguous [P, D] tables")
-    _need(positions.dtype == torch.int64 and positions.is_contiguous() and positions.shape == (t,),
+    need(positions.dtype == torch.int64 and positions.is_contiguous() and positions.shape == (t,),
           "positions must be a contiguous [T] int64 tensor")
     w_ptr = None
     if norm_weight is not None:
-        _need(tuple(norm_weight.shape) == (h, d) and norm_weight.is_contiguous(), "norm_weight must be [H, D]")
+        need(tuple(norm_weight.shape) == (h, d) and norm_weight.is_contiguous(), "norm_weight must be [H, D]")
         w_ptr = norm_weight.data_ptr()
-    rc = _lib().raymoe_qk_norm_rope_f32(x.data_ptr(), x.stride(0), t, h, d, w_ptr, eps, cos.data_ptr(),
+    rc = lib().raymoe_qk_norm_rope_f32(x.data_ptr(), x.stride(0), t, h, d, w_ptr, eps, cos.data_ptr(),
                                         sin.data_ptr(), positions.data_ptr(), cos.shape[0])
     if rc != 0:
         raise IndexError(f"a position lies outside the rotary table of {cos.shape[0]} rows")
@@ -102,7 +103,7 @@ def qk_norm_rope_(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
 
 
 def _kv_rows(x: torch.Tensor, name: str, hkv: int, d: int) -> None:
-    _need(x.dim() == 3 and x.shape[1:] == (hkv, d) and x.stride(2) == 1 and x.stride(1) == d,
+    need(x.dim() == 3 and x.shape[1:] == (hkv, d) and x.stride(2) == 1 and x.stride(1) == d,
           lambda: f"{name} must be [T, {hkv}, {d}] with contiguous heads, got {tuple(x.shape)} strides {x.stride()}")
 
 
@@ -115,15 +116,15 @@ def kv_store(k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, k_buf: torch.T
         ValueError: a shape, stride or dtype the kernel cannot take.
         IndexError: a slot outside ``[0, slots)``.
     """
-    _need(k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.shape == v_buf.shape and k_buf.dim() == 3,
+    need(k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.shape == v_buf.shape and k_buf.dim() == 3,
           "k_buf and v_buf must be contiguous [slots, Hkv, D] tensors of one shape")
     slots, hkv, d = k_buf.shape
     _kv_rows(k, "k", hkv, d)
     _kv_rows(v, "v", hkv, d)
     t = k.shape[0]
-    _need(v.shape[0] == t and loc.shape == (t,) and loc.dtype == torch.int64 and loc.is_contiguous(),
+    need(v.shape[0] == t and loc.shape == (t,) and loc.dtype == torch.int64 and loc.is_contiguous(),
           "loc must be a contiguous [T] int64 tensor matching k and v")
-    rc = _lib().raymoe_kv_store_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), loc.data_ptr(), t,
+    rc = lib().raymoe_kv_store_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), loc.data_ptr(), t,
                                     hkv * d, k_buf.data_ptr(), v_buf.data_ptr(), slots)
     if rc != 0:
         raise IndexError(f"a KV slot lies outside [0, {slots})")
@@ -142,7 +143,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         ValueError: a shape, stride or dtype the kernel cannot take (Hq not a multiple of Hkv included).
         IndexError: an attended slot outside ``[0, slots)``.
     """
-    _need(kv_indices.dim() == 2 and kv_indices.shape[0] == q.shape[0],
+    need(kv_indices.dim() == 2 and kv_indices.shape[0] == q.shape[0],
           "kv_indices must have one row per query row")
     return _paged_attention(q, k_buf, v_buf, kv_indices, None, seq_lens, scale)
 
@@ -161,28 +162,28 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         ValueError: a shape, stride or dtype the kernel cannot take.
         IndexError: a token row outside ``[0, R)`` or an attended slot outside ``[0, slots)``.
     """
-    _need(token_rows.shape == (q.shape[0],) and token_rows.dtype == torch.int64 and token_rows.is_contiguous(),
+    need(token_rows.shape == (q.shape[0],) and token_rows.dtype == torch.int64 and token_rows.is_contiguous(),
           "token_rows must be a contiguous [T] int64 tensor")
-    _need(kv_indices.dim() == 2, "kv_indices must be [R, L]")
+    need(kv_indices.dim() == 2, "kv_indices must be [R, L]")
     return _paged_attention(q, k_buf, v_buf, kv_indices, token_rows, token_lens, scale)
 
 
 def _paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
                      rows: torch.Tensor | None, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     bs, hq, d = q.shape
-    _need(k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.shape == v_buf.shape and k_buf.dim() == 3
+    need(k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.shape == v_buf.shape and k_buf.dim() == 3
           and k_buf.shape[2] == d, "k_buf and v_buf must be contiguous [slots, Hkv, D] tensors of one shape")
     slots, hkv, _ = k_buf.shape
-    _need(hq % hkv == 0, lambda: f"query heads {hq} must be a multiple of kv heads {hkv}")
-    _need(q.stride(2) == 1 and q.stride(1) == d, lambda: f"q must have contiguous heads, got strides {q.stride()}")
-    _need(kv_indices.dtype == torch.int64 and kv_indices.stride(1) == 1,
+    need(hq % hkv == 0, lambda: f"query heads {hq} must be a multiple of kv heads {hkv}")
+    need(q.stride(2) == 1 and q.stride(1) == d, lambda: f"q must have contiguous heads, got strides {q.stride()}")
+    need(kv_indices.dtype == torch.int64 and kv_indices.stride(1) == 1,
           "kv_indices must be int64 with unit last stride")
-    _need(seq_lens.shape == (bs,) and seq_lens.dtype == torch.int64 and seq_lens.is_contiguous(),
+    need(seq_lens.shape == (bs,) and seq_lens.dtype == torch.int64 and seq_lens.is_contiguous(),
           "seq_lens must be a contiguous [bs] int64 tensor")
     out = torch.empty((bs, hq, d), dtype=torch.float32)
     if bs == 0:
         return out
-    rc = _lib().raymoe_paged_attention_f32(q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(),
+    rc = lib().raymoe_paged_attention_f32(q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(),
                                            kv_indices.data_ptr(), kv_indices.stride(0), kv_indices.shape[1],
                                            kv_indices.shape[0], None if rows is None else rows.data_ptr(),
                                            seq_lens.data_ptr(), bs, hq, hkv, d, scale, out.data_ptr(), slots)
@@ -207,15 +208,15 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torc
         ValueError: a shape, stride or dtype the kernel cannot take, or a negative temperature.
     """
     bs, vocab = logits.shape
-    _need(logits.stride(1) == 1 and vocab > 0, "logits must be [bs, V] with V > 0 and unit last stride")
+    need(logits.stride(1) == 1 and vocab > 0, "logits must be [bs, V] with V > 0 and unit last stride")
     for name, t in (("temperatures", temperatures), ("uniforms", uniforms)):
-        _need(t.shape == (bs,) and t.dtype is _F32 and t.is_contiguous() and t.is_cpu,
+        need(t.shape == (bs,) and t.dtype is _F32 and t.is_contiguous() and t.is_cpu,
               lambda name=name: f"{name} must be a contiguous [bs] float32 CPU tensor")
-    _need(bs == 0 or float(temperatures.min()) >= 0.0, "temperatures must be >= 0")
+    need(bs == 0 or float(temperatures.min()) >= 0.0, "temperatures must be >= 0")
     ids = torch.empty(bs, dtype=torch.int64)
     if bs:
         scratch = torch.empty(vocab + -(-vocab // _SAMPLE_BLOCK), dtype=_F32)
-        _lib().raymoe_sample_rows_f32(logits.data_ptr(), logits.stride(0), bs, vocab, temperatures.data_ptr(),
+        lib().raymoe_sample_rows_f32(logits.data_ptr(), logits.stride(0), bs, vocab, temperatures.data_ptr(),
                                       uniforms.data_ptr(), scratch.data_ptr(), ids.data_ptr())
     return ids
 
@@ -230,12 +231,12 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool,
     [T, top_k], most probable first. Raises:
         ValueError: ``top_k`` outside ``[1, E]`` or a layout the kernel cannot take.
     """
-    _need(logits.dim() == 2 and logits.stride(1) == 1, "logits must be [T, E] with unit last stride")
+    need(logits.dim() == 2 and logits.stride(1) == 1, "logits must be [T, E] with unit last stride")
     t, e = logits.shape
-    _need(1 <= top_k <= e, lambda: f"top_k must lie in [1, {e}], got {top_k}")
+    need(1 <= top_k <= e, lambda: f"top_k must lie in [1, {e}], got {top_k}")
     weights = torch.empty((t, top_k), dtype=torch.float32)
     ids = torch.empty((t, top_k), dtype=torch.int64)
-    _lib().raymoe_topk_softmax_f32(logits.data_ptr(), logits.stride(0), t, e, top_k, int(renormalize), scale,
+    lib().raymoe_topk_softmax_f32(logits.data_ptr(), logits.stride(0), t, e, top_k, int(renormalize), scale,
                                    weights.data_ptr(), ids.data_ptr())
     return weights, ids
 
@@ -254,20 +255,20 @@ def moe_routed_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     Raises:
         ValueError: a shape, stride or dtype the kernel cannot take.
     """
-    _need(w13.dim() == 3 and w2.dim() == 3 and w13.is_contiguous() and w2.is_contiguous(),
+    need(w13.dim() == 3 and w2.dim() == 3 and w13.is_contiguous() and w2.is_contiguous(),
           "w13 and w2 must be contiguous [E, 2I, H] and [E, H, I] tensors")
     e, two_i, h = w13.shape
-    _need(two_i % 2 == 0 and tuple(w2.shape) == (e, h, two_i // 2),
+    need(two_i % 2 == 0 and tuple(w2.shape) == (e, h, two_i // 2),
           lambda: f"w2 must be [E, H, I], got {tuple(w2.shape)}")
-    _need(x.dim() == 3 and x.shape[2] == h and x.stride(2) == 1, lambda: f"x must be [B, M, {h}] with unit last "
+    need(x.dim() == 3 and x.shape[2] == h and x.stride(2) == 1, lambda: f"x must be [B, M, {h}] with unit last "
           f"stride, got {tuple(x.shape)} strides {x.stride()}")
     b, m, _ = x.shape
-    _need(topk_ids.dim() == 3 and topk_ids.shape[:2] == (b, m) and topk_ids.dtype == torch.int64
+    need(topk_ids.dim() == 3 and topk_ids.shape[:2] == (b, m) and topk_ids.dtype == torch.int64
           and topk_ids.stride(2) == 1, "topk_ids must be [B, M, k] int64 with unit last stride")
-    _need(topk_weights.shape == topk_ids.shape and topk_weights.stride(2) == 1,
+    need(topk_weights.shape == topk_ids.shape and topk_weights.stride(2) == 1,
           "topk_weights must be [B, M, k] with unit last stride")
     out = torch.empty((b * m, h), dtype=torch.float32)
-    rc = _lib().raymoe_moe_routed_rows_f32(
+    rc = lib().raymoe_moe_routed_rows_f32(
         x.data_ptr(), x.stride(0), x.stride(1), topk_ids.data_ptr(), topk_ids.stride(0), topk_ids.stride(1),
         topk_weights.data_ptr(), topk_weights.stride(0), topk_weights.stride(1), b, m, topk_ids.shape[2],
         first_expert, e, w13.data_ptr(), w2.data_ptr(), h, two_i // 2, out.data_ptr())

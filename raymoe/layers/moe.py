@@ -310,12 +310,31 @@ class SparseMoeBlock(nn.Module):
         state.moe_output = out
         state.combined = state.router_logits = state.topk_weights = state.topk_ids = None
 
-    def operations(self) -> list:
-        """The block's op list, in execution order (shared experts, when present, right after ``op_dispatch_a``
-        so they compute while the dispatch is in flight)."""
+    def routing_operations(self) -> list:
+        """The block's first ops: router logits, then the top-k choice."""
+        return [self.op_gate, self.op_select_experts]
+
+    def expert_operations(self) -> list:
+        """The ops after the routing, in execution order (shared experts, when present, right after
+        ``op_dispatch_a`` so they compute while the dispatch is in flight)."""
         shared = [self.op_shared_experts] if self.shared_experts is not None else []
-        return [self.op_gate, self.op_select_experts, self.op_dispatch_a, *shared, self.op_dispatch_b,
-                self.op_experts, self.op_combine_a, self.op_combine_b, self.op_output]
+        return [self.op_dispatch_a, *shared, self.op_dispatch_b, self.op_experts, self.op_combine_a,
+                self.op_combine_b, self.op_output]
+
+    def operations(self) -> list:
+        """The block's op list, in execution order."""
+        return [*self.routing_operations(), *self.expert_operations()]
+
+    def fused_router(self) -> dict | None:
+        """The router as keyword arguments of :class:`~raymoe.kernels.attn_block.AttnBlockPlan` (``w_gate``,
+        ``top_k``, ``renorm``, ``routed_scale``) where the fused decode block can route (softmax, greedy top-k, no
+        correction bias, no gate bias); else None."""
+        r = self.router
+        if (r.scoring_func != "softmax" or r.topk_method != "greedy" or r.use_correction_bias
+                or self.gate.bias is not None):
+            return None
+        return {"w_gate": self.gate.weight, "top_k": self.top_k, "renorm": r.norm_topk_prob,
+                "routed_scale": r.routed_scaling_factor}
 
     def load(self, reader, prefix: str) -> None:
         self.gate.load(reader, f"{prefix}.gate.weight")

@@ -14,6 +14,8 @@ from raymoe.comm.dispatcher import A2ABackendSpec
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ModelConfig
 from raymoe.errors import CheckpointError
+from raymoe.kernels import cpu_ops
+from raymoe.kernels.attn_block import AttnBlockPlan
 from raymoe.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from raymoe.layers.moe import DenseMLP, SparseMoeBlock
 from raymoe.layers.norm import RMSNorm, add_rms_norm
@@ -66,6 +68,7 @@ class DecoderLayer(nn.Module):
         self.mlp_name = mlp_name
         self.input_layernorm = RMSNorm(hidden_size, eps, dtype)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype)
+        self._attn_block: AttnBlockPlan | bool | None = None  # built on first use; False: this layer cannot fuse
 
     def op_comm_prepare_attn(self, state: ForwardState) -> None:
         state.residual = state.hidden_states
@@ -83,17 +86,68 @@ class DecoderLayer(nn.Module):
         state.hidden_states = state.residual + state.moe_output
         state.residual = state.moe_output = None
 
+    def op_decode_attn_block(self, state: ForwardState) -> None:
+        """:meth:`attn_half_operations` as one fused kernel call (``raymoe.kernels.attn_block``) for a DECODE
+        step on a float32 CPU rank whose attention and router the kernel covers; otherwise those ops in turn."""
+        fb = state.forward_batch
+        x = state.hidden_states
+        inputs = plan = None
+        if state.residual is None and fb.forward_mode.is_decode() and x.shape[0] and cpu_ops.enabled_for(x):
+            inputs = fb.attn_backend.decode_kernel_inputs(self.layer_id, fb)
+            plan = self._attn_block_plan() if inputs is not None else None
+        if plan is None:
+            for op in self.attn_half_operations():
+                op(state)
+            return
+        k_buf, v_buf, kv_indices = inputs
+        state.residual, state.hidden_states, weights, ids = plan(x, fb.positions, fb.out_cache_loc, k_buf, v_buf,
+                                                                 kv_indices, fb.seq_lens)
+        if self.is_moe:
+            state.topk_weights, state.topk_ids = weights, ids
+
+    def _attn_block_plan(self) -> AttnBlockPlan | None:
+        """This layer's fused block (built once: the weights are checked and their addresses kept), or None when
+        its attention or router is not one the kernel covers or its weights are not float32 CPU tensors."""
+        if self._attn_block is None:
+            self._attn_block = False
+            weights = getattr(self.self_attn, "decode_block_weights", lambda: None)()
+            router = self.mlp.fused_router() if self.is_moe else {}
+            if weights is not None and router is not None:
+                norms = (self.input_layernorm, self.post_attention_layernorm)
+                tensors = [n.weight for n in norms] + [t for t in (*weights.values(), *router.values())
+                                                       if isinstance(t, torch.Tensor)]
+                if norms[0].eps == norms[1].eps and cpu_ops.enabled_for(*tensors):
+                    self._attn_block = AttnBlockPlan(ln1_w=norms[0].weight, ln2_w=norms[1].weight,
+                                                     norm_eps=norms[0].eps, **weights, **router)
+        return self._attn_block or None
+
+    def _apply(self, fn, *args, **kwargs):
+        self._attn_block = None  # a device or dtype change moves the weights the plan points at
+        return super()._apply(fn, *args, **kwargs)
+
+    def attn_half_operations(self) -> list:
+        """The ops from the input norm to the MoE routing (to the post-attention norm for a dense MLP)."""
+        routing = self.mlp.routing_operations() if self.is_moe else []
+        return [self.op_comm_prepare_attn, self.self_attn.op_prepare, self.self_attn.op_core,
+                self.op_comm_prepare_mlp, *routing]
+
     def operations(self) -> list:
         """This layer's op list in execution order (no yields; strategies insert them)."""
-        mlp_ops = self.mlp.operations() if self.is_moe else [self.op_dense_mlp]
-        return [self.op_comm_prepare_attn, self.self_attn.op_prepare, self.self_attn.op_core,
-                self.op_comm_prepare_mlp, *mlp_ops, self.op_comm_postprocess_layer]
+        mlp_ops = self.mlp.expert_operations() if self.is_moe else [self.op_dense_mlp]
+        return [*self.attn_half_operations(), *mlp_ops, self.op_comm_postprocess_layer]
+
+    def plain_operations(self) -> list:
+        """:meth:`operations` for a step without overlap: the attention half as one op
+        (:meth:`op_decode_attn_block`), which no overlap schedule splits."""
+        mlp_ops = self.mlp.expert_operations() if self.is_moe else [self.op_dense_mlp]
+        return [self.op_decode_attn_block, *mlp_ops, self.op_comm_postprocess_layer]
 
     def load(self, reader, prefix: str) -> None:
         self.self_attn.load(reader, f"{prefix}.self_attn")
         self.mlp.load(reader, f"{prefix}.{self.mlp_name}")
         load_norm(self.input_layernorm, reader, f"{prefix}.input_layernorm.weight")
         load_norm(self.post_attention_layernorm, reader, f"{prefix}.post_attention_layernorm.weight")
+        self._attn_block = None
 
 
 def gqa_kv_pool(config: ModelConfig, num_kv_heads: int, num_slots: int, dtype: torch.dtype,

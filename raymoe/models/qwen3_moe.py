@@ -71,6 +71,18 @@ class Qwen3MoeAttention(nn.Module):
         state.hidden_states = self.o_proj(o.reshape(o.shape[0], self.num_heads * self.head_dim))  # T may be 0 (IDLE)
         state.q = state.k = state.v = None
 
+    def decode_block_weights(self) -> dict | None:
+        """This attention as keyword arguments of :class:`~raymoe.kernels.attn_block.AttnBlockPlan` (weights, head
+        sizes, rotary tables, q/k norm), or None where the fused decode block does not apply (projection biases,
+        interleaved rotary, tensor parallelism: the o projection's all-reduce sits between its ops)."""
+        if (self.qkv_proj.bias is not None or self.o_proj.bias is not None or self.rotary.interleaved
+                or self.o_proj.groups.tp_size != 1):
+            return None
+        return {"w_qkv": self.qkv_proj.weight, "w_o": self.o_proj.weight,
+                "qk_norm_w": self.qk_norm_weight if self.qk_norm else None, "qk_eps": self.norm_eps,
+                "cos": self.rotary.cos, "sin": self.rotary.sin, "heads": self.num_heads,
+                "kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "scale": self.head_dim ** -0.5}
+
     def load(self, reader, prefix: str) -> None:
         self.qkv_proj.load(reader, [f"{prefix}.{p}_proj.weight" for p in ("q", "k", "v")])
         self.o_proj.load(reader, f"{prefix}.o_proj.weight")

@@ -131,8 +131,9 @@ class OperationsStrategy:
 
     @classmethod
     def plain(cls, layers: Sequence) -> OperationsStrategy:
-        """Every layer's ops in order, no stage boundaries."""
-        return cls([op for layer in layers for op in layer.operations()])
+        """Every layer's ops in order, no stage boundaries (``layer.plain_operations()`` where a layer has it: the
+        same ops, with runs that no overlap needs to split fused into one)."""
+        return cls([op for layer in layers for op in getattr(layer, "plain_operations", layer.operations)()])
 
     @classmethod
     def sbo(cls, layers: Sequence) -> OperationsStrategy:

@@ -39,4 +39,20 @@ static inline float fast_expf(float x) {
     return y * scale.f;
 }
 
+/* Kernels that other kernels call (each documented where it is defined). */
+int raymoe_qk_norm_rope_f32(float *x, int64_t x_stride, int64_t tokens, int64_t heads, int64_t dim,
+                            const float *norm_w, float eps, const float *cos_t, const float *sin_t,
+                            const int64_t *positions, int64_t table_rows);
+int raymoe_kv_store_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride, const int64_t *loc,
+                        int64_t tokens, int64_t width, float *k_buf, float *v_buf, int64_t slots);
+int raymoe_paged_attention_f32(const float *q, int64_t q_stride, const float *k_buf, const float *v_buf,
+                               const int64_t *kv_indices, int64_t idx_stride, int64_t width, int64_t index_rows,
+                               const int64_t *rows, const int64_t *seq_lens, int64_t bs, int64_t heads,
+                               int64_t kv_heads, int64_t dim, float scale, float *out, int64_t slots);
+void raymoe_add_rms_norm_f32(const float *x, int64_t x_stride, const float *res, int64_t res_stride,
+                             float *sum_out, int64_t sum_stride, const float *w, float *out, int64_t out_stride,
+                             int64_t rows, int64_t dim, float eps);
+void raymoe_topk_softmax_f32(const float *logits, int64_t stride, int64_t tokens, int64_t experts, int64_t k,
+                             int renorm, float scale, float *weights, int64_t *ids);
+
 #endif
