@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raymoe.kernels import build
+from raymoe.kernels import attn_block, build
 from raymoe.kernels.attn_block import AttnBlockPlan
 from raymoe.models.decoder import DecoderLayer
 
@@ -132,6 +132,9 @@ def test_model_decode_uses_the_block_and_keeps_its_logits(tiny_model, monkeypatc
     monkeypatch.setattr(AttnBlockPlan, "__call__", lambda self, *a: (calls.append(1), real(self, *a))[1])
     fused = [_decode_logits(tiny_model, graphs) for graphs in (False, True)]
     assert len(calls) == 2 * 4 * 4 + 4  # 4 decode steps x 4 layers, twice; the capture's warm-up step
+    monkeypatch.setattr(attn_block, "ATTN_BLOCK_MAX_MACS", 3 * 50_176 - 1)  # 3 rows of this model: above it
+    assert torch.allclose(_decode_logits(tiny_model, False), fused[0], atol=1e-4, rtol=1e-4)
+    assert len(calls) == 36                                                  # every step ran the ops instead
     monkeypatch.setattr(DecoderLayer, "plain_operations", DecoderLayer.operations)
     for got, graphs in zip(fused, (False, True), strict=True):
         want = _decode_logits(tiny_model, graphs)

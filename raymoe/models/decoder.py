@@ -14,7 +14,7 @@ from raymoe.comm.dispatcher import A2ABackendSpec
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ModelConfig
 from raymoe.errors import CheckpointError
-from raymoe.kernels import cpu_ops
+from raymoe.kernels import attn_block, cpu_ops
 from raymoe.kernels.attn_block import AttnBlockPlan
 from raymoe.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from raymoe.layers.moe import DenseMLP, SparseMoeBlock
@@ -95,7 +95,7 @@ class DecoderLayer(nn.Module):
         if state.residual is None and fb.forward_mode.is_decode() and x.shape[0] and cpu_ops.enabled_for(x):
             inputs = fb.attn_backend.decode_kernel_inputs(self.layer_id, fb)
             plan = self._attn_block_plan() if inputs is not None else None
-        if plan is None:
+        if plan is None or x.shape[0] * plan.macs_per_row > attn_block.ATTN_BLOCK_MAX_MACS:
             for op in self.attn_half_operations():
                 op(state)
             return
