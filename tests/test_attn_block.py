@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from raymoe.kernels import attn_block, build
-from raymoe.kernels.attn_block import AttnBlockPlan
+from raymoe.kernels.attn_block import AttnBlockPlan, BlockAttentionInputs
 from raymoe.models.decoder import DecoderLayer
 
 pytestmark = pytest.mark.skipif(build.load() is None, reason="no C compiler for the fused CPU kernels")
@@ -42,7 +42,7 @@ def _setup(hq: int, hkv: int, d: int, hidden: int, experts: int, qk_norm: bool, 
     return w
 
 
-def _reference(w: dict, x, positions, loc, k_buf, v_buf, kv_indices, seq_lens):
+def _reference(w: dict, x, positions, loc, k_buf, v_buf, kv_indices, seq_lens, token_rows=None):
     hq, hkv, d = w["heads"], w["kv_heads"], w["head_dim"]
     t = x.shape[0]
     h = _rms(x, w["ln1_w"], w["norm_eps"])
@@ -57,7 +57,7 @@ def _reference(w: dict, x, positions, loc, k_buf, v_buf, kv_indices, seq_lens):
     out = torch.empty(t, hq, d)
     for i in range(t):
         n = min(max(int(seq_lens[i]), 1), kv_indices.shape[1])
-        slots = kv_indices[i, :n]
+        slots = kv_indices[i if token_rows is None else int(token_rows[i]), :n]
         keys = k_buf[slots].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)      # [Hq, n, D]
         values = v_buf[slots].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
         out[i] = F.scaled_dot_product_attention(q[i][:, None], keys, values, scale=w["scale"])[:, 0]
@@ -85,13 +85,36 @@ def test_block_matches_the_torch_operators(hq, hkv, d, experts, qk_norm):
     kv_indices[torch.arange(t), positions] = loc                          # each row reads its new token back
     k_buf, v_buf = torch.randn(slots, hkv, d, generator=g), torch.randn(slots, hkv, d, generator=g)
     kr, vr = k_buf.clone(), v_buf.clone()
-    got = plan(x, positions, loc, k_buf, v_buf, kv_indices, seq_lens)
+    got = plan(x, positions, loc, BlockAttentionInputs(k_buf, v_buf, kv_indices, None, seq_lens))
     want = _reference(w, x, positions, loc, kr, vr, kv_indices, seq_lens)
     assert torch.allclose(k_buf, kr, atol=1e-5) and torch.allclose(v_buf, vr, atol=1e-5)
     for a, b in zip(got[:3], want[:3], strict=True):
         assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, atol=1e-4, rtol=1e-4))
     if experts:
         assert torch.equal(got[3], want[3])
+
+
+def test_block_extend_tokens_attend_causally_through_their_request_rows():
+    """A MIXED step: request 0 extends 3 tokens after 4 cached ones, request 1 decodes one, request 2 prefills 2;
+    every token reads its request's table row up to itself."""
+    w = _setup(4, 2, 32, hidden=48, experts=8, qk_norm=True, seed=3)
+    plan = AttnBlockPlan(**w)
+    g = torch.Generator().manual_seed(4)
+    table = torch.randint(1, 64, (5, 16), generator=g)                    # ReqToTokenPool rows, 5 requests
+    token_rows = torch.tensor([0, 0, 0, 3, 1, 1])
+    positions = torch.tensor([4, 5, 6, 9, 0, 1])
+    lens = positions + 1
+    loc = table[token_rows, positions]                                    # each token's own slot, from its row
+    x = torch.randn(6, 48, generator=g)
+    k_buf, v_buf = torch.randn(64, 2, 32, generator=g), torch.randn(64, 2, 32, generator=g)
+    kr, vr = k_buf.clone(), v_buf.clone()
+    got = plan(x, positions, loc, BlockAttentionInputs(k_buf, v_buf, table, token_rows, lens))
+    want = _reference(w, x, positions, loc, kr, vr, table, lens, token_rows)
+    assert torch.allclose(k_buf, kr, atol=1e-5) and torch.allclose(v_buf, vr, atol=1e-5)
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a.float(), b.float(), atol=1e-4, rtol=1e-4)
+    with pytest.raises(IndexError, match="token row"):
+        plan(x, positions, loc, BlockAttentionInputs(k_buf, v_buf, table, token_rows + 2, lens))
 
 
 def test_block_checks_indices_before_writing():
@@ -106,10 +129,12 @@ def test_block_checks_indices_before_writing():
     for name, value, match in bad:
         args = {**ok, name: value}
         with pytest.raises(IndexError, match=match):
-            plan(x, args["positions"], args["loc"], k_buf, v_buf, args["kv_indices"], args["seq_lens"])
+            plan(x, args["positions"], args["loc"],
+                 BlockAttentionInputs(k_buf, v_buf, args["kv_indices"], None, args["seq_lens"]))
         assert not k_buf.any() and not v_buf.any()
-    with pytest.raises(ValueError, match="seq_lens"):
-        plan(x, ok["positions"], ok["loc"], k_buf, v_buf, ok["kv_indices"], torch.tensor([1, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="lens"):
+        plan(x, ok["positions"], ok["loc"],
+             BlockAttentionInputs(k_buf, v_buf, ok["kv_indices"], None, torch.tensor([1, 1], dtype=torch.int32)))
 
 
 def test_plan_rejects_weights_it_cannot_take():
@@ -123,18 +148,18 @@ def test_plan_rejects_weights_it_cannot_take():
 
 
 def test_model_decode_uses_the_block_and_keeps_its_logits(tiny_model, monkeypatch):
-    """Decode steps (eager and graphs) and a MIXED step of the tiny model: the same logits and greedy tokens with
-    the fused block as with the layer's ops one by one, and the block ran once per layer and decode step."""
+    """A prefill, decode steps (eager and graphs) and a MIXED step of the tiny model: the same logits and greedy
+    tokens with the fused block as with the layer's ops one by one, and the block ran once per layer and step."""
     from test_cpu_kernels import _decode_logits
 
     calls = []
     real = AttnBlockPlan.__call__
     monkeypatch.setattr(AttnBlockPlan, "__call__", lambda self, *a: (calls.append(1), real(self, *a))[1])
     fused = [_decode_logits(tiny_model, graphs) for graphs in (False, True)]
-    assert len(calls) == 2 * 4 * 4 + 4  # 4 decode steps x 4 layers, twice; the capture's warm-up step
+    assert len(calls) == 2 * 4 * 6 + 4  # (prefill, 4 decode steps, MIXED) x 4 layers, twice; a graph capture
     monkeypatch.setattr(attn_block, "ATTN_BLOCK_MAX_MACS", 3 * 50_176 - 1)  # 3 rows of this model: above it
     assert torch.allclose(_decode_logits(tiny_model, False), fused[0], atol=1e-4, rtol=1e-4)
-    assert len(calls) == 36                                                  # every step ran the ops instead
+    assert len(calls) == 52                                                  # every step ran the ops instead
     monkeypatch.setattr(DecoderLayer, "plain_operations", DecoderLayer.operations)
     for got, graphs in zip(fused, (False, True), strict=True):
         want = _decode_logits(tiny_model, graphs)

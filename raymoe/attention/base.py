@@ -40,11 +40,10 @@ class AttentionBackend(ABC):
             return self.forward_decode(q, k, v, layer_id, forward_batch)
         return self.forward_extend(q, k, v, layer_id, forward_batch)
 
-    def decode_kernel_inputs(self, layer_id: int, forward_batch) -> tuple[torch.Tensor, ...] | None:
-        """``(k_buf, v_buf, kv_indices)`` of layer ``layer_id`` for the fused CPU decode block
-        (``raymoe.kernels.attn_block``) when this backend's decode step is the paged kernel over float32 CPU
-        buffers: ``k_buf``/``v_buf`` [slots, Hkv, D], ``kv_indices`` [bs, L] int64 (row b's cache slots, attended
-        up to ``forward_batch.seq_lens[b]``). None (the default): the layer runs its attention ops through
+    def block_attention_inputs(self, layer_id: int, forward_batch):
+        """What the fused CPU attention block (``raymoe.kernels.attn_block``) reads for layer ``layer_id`` in this
+        step, as a ``BlockAttentionInputs``, when this backend would attend every token of the step with the paged
+        kernel over float32 CPU buffers. None (the default): the layer runs its attention ops through
         :meth:`forward`."""
         return None
 

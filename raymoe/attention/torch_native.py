@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from raymoe.attention.base import AttentionBackend
 from raymoe.attention.paged_graph_hooks import PagedDecodeGraphHooks
 from raymoe.kernels import cpu_ops
+from raymoe.kernels.attn_block import BlockAttentionInputs
 from raymoe.kvcache.pools import ReqToTokenPool, TokenToKVPool
 
 # Most (query, key) pairs one extend request may attend to for the fused kernel; longer requests take SDPA. The
@@ -183,12 +184,21 @@ class TorchNativeAttnBackend(PagedDecodeGraphHooks, AttentionBackend):
         o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.kv_mask)
         return o.reshape(bs, self.num_heads, self.head_dim)
 
-    def decode_kernel_inputs(self, layer_id, forward_batch):
-        """The cache and this step's ``kv_indices`` when :meth:`forward_decode` would take the fused kernels."""
+    def block_attention_inputs(self, layer_id, forward_batch):
+        """The cache and this step's slot lists where :meth:`forward_decode` would take the fused kernels, or
+        :meth:`forward_extend` one kernel run over every token (short requests, the common MIXED step)."""
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
-        if self.kv_indices is None or not cpu_ops.enabled_for(k_buf):
+        if not cpu_ops.enabled_for(k_buf):
             return None
-        return k_buf, v_buf, self.kv_indices
+        if forward_batch.forward_mode.is_decode():
+            if self.kv_indices is None:
+                return None
+            return BlockAttentionInputs(k_buf, v_buf, self.kv_indices, None, forward_batch.seq_lens)
+        segs = self.extend_segments
+        if len(segs) != 1 or not isinstance(segs[0], _KernelRun) or segs[0].end != forward_batch.num_tokens:
+            return None
+        s = segs[0]
+        return BlockAttentionInputs(k_buf, v_buf, self.req_to_token[:, :s.width], s.token_rows, s.token_lens)
 
     def _gather(self, k_buf: torch.Tensor, v_buf: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``idx`` [N] of ``k_buf``/``v_buf`` [slots, Hkv, D] -> two [N, Hkv, D] tensors. On CPU they are

@@ -1,5 +1,6 @@
-"""The fused decode attention block of a CPU rank (``csrc/attn_block.c``): one kernel call per layer and step for
-what a pre-norm decoder layer does between its input and its MoE dispatch.
+"""The fused attention block of a CPU rank (``csrc/attn_block.c``): one kernel call per layer and step for what a
+pre-norm decoder layer does between its input and its MoE dispatch, for decode steps and for extend/MIXED steps
+whose tokens the paged kernel attends.
 
 On a float32 CPU rank, a decode step of a small model spends most of its time in the framework's per-operator
 overhead: the input RMSNorm, the qkv projection, q/k norm and RoPE, the KV store, paged attention, the o
@@ -15,6 +16,7 @@ and keeps them alive; each call checks only the step's tensors. The C code check
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -38,6 +40,26 @@ class AttnBlockParams(ctypes.Structure):
                 ("top_k", _I64), ("renorm", _I64), ("table_rows", _I64), ("norm_eps", _F32), ("qk_eps", _F32),
                 ("scale", _F32), ("routed_scale", _F32), ("ln1_w", _P), ("w_qkv_t", _P), ("qk_norm_w", _P),
                 ("cos_t", _P), ("sin_t", _P), ("w_o_t", _P), ("ln2_w", _P), ("w_gate_t", _P)]
+
+
+@dataclass(frozen=True)
+class BlockAttentionInputs:
+    """What the block's attention reads for one layer and step (from the attention backend's metadata).
+
+    Attributes:
+        k_buf, v_buf: the layer's cache, [slots, Hkv, D] float32 contiguous.
+        kv_indices: [R, L] int64 slot lists (unit last stride): a decode step's row per token (R = T), or an
+            extend step's ``ReqToTokenPool`` table (its rows named by ``token_rows``).
+        token_rows: [T] int64 table row of each token (None: row t for token t).
+        lens: [T] int64 slots each token attends to: a decode token's sequence length, an extend token's
+            position + 1 (causal).
+    """
+
+    k_buf: torch.Tensor
+    v_buf: torch.Tensor
+    kv_indices: torch.Tensor
+    token_rows: torch.Tensor | None
+    lens: torch.Tensor
 
 
 def _check(t: torch.Tensor, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -95,33 +117,36 @@ class AttnBlockPlan:
             self.transposed[1].data_ptr(), ln2_w.data_ptr(), gate_t)
         self._params_ref = ctypes.byref(self.params)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor, k_buf: torch.Tensor,
-                 v_buf: torch.Tensor, kv_indices: torch.Tensor, seq_lens: torch.Tensor
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor, attn: BlockAttentionInputs
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The layer's attention block for T decode tokens.
+        """The layer's attention block for T tokens.
 
         Shapes: ``x`` [T, H] float32 with unit last stride (the residual stream entering the layer);
-        ``positions``, ``loc`` (KV slots to write), ``seq_lens`` [T] int64 contiguous; ``k_buf``, ``v_buf``
-        [slots, Hkv, D] float32 contiguous; ``kv_indices`` [T, L] int64 with unit last stride (row t's cache
-        slots; it attends to its first ``min(max(seq_lens[t], 1), L)``).
+        ``positions`` and ``loc`` (the KV slots their keys and values go to) [T] int64 contiguous; ``attn`` as
+        :class:`BlockAttentionInputs` (token t attends to the first ``min(max(lens[t], 1), L)`` slots of its
+        slot list, its own key included).
         Returns ``(residual, hidden, topk_weights, topk_ids)``: ``residual = x + attention output`` and
         ``hidden = post-attention RMSNorm(residual)``, [T, H] float32; the router's float32 weights and int64 ids
         [T, top_k] (None without a router).
         Raises:
             ValueError: a shape, stride or dtype the kernel cannot take.
-            IndexError: a position outside the rotary table, or a KV slot outside ``[0, slots)``.
+            IndexError: a position outside the rotary table, a KV slot outside ``[0, slots)`` or a token row
+                outside ``[0, R)``.
         """
         t, h = x.shape
+        k_buf, v_buf, kv_indices, rows = attn.k_buf, attn.v_buf, attn.kv_indices, attn.token_rows
         cpu_ops.need(h == self.hidden and x.stride(1) == 1 and x.dtype is torch.float32,
                      lambda: f"x must be [T, {self.hidden}] float32 with unit last stride")
-        for name, idx in (("positions", positions), ("loc", loc), ("seq_lens", seq_lens)):
-            cpu_ops.need(idx.shape == (t,) and idx.dtype == torch.int64 and idx.is_contiguous(),
+        named = (("positions", positions), ("loc", loc), ("lens", attn.lens), ("token_rows", rows))
+        for name, idx in named:
+            cpu_ops.need(idx is None or (idx.shape == (t,) and idx.dtype == torch.int64 and idx.is_contiguous()),
                          lambda name=name: f"{name} must be a contiguous [T] int64 tensor")
         cpu_ops.need(k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.shape == v_buf.shape
                      and k_buf.shape[1:] == (self.kv_heads, self.head_dim) and k_buf.dtype is torch.float32,
                      "k_buf and v_buf must be contiguous [slots, Hkv, D] float32 tensors of one shape")
-        cpu_ops.need(kv_indices.dim() == 2 and kv_indices.shape[0] == t and kv_indices.dtype == torch.int64
-                     and kv_indices.stride(1) == 1, "kv_indices must be [T, L] int64 with unit last stride")
+        cpu_ops.need(kv_indices.dim() == 2 and (rows is not None or kv_indices.shape[0] == t)
+                     and kv_indices.dtype == torch.int64 and kv_indices.stride(1) == 1,
+                     "kv_indices must be [R, L] int64 with unit last stride (R = T without token_rows)")
         residual = torch.empty((t, h), dtype=torch.float32)
         hidden = torch.empty((t, h), dtype=torch.float32)
         weights = ids = None
@@ -131,10 +156,13 @@ class AttnBlockPlan:
         rc = cpu_ops.lib().raymoe_attn_block_f32(
             self._params_ref, x.data_ptr(), x.stride(0), t, positions.data_ptr(), loc.data_ptr(), k_buf.data_ptr(),
             v_buf.data_ptr(), k_buf.shape[0], kv_indices.data_ptr(), kv_indices.stride(0), kv_indices.shape[1],
-            seq_lens.data_ptr(), residual.data_ptr(), hidden.data_ptr(),
+            kv_indices.shape[0], None if rows is None else rows.data_ptr(), attn.lens.data_ptr(),
+            residual.data_ptr(), hidden.data_ptr(),
             None if weights is None else weights.data_ptr(), None if ids is None else ids.data_ptr())
         if rc == -1:
             raise IndexError(f"a KV slot lies outside [0, {k_buf.shape[0]})")
+        if rc == -3:
+            raise IndexError(f"a token row lies outside [0, {kv_indices.shape[0]})")
         if rc == -4:
             raise IndexError(f"a position lies outside the rotary table of {self.params.table_rows} rows")
         if rc != 0:

@@ -86,22 +86,23 @@ class DecoderLayer(nn.Module):
         state.hidden_states = state.residual + state.moe_output
         state.residual = state.moe_output = None
 
-    def op_decode_attn_block(self, state: ForwardState) -> None:
-        """:meth:`attn_half_operations` as one fused kernel call (``raymoe.kernels.attn_block``) for a DECODE
-        step on a float32 CPU rank whose attention and router the kernel covers; otherwise those ops in turn."""
+    def op_attn_block(self, state: ForwardState) -> None:
+        """:meth:`attn_half_operations` as one fused kernel call (``raymoe.kernels.attn_block``) on a float32 CPU
+        rank whose attention and router the kernel covers, for a step within ``ATTN_BLOCK_MAX_MACS`` whose
+        tokens the backend attends with its paged kernel (``block_attention_inputs``); otherwise those ops in
+        turn."""
         fb = state.forward_batch
         x = state.hidden_states
         inputs = plan = None
-        if state.residual is None and fb.forward_mode.is_decode() and x.shape[0] and cpu_ops.enabled_for(x):
-            inputs = fb.attn_backend.decode_kernel_inputs(self.layer_id, fb)
-            plan = self._attn_block_plan() if inputs is not None else None
-        if plan is None or x.shape[0] * plan.macs_per_row > attn_block.ATTN_BLOCK_MAX_MACS:
+        if state.residual is None and x.shape[0] and cpu_ops.enabled_for(x):
+            plan = self._attn_block_plan()
+            if plan is not None and x.shape[0] * plan.macs_per_row <= attn_block.ATTN_BLOCK_MAX_MACS:
+                inputs = fb.attn_backend.block_attention_inputs(self.layer_id, fb)
+        if inputs is None:
             for op in self.attn_half_operations():
                 op(state)
             return
-        k_buf, v_buf, kv_indices = inputs
-        state.residual, state.hidden_states, weights, ids = plan(x, fb.positions, fb.out_cache_loc, k_buf, v_buf,
-                                                                 kv_indices, fb.seq_lens)
+        state.residual, state.hidden_states, weights, ids = plan(x, fb.positions, fb.out_cache_loc, inputs)
         if self.is_moe:
             state.topk_weights, state.topk_ids = weights, ids
 
@@ -138,9 +139,9 @@ class DecoderLayer(nn.Module):
 
     def plain_operations(self) -> list:
         """:meth:`operations` for a step without overlap: the attention half as one op
-        (:meth:`op_decode_attn_block`), which no overlap schedule splits."""
+        (:meth:`op_attn_block`), which no overlap schedule splits."""
         mlp_ops = self.mlp.expert_operations() if self.is_moe else [self.op_dense_mlp]
-        return [self.op_decode_attn_block, *mlp_ops, self.op_comm_postprocess_layer]
+        return [self.op_attn_block, *mlp_ops, self.op_comm_postprocess_layer]
 
     def load(self, reader, prefix: str) -> None:
         self.self_attn.load(reader, f"{prefix}.self_attn")
