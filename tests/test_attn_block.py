@@ -165,3 +165,10 @@ def test_model_decode_uses_the_block_and_keeps_its_logits(tiny_model, monkeypatc
         want = _decode_logits(tiny_model, graphs)
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_plan_only_for_layers_a_useful_batch_fits():
+    small = _setup(4, 2, 32, hidden=128, experts=8, qk_norm=True)
+    assert attn_block.plan_fits(small, small)                      # the tiny model: 50 k MACs a row
+    big = _setup(16, 4, 64, hidden=1024, experts=8, qk_norm=True)  # the overlap bench's layer: 2.6 M a row
+    assert not attn_block.plan_fits(big, big)

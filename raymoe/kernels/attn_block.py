@@ -42,6 +42,21 @@ class AttnBlockParams(ctypes.Structure):
                 ("cos_t", _P), ("sin_t", _P), ("w_o_t", _P), ("ln2_w", _P), ("w_gate_t", _P)]
 
 
+ATTN_BLOCK_MIN_ROWS = 8
+"""A layer gets a plan only if a step of this many rows fits :data:`ATTN_BLOCK_MAX_MACS`: the plan copies the
+projections (at most ``MAX_MACS / MIN_ROWS`` floats, 4 MiB, per layer), which a model the block could serve only
+at a batch of one or two should not pay for."""
+
+
+def plan_fits(weights: dict, router: dict) -> bool:
+    """Whether a layer with these :class:`AttnBlockPlan` keyword arguments (``w_qkv``, ``w_o``, optional
+    ``w_gate``) should get a plan: its multiply-accumulates per row times :data:`ATTN_BLOCK_MIN_ROWS` within
+    :data:`ATTN_BLOCK_MAX_MACS`."""
+    w_qkv, w_o, w_gate = weights["w_qkv"], weights["w_o"], router.get("w_gate")
+    per_row = w_qkv.shape[1] * (w_qkv.shape[0] + w_o.shape[1] + (0 if w_gate is None else w_gate.shape[0]))
+    return per_row * ATTN_BLOCK_MIN_ROWS <= ATTN_BLOCK_MAX_MACS
+
+
 @dataclass(frozen=True)
 class BlockAttentionInputs:
     """What the block's attention reads for one layer and step (from the attention backend's metadata).

@@ -107,13 +107,15 @@ class DecoderLayer(nn.Module):
             state.topk_weights, state.topk_ids = weights, ids
 
     def _attn_block_plan(self) -> AttnBlockPlan | None:
-        """This layer's fused block (built once: the weights are checked and their addresses kept), or None when
-        its attention or router is not one the kernel covers or its weights are not float32 CPU tensors."""
+        """This layer's fused block (built once: the weights are checked, the projections copied), or None when
+        its attention or router is not one the kernel covers, its weights are not float32 CPU tensors, or its
+        projections are too large for a step of ``ATTN_BLOCK_MIN_ROWS`` rows to fit ``ATTN_BLOCK_MAX_MACS`` (so
+        a model the block would rarely serve never pays for the copies)."""
         if self._attn_block is None:
             self._attn_block = False
             weights = getattr(self.self_attn, "decode_block_weights", lambda: None)()
             router = self.mlp.fused_router() if self.is_moe else {}
-            if weights is not None and router is not None:
+            if weights is not None and router is not None and attn_block.plan_fits(weights, router):
                 norms = (self.input_layernorm, self.post_attention_layernorm)
                 tensors = [n.weight for n in norms] + [t for t in (*weights.values(), *router.values())
                                                        if isinstance(t, torch.Tensor)]
