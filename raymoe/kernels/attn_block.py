@@ -8,9 +8,10 @@ projection, the residual add and post-attention RMSNorm, the router projection a
 operator calls per layer (about 0.3 ms at 8 tokens of the benchmark model, for under 0.05 ms of arithmetic). The
 kernel does them all over the layer's weights in place.
 
-:class:`AttnBlockPlan` is built once per layer from its weights (checked here once: shapes, dtype, contiguity)
-and keeps them alive; each call checks only the step's tensors. The C code checks every index it reads through
-(positions, KV slots) before it writes anything.
+:class:`AttnBlockPlan` is built once per layer from its weights (checked here once: shapes, dtype, contiguity;
+the norm weights and rotary tables are read in place, the projections from transposed copies); each call checks
+only the step's tensors. The C code checks every index it reads through (positions, KV slots, token rows) before
+it writes anything.
 """
 
 from __future__ import annotations

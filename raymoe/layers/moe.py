@@ -327,7 +327,7 @@ class SparseMoeBlock(nn.Module):
 
     def fused_router(self) -> dict | None:
         """The router as keyword arguments of :class:`~raymoe.kernels.attn_block.AttnBlockPlan` (``w_gate``,
-        ``top_k``, ``renorm``, ``routed_scale``) where the fused decode block can route (softmax, greedy top-k, no
+        ``top_k``, ``renorm``, ``routed_scale``) where the fused attention block can route (softmax, greedy top-k, no
         correction bias, no gate bias); else None."""
         r = self.router
         if (r.scoring_func != "softmax" or r.topk_method != "greedy" or r.use_correction_bias

@@ -113,7 +113,7 @@ class DecoderLayer(nn.Module):
         a model the block would rarely serve never pays for the copies)."""
         if self._attn_block is None:
             self._attn_block = False
-            weights = getattr(self.self_attn, "decode_block_weights", lambda: None)()
+            weights = getattr(self.self_attn, "attn_block_weights", lambda: None)()
             router = self.mlp.fused_router() if self.is_moe else {}
             if weights is not None and router is not None and attn_block.plan_fits(weights, router):
                 norms = (self.input_layernorm, self.post_attention_layernorm)

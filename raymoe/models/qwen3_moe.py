@@ -71,9 +71,9 @@ class Qwen3MoeAttention(nn.Module):
         state.hidden_states = self.o_proj(o.reshape(o.shape[0], self.num_heads * self.head_dim))  # T may be 0 (IDLE)
         state.q = state.k = state.v = None
 
-    def decode_block_weights(self) -> dict | None:
+    def attn_block_weights(self) -> dict | None:
         """This attention as keyword arguments of :class:`~raymoe.kernels.attn_block.AttnBlockPlan` (weights, head
-        sizes, rotary tables, q/k norm), or None where the fused decode block does not apply (projection biases,
+        sizes, rotary tables, q/k norm), or None where the fused attention block does not apply (projection biases,
         interleaved rotary, tensor parallelism: the o projection's all-reduce sits between its ops)."""
         if (self.qkv_proj.bias is not None or self.o_proj.bias is not None or self.rotary.interleaved
                 or self.o_proj.groups.tp_size != 1):
