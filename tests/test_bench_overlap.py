@@ -39,5 +39,4 @@ def test_overlap_bench_points(tiny_model, a2a_mode):
         for key in TIMES:
             assert 0.0 < p[key] < 60_000.0 and 0.0 < p[key.removesuffix("_ms") + "_min_ms"] <= p[key]
         assert math.isfinite(p["efficiency"]) and p["tbo_latency_exposed"] >= 0.0
-    assert points[1]["serial_latency_exposed"] > 0.0  # a serial step waits for some of the injected latency
     assert len(format_table(points).splitlines()) == 3
