@@ -90,6 +90,12 @@ class RouterConfig:
     routed_scaling_factor: float = 1.0
     masked_fill: float = 0.0
 
+    @property
+    def is_softmax_greedy(self) -> bool:
+        """Softmax scores, greedy top-k over all experts, no correction bias (Qwen3-MoE, Mixtral, DeepSeek-V2
+        ``greedy``): the variant the fused CPU kernels route."""
+        return self.scoring_func == "softmax" and self.topk_method == "greedy" and not self.use_correction_bias
+
     def __post_init__(self) -> None:
         if self.scoring_func not in SCORING_FUNCS:
             raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")

@@ -157,9 +157,12 @@ def test_model_decode_uses_the_block_and_keeps_its_logits(tiny_model, monkeypatc
     monkeypatch.setattr(AttnBlockPlan, "__call__", lambda self, *a: (calls.append(1), real(self, *a))[1])
     fused = [_decode_logits(tiny_model, graphs) for graphs in (False, True)]
     assert len(calls) == 2 * 4 * 6 + 4  # (prefill, 4 decode steps, MIXED) x 4 layers, twice; a graph capture
-    monkeypatch.setattr(attn_block, "ATTN_BLOCK_MAX_MACS", 3 * 50_176 - 1)  # 3 rows of this model: above it
+    monkeypatch.setattr(attn_block, "ATTN_BLOCK_MAX_MACS", 8 * 50_176)  # 8 rows of this model (50,176 MACs each)
     assert torch.allclose(_decode_logits(tiny_model, False), fused[0], atol=1e-4, rtol=1e-4)
-    assert len(calls) == 52                                                  # every step ran the ops instead
+    assert len(calls) == 52 + 4 * 5           # the 18-token prefill ran the ops; decode and MIXED steps the block
+    monkeypatch.setattr(attn_block, "ATTN_BLOCK_MAX_MACS", 8 * 50_176 - 1)  # a layer too large for 8 rows: no plan
+    assert torch.allclose(_decode_logits(tiny_model, False), fused[0], atol=1e-4, rtol=1e-4)
+    assert len(calls) == 72
     monkeypatch.setattr(DecoderLayer, "plain_operations", DecoderLayer.operations)
     for got, graphs in zip(fused, (False, True), strict=True):
         want = _decode_logits(tiny_model, graphs)

@@ -191,8 +191,6 @@ class TorchNativeAttnBackend(PagedDecodeGraphHooks, AttentionBackend):
         if not cpu_ops.enabled_for(k_buf):
             return None
         if forward_batch.forward_mode.is_decode():
-            if self.kv_indices is None:
-                return None
             return BlockAttentionInputs(k_buf, v_buf, self.kv_indices, None, forward_batch.seq_lens)
         segs = self.extend_segments
         if len(segs) != 1 or not isinstance(segs[0], _KernelRun) or segs[0].end != forward_batch.num_tokens:

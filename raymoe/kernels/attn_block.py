@@ -27,11 +27,11 @@ _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 ATTN_BLOCK_MAX_MACS = 1 << 23
 """Most multiply-accumulates (``T * macs_per_row``: the qkv, o and router projections) one call may take; above
-it the layer runs its ops one by one. The kernel's GEMM (``raymoe_linear_t_f32``, about 20 GMAC/s on one core of
-the benchmark machine) matches torch's at [8, 128] x [128, 256] and takes 1.5-2x its time from about a million
-MACs on, while the operator overhead it saves stays about constant. Whole decode steps of the peers' tiny model on
-one rank, block on / off: bs 16 3.9 / 5.1 ms, bs 64 7.1 / 7.9 ms, bs 256 22.1 / 21.4 ms (0.8 / 3.2 / 12.8 M MACs per
-layer call); this bound (8.4 M) keeps bs 64 and stops bs 256."""
+it the layer runs its ops one by one. The kernel's GEMM (``linear_t`` in ``csrc/attn_block.c``, about 20 GMAC/s
+on one core of the benchmark machine) matches torch's at [8, 128] x [128, 256] and takes 1.5-2x its time from
+about a million MACs on, while the operator overhead it saves stays about constant. Whole decode steps of the
+peers' tiny model on one rank, block on / off: bs 16 3.9 / 5.1 ms, bs 64 7.1 / 7.9 ms, bs 256 22.1 / 21.4 ms
+(0.8 / 3.2 / 12.8 M MACs per layer call); this bound (8.4 M) keeps bs 64 and stops bs 256."""
 
 
 class AttnBlockParams(ctypes.Structure):
@@ -49,12 +49,17 @@ projections (at most ``MAX_MACS / MIN_ROWS`` floats, 4 MiB, per layer), which a 
 at a batch of one or two should not pay for."""
 
 
+def macs_per_row(w_qkv: torch.Tensor, w_o: torch.Tensor, w_gate: torch.Tensor | None) -> int:
+    """Multiply-accumulates of the block's three projections for one token (``w_qkv`` [N, H], ``w_o`` [H, K],
+    ``w_gate`` [E, H] or None)."""
+    return w_qkv.shape[1] * (w_qkv.shape[0] + w_o.shape[1] + (0 if w_gate is None else w_gate.shape[0]))
+
+
 def plan_fits(weights: dict, router: dict) -> bool:
     """Whether a layer with these :class:`AttnBlockPlan` keyword arguments (``w_qkv``, ``w_o``, optional
-    ``w_gate``) should get a plan: its multiply-accumulates per row times :data:`ATTN_BLOCK_MIN_ROWS` within
+    ``w_gate``) should get a plan: its :func:`macs_per_row` times :data:`ATTN_BLOCK_MIN_ROWS` within
     :data:`ATTN_BLOCK_MAX_MACS`."""
-    w_qkv, w_o, w_gate = weights["w_qkv"], weights["w_o"], router.get("w_gate")
-    per_row = w_qkv.shape[1] * (w_qkv.shape[0] + w_o.shape[1] + (0 if w_gate is None else w_gate.shape[0]))
+    per_row = macs_per_row(weights["w_qkv"], weights["w_o"], router.get("w_gate"))
     return per_row * ATTN_BLOCK_MIN_ROWS <= ATTN_BLOCK_MAX_MACS
 
 
@@ -122,7 +127,7 @@ class AttnBlockPlan:
             self.tensors.append(_check(w_gate, "w_gate", (experts, hidden)))
         self.hidden, self.heads, self.kv_heads, self.head_dim, self.top_k = hidden, heads, kv_heads, head_dim, top_k
         self.experts = experts
-        self.macs_per_row = hidden * (w_qkv.shape[0] + heads * head_dim + experts)
+        self.macs_per_row = macs_per_row(w_qkv, w_o, w_gate)
         # the kernel's GEMMs read the weights transposed ([in, out]): copies, made once
         self.transposed = [w.t().contiguous() for w in (w_qkv, w_o, w_gate) if w is not None]
         gate_t = self.transposed[2].data_ptr() if w_gate is not None else None

@@ -43,7 +43,6 @@ SIGNATURES: dict[str, tuple[object, list]] = {
                                           _I64, _F32, _P, _I64]),
     "raymoe_sample_rows_f32": (None, [_P, _I64, _I64, _I64, _P, _P, _P, _P]),
     "raymoe_topk_softmax_f32": (None, [_P, _I64, _I64, _I64, _I64, _INT, _F32, _P, _P]),
-    "raymoe_linear_t_f32": (None, [_P, _I64, _P, _I64, _I64, _I64, _P, _I64]),
     "raymoe_attn_block_f32": (_INT, [_P, _P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _P,
                                      _P, _P]),
     "raymoe_moe_routed_rows_f32": (_INT, [_P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64,

@@ -330,8 +330,7 @@ class SparseMoeBlock(nn.Module):
         ``top_k``, ``renorm``, ``routed_scale``) where the fused attention block can route (softmax, greedy top-k, no
         correction bias, no gate bias); else None."""
         r = self.router
-        if (r.scoring_func != "softmax" or r.topk_method != "greedy" or r.use_correction_bias
-                or self.gate.bias is not None):
+        if not r.is_softmax_greedy or self.gate.bias is not None:
             return None
         return {"w_gate": self.gate.weight, "top_k": self.top_k, "renorm": r.norm_topk_prob,
                 "routed_scale": r.routed_scaling_factor}

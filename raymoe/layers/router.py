@@ -49,8 +49,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, cfg: RouterConfig,
     Raises:
         ValueError: the bias is missing though the config asks for it.
     """
-    if (cfg.scoring_func == "softmax" and cfg.topk_method == "greedy" and not cfg.use_correction_bias
-            and cpu_ops.enabled_for(router_logits)):
+    if cfg.is_softmax_greedy and cpu_ops.enabled_for(router_logits):
         return cpu_ops.topk_softmax(router_logits, top_k, cfg.norm_topk_prob, cfg.routed_scaling_factor)
     logits = router_logits.float()
     scores = torch.sigmoid(logits) if cfg.scoring_func == "sigmoid" else torch.softmax(logits, dim=-1)

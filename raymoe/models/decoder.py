@@ -93,11 +93,11 @@ class DecoderLayer(nn.Module):
         turn."""
         fb = state.forward_batch
         x = state.hidden_states
-        inputs = plan = None
-        if state.residual is None and x.shape[0] and cpu_ops.enabled_for(x):
-            plan = self._attn_block_plan()
-            if plan is not None and x.shape[0] * plan.macs_per_row <= attn_block.ATTN_BLOCK_MAX_MACS:
-                inputs = fb.attn_backend.block_attention_inputs(self.layer_id, fb)
+        plan = self._attn_block_plan()
+        inputs = None
+        if (plan is not None and state.residual is None and 0 < x.shape[0] * plan.macs_per_row
+                <= attn_block.ATTN_BLOCK_MAX_MACS and cpu_ops.enabled_for(x)):
+            inputs = fb.attn_backend.block_attention_inputs(self.layer_id, fb)
         if inputs is None:
             for op in self.attn_half_operations():
                 op(state)
@@ -140,8 +140,11 @@ class DecoderLayer(nn.Module):
         return [*self.attn_half_operations(), *mlp_ops, self.op_comm_postprocess_layer]
 
     def plain_operations(self) -> list:
-        """:meth:`operations` for a step without overlap: the attention half as one op
-        (:meth:`op_attn_block`), which no overlap schedule splits."""
+        """:meth:`operations` for a step without overlap; where the layer has a fused block plan (a float32 CPU
+        layer the kernel covers), the attention half as one op (:meth:`op_attn_block`), which no overlap schedule
+        splits. Other layers (CUDA, other dtypes, MLA) keep the fine ops, with nothing added per step."""
+        if self._attn_block_plan() is None:
+            return self.operations()
         mlp_ops = self.mlp.expert_operations() if self.is_moe else [self.op_dense_mlp]
         return [self.op_attn_block, *mlp_ops, self.op_comm_postprocess_layer]
 

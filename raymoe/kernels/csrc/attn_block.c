@@ -9,8 +9,8 @@ typedef float v8f __attribute__((vector_size(32), aligned(4)));
  * weight wt [in, out] contiguous, row strides xs and ys in floats. Tiles of four rows by 16 outputs keep their
  * sums in eight vector registers, and each weight vector loaded feeds four rows; the last out % 16 outputs take a
  * scalar loop. */
-void raymoe_linear_t_f32(const float *x, int64_t xs, const float *wt, int64_t in, int64_t out, int64_t rows,
-                         float *y, int64_t ys) {
+static void linear_t(const float *x, int64_t xs, const float *wt, int64_t in, int64_t out, int64_t rows, float *y,
+                     int64_t ys) {
     int64_t tiled = out - out % 16;
     for (int64_t t0 = 0; t0 < rows; t0 += 4) {
         int64_t nb = rows - t0 < 4 ? rows - t0 : 4;
@@ -95,7 +95,7 @@ int raymoe_attn_block_f32(const raymoe_attn_block_params *p, const float *x, int
     float *o = attn + rows * hq * d;
     float *logits = o + rows * hidden;
     raymoe_add_rms_norm_f32(x, xs, NULL, 0, NULL, 0, p->ln1_w, h, hidden, rows, hidden, p->norm_eps);
-    raymoe_linear_t_f32(h, hidden, p->w_qkv_t, hidden, qkv_cols, rows, qkv, qkv_cols);
+    linear_t(h, hidden, p->w_qkv_t, hidden, qkv_cols, rows, qkv, qkv_cols);
     raymoe_qk_norm_rope_f32(qkv, qkv_cols, rows, hq + hkv, d, p->qk_norm_w, p->qk_eps, p->cos_t, p->sin_t,
                             positions, p->table_rows);
     raymoe_kv_store_f32(qkv + hq * d, qkv_cols, qkv + (hq + hkv) * d, qkv_cols, loc, rows, hkv * d, k_buf, v_buf,
@@ -103,11 +103,11 @@ int raymoe_attn_block_f32(const raymoe_attn_block_params *p, const float *x, int
     int rc = raymoe_paged_attention_f32(qkv, qkv_cols, k_buf, v_buf, kv_indices, idx_stride, width, index_rows,
                                         token_rows, seq_lens, rows, hq, hkv, d, p->scale, attn, slots);
     if (rc == 0) {
-        raymoe_linear_t_f32(attn, hq * d, p->w_o_t, hq * d, hidden, rows, o, hidden);
+        linear_t(attn, hq * d, p->w_o_t, hq * d, hidden, rows, o, hidden);
         raymoe_add_rms_norm_f32(o, hidden, x, xs, res_out, hidden, p->ln2_w, h_out, hidden, rows, hidden,
                                 p->norm_eps);
         if (p->experts > 0) {
-            raymoe_linear_t_f32(h_out, hidden, p->w_gate_t, hidden, p->experts, rows, logits, p->experts);
+            linear_t(h_out, hidden, p->w_gate_t, hidden, p->experts, rows, logits, p->experts);
             raymoe_topk_softmax_f32(logits, p->experts, rows, p->experts, p->top_k, (int)p->renorm,
                                     p->routed_scale, topk_w, topk_ids);
         }
