@@ -158,7 +158,7 @@ class RayExecutor:
             addr = ray.get(self.workers[0].get_rendezvous_address.remote(), timeout=self.init_timeout_s)
             ray.get([w.init_distributed.remote(addr, self.collective_timeout_s) for w in self.workers],
                     timeout=self.init_timeout_s)
-            ray.get([w.load.remote() for w in self.workers], timeout=self.init_timeout_s)
+            ray.get([w.load.remote(freeze_heap=True) for w in self.workers], timeout=self.init_timeout_s)
         except Exception as e:
             self.shutdown()
             raise EngineUnhealthyError(f"rank group failed to start: {type(e).__name__}: {e}") from e

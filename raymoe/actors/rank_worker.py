@@ -81,12 +81,22 @@ class RankWorker:
 
         return rank_device(self.runner_cfg.device, self.rank)
 
-    def load(self) -> bool:
-        """Build the runner (loads this rank's shard) on this rank's device."""
+    def load(self, freeze_heap: bool = False) -> bool:
+        """Build the runner (loads this rank's shard, captures its decode graphs) on this rank's device.
+
+        ``freeze_heap``: this rank owns its process (a Ray actor), so once it is built its start-up heap is frozen
+        (``process_tuning.freeze_startup_heap``: no full-heap GC pause inside a step). A rank built inside another
+        process (``LocalExecutor``: the offline ``Engine``, a one-rank driver actor) leaves that process's
+        collector to its owner.
+        """
         from dataclasses import replace
+
+        from raymoe.actors.process_tuning import freeze_startup_heap
 
         device = self._device()
         self.runner = ModelRunner(replace(self.runner_cfg, device=str(device)), self.groups)
+        if freeze_heap:
+            freeze_startup_heap()
         return True
 
     def step(self, batch: ModelWorkerBatch) -> StepOutput:

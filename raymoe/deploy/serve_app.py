@@ -33,10 +33,13 @@ class RaymoeDeployment:
         self.engine = self.options.engine_client(progress=False)
 
     def __serve_build_asgi_app__(self):
+        from raymoe.actors.process_tuning import freeze_startup_heap
         from raymoe.deploy.openai_api import build_openai_app
 
-        return build_openai_app(self.engine, api_key=self.options.api_key, max_in_flight=self.options.max_in_flight,
-                                limits=self.options.limits)
+        app = build_openai_app(self.engine, api_key=self.options.api_key, max_in_flight=self.options.max_in_flight,
+                               limits=self.options.limits)
+        freeze_startup_heap()  # the replica's process is ours: no full-heap GC pause under the streams
+        return app
 
     async def check_health(self) -> None:
         """Raise unless the engine is healthy: its driver actor answers (a dead one is being restarted and

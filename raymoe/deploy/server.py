@@ -64,6 +64,7 @@ def run_server(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, de
     """Start the engine described by ``opts`` and serve it on ``host:port`` until interrupted."""
     import uvicorn
 
+    from raymoe.actors.process_tuning import freeze_startup_heap
     from raymoe.deploy.openai_api import build_openai_app
 
     stages = tqdm(total=3, desc="raymoe serve", unit="step", bar_format="{desc}: {n}/{total}{postfix} [{elapsed}]")
@@ -93,6 +94,7 @@ def run_server(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, de
     stages.close()
     try:
         app = build_openai_app(engine, api_key=opts.api_key, max_in_flight=opts.max_in_flight, limits=opts.limits)
+        freeze_startup_heap()  # tokenizer, app and Ray client are built: no full-heap GC pause under the streams
         base_url = f"http://{host}:{port}"
         cfg = engine.config
         banner = (f"\nraymoe is serving {engine.model_name!r} at {base_url}/v1 "
