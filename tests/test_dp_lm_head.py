@@ -35,7 +35,7 @@ def _rank(groups: ParallelGroups, rows: list[int], bound: int | None) -> list:
     assert head.split_over_dp and head.weight.shape[0] == -(-VOCAB // groups.ep_size)
     w = _weights()
     head.load(_Reader(w), "lm_head.weight")
-    out = []
+    out = [head.weight.t().is_contiguous()]  # CPU float32: column-major storage (ParallelLMHead.load)
     for step, n in enumerate(rows[groups.ep_rank::groups.ep_size]):
         hidden = torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(100 * step + groups.ep_rank))
         logits = head(hidden, bound)
@@ -50,7 +50,7 @@ def test_dp_split_lm_head_equals_the_replicated_head(ep, cpu_comm, bound):
     per_step = [[5, 2, 0], [0, 4, 1], [3, 3, 3]]
     rows = [n for step in per_step for n in step[:ep]]
     results = run_ranks(_rank, ParallelConfig(tp_size=1, dp_size=ep, ep_size=ep), rows, bound, cpu_comm=cpu_comm)
-    assert results == [[True] * len(per_step)] * ep
+    assert results == [[True] * (1 + len(per_step))] * ep
 
 
 def test_tensor_parallel_and_single_rank_heads_are_not_split():
@@ -58,5 +58,12 @@ def test_tensor_parallel_and_single_rank_heads_are_not_split():
     assert not head.split_over_dp and head.weight.shape[0] == VOCAB
     w = _weights()
     head.load(_Reader(w), "lm_head.weight")
+    assert head.weight.t().is_contiguous() and torch.equal(head.weight, w)  # column-major, same values
     x = torch.randn(3, HIDDEN)
     assert torch.allclose(head(x, 7), x @ w.t(), atol=1e-5)
+
+
+def test_lm_head_keeps_row_major_storage_outside_cpu_float32():
+    head = ParallelLMHead(VOCAB, HIDDEN, ParallelGroups.single(), torch.bfloat16)
+    head.load(_Reader(_weights()), "lm_head.weight")
+    assert head.weight.is_contiguous()
