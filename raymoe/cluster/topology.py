@@ -12,6 +12,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from raymoe.cluster.rendezvous import rendezvous_store
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import CPU_COMM_MODES, ParallelConfig
 
@@ -48,7 +49,8 @@ def init_parallel_groups(rank: int, cfg: ParallelConfig, init_method: str, backe
     """Join the world process group and create the TP and EP groups (every rank must call this).
 
     Args:
-        rank: this rank. cfg: layout. init_method: rendezvous URL (``tcp://host:port``).
+        rank: this rank. cfg: layout. init_method: rendezvous URL (``tcp://host:port``: rank 0 serves the store on
+            that address only, ``raymoe.cluster.rendezvous``; other schemes go to torch as they are).
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (GPU). timeout_s: collective and rendezvous timeout, seconds.
         device_id: the rank's CUDA ``torch.device`` for NCCL (binds the communicator to it eagerly); None on CPU.
         cpu_comm: the EP all-to-all of gloo ranks (``MoeCommConfig.cpu_comm``): ``"auto"`` (shared memory when
@@ -65,8 +67,11 @@ def init_parallel_groups(rank: int, cfg: ParallelConfig, init_method: str, backe
         raise ValueError(f"cpu_comm must be one of {CPU_COMM_MODES}, got {cpu_comm!r}")
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=cfg.world_size,
-                                timeout=timeout, **({"device_id": device_id} if device_id is not None else {}))
+        # tcp:// goes through our store so that rank 0 listens on the rendezvous address only (cluster/rendezvous)
+        where = ({"store": rendezvous_store(init_method, rank, cfg.world_size, timeout)}
+                 if init_method.startswith("tcp://") else {"init_method": init_method})
+        dist.init_process_group(backend, rank=rank, world_size=cfg.world_size, timeout=timeout, **where,
+                                **({"device_id": device_id} if device_id is not None else {}))
     coords = rank_coords(rank, cfg)
     tp_group = None
     for ranks in tp_group_ranks(cfg):
