@@ -14,10 +14,10 @@ What it runs:
 * Node type ``gpu_worker`` (2 CPUs, 1 emulated GPU; 0 to 2 nodes). The head has 1 CPU, too little for an
   engine replica.
 * The Serve app of ``configs/serve.yaml`` (its deployment options: ``autoscaling_config`` min 1, max 2,
-  health checks, ``max_ongoing_requests``) with a tiny seeded checkpoint at ``dp_size=1`` (one rank actor, whose
-  1-CPU bundle the replica's driver actor places), made reactive for a short run: target 2 ongoing requests,
-  upscale after 2 s, downscale after 10 s. Each replica reserves 1 CPU and its rank's bundle 1 more, so each
-  engine fills a worker node of its own.
+  health checks, ``max_ongoing_requests``) with a tiny seeded checkpoint at ``dp_size=1`` (one rank, computing
+  inside the replica's driver actor on the replica's node), made reactive for a short run: target 2 ongoing
+  requests, upscale after 2 s, downscale after 10 s. Each replica reserves 2 CPUs (its in-process rank's
+  cores), so each one needs a worker node of its own.
 
 Ray APIs: ``ray start --autoscaling-config`` with the ``fake_multinode`` provider (the cluster autoscaler
 reacting to pending actors), ``serve.start`` / ``serve.run`` with ``Deployment.options(autoscaling_config=...)``
@@ -205,7 +205,7 @@ def main() -> int:
         deployment["autoscaling_config"] = {**deployment["autoscaling_config"], "target_ongoing_requests": 2,
                                             "upscale_delay_s": 2, "downscale_delay_s": 10,
                                             "metrics_interval_s": 1, "look_back_period_s": 2}
-        deployment["ray_actor_options"] = {"num_cpus": 1}  # + the rank actor's 1-CPU bundle: one worker node
+        deployment["ray_actor_options"] = {"num_cpus": 2}
         args = {**cfg["args"], "model": model, "served_model_name": "tiny", "dp_size": 1, "ep_size": 1,
                 "enable_tbo": False}
         say(f"deployment options: {deployment}")

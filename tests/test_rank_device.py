@@ -19,7 +19,7 @@ def test_cuda_rank_without_gpu_fails_clearly(tiny_model, monkeypatch):
     cfg = RunnerConfig(model_path=tiny_model, dtype="float32", num_kv_slots=32, max_req_rows=2, max_context_len=16,
                        device="cuda", disable_cuda_graph=True)
     with pytest.raises(RankDeviceError):
-        RankWorker(cfg, ParallelConfig(), rank=0).load()
+        RankWorker(cfg, ParallelConfig(), rank=0)  # world size 1 loads at construction
     worker = RankWorker(cfg, ParallelConfig(tp_size=1, dp_size=2, ep_size=2), rank=1)
     with pytest.raises(RankDeviceError):  # before joining any process group: peers are not left hanging in NCCL
         worker.init_distributed("tcp://127.0.0.1:1")

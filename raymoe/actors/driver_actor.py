@@ -1,10 +1,10 @@
 """DriverActor: the driver's step loop in its own process, as a Ray actor.
 
 The actor owns a :class:`~raymoe.actors.driver_service.DriverService` (the step loop thread, the schedulers, the
-radix caches) and, through its executor, the ranks: ``RankWorker`` actors that are its children, one per rank, a
-world of one rank included (``raymoe.actors.factory.build_executor``). It runs on the front end's node
-(``raymoe.deploy.engine_client.EngineClient``), and the hot traffic between the two goes over one Unix-domain
-socket (``raymoe.actors.channel``), never one Ray call per request or token:
+radix caches) and, through its executor, the ranks: in-process for a world of one rank, else ``RankWorker``
+actors that are its children. It runs on the front end's node (``raymoe.deploy.engine_client.EngineClient``), and
+the hot traffic between the two goes over one Unix-domain socket (``raymoe.actors.channel``), never one Ray call
+per request or token:
 
 * the step loop sends one :data:`OutputBatch` per iteration (every request's new tokens, finishes, refusals);
 * a reader thread takes ``(adds, aborts)`` messages from the front end and hands them to the loop.
@@ -28,6 +28,7 @@ import ray
 
 from raymoe.actors.channel import connect_channel
 from raymoe.actors.driver_service import DriverService, EngineStats, OutputBatch, RequestDelta, RequestError
+from raymoe.actors.process_tuning import rank_cpu_threads
 from raymoe.config import EngineConfig, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -44,9 +45,14 @@ def start_driver_actor(config: EngineConfig, max_restarts: int = DRIVER_MAX_REST
     minutes). Ray restarts the actor up to ``max_restarts`` times (-1: always) when its process dies."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from raymoe.runner.device import engine_device
+
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    # World size 1: the rank computes in this actor, which then needs the GPU (Ray hides GPUs from actors that
+    # do not ask for one, and the rank would fail with RankDeviceError).
+    gpus = 1 if config.parallel.world_size == 1 and engine_device(config.device) == "cuda" else 0
     cls = ray.remote(concurrency_groups={_CONTROL: 2}, max_concurrency=4)(DriverActor)
-    return cls.options(num_cpus=0, num_gpus=0, max_restarts=max_restarts, max_task_retries=0,
+    return cls.options(num_cpus=0, num_gpus=gpus, max_restarts=max_restarts, max_task_retries=0,
                        scheduling_strategy=here).remote(config)
 
 
@@ -63,13 +69,18 @@ class DriverActor:
         from raymoe.tokenizer import load_tokenizer
 
         set_engine_process_nice()
+
+        if config.parallel.world_size == 1:  # the rank computes in this process
+            import torch
+
+            torch.set_num_threads(rank_cpu_threads(config.cpu_threads, ranks_on_node=1))
         self._lock = threading.Lock()
         self._conn = None
         self._early: OutputBatch = []  # published before the front end connected
         model_config = ModelConfig.from_hf(config.model)
-        self.service = DriverService(build_driver(config, model_config, load_tokenizer(config.model),
-                                                  in_process_single_rank=False), publish=self._publish)
-        freeze_startup_heap()  # the ranks are up: no full-heap GC pauses in the step loop from now on
+        self.service = DriverService(build_driver(config, model_config, load_tokenizer(config.model)),
+                                     publish=self._publish)
+        freeze_startup_heap()  # ranks (and a one-rank world's model) are up: no full-heap GC pauses from now on
 
     def _publish(self, batch: OutputBatch) -> None:  # on the step loop thread
         with self._lock:
@@ -169,7 +180,7 @@ class DriverActor:
 
     @ray.method(concurrency_group=_CONTROL)
     def rank_actors(self) -> list:
-        """Handles of the rank actors (one per rank)."""
+        """Handles of the rank actors (empty for a world of one rank, which computes in this process)."""
         return list(getattr(self.service.driver.executor, "workers", []))
 
     def shutdown(self) -> None:

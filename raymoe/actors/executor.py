@@ -1,7 +1,6 @@
 """Step executors: fan one global step out to the ranks and gather each DP group's sampled tokens.
 
-``LocalExecutor`` runs a single in-process rank (the offline ``Engine``). ``RayExecutor`` owns rank actors (a served
-engine's, whatever its world size, and every multi-rank world's): it
+``LocalExecutor`` runs a single in-process rank. ``RayExecutor`` owns the rank actors of a multi-rank world: it
 places them (``raymoe.cluster.placement``), runs the process-group rendezvous, and every step sends each rank
 its DP group's batch: over the step channel (``fanout="channel"``: a Unix socket per rank on the driver's machine,
 ``raymoe.actors.step_channel``), through a Ray Compiled Graph (``"compiled"``) or as plain ``.remote()`` calls. A rank
@@ -35,13 +34,6 @@ log = logging.getLogger(__name__)
 FANOUTS = ("channel", "remote", "compiled")
 
 
-def _loaded_rank(runner_cfg: RunnerConfig) -> RankWorker:
-    """A one-rank world's ``RankWorker`` with its runner built (on the calling thread: the rank thread)."""
-    worker = RankWorker(runner_cfg)
-    worker.load()
-    return worker
-
-
 class LocalExecutor:
     """Runs the single rank in this process (no collectives: an exception in a step never wedges it).
 
@@ -59,7 +51,7 @@ class LocalExecutor:
         self.runner_cfg = runner_cfg
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raymoe-rank",
                                           initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
-        self.worker: RankWorker | None = self._thread.submit(_loaded_rank, runner_cfg).result()
+        self.worker: RankWorker | None = self._thread.submit(RankWorker, runner_cfg).result()
 
     def execute(self, batches: list[ModelWorkerBatch]) -> list[StepOutput]:
         """Run the step on the rank thread and wait for it.
@@ -103,7 +95,7 @@ class LocalExecutor:
 
     def restart(self) -> None:
         """Build a fresh rank (on the rank thread, after the steps queued before)."""
-        self.worker = self._thread.submit(_loaded_rank, self.runner_cfg).result()
+        self.worker = self._thread.submit(RankWorker, self.runner_cfg).result()
 
     def shutdown(self) -> None:
         """Drop the rank; steps still queued raise ``RankFailure``. The rank thread ends."""

@@ -27,17 +27,10 @@ def runner_config_for(config: EngineConfig) -> RunnerConfig:
         num_max_dispatch_tokens_per_rank=config.max_dispatch_tokens_per_rank, cpu_comm=config.moe_comm.cpu_comm)
 
 
-def build_executor(config: EngineConfig, in_process_single_rank: bool = True):
-    """The ranks of ``config``: an in-process rank for world size 1 when ``in_process_single_rank``, else rank
-    actors on Ray (joining ``config.ray_address``).
-
-    A served engine passes ``in_process_single_rank=False`` (``DriverActor``): its rank then computes in a process
-    of its own, so the driver's scheduling and output handling overlap the step instead of taking turns with it
-    on one GIL (served dp=1 at concurrency 16: +27 % output tokens/s over four alternating rounds,
-    docs/performance.md, twelfth session). The offline ``Engine`` keeps its rank in-process (no Ray needed).
-    """
+def build_executor(config: EngineConfig):
+    """In-process rank for world size 1, else rank actors on Ray (joining ``config.ray_address``)."""
     runner_cfg = runner_config_for(config)
-    if config.parallel.world_size == 1 and in_process_single_rank:
+    if config.parallel.world_size == 1:
         return LocalExecutor(runner_cfg)
     from raymoe.cluster.bootstrap import init_ray
 
@@ -49,15 +42,12 @@ def build_executor(config: EngineConfig, in_process_single_rank: bool = True):
                        step_timeout_s=config.step_timeout_s)
 
 
-def build_driver(config: EngineConfig, model_config: ModelConfig, tokenizer,
-                 in_process_single_rank: bool = True) -> Driver:
-    """Driver with ``dp_size`` schedulers over a freshly started executor (``in_process_single_rank``: see
-    :func:`build_executor`)."""
+def build_driver(config: EngineConfig, model_config: ModelConfig, tokenizer) -> Driver:
+    """Driver with ``dp_size`` schedulers over a freshly started executor."""
     def detokenize(ids):
         return tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    return Driver(config, build_executor(config, in_process_single_rank), eos_token_ids(model_config, tokenizer),
-                  detokenize,
+    return Driver(config, build_executor(config), eos_token_ids(model_config, tokenizer), detokenize,
                   dp_size=config.parallel.dp_size, graph_capture_sizes=runner_config_for(config).graph_capture_sizes,
                   a2a_mode=runner_config_for(config).a2a_mode,
                   vocab_size=model_config.vocab_size)

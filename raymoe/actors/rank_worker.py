@@ -35,6 +35,8 @@ class RankWorker:
         self.groups = ParallelGroups.single()
         self.runner: ModelRunner | None = None
         self._injected_step_errors = 0
+        if self.parallel.world_size == 1:
+            self.load()
 
     def get_rendezvous_address(self) -> str:
         """``tcp://ip:port`` of a free port on this rank's node (called on rank 0)."""
@@ -46,9 +48,8 @@ class RankWorker:
         return f"tcp://{ip}:{free_port(ip)}"
 
     def init_distributed(self, init_method: str, timeout_s: float = 60.0) -> int:
-        """Join the world group and create the TP/EP groups (a world of one rank joins none, as in-process); returns
-        this process id. Also sets the process's priority (``raymoe.actors.process_tuning``): this runs only in rank
-        actors (a world of one rank included)."""
+        """Join the world group and create the TP/EP groups; returns this process id. Also sets the process's
+        priority (``raymoe.actors.process_tuning``): this runs only in rank actors of multi-rank worlds."""
         import torch
 
         from raymoe.actors.process_tuning import raise_step_thread_priority, rank_cpu_threads, set_engine_process_nice
@@ -59,19 +60,16 @@ class RankWorker:
         torch.set_num_threads(rank_cpu_threads(self.runner_cfg.cpu_threads, self.parallel.world_size))
         set_engine_process_nice()  # a rank actor: not at Ray's background worker niceness
         raise_step_thread_priority(self._step_nice())  # the actor thread steps under plain calls
-        if self.parallel.world_size > 1:  # a world of one rank keeps ParallelGroups.single(): no store, no listener
-            self.groups = init_parallel_groups(self.rank, self.parallel, init_method, backend, timeout_s,
-                                               device_id=device if device.type == "cuda" else None,
-                                               cpu_comm=self.runner_cfg.cpu_comm)
+        self.groups = init_parallel_groups(self.rank, self.parallel, init_method, backend, timeout_s,
+                                           device_id=device if device.type == "cuda" else None,
+                                           cpu_comm=self.runner_cfg.cpu_comm)
         return os.getpid()
 
     def _step_nice(self) -> int | None:
-        """The nice value for this rank actor's step thread: None (leave it) for CUDA ranks. A one-rank world's rank
-        actor (a served dp=1 engine) is raised too: it shares the cores with the driver, the front end and the
-        clients like every CPU rank (an in-process rank, ``LocalExecutor``, never calls this)."""
+        """The nice value for this rank's step thread: None (leave it) for CUDA ranks and one-rank worlds."""
         from raymoe.actors.process_tuning import DEFAULT_RANK_NICE
 
-        if self._device().type != "cpu":
+        if self._device().type != "cpu" or self.parallel.world_size == 1:
             return None
         nice = self.runner_cfg.cpu_rank_nice
         return DEFAULT_RANK_NICE if nice is None else (nice or None)
