@@ -49,8 +49,8 @@ def init_parallel_groups(rank: int, cfg: ParallelConfig, init_method: str, backe
     """Join the world process group and create the TP and EP groups (every rank must call this).
 
     Args:
-        rank: this rank. cfg: layout. init_method: rendezvous URL (``tcp://host:port``: rank 0 serves the store on
-            that address only, ``raymoe.cluster.rendezvous``; other schemes go to torch as they are).
+        rank: this rank. cfg: layout. init_method: rendezvous URL ``tcp://host:port`` (rank 0 serves the store on
+            that address only, ``raymoe.cluster.rendezvous``).
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (GPU). timeout_s: collective and rendezvous timeout, seconds.
         device_id: the rank's CUDA ``torch.device`` for NCCL (binds the communicator to it eagerly); None on CPU.
         cpu_comm: the EP all-to-all of gloo ranks (``MoeCommConfig.cpu_comm``): ``"auto"`` (shared memory when
@@ -60,6 +60,7 @@ def init_parallel_groups(rank: int, cfg: ParallelConfig, init_method: str, backe
         the rank's ``ParallelGroups`` with explicit group handles.
     Raises:
         RuntimeError / DistBackendError: rendezvous failed or timed out.
+        ValueError: ``init_method`` is not ``tcp://host:port``.
         ValueError: ``cpu_comm="shm"`` but the EP ranks span nodes or the machine has no usable ``/dev/shm``.
         OSError: ``cpu_comm="shm"`` and ``/dev/shm`` cannot hold the mapping.
     """
@@ -67,10 +68,8 @@ def init_parallel_groups(rank: int, cfg: ParallelConfig, init_method: str, backe
         raise ValueError(f"cpu_comm must be one of {CPU_COMM_MODES}, got {cpu_comm!r}")
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        # tcp:// goes through our store so that rank 0 listens on the rendezvous address only (cluster/rendezvous)
-        where = ({"store": rendezvous_store(init_method, rank, cfg.world_size, timeout)}
-                 if init_method.startswith("tcp://") else {"init_method": init_method})
-        dist.init_process_group(backend, rank=rank, world_size=cfg.world_size, timeout=timeout, **where,
+        store = rendezvous_store(init_method, rank, cfg.world_size, timeout)  # rank 0 listens on its address only
+        dist.init_process_group(backend, store=store, rank=rank, world_size=cfg.world_size, timeout=timeout,
                                 **({"device_id": device_id} if device_id is not None else {}))
     coords = rank_coords(rank, cfg)
     tp_group = None
