@@ -9,9 +9,9 @@ operator calls per layer (about 0.3 ms at 8 tokens of the benchmark model, for u
 kernel does them all over the layer's weights in place.
 
 :class:`AttnBlockPlan` is built once per layer from its weights (checked here once: shapes, dtype, contiguity;
-the norm weights and rotary tables are read in place, the projections from transposed copies); each call checks
-only the step's tensors. The C code checks every index it reads through (positions, KV slots, token rows) before
-it writes anything.
+the norm weights and rotary tables are read in place, the projections from copies packed for ``csrc/gemm.c``);
+each call checks only the step's tensors. The C code checks every index it reads through (positions, KV slots,
+token rows) before it writes anything.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from raymoe.kernels import cpu_ops
+from raymoe.kernels import cpu_ops, packed_linear
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -39,8 +39,8 @@ class AttnBlockParams(ctypes.Structure):
 
     _fields_ = [("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64), ("experts", _I64),
                 ("top_k", _I64), ("renorm", _I64), ("table_rows", _I64), ("norm_eps", _F32), ("qk_eps", _F32),
-                ("scale", _F32), ("routed_scale", _F32), ("ln1_w", _P), ("w_qkv_t", _P), ("qk_norm_w", _P),
-                ("cos_t", _P), ("sin_t", _P), ("w_o_t", _P), ("ln2_w", _P), ("w_gate_t", _P)]
+                ("scale", _F32), ("routed_scale", _F32), ("ln1_w", _P), ("w_qkv_p", _P), ("qk_norm_w", _P),
+                ("cos_t", _P), ("sin_t", _P), ("w_o_p", _P), ("ln2_w", _P), ("w_gate_p", _P)]
 
 
 ATTN_BLOCK_MIN_ROWS = 8
@@ -92,8 +92,9 @@ def _check(t: torch.Tensor, name: str, shape: tuple[int, ...]) -> torch.Tensor:
 
 class AttnBlockPlan:
     """One layer's weights for :meth:`__call__` (Qwen3-MoE / Mixtral-style GQA attention, tp = 1). The norm
-    weights and rotary tables are read in place; the three projections are copied, transposed, when the plan is
-    built (the owner builds a new plan after it loads new weights).
+    weights and rotary tables are read in place; the three projections are copied, packed for the kernel's GEMM
+    (:func:`raymoe.kernels.packed_linear.pack`), when the plan is built (the owner builds a new plan after it loads
+    new weights).
 
     Args:
         ln1_w, ln2_w: [H] input and post-attention RMSNorm weights; norm_eps: their epsilon.
@@ -128,14 +129,14 @@ class AttnBlockPlan:
         self.hidden, self.heads, self.kv_heads, self.head_dim, self.top_k = hidden, heads, kv_heads, head_dim, top_k
         self.experts = experts
         self.macs_per_row = macs_per_row(w_qkv, w_o, w_gate)
-        # the kernel's GEMMs read the weights transposed ([in, out]): copies, made once
-        self.transposed = [w.t().contiguous() for w in (w_qkv, w_o, w_gate) if w is not None]
-        gate_t = self.transposed[2].data_ptr() if w_gate is not None else None
+        # the kernel's GEMMs read the weights packed in panels (csrc/gemm.c): copies, made once
+        self.packed = [packed_linear.pack(w) for w in (w_qkv, w_o, w_gate) if w is not None]
+        gate_p = self.packed[2].data.data_ptr() if w_gate is not None else None
         self.params = AttnBlockParams(
             hidden, heads, kv_heads, head_dim, experts, top_k, int(renorm), table, norm_eps, qk_eps, scale,
-            routed_scale, ln1_w.data_ptr(), self.transposed[0].data_ptr(),
+            routed_scale, ln1_w.data_ptr(), self.packed[0].data.data_ptr(),
             None if qk_norm_w is None else qk_norm_w.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            self.transposed[1].data_ptr(), ln2_w.data_ptr(), gate_t)
+            self.packed[1].data.data_ptr(), ln2_w.data_ptr(), gate_p)
         self._params_ref = ctypes.byref(self.params)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor, attn: BlockAttentionInputs

@@ -45,6 +45,9 @@ SIGNATURES: dict[str, tuple[object, list]] = {
     "raymoe_topk_softmax_f32": (None, [_P, _I64, _I64, _I64, _I64, _INT, _F32, _P, _P]),
     "raymoe_attn_block_f32": (_INT, [_P, _P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _P,
                                      _P, _P]),
+    "raymoe_pack_f32": (None, [_P, _I64, _I64, _I64, _P]),
+    "raymoe_linear_packed_f32": (None, [_P, _I64, _I64, _P, _I64, _I64, _P, _I64]),
+    "raymoe_grouped_linear_packed_f32": (_INT, [_P, _I64, _I64, _P, _I64, _P, _I64, _I64, _I64, _P, _I64]),
     "raymoe_moe_routed_rows_f32": (_INT, [_P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64,
                                           _I64, _P, _P, _I64, _I64, _P]),
 }

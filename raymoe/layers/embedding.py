@@ -15,6 +15,7 @@ from torch import nn
 from raymoe.comm.ep_transport import EpTransport
 from raymoe.comm.groups import ParallelGroups, tp_all_gather_last_dim, tp_all_reduce
 from raymoe.errors import CheckpointError
+from raymoe.kernels import packed_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -51,7 +52,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.data[: rows.shape[0]].copy_(rows)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(packed_linear.PackedWeightsMixin, VocabParallelEmbedding):
     """Output projection sharded by vocabulary rows. ``hidden`` [N, H] -> logits [N, vocab] of those rows.
 
     With tensor parallelism the TP ranks share the rows and all-gather their logits. Under attention data
@@ -68,10 +69,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, groups, dtype, *((groups.ep_size, groups.ep_rank) if split else ()))
         self.split_over_dp = split
         self.transport = EpTransport(groups) if split else None
+        self.packed: packed_linear.PackedWeight | None = None
 
     def load(self, reader, name: str) -> None:
         """Read this shard's rows of ``name`` ([vocab, hidden]); on a CPU float32 rank, then store them
-        column-major (the same [V_local, H] tensor over [H, V_local] storage).
+        column-major (the same [V_local, H] tensor over [H, V_local] storage), and keep a packed copy for the
+        packed GEMM (``raymoe.kernels.packed_linear``), which a one-threaded decode step uses instead: cold, it takes
+        0.38 ms at [16, 128] x [128, 8192] (docs/performance.md, thirteenth session).
 
         Why column-major on CPU: ``F.linear`` then hands MKL a non-transposed [H, V_local] right operand, which it
         streams row by row. A decode step reads the head's weights cold (every layer and the other processes run
@@ -86,6 +90,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().load(reader, name)
         if self.weight.device.type == "cpu" and self.weight.dtype == torch.float32:
             self.weight.data = self.weight.data.t().contiguous().t()
+        self.repack()
 
     def forward(self, hidden: torch.Tensor, rows_per_rank: int | None = None) -> torch.Tensor:  # type: ignore[override]
         """Logits [N, vocab] of ``hidden`` [N, H].
@@ -97,7 +102,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             ValueError: N is above ``rows_per_rank``.
         """
         if self.transport is None:
-            logits = F.linear(hidden, self.weight)
+            logits = packed_linear.matmul(hidden, self.weight, self.packed)
             logits = tp_all_gather_last_dim(logits, self.groups)
             return logits[..., : self.vocab_size]
         n, h = hidden.shape
@@ -110,7 +115,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         send = hidden.contiguous() if n == m else torch.cat((hidden, hidden.new_zeros(m - n, h)))
         gathered = hidden.new_empty((ep * m, h))                                # rank s's rows at [s * m, (s+1) * m)
         self.transport.all_gather(gathered, send).wait()
-        part = F.linear(gathered, self.weight)                                  # [ep * m, V_local]
+        part = packed_linear.matmul(gathered, self.weight, self.packed)         # [ep * m, V_local]
         mine = torch.empty_like(part)
         self.transport.all_to_all_equal(mine, part).wait()                      # chunk s: my rows, shard s's columns
         logits = mine.view(ep, m, self.vocab_local).transpose(0, 1).reshape(m, ep * self.vocab_local)

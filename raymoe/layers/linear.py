@@ -8,11 +8,11 @@ Shard arithmetic happens in the constructors (``local`` vs ``full`` sizes); coll
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from raymoe.comm.groups import ParallelGroups, divide, tp_all_gather_last_dim, tp_all_reduce
 from raymoe.errors import CheckpointError
+from raymoe.kernels import packed_linear
 
 
 def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -20,16 +20,17 @@ def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> 
         raise CheckpointError(name, f"shape {tuple(tensor.shape)} does not match the model's {tuple(expected)}")
 
 
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(packed_linear.PackedWeightsMixin, nn.Module):
     """A linear layer held whole by every rank. ``x`` [..., in] -> [..., out]."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.packed: packed_linear.PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return packed_linear.matmul(x, self.weight, self.packed, self.bias)
 
     def load(self, reader, name: str) -> None:
         """Copy ``name`` (and ``name``'s ``.bias`` sibling) from the checkpoint reader."""
@@ -39,9 +40,10 @@ class ReplicatedLinear(nn.Module):
         if self.bias is not None:
             bname = name.rsplit(".", 1)[0] + ".bias"
             self.bias.data.copy_(reader.get(bname, dtype=self.bias.dtype))
+        self.repack()
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(packed_linear.PackedWeightsMixin, nn.Module):
     """Output dim split over tp ranks: rank r holds rows ``[r * out_local, (r + 1) * out_local)``.
 
     ``x`` [..., in] -> [..., out_local] (``gather_output=True``: all-gathered to [..., out]).
@@ -58,9 +60,10 @@ class ColumnParallelLinear(nn.Module):
         out_local = sum(self.local_sizes)
         self.weight = nn.Parameter(torch.empty(out_local, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_local, dtype=dtype), requires_grad=False) if bias else None
+        self.packed: packed_linear.PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = packed_linear.matmul(x, self.weight, self.packed, self.bias)
         return tp_all_gather_last_dim(y, self.groups) if self.gather_output else y
 
     def load(self, reader, names: list[str]) -> None:
@@ -80,9 +83,10 @@ class ColumnParallelLinear(nn.Module):
                 self.bias.data[offset:offset + local].copy_(
                     reader.get_slice(bname, 0, start, start + local, dtype=self.bias.dtype))
             offset += local
+        self.repack()
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(packed_linear.PackedWeightsMixin, nn.Module):
     """Input dim split over tp ranks; partial outputs are summed with an all-reduce on the tp group.
 
     ``x`` [..., in_local] -> [..., out] (``reduce_results=False`` leaves the partial sum to the caller).
@@ -96,9 +100,10 @@ class RowParallelLinear(nn.Module):
         self.reduce_results = reduce_results
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.packed: packed_linear.PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = packed_linear.matmul(x, self.weight, self.packed)
         if self.reduce_results:
             tp_all_reduce(y, self.groups)
         if self.bias is not None:
@@ -113,6 +118,7 @@ class RowParallelLinear(nn.Module):
         self.weight.data.copy_(w)
         if self.bias is not None:
             self.bias.data.copy_(reader.get(name.rsplit(".", 1)[0] + ".bias", dtype=self.bias.dtype))
+        self.repack()
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -151,3 +157,4 @@ class QKVParallelLinear(ColumnParallelLinear):
                 self.bias.data[offset:offset + n].copy_(
                     reader.get_slice(name.rsplit(".", 1)[0] + ".bias", 0, start, start + n, dtype=self.bias.dtype))
             offset += n
+        self.repack()

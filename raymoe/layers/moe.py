@@ -33,7 +33,7 @@ from raymoe.comm.expert_input import (
 from raymoe.comm.groups import ParallelGroups, divide, tp_all_reduce
 from raymoe.config_arch import RouterConfig
 from raymoe.errors import CheckpointError
-from raymoe.kernels import cpu_ops
+from raymoe.kernels import cpu_ops, packed_linear
 from raymoe.layers.activation import silu_and_mul
 from raymoe.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from raymoe.layers.router import select_experts
@@ -67,13 +67,18 @@ class DenseMLP(nn.Module):
         self.down_proj.load(reader, f"{prefix}.down_proj.weight")
 
 
-class LocalExperts(nn.Module):
+class LocalExperts(packed_linear.PackedWeightsMixin, nn.Module):
     """The experts this rank owns, stacked: ``w13`` [E_local, 2 I_local, H], ``w2`` [E_local, H, I_local].
 
     With ``ep_size > 1`` each rank owns ``E / ep_size`` whole experts; with ``ep_size == 1`` and
     ``tp_size > 1`` every rank holds all experts with the intermediate dim split (partial sums are
     all-reduced by the caller).
+
+    On a float32 CPU rank both stacks are also kept packed (``packed13``, ``packed2``), and the grouped paths run
+    the packed GEMM (``raymoe.kernels.packed_linear``) where :func:`~raymoe.kernels.packed_linear.use_packed` says so.
     """
+
+    PACKED = (("packed13", "w13"), ("packed2", "w2"))
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, groups: ParallelGroups,
                  dtype: torch.dtype):
@@ -87,6 +92,8 @@ class LocalExperts(nn.Module):
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, self.inter_local, dtype=dtype),
                                requires_grad=False)
+        self.packed13: packed_linear.PackedWeight | None = None
+        self.packed2: packed_linear.PackedWeight | None = None
 
     def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Apply expert ``local_ids[i]`` to row ``x[i]``: ``x`` [R, H], ``local_ids`` [R] int64 in
@@ -115,9 +122,17 @@ class LocalExperts(nn.Module):
         counts.index_add_(0, local_ids, torch.ones_like(local_ids))
         ends = counts.cumsum(0).to(torch.int32)
         xs = x.index_select(0, order)                                                   # [R, H] by expert
-        h = silu_and_mul(torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=ends))    # [R, I_local]
-        y = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=ends)                    # [R, H]
+        y = self._grouped(xs, ends)                                                     # [R, H]
         return torch.empty_like(x).index_copy_(0, order, y)
+
+    def _grouped(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """Both projections over expert segments (``ends`` [E_local] int32): the packed GEMM where it applies,
+        else ``torch._grouped_mm``. ``x`` [R, H] -> [R, H]."""
+        if packed_linear.use_packed(self.packed13, x):
+            h = silu_and_mul(packed_linear.grouped_linear(x, ends, self.packed13))      # [R, I_local]
+            return packed_linear.grouped_linear(h, ends, self.packed2)
+        h = silu_and_mul(torch._grouped_mm(x, self.w13.transpose(1, 2), offs=ends))     # [R, I_local]
+        return torch._grouped_mm(h, self.w2.transpose(1, 2), offs=ends)
 
     def forward_input(self, rows: ExpertRows | MaskedExpertRows | GroupedExpertRows | DenseExpertRows
                       | RoutedTokenRows) -> torch.Tensor:
@@ -154,8 +169,7 @@ class LocalExperts(nn.Module):
         if x.shape[0] == 0:
             return torch.empty_like(x)
         if _grouped_mm_ok(x):
-            h = silu_and_mul(torch._grouped_mm(x, self.w13.transpose(1, 2), offs=ends))   # [R_max, I_local]
-            return torch._grouped_mm(h, self.w2.transpose(1, 2), offs=ends)               # [R_max, H]
+            return self._grouped(x, ends)                                                 # [R_max, H]
         r, el, c = x.shape[0], self.num_local, expert_capacity
         ends = ends.to(torch.int64)
         starts = ends - torch.diff(ends, prepend=ends.new_zeros(1))                      # [E_local]
@@ -223,6 +237,7 @@ class LocalExperts(nn.Module):
             if tuple(w.shape) != tuple(self.w2.shape[1:]):
                 raise CheckpointError(f"{base}.down_proj.weight", f"unexpected shape {tuple(w.shape)}")
             self.w2.data[le].copy_(w)
+        self.repack()
 
 
 class SparseMoeBlock(nn.Module):

@@ -52,6 +52,8 @@ int raymoe_paged_attention_f32(const float *q, int64_t q_stride, const float *k_
 void raymoe_add_rms_norm_f32(const float *x, int64_t x_stride, const float *res, int64_t res_stride,
                              float *sum_out, int64_t sum_stride, const float *w, float *out, int64_t out_stride,
                              int64_t rows, int64_t dim, float eps);
+void raymoe_linear_packed_f32(const float *x, int64_t xs, int64_t rows, const float *p, int64_t n, int64_t k,
+                              float *y, int64_t ys);
 void raymoe_topk_softmax_f32(const float *logits, int64_t stride, int64_t tokens, int64_t experts, int64_t k,
                              int renorm, float scale, float *weights, int64_t *ids);
 
