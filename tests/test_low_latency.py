@@ -190,6 +190,25 @@ def test_dense_layout_only_for_small_cpu_steps(kernels):
                      "GroupedExpertRows", "GroupedExpertRows"]
 
 
+def test_token_row_layout_bounded_by_the_experts_arithmetic():
+    """Where the dispatcher knows its experts' MACs per row, the fused kernel's token-row layout stops at
+    ``ROUTED_KERNEL_MAX_MACS`` of routed pairs: large experts go to the grouped layout (the packed GEMM) even
+    within the pair bound."""
+    from raymoe.comm.low_latency import ROUTED_KERNEL_MAX_MACS
+    from raymoe.kernels import build
+
+    if build.load() is None:
+        pytest.skip("fused CPU kernels unavailable (no C compiler, or RAYMOE_CPU_KERNELS=0)")
+    capacity = 8                                              # 16 routed pairs at ep 1, top-2
+    fits = ROUTED_KERNEL_MAX_MACS // (capacity * K)
+    kinds = []
+    for macs in (0, fits, fits + 1):
+        disp = TorchDispatcher(ParallelGroups.single(), E, dense_row_experts=1, expert_row_macs=macs)
+        x, ids, w = _inputs(0, capacity)
+        kinds.append(type(disp.dispatch_b(disp.dispatch_a(x, ids, w, capacity))).__name__)
+    assert kinds == ["RoutedTokenRows", "RoutedTokenRows", "GroupedExpertRows"]
+
+
 @pytest.mark.parametrize("capacity", [None, 6])
 def test_dense_at_ep1_sends_nothing_and_equals_the_sorted_path(capacity):
     """With one EP rank a small CPU step keeps its tokens whole (no pair sort, no message) in either mode, and

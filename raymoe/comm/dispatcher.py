@@ -45,11 +45,13 @@ class TorchDispatcher:
         groups: the rank's process groups (``ep_group`` is used). num_experts: routed experts E.
         dense_row_experts: the dense-layout bound (:class:`~raymoe.comm.low_latency.TorchLowLatencyAllToAll`; 0:
             never dense): low-latency steps at ``ep_size > 1``, any step at ``ep_size == 1``.
+        expert_row_macs: ``3 * H * I_local`` of the layer's experts (0: unknown), which bounds the token-row layout.
     """
 
-    def __init__(self, groups: ParallelGroups, num_experts: int, dense_row_experts: int = 0):
+    def __init__(self, groups: ParallelGroups, num_experts: int, dense_row_experts: int = 0,
+                 expert_row_macs: int = 0):
         self.normal = TorchAllToAll(groups, num_experts)
-        self.low_latency = TorchLowLatencyAllToAll(groups, num_experts, dense_row_experts)
+        self.low_latency = TorchLowLatencyAllToAll(groups, num_experts, dense_row_experts, expert_row_macs)
         self.ep_size = groups.ep_size
         self.num_local_experts = num_experts // groups.ep_size
 
@@ -114,9 +116,10 @@ class A2ABackendSpec:
     def options(self, hidden_size: int, dtype: torch.dtype, intermediate_size: int = 0) -> dict:
         """Constructor options of the backend for a layer of ``hidden_size``, ``dtype`` and local expert
         ``intermediate_size`` (torch: the dense-layout bound, :func:`~raymoe.comm.low_latency.dense_row_experts`,
-        none without an intermediate size)."""
+        none without an intermediate size, and the experts' MACs per row)."""
         if self.name != "deepep":
-            return {"dense_row_experts": dense_row_experts(hidden_size, intermediate_size) if intermediate_size else 0}
+            return {"dense_row_experts": dense_row_experts(hidden_size, intermediate_size) if intermediate_size else 0,
+                    "expert_row_macs": 3 * hidden_size * intermediate_size}
         return {"hidden_size": hidden_size, "dtype": dtype, "low_latency": self.mode != "normal",
                 "num_max_dispatch_tokens_per_rank": self.num_max_dispatch_tokens_per_rank}
 

@@ -62,6 +62,15 @@ MAC budget: the kernel's cost follows the routed pairs, not every expert over ev
 benchmark machine (tiny model, 8 experts top-2, whole decode steps): at 16 pairs per expert 12-15 % less CPU per
 step than the sort and grouped GEMMs (ep=2 at 32 tokens per rank, ep=1 at 64), even at 32, grouped ahead at 64."""
 
+ROUTED_KERNEL_MAX_MACS = 1 << 23
+"""Most multiply-accumulates of a step's routed pairs (``ep * M * k * 3 * H * I_local``) for which the token-row
+layout is chosen on behalf of the fused kernel (where the dispatcher knows its experts' size): the kernel saves the
+sort and index operators of the grouped layout (tens of microseconds), but its dot products run at a fraction of
+the packed GEMM's rate (``raymoe.kernels.packed_linear``). At the tiny model's size (24.6 K MACs per pair, 342
+pairs allowed) the pair bound above decides; at hidden 1024 and I 512 (1.57 M MACs per pair) the kernel took a
+two-batch-overlap half step of 32 tokens per rank in 69 ms against 52 ms for the grouped layout over packed
+weights (``raymoe bench overlap``, docs/performance.md, thirteenth session)."""
+
 _DENSE_DTYPES = (torch.float32, torch.bfloat16)  # float32 range: a 0-weighted expert output cannot overflow to inf
 
 
@@ -149,9 +158,12 @@ class TorchLowLatencyAllToAll:
         dense_row_experts: CPU steps of float32/bfloat16 tokens with ``ep * M * E_local`` at most this use the
             dense layout (:func:`dense_row_experts`; 0: never). Every rank of the group has the same value and the
             same ``M``, though the choice only shapes this rank's own expert work.
+        expert_row_macs: multiply-accumulates of one local expert on one row, ``3 * H * I_local`` (0: unknown; then
+            :data:`ROUTED_KERNEL_MAX_MACS` is not applied).
     """
 
-    def __init__(self, groups: ParallelGroups, num_experts: int, dense_row_experts: int = 0):
+    def __init__(self, groups: ParallelGroups, num_experts: int, dense_row_experts: int = 0,
+                 expert_row_macs: int = 0):
         self.ep_size = groups.ep_size
         self.num_experts = num_experts
         self.num_local_experts = num_experts // groups.ep_size
@@ -163,19 +175,22 @@ class TorchLowLatencyAllToAll:
         self._remap = {torch.device("cpu"): remap}
         self._geometries: dict[tuple, _Geometry] = {}
         self.dense_row_experts = dense_row_experts
+        self.expert_row_macs = expert_row_macs
         self._pad_ids = torch.empty(0, dtype=torch.int64)  # E, E, ...: the ids of unused message rows (CPU)
 
     def uses_dense(self, capacity: int, top_k: int, hidden: torch.Tensor) -> bool:
         """Whether a step of per-rank capacity ``capacity`` (tokens like ``hidden``, top-``top_k`` routing) answers
         ``RoutedTokenRows`` (small CPU steps; never with ``dense_row_experts`` 0, a layer whose experts are too
-        large for the layout): within the dense MAC budget, or where the fused kernel takes the experts and the
-        routed pairs per local expert stay within :data:`ROUTED_KERNEL_ROWS_PER_EXPERT`."""
+        large for the layout): within the dense MAC budget, or where the fused kernel takes the experts, the
+        routed pairs per local expert stay within :data:`ROUTED_KERNEL_ROWS_PER_EXPERT` and their arithmetic within
+        :data:`ROUTED_KERNEL_MAX_MACS`."""
         if hidden.device.type != "cpu" or hidden.dtype not in _DENSE_DTYPES or self.dense_row_experts <= 0:
             return False
         if self.ep_size * capacity * self.num_local_experts <= self.dense_row_experts:
             return True
-        return (self.ep_size * capacity * top_k <= ROUTED_KERNEL_ROWS_PER_EXPERT * self.num_experts
-                and cpu_ops.enabled_for(hidden))
+        pairs = self.ep_size * capacity * top_k
+        return (pairs <= ROUTED_KERNEL_ROWS_PER_EXPERT * self.num_experts
+                and pairs * self.expert_row_macs <= ROUTED_KERNEL_MAX_MACS and cpu_ops.enabled_for(hidden))
 
     def remap(self, device: torch.device) -> torch.Tensor:
         """[E + 1] int64: global expert id -> local expert id, ``E_local`` where another rank owns it."""
