@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raymoe.kernels import attn_block, build
+from raymoe.kernels import attn_block, build, packed_linear
 from raymoe.kernels.attn_block import AttnBlockPlan, BlockAttentionInputs
 from raymoe.models.decoder import DecoderLayer
 
@@ -145,6 +145,19 @@ def test_plan_rejects_weights_it_cannot_take():
         AttnBlockPlan(**{**w, "top_k": 9})
     with pytest.raises(ValueError, match="w_qkv"):
         AttnBlockPlan(**{**w, "w_qkv": w["w_qkv"].double()})
+    packed_qkv = packed_linear.pack(w["w_qkv"])
+    with pytest.raises(ValueError, match="packed copy"):
+        AttnBlockPlan(**{**w, "w_o_packed": packed_qkv})
+
+
+def test_plan_reads_the_packed_copies_it_is_given():
+    """The layers' packed copies are used in place (no second copy), and projections given none are packed."""
+    w = _setup(4, 2, 32, hidden=48, experts=8, qk_norm=True)
+    given = {"w_qkv_packed": packed_linear.pack(w["w_qkv"]), "w_gate_packed": packed_linear.pack(w["w_gate"])}
+    plan = AttnBlockPlan(**w, **given)
+    qkv, o, gate = plan.packed
+    assert qkv is given["w_qkv_packed"] and gate is given["w_gate_packed"]
+    assert (o.out_features, o.in_features) == tuple(w["w_o"].shape)
 
 
 def test_model_decode_uses_the_block_and_keeps_its_logits(tiny_model, monkeypatch):

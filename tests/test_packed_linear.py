@@ -115,3 +115,22 @@ def test_layers_pack_at_load_and_follow_dtype_changes():
     layer.load(Reader(w), ["w"])
     layer.to(torch.float32)
     assert layer.packed is not None
+
+
+def test_experts_grouped_layout_through_packed_weights_equals_grouped_mm():
+    """``LocalExperts`` with its stacks packed gives ``torch._grouped_mm``'s rows (sorted and segment forms)."""
+    from raymoe.layers.moe import LocalExperts
+
+    experts = LocalExperts(4, 32, 24, ParallelGroups.single(), torch.float32)
+    g = torch.Generator().manual_seed(5)
+    experts.w13.data.copy_(torch.randn(4, 48, 32, generator=g) / 6)
+    experts.w2.data.copy_(torch.randn(4, 32, 24, generator=g) / 5)
+    x = torch.randn(13, 32, generator=g)
+    ids = torch.tensor([3, 0, 0, 2, 3, 3, 0, 2, 2, 0, 3, 3, 0])
+    ends = torch.tensor([5, 5, 8, 13], dtype=torch.int32)
+    want = experts(x, ids), experts.forward_segments(x, ends, 5)
+    experts.repack()
+    assert experts.packed13 is not None and experts.packed2 is not None
+    got = experts(x, ids), experts.forward_segments(x, ends, 5)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -46,9 +46,9 @@ class AttnBlockParams(ctypes.Structure):
 
 
 ATTN_BLOCK_MIN_ROWS = 8
-"""A layer gets a plan only if a step of this many rows fits :data:`ATTN_BLOCK_MAX_MACS`: the plan copies the
-projections (at most ``MAX_MACS / MIN_ROWS`` floats, 4 MiB, per layer), which a model the block could serve only
-at a batch of one or two should not pay for."""
+"""A layer gets a plan only if a step of this many rows fits :data:`ATTN_BLOCK_MAX_MACS`: a model the block could
+serve only at a batch of one or two gains nothing from it (and where a projection comes without a packed copy, the
+plan makes one, at most ``MAX_MACS / MIN_ROWS`` floats, 4 MiB, per layer)."""
 
 
 def macs_per_row(w_qkv: torch.Tensor, w_o: torch.Tensor, w_gate: torch.Tensor | None) -> int:
@@ -92,11 +92,21 @@ def _check(t: torch.Tensor, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     return t
 
 
+def _packed(w: torch.Tensor, given: packed_linear.PackedWeight | None) -> packed_linear.PackedWeight:
+    """``given`` when it is a packed copy of ``w``'s sizes, a fresh one when None. Raises ValueError: other sizes."""
+    if given is None:
+        return packed_linear.pack(w)
+    cpu_ops.need(given.groups == 1 and (given.out_features, given.in_features) == tuple(w.shape),
+                 lambda: f"packed copy [{given.out_features}, {given.in_features}] does not match {tuple(w.shape)}")
+    return given
+
+
 class AttnBlockPlan:
     """One layer's weights for :meth:`__call__` (Qwen3-MoE / Mixtral-style GQA attention, tp = 1). The norm
-    weights and rotary tables are read in place; the three projections are copied, packed for the kernel's GEMM
-    (:func:`raymoe.kernels.packed_linear.pack`), when the plan is built (the owner builds a new plan after it loads
-    new weights).
+    weights and rotary tables are read in place; the kernel's GEMM reads the three projections packed: the copies
+    their layers keep (``w_qkv_packed``, ``w_o_packed``, ``w_gate_packed``, made at load), or copies packed here
+    where none is given (:func:`raymoe.kernels.packed_linear.pack`). The owner builds a new plan after it loads new
+    weights.
 
     Args:
         ln1_w, ln2_w: [H] input and post-attention RMSNorm weights; norm_eps: their epsilon.
@@ -105,15 +115,19 @@ class AttnBlockPlan:
         cos, sin: [P, D] neox rotary tables. heads, kv_heads, head_dim: Hq, Hkv, D; scale: the softmax scale.
         w_gate: [E, H] router weights (None: no router, a dense MLP follows); top_k, renorm, routed_scale: softmax
             greedy routing (``cpu_ops.topk_softmax``).
+        w_qkv_packed, w_o_packed, w_gate_packed: packed copies of those weights (None: packed here).
     Raises:
-        ValueError: a weight of the wrong shape, dtype, device or layout, or ``top_k`` outside ``[1, E]``.
+        ValueError: a weight of the wrong shape, dtype, device or layout, a packed copy of other sizes, or ``top_k``
+            outside ``[1, E]``.
     """
 
     def __init__(self, *, ln1_w: torch.Tensor, ln2_w: torch.Tensor, norm_eps: float, w_qkv: torch.Tensor,
                  w_o: torch.Tensor, qk_norm_w: torch.Tensor | None, qk_eps: float, cos: torch.Tensor,
                  sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int, scale: float,
                  w_gate: torch.Tensor | None = None, top_k: int = 0, renorm: bool = False,
-                 routed_scale: float = 1.0):
+                 routed_scale: float = 1.0, w_qkv_packed: packed_linear.PackedWeight | None = None,
+                 w_o_packed: packed_linear.PackedWeight | None = None,
+                 w_gate_packed: packed_linear.PackedWeight | None = None):
         hidden = ln1_w.shape[0]
         cpu_ops.need(heads % kv_heads == 0 and head_dim % 2 == 0 and head_dim <= 1024,
                      lambda: f"heads {heads} / kv heads {kv_heads} / head dim {head_dim} not supported")
@@ -131,8 +145,9 @@ class AttnBlockPlan:
         self.hidden, self.heads, self.kv_heads, self.head_dim, self.top_k = hidden, heads, kv_heads, head_dim, top_k
         self.experts = experts
         self.macs_per_row = macs_per_row(w_qkv, w_o, w_gate)
-        # the kernel's GEMMs read the weights packed in panels (csrc/gemm.c): copies, made once
-        self.packed = [packed_linear.pack(w) for w in (w_qkv, w_o, w_gate) if w is not None]
+        # the kernel's GEMMs read the weights packed in panels (csrc/gemm.c): the layers' copies where given
+        self.packed = [_packed(w, p) for w, p in ((w_qkv, w_qkv_packed), (w_o, w_o_packed), (w_gate, w_gate_packed))
+                       if w is not None]
         gate_p = self.packed[2].data.data_ptr() if w_gate is not None else None
         self.params = AttnBlockParams(
             hidden, heads, kv_heads, head_dim, experts, top_k, int(renorm), table, norm_eps, qk_eps, scale,

@@ -341,14 +341,14 @@ class SparseMoeBlock(nn.Module):
         return [*self.routing_operations(), *self.expert_operations()]
 
     def fused_router(self) -> dict | None:
-        """The router as keyword arguments of :class:`~raymoe.kernels.attn_block.AttnBlockPlan` (``w_gate``,
-        ``top_k``, ``renorm``, ``routed_scale``) where the fused attention block can route (softmax, greedy top-k, no
-        correction bias, no gate bias); else None."""
+        """The router as keyword arguments of :class:`~raymoe.kernels.attn_block.AttnBlockPlan` (``w_gate`` and its
+        packed copy, ``top_k``, ``renorm``, ``routed_scale``) where the fused attention block can route (softmax,
+        greedy top-k, no correction bias, no gate bias); else None."""
         r = self.router
         if not r.is_softmax_greedy or self.gate.bias is not None:
             return None
-        return {"w_gate": self.gate.weight, "top_k": self.top_k, "renorm": r.norm_topk_prob,
-                "routed_scale": r.routed_scaling_factor}
+        return {"w_gate": self.gate.weight, "w_gate_packed": self.gate.packed, "top_k": self.top_k,
+                "renorm": r.norm_topk_prob, "routed_scale": r.routed_scaling_factor}
 
     def load(self, reader, prefix: str) -> None:
         self.gate.load(reader, f"{prefix}.gate.weight")

@@ -107,10 +107,10 @@ class DecoderLayer(nn.Module):
             state.topk_weights, state.topk_ids = weights, ids
 
     def _attn_block_plan(self) -> AttnBlockPlan | None:
-        """This layer's fused block (built once: the weights are checked, the projections copied), or None when
-        its attention or router is not one the kernel covers, its weights are not float32 CPU tensors, or its
-        projections are too large for a step of ``ATTN_BLOCK_MIN_ROWS`` rows to fit ``ATTN_BLOCK_MAX_MACS`` (so
-        a model the block would rarely serve never pays for the copies)."""
+        """This layer's fused block (built once: the weights are checked, and the projections' packed copies are
+        taken from their layers), or None when its attention or router is not one the kernel covers, its weights
+        are not float32 CPU tensors, or its projections are too large for a step of ``ATTN_BLOCK_MIN_ROWS`` rows
+        to fit ``ATTN_BLOCK_MAX_MACS`` (a model the block would rarely serve gains nothing from it)."""
         if self._attn_block is None:
             self._attn_block = False
             weights = getattr(self.self_attn, "attn_block_weights", lambda: None)()

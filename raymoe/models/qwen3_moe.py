@@ -78,7 +78,8 @@ class Qwen3MoeAttention(nn.Module):
         if (self.qkv_proj.bias is not None or self.o_proj.bias is not None or self.rotary.interleaved
                 or self.o_proj.groups.tp_size != 1):
             return None
-        return {"w_qkv": self.qkv_proj.weight, "w_o": self.o_proj.weight,
+        return {"w_qkv": self.qkv_proj.weight, "w_o": self.o_proj.weight, "w_qkv_packed": self.qkv_proj.packed,
+                "w_o_packed": self.o_proj.packed,
                 "qk_norm_w": self.qk_norm_weight if self.qk_norm else None, "qk_eps": self.norm_eps,
                 "cos": self.rotary.cos, "sin": self.rotary.sin, "heads": self.num_heads,
                 "kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "scale": self.head_dim ** -0.5}
