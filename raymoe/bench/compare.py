@@ -6,6 +6,10 @@ Each server is started in turn on 127.0.0.1 (vLLM-CPU from ``../shared/peers`` i
 raymoe row's ratio to the peer measured in this run. raymoe's own offline decode step time at batch
 ``--step-batch`` is measured too, single-rank and in each asked rank layout (the serving goal is TPOT p50 <= 1.5x
 that step: what serving adds over the engine's own step). Writes JSON.
+
+With ``--rounds N`` all of that is repeated N times, the peer first in odd rounds and last in even ones, and each
+raymoe row's ratio is taken against the peer of its own round; the summary gives the median ratio and the
+per-round ones (``raymoe.bench.compare_rounds``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ def add_compare_args(p) -> None:
                         "is bfloat16, which is slow on CPUs without bf16 instructions); every raymoe row gets a "
                         "ratio to each")
     p.add_argument("--step-batch", type=int, default=16, help="batch of the offline decode-step measurement")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="serve every server this many times, the peer first in odd rounds and last in even ones; "
+                        "ratios are taken within each round and summarized by their median (see "
+                        "raymoe.bench.compare_rounds: the machine's speed drifts between runs)")
     p.add_argument("--port", type=int, default=8031)
     p.add_argument("--out", default="bench_results/compare.json")
 
@@ -228,33 +236,66 @@ def _table(rows: list[dict], step_ms: float, layout_steps: dict[str, float] | No
     return "\n".join(lines)
 
 
-def run_compare(a) -> dict:
-    """Run the comparison described by the parsed arguments ``a``; prints the table and writes JSON."""
-    peers = Path(a.peers)
-    if not (peers / "vllm/bin/python").exists():
-        raise SystemExit(f"no peers under {peers}: run `bash ../shared/peers/setup.sh` first (needed for the "
-                         "client even with --skip-peer)")
-    model = a.model or str(peers / "models/tiny-qwen3moe")
-    env = peer_env(peers)
-    rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="raymoe-compare-") as workdir:
-        if not a.skip_peer:
-            for dtype in (d.strip() for d in a.peer_dtypes.split(",") if d.strip()):
-                rows += _serve_and_load(a, peer_name(dtype), peer_serve_cmd(peers, model, a.port, dtype), env,
-                                        peers, model, workdir, start_timeout_s=600)
-        for topo in a.topologies.split(";"):
-            rows += _serve_and_load(a, f"raymoe {topo}", raymoe_serve_cmd(model, a.port, topo), dict(os.environ),
-                                    peers, model, workdir, start_timeout_s=600)
+def _offline_steps(a, model: str) -> tuple[float, dict[str, float]]:
+    """raymoe's offline decode step at ``--step-batch`` (ms): single rank, and per multi-rank topology."""
     step_ms = offline_decode_step_ms(model, a.step_batch, a.output_len)
     layout_steps = {}
     for topo in a.topologies.split(";"):
         layout = rank_layout_options(topo)
         if layout["tp_size"] * layout["dp_size"] > 1:
             layout_steps[topo] = offline_decode_step_ms(model, a.step_batch, a.output_len, **layout)
-    print(_table(rows, step_ms, layout_steps), flush=True)
-    result = {"rows": rows, "offline_decode_step_ms": step_ms, "offline_decode_step_ms_by_topology": layout_steps,
-              "step_batch": a.step_batch, "model": model,
+    return step_ms, layout_steps
+
+
+def _one_round(a, peers: Path, model: str, env: dict, peer_first: bool) -> list[dict]:
+    """Serve and load the peer (one run per ``--peer-dtypes`` value) and each raymoe topology once; the peer
+    first when ``peer_first``, else last."""
+    runs = [] if a.skip_peer else [(peer_name(d), peer_serve_cmd(peers, model, a.port, d), env)
+                                   for d in (x.strip() for x in a.peer_dtypes.split(",") if x.strip())]
+    ours = [(f"raymoe {t}", raymoe_serve_cmd(model, a.port, t), dict(os.environ)) for t in a.topologies.split(";")]
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="raymoe-compare-") as workdir:
+        for name, cmd, run_env in (runs + ours if peer_first else ours + runs):
+            rows += _serve_and_load(a, name, cmd, run_env, peers, model, workdir, start_timeout_s=600)
+    return rows
+
+
+def run_compare(a) -> dict:
+    """Run the comparison described by the parsed arguments ``a``; prints the table (per round, and with
+    ``--rounds`` above 1 the per-round ratios' summary: ``raymoe.bench.compare_rounds``) and writes JSON.
+
+    Raises:
+        SystemExit: no peers install, or ``--rounds`` below 1.
+    """
+    from raymoe.bench.compare_rounds import rounds_table, summarize_rounds
+
+    peers = Path(a.peers)
+    if not (peers / "vllm/bin/python").exists():
+        raise SystemExit(f"no peers under {peers}: run `bash ../shared/peers/setup.sh` first (needed for the "
+                         "client even with --skip-peer)")
+    if a.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {a.rounds}")
+    model = a.model or str(peers / "models/tiny-qwen3moe")
+    env = peer_env(peers)
+    rounds = []
+    for i in range(a.rounds):
+        if a.rounds > 1:
+            print(f"[compare] round {i + 1} of {a.rounds} ({'peer' if i % 2 == 0 else 'raymoe'} first)", flush=True)
+        rows = _one_round(a, peers, model, env, peer_first=i % 2 == 0)
+        step_ms, layout_steps = _offline_steps(a, model)
+        print(_table(rows, step_ms, layout_steps), flush=True)
+        rounds.append({"rows": rows, "offline_decode_step_ms": step_ms,
+                       "offline_decode_step_ms_by_topology": layout_steps})
+    first = rounds[0]
+    result = {**first, "rounds": rounds, "step_batch": a.step_batch, "model": model,
               "num_prompts": a.num_prompts, "input_len": a.input_len, "output_len": a.output_len}
+    if a.rounds > 1:
+        peer_names = list(dict.fromkeys(r["server"] for r in first["rows"] if r["server"].startswith(PEER_NAME)))
+        result["summary"] = {}
+        for peer in peer_names or [PEER_NAME]:
+            summary = summarize_rounds(rounds, peer, goal_concurrency=a.step_batch)
+            result["summary"][peer] = summary
+            print(rounds_table([s for s in summary if not s["server"].startswith(PEER_NAME)], peer), flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
     return result
