@@ -286,16 +286,17 @@ def run_compare(a) -> dict:
         print(_table(rows, step_ms, layout_steps), flush=True)
         rounds.append({"rows": rows, "offline_decode_step_ms": step_ms,
                        "offline_decode_step_ms_by_topology": layout_steps})
-    first = rounds[0]
+    first = rounds[0]  # also at the top level: the one-run layout of this file
     result = {**first, "rounds": rounds, "step_batch": a.step_batch, "model": model,
               "num_prompts": a.num_prompts, "input_len": a.input_len, "output_len": a.output_len}
     if a.rounds > 1:
         peer_names = list(dict.fromkeys(r["server"] for r in first["rows"] if r["server"].startswith(PEER_NAME)))
         result["summary"] = {}
         for peer in peer_names or [PEER_NAME]:
-            summary = summarize_rounds(rounds, peer, goal_concurrency=a.step_batch)
+            summary = [s for s in summarize_rounds(rounds, peer, goal_concurrency=a.step_batch)
+                       if not s["server"].startswith(PEER_NAME)]  # raymoe rows only (not one peer over another)
             result["summary"][peer] = summary
-            print(rounds_table([s for s in summary if not s["server"].startswith(PEER_NAME)], peer), flush=True)
+            print(rounds_table(summary, peer), flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
     return result

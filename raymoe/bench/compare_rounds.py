@@ -51,15 +51,16 @@ def summarize_rounds(rounds: list[dict], peer: str, goal_concurrency: int | None
         raise ValueError("no rounds to summarize")
     keys = list(dict.fromkeys((r["server"], r["concurrency"]) for rd in rounds for r in rd["rows"]
                               if r["server"] != peer))
+    ratios_by_round = [round_ratios(rd["rows"], peer) for rd in rounds]
     out = []
     for server, conc in keys:
         ratios, tok_s, met, met_own, own_known = [], [], 0, 0, False
-        for rd in rounds:
+        for rd, round_ratio in zip(rounds, ratios_by_round, strict=True):
             row = next((r for r in rd["rows"] if r["server"] == server and r["concurrency"] == conc), None)
             if row is None:
                 continue
             tok_s.append(row["output_throughput"])
-            ratio = round_ratios(rd["rows"], peer).get((server, conc))
+            ratio = round_ratio.get((server, conc))
             if ratio is not None:
                 ratios.append(ratio)
             met += tpot_goal_met(row, rd["offline_decode_step_ms"])
