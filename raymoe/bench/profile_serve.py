@@ -1,18 +1,24 @@
 """``raymoe bench profile-serve``: where a served step's time goes, from py-spy samples of every engine process.
 
-Starts ``raymoe serve`` (given topology) on 127.0.0.1, warms it up, then records py-spy (``--threads``, active
-samples only, native frames off) of the HTTP front end, the driver actor and every rank actor for
-``--seconds`` while the ``vllm bench serve`` client of the peers install keeps ``--concurrency`` streams busy.
-Each sample is put in one category by the deepest frame that names one (:data:`CATEGORIES`); samples in Ray's own
-code that no raymoe frame claims count as "ray runtime". The table gives, per process and category, CPU
-milliseconds per engine step (steps counted from ``raymoe:engine_steps_total`` over the window), so the numbers
-add up to the CPU an average step costs across processes. Needs ``py-spy`` (``pip install py-spy``).
+Starts ``raymoe serve`` (given topology) on 127.0.0.1, warms it up, then records py-spy (``--threads``, native
+frames off) of the HTTP front end, the driver actor and every rank actor for ``--seconds`` while the
+``vllm bench serve`` client of the peers install keeps ``--concurrency`` streams busy.
+
+How much CPU each process spent comes from the kernel, not from the samples: its user + system time
+(``/proc/<pid>/stat``) over the window, divided by the engine steps in it (``raymoe:engine_steps_total``). py-spy
+only splits that time into categories: a sample is put in one by the deepest frame that names one
+(:data:`CATEGORIES`; samples in Ray's own code that no raymoe frame claims count as "ray runtime"). Samples of a
+thread blocked in the kernel (:data:`WAIT_FRAMES`: a futex sleep, a selector, a blocking pipe read) are set apart,
+since py-spy (``--nonblocking``, Python frames only) reports such threads as active; counted as CPU, they had
+tripled a waiting process's figure. The table's columns add up to the CPU an average step costs in each process.
+Needs ``py-spy`` (``pip install py-spy``).
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import os
 import re
 import subprocess
 import sys
@@ -42,8 +48,17 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
+# Leaf frames of a thread that is blocked in the kernel (not using CPU), as py-spy names them.
+WAIT_FRAMES: tuple[str, ...] = ("futex_wait (", "Selector.select (", "Connection._recv (", "Condition.wait (",
+                                "Worker.main_loop (")
+WAITING = "waiting (blocked)"
+
+
 def classify(frames: list[str]) -> str:
-    """Category of one sample; ``frames`` run from the thread root to the leaf."""
+    """Category of one sample (:data:`WAITING` for a blocked thread); ``frames`` run from the thread root to
+    the leaf."""
+    if frames and any(w in frames[-1] for w in WAIT_FRAMES):
+        return WAITING
     for frame in reversed(frames):
         for name, patterns in CATEGORIES:
             if any(p in frame for p in patterns):
@@ -59,6 +74,24 @@ def summarize(raw_file: Path) -> collections.Counter:
         if stack and n.isdigit():
             counts[classify(stack.split(";")[1:])] += int(n)
     return counts
+
+
+def cpu_split(samples: collections.Counter, cpu_ms: float) -> dict[str, float]:
+    """Split ``cpu_ms`` (a process's measured CPU, milliseconds) over the categories of its ``samples`` in
+    proportion to their counts; :data:`WAITING` samples take no share. Empty when no sample was active."""
+    active = {c: n for c, n in samples.items() if c != WAITING and n > 0}
+    total = sum(active.values())
+    return {c: cpu_ms * n / total for c, n in active.items()} if total else {}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads), from ``/proc/<pid>/stat``; 0.0 when
+    the process is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _py_spy() -> str:
@@ -83,7 +116,8 @@ def add_profile_args(p) -> None:
     p.add_argument("--peers", default="/tmp/peers")
     p.add_argument("--topology", default="dp=1", help="'dp=D,tp=T,ep=E' as in bench compare")
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--num-prompts", type=int, default=2048,
+                   help="requests the client sends; enough to keep the load up through the whole window")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--seconds", type=float, default=15.0, help="py-spy window")
@@ -94,7 +128,12 @@ def add_profile_args(p) -> None:
 
 
 def run_profile(a) -> dict:
-    """Run the profile described by ``a``; prints the table and writes JSON."""
+    """Run the profile described by ``a``; prints the table and writes JSON.
+
+    Raises:
+        RuntimeError: the client finished its ``--num-prompts`` requests before the window ended (the idle part
+            would be charged to the steps).
+    """
     peers = Path(a.peers)
     model = a.model or str(peers / "models/tiny-qwen3moe")
     url = f"http://127.0.0.1:{a.port}"
@@ -118,40 +157,57 @@ def run_profile(a) -> dict:
                  "--max-concurrency", str(a.concurrency)], env=env, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL)
             time.sleep(8.0)  # the client's own start-up, then steady load
-            s0 = _steps(url)
+            s0, t0 = _steps(url), time.monotonic()
+            cpu0 = {pid: cpu_seconds(pid) for pids in procs.values() for pid in pids}
+            cpu0[load.pid] = cpu_seconds(load.pid)
             spies = [(name, pid, subprocess.Popen(
                 [_py_spy(), "record", "-p", str(pid), "-o", f"{work}/{pid}.txt", "-f", "raw", "--threads",
                  "--nonblocking", "-r", str(a.rate), "-d", str(int(a.seconds))], stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL)) for name, pids in procs.items() for pid in pids]
             for _, _, spy in spies:
                 spy.wait(timeout=a.seconds + 60)
-            steps = max(1.0, _steps(url) - s0)
-            load.wait(timeout=1800)
+            cpu_ms = {pid: 1000.0 * (cpu_seconds(pid) - c) for pid, c in cpu0.items()}
+            steps, window_s = max(1.0, _steps(url) - s0), time.monotonic() - t0
+            cpu_ms = {pid: ms / steps for pid, ms in cpu_ms.items()}
+            if load.poll() is not None:  # idle time in the window would be charged to the steps
+                raise RuntimeError(f"the client finished before the {a.seconds:.0f} s window ended ({steps:.0f} "
+                                   f"steps): raise --num-prompts")
+            load.terminate()  # the window is measured; the rest of the load is not needed
+            load.wait(timeout=60)
             table: dict[str, dict[str, float]] = {}
+            waiting: dict[str, list[int]] = {}  # per process name: [blocked samples, all samples]
             for name, pid, _ in spies:
                 raw = Path(f"{work}/{pid}.txt")
-                if a.keep_raw:
+                if a.keep_raw and raw.exists():
                     Path(a.keep_raw).mkdir(parents=True, exist_ok=True)
                     (Path(a.keep_raw) / f"{name.replace(' ', '_')}-{pid}.txt").write_bytes(raw.read_bytes())
-                if raw.exists():
-                    for cat, n in summarize(raw).items():
-                        row = table.setdefault(name, {})
-                        row[cat] = row.get(cat, 0.0) + 1000.0 * n / a.rate / steps
+                samples = summarize(raw) if raw.exists() else collections.Counter()
+                w = waiting.setdefault(name, [0, 0])
+                w[0] += samples.get(WAITING, 0)
+                w[1] += sum(samples.values())
+                row = table.setdefault(name, {})
+                for cat, ms in cpu_split(samples, cpu_ms[pid]).items():
+                    row[cat] = row.get(cat, 0.0) + ms
         finally:
             stop_server(proc)
             log.close()
     cats = [c for c, _ in CATEGORIES] + ["ray runtime", "other"]
-    print(f"CPU ms per engine step ({steps:.0f} steps in {a.seconds:.0f} s, {a.topology}, "
+    print(f"CPU ms per engine step ({steps:.0f} steps in {window_s:.1f} s, {a.topology}, "
           f"concurrency {a.concurrency}):")
     print(f"{'category':<24}" + "".join(f"{p:>14}" for p in table))
     for c in cats:
         vals = [table[p].get(c, 0.0) for p in table]
         if any(v >= 0.005 for v in vals):
             print(f"{c:<24}" + "".join(f"{v:>14.2f}" for v in vals))
-    print(f"{'total':<24}" + "".join(f"{sum(table[p].values()):>14.2f}" for p in table))
-    print(f"wall ms per step: {1000.0 * a.seconds / steps:.2f}")
-    result = {"topology": a.topology, "concurrency": a.concurrency, "steps": steps, "seconds": a.seconds,
-              "wall_ms_per_step": 1000.0 * a.seconds / steps, "cpu_ms_per_step": table}
+    print(f"{'total (kernel CPU time)':<24}" + "".join(f"{sum(table[p].values()):>14.2f}" for p in table))
+    blocked = {p: 100.0 * w / n if n else 0.0 for p, (w, n) in waiting.items()}
+    print(f"{'% samples blocked':<24}" + "".join(f"{blocked.get(p, 0.0):>13.0f}%" for p in table))
+    print(f"client (vllm bench serve, not sampled): {cpu_ms[load.pid]:.2f} CPU ms per step")
+    print(f"wall ms per step: {1000.0 * window_s / steps:.2f} (py-spy's own sampling takes CPU from the cores too)")
+    result = {"topology": a.topology, "concurrency": a.concurrency, "steps": steps, "seconds": window_s,
+              "wall_ms_per_step": 1000.0 * window_s / steps, "cpu_ms_per_step": table,
+              "client_cpu_ms_per_step": cpu_ms[load.pid],
+              "blocked_sample_percent": blocked}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
     return result
