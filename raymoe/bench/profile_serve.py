@@ -144,6 +144,7 @@ def run_profile(a) -> dict:
     with tempfile.TemporaryDirectory(prefix="raymoe-profile-") as work:
         log = open(Path(work) / "serve.log", "w")  # noqa: SIM115
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        load = None
         try:
             wait_healthy(url, proc, 600)
             _client(a, peers, env, url, model, 4, work)  # warm-up
@@ -174,7 +175,9 @@ def run_profile(a) -> dict:
                                    f"steps): raise --num-prompts")
             load.terminate()  # the window is measured; the rest of the load is not needed
             load.wait(timeout=60)
+            client_ms = cpu_ms.pop(load.pid)
             table: dict[str, dict[str, float]] = {}
+            totals: dict[str, float] = {}  # per process name: kernel CPU ms per step (also where nothing sampled)
             waiting: dict[str, list[int]] = {}  # per process name: [blocked samples, all samples]
             for name, pid, _ in spies:
                 raw = Path(f"{work}/{pid}.txt")
@@ -186,9 +189,12 @@ def run_profile(a) -> dict:
                 w[0] += samples.get(WAITING, 0)
                 w[1] += sum(samples.values())
                 row = table.setdefault(name, {})
+                totals[name] = totals.get(name, 0.0) + cpu_ms[pid]
                 for cat, ms in cpu_split(samples, cpu_ms[pid]).items():
                     row[cat] = row.get(cat, 0.0) + ms
         finally:
+            if load is not None and load.poll() is None:
+                load.terminate()
             stop_server(proc)
             log.close()
     cats = [c for c, _ in CATEGORIES] + ["ray runtime", "other"]
@@ -199,14 +205,14 @@ def run_profile(a) -> dict:
         vals = [table[p].get(c, 0.0) for p in table]
         if any(v >= 0.005 for v in vals):
             print(f"{c:<24}" + "".join(f"{v:>14.2f}" for v in vals))
-    print(f"{'total (kernel CPU time)':<24}" + "".join(f"{sum(table[p].values()):>14.2f}" for p in table))
+    print(f"{'total (kernel CPU time)':<24}" + "".join(f"{totals[p]:>14.2f}" for p in table))
     blocked = {p: 100.0 * w / n if n else 0.0 for p, (w, n) in waiting.items()}
     print(f"{'% samples blocked':<24}" + "".join(f"{blocked.get(p, 0.0):>13.0f}%" for p in table))
-    print(f"client (vllm bench serve, not sampled): {cpu_ms[load.pid]:.2f} CPU ms per step")
+    print(f"client (vllm bench serve, not sampled): {client_ms:.2f} CPU ms per step")
     print(f"wall ms per step: {1000.0 * window_s / steps:.2f} (py-spy's own sampling takes CPU from the cores too)")
     result = {"topology": a.topology, "concurrency": a.concurrency, "steps": steps, "seconds": window_s,
               "wall_ms_per_step": 1000.0 * window_s / steps, "cpu_ms_per_step": table,
-              "client_cpu_ms_per_step": cpu_ms[load.pid],
+              "cpu_ms_per_step_total": totals, "client_cpu_ms_per_step": client_ms,
               "blocked_sample_percent": blocked}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
