@@ -9,9 +9,9 @@ How much CPU each process spent comes from the kernel, not from the samples: its
 only splits that time into categories: a sample is put in one by the deepest frame that names one
 (:data:`CATEGORIES`; samples in Ray's own code that no raymoe frame claims count as "ray runtime"). Samples of a
 thread blocked in the kernel (:data:`WAIT_FRAMES`: a futex sleep, a selector, a blocking pipe read) are set apart,
-since py-spy (``--nonblocking``, Python frames only) reports such threads as active; counted as CPU, they had
-tripled a waiting process's figure. The table's columns add up to the CPU an average step costs in each process.
-Needs ``py-spy`` (``pip install py-spy``).
+since py-spy (``--nonblocking``, Python frames only) reports such threads as active; counted as CPU, they had put
+the driver of a dp=2 ep=2 engine at four times the CPU the kernel counted for it. The table's columns add up to
+the CPU an average step costs in each process. Needs ``py-spy`` (``pip install py-spy``).
 """
 
 from __future__ import annotations
@@ -167,9 +167,8 @@ def run_profile(a) -> dict:
                 stderr=subprocess.DEVNULL)) for name, pids in procs.items() for pid in pids]
             for _, _, spy in spies:
                 spy.wait(timeout=a.seconds + 60)
-            cpu_ms = {pid: 1000.0 * (cpu_seconds(pid) - c) for pid, c in cpu0.items()}
             steps, window_s = max(1.0, _steps(url) - s0), time.monotonic() - t0
-            cpu_ms = {pid: ms / steps for pid, ms in cpu_ms.items()}
+            cpu_ms = {pid: 1000.0 * (cpu_seconds(pid) - c) / steps for pid, c in cpu0.items()}  # per step
             if load.poll() is not None:  # idle time in the window would be charged to the steps
                 raise RuntimeError(f"the client finished before the {a.seconds:.0f} s window ended ({steps:.0f} "
                                    f"steps): raise --num-prompts")
