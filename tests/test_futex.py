@@ -52,3 +52,61 @@ def test_a_wait_times_out_naming_what_it_waited_for():
     assert time.monotonic() - t0 < 2.0
     flags[0] = 7
     wait_flag_ge(flags, 0, 5, timeout_s=0.2)  # already there: returns at once
+
+
+def _native_lines(buf: mmap.mmap) -> tuple[np.ndarray, int]:
+    """int64 view of two control lines (flag at [i, 0], waiter word at [i, 1]) and the mapping's address."""
+    lines = np.frombuffer(buf, dtype=np.int64, count=16).reshape(2, 8)
+    return lines, lines.ctypes.data
+
+
+def _native_waiter(buf, out) -> None:
+    from raymoe.kernels import build
+
+    lines, base = _native_lines(buf)
+    t0, c0 = time.monotonic(), time.process_time()
+    rc = build.load().raymoe_flag_wait_ge(base + 64, 3, 20.0, 5000)
+    out.put((rc, time.monotonic() - t0, time.process_time() - c0))
+
+
+def test_a_native_waiter_announces_its_sleep_and_the_store_wakes_it():
+    """The C protocol (``csrc/shm_exchange.c``): the waiter sets the waiter word beside its flag before it sleeps
+    and clears it when it returns; a store below the target leaves it asleep, the store of the target wakes it."""
+    from raymoe.kernels import build
+
+    lib = build.load()
+    if lib is None:
+        pytest.skip("the C kernel library cannot be built here")
+    buf = mmap.mmap(-1, 4096)
+    lines, base = _native_lines(buf)
+    out = mp.get_context("fork").Queue()
+    p = mp.get_context("fork").Process(target=_native_waiter, args=(buf, out))
+    p.start()
+    deadline = time.monotonic() + 10
+    while lines[1, 1] != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lines[1, 1] == 1, "the waiter never announced that it sleeps"
+    lib.raymoe_flag_store_wake(base + 64, 2)  # below the target: it goes back to sleep
+    time.sleep(0.5)
+    assert out.empty()
+    lib.raymoe_flag_store_wake(base + 64, 3)
+    rc, waited, cpu = out.get(timeout=10)
+    p.join(timeout=10)
+    assert rc == 0 and lines[1, 0] == 3 and lines[1, 1] == 0
+    assert waited >= 0.5 and cpu < 0.3  # it slept rather than polled
+    assert lines[0, 0] == 0 and lines[0, 1] == 0  # the neighbouring line is untouched
+
+
+def test_a_native_wait_times_out_and_a_raised_flag_returns_at_once():
+    from raymoe.kernels import build
+
+    lib = build.load()
+    if lib is None:
+        pytest.skip("the C kernel library cannot be built here")
+    lines, base = _native_lines(mmap.mmap(-1, 4096))
+    t0 = time.monotonic()
+    assert lib.raymoe_flag_wait_ge(base, 5, 0.2, 5000) == -1
+    assert 0.2 <= time.monotonic() - t0 < 2.0 and lines[0, 1] == 0
+    lib.raymoe_flag_store_wake(base, 7)  # nobody waits: the flag is stored, the waiter word stays clear
+    assert lines[0, 0] == 7 and lines[0, 1] == 0
+    assert lib.raymoe_flag_wait_ge(base, 5, 0.2, 5000) == 0

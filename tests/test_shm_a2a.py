@@ -17,6 +17,7 @@ from raymoe.comm.groups import ParallelGroups
 from raymoe.comm.shm import ShmAllToAll, ShmLayout, shm_supported
 from raymoe.config import MoeCommConfig, ParallelConfig
 from raymoe.errors import InvalidRequestError
+from raymoe.kernels import build
 
 pytestmark = pytest.mark.skipif(not shm_supported(), reason="needs x86-64 and a writable /dev/shm")
 
@@ -26,11 +27,12 @@ def _split_matrix(p: int, seed: int) -> list[list[int]]:
     return torch.randint(0, 6, (p, p), generator=g).tolist()  # [src][dst] rows, the same on every rank
 
 
-def _exchanges(groups: ParallelGroups) -> dict:
-    """Run the same exchanges through shared memory and through gloo; report whether they agree."""
-    shm, p, me = groups.ep_shm, groups.ep_size, groups.ep_rank
-    assert shm is not None, "cpu_comm=shm must give the EP group a shared-memory communicator"
-    report = {}
+def _exchanges(groups: ParallelGroups, native: bool) -> dict:
+    """Run the same exchanges through shared memory (the C exchange or the Python protocol) and through gloo;
+    report whether they agree."""
+    assert groups.ep_shm is not None, "cpu_comm=shm must give the EP group a shared-memory communicator"
+    shm, p, me = ShmAllToAll.create(groups.ep_group, native=native), groups.ep_size, groups.ep_rank
+    report = {"native": shm.native == native}
     # equal splits, three dtypes, two calls in flight, waited in reverse order
     g = torch.Generator().manual_seed(me)
     inputs = [torch.randn(p * 5, 3, generator=g), torch.randint(0, 1 << 40, (p * 4,), generator=g),
@@ -53,7 +55,7 @@ def _exchanges(groups: ParallelGroups) -> dict:
     shm.all_to_all_single(out, x, recv, send).wait()
     report["varlen"] = torch.equal(out, ref)
     # the transport: counts matrix, and the fallback to gloo for a message over a slot
-    t = EpTransport(groups)
+    t = EpTransport(dataclasses.replace(groups, ep_shm=shm))
     s_l, r_l, max_pair = t.exchange_counts(torch.tensor(send))
     report["counts"] = (s_l, r_l, max_pair) == (send, recv, max(max(r) for r in m))
     big = torch.randn(p * (shm.layout.slot_bytes // 4 + 1), generator=g)
@@ -99,11 +101,14 @@ def _exchanges(groups: ParallelGroups) -> dict:
     return report
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 @pytest.mark.parametrize("ep", [2, 4])
-def test_shared_memory_all_to_all_equals_gloo(ep):
+def test_shared_memory_all_to_all_equals_gloo(ep, native):
     from dist_harness import run_ranks
 
-    for rank, report in enumerate(run_ranks(_exchanges, ParallelConfig(tp_size=1, dp_size=ep, ep_size=ep),
+    if native and build.load() is None:
+        pytest.skip("the C kernel library cannot be built here")
+    for rank, report in enumerate(run_ranks(_exchanges, ParallelConfig(tp_size=1, dp_size=ep, ep_size=ep), native,
                                             cpu_comm="shm")):
         assert all(report.values()), (rank, report)
 
@@ -140,8 +145,8 @@ def test_moe_dispatch_through_shared_memory_equals_gloo():
         assert all(report.values()), (rank, report)
 
 
-def _silent_peer(groups: ParallelGroups) -> str:
-    shm = ShmAllToAll(groups.ep_rank, groups.ep_shm.layout, groups.ep_shm._buf, timeout_s=0.5)
+def _silent_peer(groups: ParallelGroups, native: bool) -> str:
+    shm = ShmAllToAll(groups.ep_rank, groups.ep_shm.layout, groups.ep_shm._buf, timeout_s=0.5, native=native)
     if groups.ep_rank == 1:
         return "skipped"
     try:
@@ -151,11 +156,14 @@ def _silent_peer(groups: ParallelGroups) -> str:
     return "no error"
 
 
-def test_a_silent_peer_times_out_with_a_clear_error():
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_a_silent_peer_times_out_with_a_clear_error(native):
     from dist_harness import run_ranks
 
-    msg = run_ranks(_silent_peer, ParallelConfig(tp_size=1, dp_size=2, ep_size=2), cpu_comm="shm")[0]
-    assert "rank 1 did not post" in msg
+    if native and build.load() is None:
+        pytest.skip("the C kernel library cannot be built here")
+    msg = run_ranks(_silent_peer, ParallelConfig(tp_size=1, dp_size=2, ep_size=2), native, cpu_comm="shm")[0]
+    assert "rank 1 did not post for call 1 within 0.5 s" in msg
 
 
 def test_config_checks():

@@ -29,6 +29,13 @@ few kilobytes in a decode step, and three tensor calls per copy took longer than
 microseconds per two-rank all-gather post, docs/performance.md). :func:`shm_supported` is False elsewhere, and
 ``cpu_comm="auto"`` then keeps gloo.
 
+Native path: where every rank of the group has raymoe's C kernel library (``raymoe.kernels.build``; agreed when
+the group maps, :meth:`ShmAllToAll.create`), an equal-chunk post or receive (all-gather, equal all-to-all: the
+low-latency dispatch and combine) is one C call (``csrc/shm_exchange.c``), and every flag wait and store of the
+group, variable splits included, uses that file's protocol: a writer makes the ``futex_wake`` system call only
+when the flag's waiter has announced that it may sleep (a waiter word next to each flag). The Python protocol
+below, used when any rank lacks the library, wakes on every store.
+
 The file lives in ``/dev/shm`` only until every rank has mapped it (then rank 0 unlinks it), so a crashed rank
 leaves nothing behind. Its space is reserved with ``posix_fallocate`` up front: a full ``/dev/shm`` fails the
 setup with OSError instead of a SIGBUS mid-step.
@@ -48,10 +55,15 @@ import torch
 import torch.distributed as dist
 
 from raymoe.comm.futex import flag_address, futex_wake, wait_flag_ge
+from raymoe.kernels import build
 
 SHM_DIR = "/dev/shm"
 DEFAULT_BUDGET_BYTES = 128 << 20  # /dev/shm one EP group's mapping may take by default (slots only)
 _LINE = 8  # int64 per control entry: one 64-byte cache line each (no false sharing between writers)
+NATIVE_SPIN_NS = 5000
+"""How long a native wait spins before it sleeps on the futex, nanoseconds: about as long as the Python path's 64
+flag reads. Longer spins took the CPU a descheduled peer needed on the 2-core benchmark machine (docs/performance.md,
+fourteenth and fifteenth sessions)."""
 
 
 def shm_supported() -> bool:
@@ -98,8 +110,9 @@ class ShmLayout:
 class ShmWork:
     """A posted :meth:`ShmAllToAll` call; :meth:`wait` receives the peers' chunks (same role as gloo's Work)."""
 
-    def __init__(self, comm: ShmAllToAll, seq: int, out: torch.Tensor, out_chunks: list[tuple[int, int]]):
-        self._comm, self._seq, self._out, self._chunks = comm, seq, out, out_chunks
+    def __init__(self, comm: ShmAllToAll, seq: int, out: torch.Tensor, out_chunks: list[tuple[int, int]] | None,
+                 chunk_bytes: int = 0):
+        self._comm, self._seq, self._out, self._chunks, self._chunk_bytes = comm, seq, out, out_chunks, chunk_bytes
         self._done = False
 
     def wait(self) -> bool:
@@ -109,7 +122,10 @@ class ShmWork:
             TimeoutError: a peer did not post within the communicator's timeout.
         """
         if not self._done:
-            self._comm._receive(self._seq, self._out, self._chunks)
+            if self._chunks is None:  # native equal-chunk call: chunk s of `_chunk_bytes` bytes from rank s
+                self._comm._receive_native(self._seq, self._out, self._chunk_bytes)
+            else:
+                self._comm._receive(self._seq, self._out, self._chunks)
             self._done = True
         return True
 
@@ -125,10 +141,18 @@ class ShmAllToAll:
         rank, layout: this rank's index in the group and the mapping's geometry.
         buf: the mapping (``mmap``), kept open for the communicator's life.
         timeout_s: how long :meth:`ShmWork.wait` and slot reuse wait for a peer, seconds.
+        native: use the C exchange (module docstring). Every rank of the group must pass the same value
+            (:meth:`create` agrees on it); True needs the kernel library (``raymoe.kernels.build.load()``).
+    Raises:
+        RuntimeError: ``native`` without the kernel library.
     """
 
-    def __init__(self, rank: int, layout: ShmLayout, buf: mmap.mmap, timeout_s: float = 60.0):
+    def __init__(self, rank: int, layout: ShmLayout, buf: mmap.mmap, timeout_s: float = 60.0,
+                 native: bool = False):
         self.rank, self.layout, self.timeout_s = rank, layout, timeout_s
+        self._lib = build.load() if native else None
+        if native and self._lib is None:
+            raise RuntimeError("native shared-memory exchange needs raymoe's C kernel library, which is not loaded")
         self._buf = buf
         self._bytes = torch.frombuffer(buf, dtype=torch.uint8)  # keeps the mapping's buffer exported (and alive)
         self._base = self._bytes.data_ptr()
@@ -136,19 +160,25 @@ class ShmAllToAll:
         ctl = np.frombuffer(buf, dtype=np.int64, count=layout.control_entries * _LINE).reshape(-1, _LINE)[:, 0]
         self._ready = ctl[:p * p].reshape(p, p)
         self._doneflag = ctl[p * p:].reshape(p, p, layout.num_slots)
-        self._ready_addr = [[flag_address(self._ready[s], d) for d in range(p)] for s in range(p)]
         self._seq = 0
         self._pending: set[int] = set()  # calls this rank posted and has not waited on
 
+    @property
+    def native(self) -> bool:
+        """Whether this communicator runs the C exchange (module docstring)."""
+        return self._lib is not None
+
     @classmethod
     def create(cls, group, slot_bytes: int | None = None, num_slots: int = 8,
-               timeout_s: float = 60.0) -> ShmAllToAll:
+               timeout_s: float = 60.0, native: bool | None = None) -> ShmAllToAll:
         """Create the mapping on the group's rank 0, map it on every rank, then unlink it (collective).
 
         Defaults: 8 slots per pair, as two-batch overlap over a DeepSeek layer keeps up to 5 calls in flight (a
         normal-mode dispatch is three calls: counts, rows, ids). ``slot_bytes`` None shares
         :data:`DEFAULT_BUDGET_BYTES` of ``/dev/shm`` among the ``P * P * num_slots`` slots, within [256 KiB, 8 MiB]
-        per slot (4 MiB at P = 2, 1 MiB at P = 4); a larger message goes through gloo.
+        per slot (4 MiB at P = 2, 1 MiB at P = 4); a larger message goes through gloo. ``native`` None runs the
+        C exchange when every rank has the kernel library (one all-reduce over ``group`` agrees on it); False
+        never does.
 
         Raises:
             OSError: ``/dev/shm`` cannot hold ``layout.total_bytes`` (raised on every rank alike).
@@ -181,7 +211,9 @@ class ShmAllToAll:
         dist.barrier(group=group)
         if rank == 0:
             os.unlink(path[0])
-        return cls(rank, layout, buf, timeout_s)
+        have = torch.tensor([int(native is not False and build.load() is not None)])
+        dist.all_reduce(have, op=dist.ReduceOp.MIN, group=group)
+        return cls(rank, layout, buf, timeout_s, native=bool(have.item()))
 
     @property
     def size(self) -> int:
@@ -204,6 +236,11 @@ class ShmAllToAll:
         """
         p = self.size
         _check_tensors(out, inp)
+        if self._lib is not None and in_splits is None and out_splits is None:
+            total = inp.numel() * inp.element_size()
+            if total % p or out.numel() * out.element_size() != total:
+                raise ValueError(f"{total} bytes do not split into {p} equal chunks of the output's size")
+            return self._post_native(out, inp, total // p, total // p)
         return self._post(out, inp, _chunks(inp, in_splits, p), _chunks(out, out_splits, p))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> ShmWork:
@@ -219,7 +256,45 @@ class ShmAllToAll:
         _check_tensors(out, inp)
         if out.numel() != p * inp.numel():
             raise ValueError(f"all-gather output of {out.numel()} elements is not {p} x {inp.numel()}")
+        if self._lib is not None:
+            return self._post_native(out, inp, 0, inp.numel() * inp.element_size())
         return self._post(out, inp, [(0, inp.numel() * inp.element_size())] * p, _chunks(out, None, p))
+
+    def _next_seq(self) -> int:
+        """Number the next call and record it in flight. Raises RuntimeError: the ring's slot is still held."""
+        seq, k = self._seq + 1, self.layout.num_slots
+        if self._pending and min(self._pending) <= seq - k:
+            raise RuntimeError(f"shared-memory all-to-all call {min(self._pending)} is posted and not waited on, "
+                               f"and call {seq} needs its slot (at most {k} calls in flight)")
+        self._seq = seq
+        self._pending.add(seq)
+        return seq
+
+    def _post_native(self, out: torch.Tensor, inp: torch.Tensor, stride: int, nbytes: int) -> ShmWork:
+        """One C call posts an equal-chunk call: peer ``d`` gets ``nbytes`` from byte ``d * stride`` of ``inp``
+        (stride 0: an all-gather); this rank's own chunk lands in ``out`` at ``me * nbytes``."""
+        if nbytes > self.layout.slot_bytes:
+            raise ValueError(f"a chunk exceeds the shared-memory slot of {self.layout.slot_bytes} bytes")
+        seq, lay = self._next_seq(), self.layout
+        rc = self._lib.raymoe_shm_post_equal(self._base, lay.control_bytes, lay.size, lay.num_slots,
+                                             lay.slot_bytes, self.rank, seq, inp.data_ptr(), stride, nbytes,
+                                             out.data_ptr(), self.timeout_s, NATIVE_SPIN_NS)
+        if rc:
+            self._timed_out(-rc - 1, "free its slot", seq - lay.num_slots)
+        return ShmWork(self, seq, out, None, nbytes)
+
+    def _receive_native(self, seq: int, out: torch.Tensor, nbytes: int) -> None:
+        lay = self.layout
+        rc = self._lib.raymoe_shm_receive_equal(self._base, lay.control_bytes, lay.size, lay.num_slots,
+                                                lay.slot_bytes, self.rank, seq, out.data_ptr(), nbytes,
+                                                self.timeout_s, NATIVE_SPIN_NS)
+        if rc:
+            self._timed_out(-rc - 1, "post", seq)
+        self._pending.discard(seq)
+
+    def _timed_out(self, peer: int, what: str, target: int) -> None:
+        raise TimeoutError(f"shared-memory all-to-all: rank {peer} did not {what} for call {target} within "
+                           f"{self.timeout_s:.1f} s")
 
     def _post(self, out: torch.Tensor, inp: torch.Tensor, in_chunks: list[tuple[int, int]],
               out_chunks: list[tuple[int, int]]) -> ShmWork:
@@ -228,20 +303,14 @@ class ShmAllToAll:
         p = self.size
         if max(n for _, n in in_chunks + out_chunks) > self.layout.slot_bytes:
             raise ValueError(f"a chunk exceeds the shared-memory slot of {self.layout.slot_bytes} bytes")
-        seq, me, k = self._seq + 1, self.rank, self.layout.num_slots
-        if self._pending and min(self._pending) <= seq - k:
-            raise RuntimeError(f"shared-memory all-to-all call {min(self._pending)} is posted and not waited on, "
-                               f"and call {seq} needs its slot (at most {k} calls in flight)")
-        self._seq = seq
-        self._pending.add(seq)
+        seq, me, k = self._next_seq(), self.rank, self.layout.num_slots
         src, dst_ptr = inp.data_ptr(), out.data_ptr()
         for step in range(1, p):
             dst = (me + step) % p
             self._wait_flag(self._doneflag[me, dst], seq % k, seq - k, dst, "free its slot")
             off, n = in_chunks[dst]
             ctypes.memmove(self._base + self.layout.slot_offset(me, dst, seq % k), src + off, n)
-            self._ready[me, dst] = seq
-            futex_wake(self._ready_addr[me][dst])
+            self._store_wake(self._ready[me], dst, seq)
         (o_off, o_n), (i_off, _) = out_chunks[me], in_chunks[me]
         ctypes.memmove(dst_ptr + o_off, src + i_off, o_n)
         return ShmWork(self, seq, out, out_chunks)
@@ -254,13 +323,24 @@ class ShmAllToAll:
             self._wait_flag(self._ready[src], me, seq, src, "post")
             off, n = out_chunks[src]
             ctypes.memmove(dst_ptr + off, self._base + self.layout.slot_offset(src, me, seq % k), n)
-            self._doneflag[src, me, seq % k] = seq
-            futex_wake(flag_address(self._doneflag[src, me], seq % k))
+            self._store_wake(self._doneflag[src, me], seq % k, seq)
         self._pending.discard(seq)
+
+    def _store_wake(self, flags: np.ndarray, i: int, value: int) -> None:
+        """Store ``flags[i] = value`` and wake its waiter (natively only when it may sleep)."""
+        if self._lib is not None:
+            self._lib.raymoe_flag_store_wake(flag_address(flags, i), value)
+        else:
+            flags[i] = value
+            futex_wake(flag_address(flags, i))
 
     def _wait_flag(self, flags: np.ndarray, i: int, target: int, peer: int, what: str) -> None:
         """Wait for ``flags[i] >= target`` (set by ``peer``): a short spin, then sleep on the flag's futex
         (``raymoe.comm.futex``), so a rank that waits leaves the CPU to the peer it waits for."""
+        if self._lib is not None:
+            if self._lib.raymoe_flag_wait_ge(flag_address(flags, i), target, self.timeout_s, NATIVE_SPIN_NS):
+                self._timed_out(peer, what, target)
+            return
         wait_flag_ge(flags, i, target, self.timeout_s, what=f"shared-memory all-to-all: rank {peer} did not {what}")
 
 
