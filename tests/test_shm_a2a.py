@@ -5,6 +5,7 @@ slot; clear errors for misuse, a silent peer and a bad ``cpu_comm``."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -14,7 +15,14 @@ from raymoe.comm.dispatcher import TorchDispatcher
 from raymoe.comm.ep_transport import EpTransport
 from raymoe.comm.expert_input import GroupedExpertRows
 from raymoe.comm.groups import ParallelGroups
-from raymoe.comm.shm import ShmAllToAll, ShmLayout, shm_supported
+from raymoe.comm.shm import (
+    NATIVE_SPIN_NS,
+    OVERSUBSCRIBED_SPIN_NS,
+    ShmAllToAll,
+    ShmLayout,
+    default_spin_ns,
+    shm_supported,
+)
 from raymoe.config import MoeCommConfig, ParallelConfig
 from raymoe.errors import InvalidRequestError
 from raymoe.kernels import build
@@ -173,6 +181,8 @@ def test_config_checks():
     for bad in ((1, 4, 1024), (2, 1, 1024), (2, 4, 8)):
         with pytest.raises(ValueError):
             ShmLayout(*bad)
+    cores = len(os.sched_getaffinity(0))
+    assert default_spin_ns(cores) == NATIVE_SPIN_NS > default_spin_ns(cores + 1) == OVERSUBSCRIBED_SPIN_NS
     layout = ShmLayout(2, 4, 4096)
     assert layout.control_entries == 2 * 2 * (1 + 4)
     assert layout.total_bytes == layout.control_bytes + 2 * 2 * 4 * 4096

@@ -60,10 +60,23 @@ from raymoe.kernels import build
 SHM_DIR = "/dev/shm"
 DEFAULT_BUDGET_BYTES = 128 << 20  # /dev/shm one EP group's mapping may take by default (slots only)
 _LINE = 8  # int64 per control entry: one 64-byte cache line each (no false sharing between writers)
-NATIVE_SPIN_NS = 5000
-"""How long a native wait spins before it sleeps on the futex, nanoseconds: about as long as the Python path's 64
-flag reads. Longer spins took the CPU a descheduled peer needed on the 2-core benchmark machine (docs/performance.md,
-fourteenth and fifteenth sessions)."""
+NATIVE_SPIN_NS = 30000
+"""How long a native wait spins before it sleeps on the futex, nanoseconds, when the group's ranks fit this
+machine's cores: two expert-parallel ranks post each MoE exchange within tens of microseconds of each other, and a
+30 us spin catches most posts without the sleep and the peer's wake-up call. Served dp=2 ep=2 at c=16 on the
+2-core benchmark machine: 2-11 % more tokens/s than a 5 us spin in five alternating pairs, 100 us no better than 30
+(docs/performance.md, sixteenth session)."""
+
+OVERSUBSCRIBED_SPIN_NS = 5000
+"""The spin when the group has more ranks than the machine has cores (about the Python path's 64 flag reads):
+a peer that cannot run meanwhile never posts during a spin, so a long one only takes its CPU."""
+
+
+def default_spin_ns(ranks: int) -> int:
+    """:data:`NATIVE_SPIN_NS` when ``ranks`` processes fit the cores this process may run on, else
+    :data:`OVERSUBSCRIBED_SPIN_NS`."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return NATIVE_SPIN_NS if ranks <= cores else OVERSUBSCRIBED_SPIN_NS
 
 
 def shm_supported() -> bool:
@@ -143,13 +156,15 @@ class ShmAllToAll:
         timeout_s: how long :meth:`ShmWork.wait` and slot reuse wait for a peer, seconds.
         native: use the C exchange (module docstring). Every rank of the group must pass the same value
             (:meth:`create` agrees on it); True needs the kernel library (``raymoe.kernels.build.load()``).
+        spin_ns: how long a native wait spins before it sleeps, nanoseconds (None: :func:`default_spin_ns`).
     Raises:
         RuntimeError: ``native`` without the kernel library.
     """
 
     def __init__(self, rank: int, layout: ShmLayout, buf: mmap.mmap, timeout_s: float = 60.0,
-                 native: bool = False):
+                 native: bool = False, spin_ns: int | None = None):
         self.rank, self.layout, self.timeout_s = rank, layout, timeout_s
+        self.spin_ns = default_spin_ns(layout.size) if spin_ns is None else spin_ns
         self._lib = build.load() if native else None
         if native and self._lib is None:
             raise RuntimeError("native shared-memory exchange needs raymoe's C kernel library, which is not loaded")
@@ -278,7 +293,7 @@ class ShmAllToAll:
         seq, lay = self._next_seq(), self.layout
         rc = self._lib.raymoe_shm_post_equal(self._base, lay.control_bytes, lay.size, lay.num_slots,
                                              lay.slot_bytes, self.rank, seq, inp.data_ptr(), stride, nbytes,
-                                             out.data_ptr(), self.timeout_s, NATIVE_SPIN_NS)
+                                             out.data_ptr(), self.timeout_s, self.spin_ns)
         if rc:
             self._timed_out(-rc - 1, "free its slot", seq - lay.num_slots)
         return ShmWork(self, seq, out, None, nbytes)
@@ -287,7 +302,7 @@ class ShmAllToAll:
         lay = self.layout
         rc = self._lib.raymoe_shm_receive_equal(self._base, lay.control_bytes, lay.size, lay.num_slots,
                                                 lay.slot_bytes, self.rank, seq, out.data_ptr(), nbytes,
-                                                self.timeout_s, NATIVE_SPIN_NS)
+                                                self.timeout_s, self.spin_ns)
         if rc:
             self._timed_out(-rc - 1, "post", seq)
         self._pending.discard(seq)
@@ -338,7 +353,7 @@ class ShmAllToAll:
         """Wait for ``flags[i] >= target`` (set by ``peer``): a short spin, then sleep on the flag's futex
         (``raymoe.comm.futex``), so a rank that waits leaves the CPU to the peer it waits for."""
         if self._lib is not None:
-            if self._lib.raymoe_flag_wait_ge(flag_address(flags, i), target, self.timeout_s, NATIVE_SPIN_NS):
+            if self._lib.raymoe_flag_wait_ge(flag_address(flags, i), target, self.timeout_s, self.spin_ns):
                 self._timed_out(peer, what, target)
             return
         wait_flag_ge(flags, i, target, self.timeout_s, what=f"shared-memory all-to-all: rank {peer} did not {what}")
