@@ -11,7 +11,10 @@ only splits that time into categories: a sample is put in one by the deepest fra
 thread blocked in the kernel (:data:`WAIT_FRAMES`: a futex sleep, a selector, a blocking pipe read) are set apart,
 since py-spy (``--nonblocking``, Python frames only) reports such threads as active; counted as CPU, they had put
 the driver of a dp=2 ep=2 engine at four times the CPU the kernel counted for it. The table's columns add up to
-the CPU an average step costs in each process. Needs ``py-spy`` (``pip install py-spy``).
+the CPU an average step costs in each process. One blind spot: the native shared-memory exchange
+(``raymoe.comm.shm``) spins and sleeps inside one C call, which py-spy shows as that Python frame at work, so in
+the rank columns "forward" holds those waits and the other categories' shares come out smaller than they are.
+Needs ``py-spy`` (``pip install py-spy``).
 """
 
 from __future__ import annotations
