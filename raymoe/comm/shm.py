@@ -191,9 +191,9 @@ class ShmAllToAll:
         Defaults: 8 slots per pair, as two-batch overlap over a DeepSeek layer keeps up to 5 calls in flight (a
         normal-mode dispatch is three calls: counts, rows, ids). ``slot_bytes`` None shares
         :data:`DEFAULT_BUDGET_BYTES` of ``/dev/shm`` among the ``P * P * num_slots`` slots, within [256 KiB, 8 MiB]
-        per slot (4 MiB at P = 2, 1 MiB at P = 4); a larger message goes through gloo. ``native`` None runs the
-        C exchange when every rank has the kernel library (one all-reduce over ``group`` agrees on it); False
-        never does.
+        per slot (4 MiB at P = 2, 1 MiB at P = 4); a larger message goes through gloo. ``native`` None or True
+        runs the C exchange when every rank has the kernel library (one all-reduce over ``group`` agrees on it;
+        check :attr:`native`), False never does.
 
         Raises:
             OSError: ``/dev/shm`` cannot hold ``layout.total_bytes`` (raised on every rank alike).
