@@ -153,6 +153,16 @@ def test_64_concurrent_streams_complete_and_release_everything(base_url, model):
     assert after["raymoe:generation_tokens_total"] - before["raymoe:generation_tokens_total"] == expected_tokens
     assert after["raymoe:time_to_first_token_seconds_count"] - before["raymoe:time_to_first_token_seconds_count"] == 64
 
+    # Every engine step is in the step-time histograms, under exactly one mode, in both of them.
+    def steps_by_mode(m: dict, name: str) -> dict[str, float]:
+        return {mode: m[f"raymoe:{name}_count{{mode={mode}}}"] for mode in ("decode", "mixed", "extend")}
+
+    steps = after["raymoe:engine_steps_total"] - before["raymoe:engine_steps_total"]
+    for name in ("engine_step_period_seconds", "engine_step_forward_seconds"):
+        grown = {k: v - steps_by_mode(before, name)[k] for k, v in steps_by_mode(after, name).items()}
+        assert sum(grown.values()) == steps, (name, grown, steps)
+        assert grown["decode"] > 0 and grown["mixed"] + grown["extend"] > 0, grown
+
 
 def _raw_post(base_url: str, path: str, body: dict) -> socket.socket:
     host, port = base_url.removeprefix("http://").split(":")

@@ -93,6 +93,7 @@ def test_benchmark_job_runs_existing_commands():
 
 def test_dashboard_queries_only_metrics_the_server_exports():
     from raymoe.actors.driver_service import EngineStats
+    from raymoe.actors.step_timing import StepTimer
     from raymoe.deploy.metrics import ServerMetrics
 
     m = ServerMetrics("tiny")
@@ -101,8 +102,10 @@ def test_dashboard_queries_only_metrics_the_server_exports():
     r.tokens(2)
     r.finish("stop", prompt_tokens=5, completion_tokens=3)
     m.error(429)
+    timer = StepTimer()
+    timer.collected("decode", timer.clock(), 0.002)
     stats = EngineStats(num_running=1, num_waiting=2, kv_usage=0.25, radix_hit_tokens=7, num_steps=10,
-                        num_tbo_steps=4, healthy=True, step_seconds=[0.01, 0.02])
+                        num_tbo_steps=4, healthy=True, step_seconds=[0.01, 0.02], step_times=timer.snapshot())
     samples, _ = exported_names(m.render(stats).decode())
     queried = dashboard_metrics()
     assert queried <= samples, queried - samples

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from raymoe.actors.executor import RankFailure, RankStepError
+from raymoe.actors.step_timing import StepTimer, step_mode
 from raymoe.comm.a2a_plan import apply_dispatch_plan
 from raymoe.config import EngineConfig
 from raymoe.errors import InvalidRequestError
@@ -60,10 +61,13 @@ class StepExecutor(Protocol):
 
 @dataclass
 class _LaunchedStep:
-    """A step sent to the ranks: each DP group's batch (None: the group ran IDLE) and the executor's handle."""
+    """A step sent to the ranks: each DP group's batch (None: the group ran IDLE), the executor's handle, the
+    step's ``step_timing.step_mode`` label and when it was sent (``StepTimer.clock`` seconds)."""
 
     sched_batches: list[ScheduleBatch | None]
     handle: Any
+    mode: str
+    launched_at: float
 
 # Failed steps in a row (RankStepError) after which the ranks are restarted even though they answer.
 MAX_CONSECUTIVE_STEP_ERRORS = 2
@@ -107,6 +111,7 @@ class Driver:
         self.num_failed_steps = 0  # steps a rank raised in (their requests failed; ranks kept)
         self._step_errors_in_a_row = 0
         self.last_step_seconds: list[float] = []  # forward+sample seconds of each DP group's tp-rank 0
+        self.step_timer = StepTimer()  # period and forward time of collected steps, by mode (for /metrics)
         self.overlap_schedule = not config.scheduler.disable_overlap_schedule
         self._launched: _LaunchedStep | None = None  # overlap scheduling: the step the ranks are computing
 
@@ -206,7 +211,8 @@ class Driver:
         self.num_graph_steps += worker_batches[0].graph_bs is not None
         self.num_low_latency_steps += worker_batches[0].dispatch_capacity is not None
         self.num_mixed_steps += any(b.forward_mode == ForwardMode.MIXED for b in worker_batches)
-        return _LaunchedStep(sched_batches, self.executor.launch(worker_batches))
+        mode, launched_at = step_mode([b.forward_mode for b in worker_batches]), self.step_timer.clock()
+        return _LaunchedStep(sched_batches, self.executor.launch(worker_batches), mode, launched_at)
 
     def _finish(self, launched: _LaunchedStep) -> list[Req]:
         """Wait for a launched step and apply its tokens; a step the ranks raised in fails its requests."""
@@ -216,6 +222,8 @@ class Driver:
             return self._fail_step(e)
         self._step_errors_in_a_row = 0
         self.last_step_seconds = [o.forward_seconds for o in outputs]
+        self.step_timer.collected(launched.mode, launched.launched_at,
+                                  max((o.forward_seconds for o in outputs), default=0.0))
         self.num_steps += 1
         self.num_idle_group_steps += sum(b is None for b in launched.sched_batches)
         updated: list[Req] = []

@@ -118,7 +118,8 @@ class DriverService:
             health_detail=self.health_detail(), rank_restarts=self.rank_restarts, loop_restarts=self.loop_restarts,
             failed_steps=self.driver.num_failed_steps, failed_requests=self.failed_requests,
             kv_leaked_slots=idle.leaked_kv_slots if idle else 0, req_rows_leaked=idle.leaked_req_rows if idle else 0,
-            cache_tokens_locked=idle.locked_cache_tokens if idle else 0, idle_checked=idle is not None)
+            cache_tokens_locked=idle.locked_cache_tokens if idle else 0, idle_checked=idle is not None,
+            step_times=self.driver.step_timer.snapshot())
 
     def health_detail(self) -> str:
         """Why the service is unhealthy, or ``""``."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from raymoe.actors.step_timing import StepTimes
 from raymoe.errors import EngineUnhealthyError, InvalidRequestError, RaymoeError, RequestFailedError
 from raymoe.scheduler.sampling_params import SamplingParams
 from raymoe.step.step_output import TokenLogprobs
@@ -105,6 +106,8 @@ class EngineStats:
             request was in flight (KV slots neither free nor cached, ReqToTokenPool rows in use, radix-cache
             tokens still locked); all 0 when it holds. ``idle_checked``: whether it has been measured since the
             last request arrived (so the three counts describe the current idle state).
+        step_times: histograms of the steps' period and ranks' forward time by mode (``step_timing``; None
+            before the first step).
     """
 
     num_running: int
@@ -124,3 +127,4 @@ class EngineStats:
     req_rows_leaked: int = 0
     cache_tokens_locked: int = 0
     idle_checked: bool = False
+    step_times: StepTimes | None = None

@@ -5,7 +5,8 @@ Two sources:
   latency, end-to-end latency, prompt/generation tokens, finished requests by finish reason, error answers;
 - engine state (:class:`EngineStats`), fetched when ``/metrics`` is scraped and exposed by a custom collector:
   running/waiting requests, KV cache usage, engine steps, two-batch-overlap steps, radix cache hit tokens,
-  per-rank step time.
+  per-rank step time, and histograms of the step period and the ranks' forward time by kind of step
+  (``raymoe.actors.step_timing``).
 
 Each :class:`ServerMetrics` has its own registry, so several apps (tests, Serve replicas) never collide.
 """
@@ -15,9 +16,10 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from raymoe.actors.driver_service import EngineStats
+from raymoe.actors.step_timing import StepTimes
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
@@ -76,6 +78,22 @@ class _EngineStatsCollector:
         for rank, seconds in enumerate(s.step_seconds if s else ()):
             step.add_metric([self.model_name, str(rank)], float(seconds))
         yield step
+        yield from self._step_histograms(s.step_times if s else None)
+
+    def _step_histograms(self, times: StepTimes | None):
+        period = HistogramMetricFamily(
+            "raymoe:engine_step_period_seconds",
+            "Wall time each engine step held the ranks, as the driver sees it (with overlap scheduling the time "
+            "between consecutive step results while work lasts; idle time excluded), by mode "
+            "(decode / mixed / extend).", labels=["model_name", "mode"])
+        forward = HistogramMetricFamily(
+            "raymoe:engine_step_forward_seconds",
+            "Forward + sampling time of each engine step measured on the ranks (the slowest DP group), by mode.",
+            labels=["model_name", "mode"])
+        for family, hists in ((period, times and times.period), (forward, times and times.forward)):
+            for mode, hist in (hists or {}).items():
+                family.add_metric([self.model_name, mode], hist.cumulative(), hist.total)
+            yield family
 
 
 class RequestMetrics:
