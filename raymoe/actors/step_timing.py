@@ -11,8 +11,8 @@ Two figures per collected step, kept as cumulative histograms for ``/metrics``
   DP group's.
 
 The difference is what the step cost outside the model: fan-out, the driver's share of the CPU, and ranks kept
-waiting for each other or for the CPU. On the 2-core benchmark machine a served dp=2 ep=2 decode step had a
-period about twice the offline one while its forward grew almost as much: the ranks were short of CPU, not
+waiting for the next step. On the 2-core benchmark machine a served dp=2 ep=2 decode step's period was its ranks'
+forward plus 0.2-0.3 ms, while that forward took 1.1-2.1x its offline time: the ranks were short of CPU, not
 waiting for the driver (docs/performance.md, seventeenth session).
 
 ``mode`` is ``"decode"`` when every DP group decoded (or idled), ``"mixed"`` when some group ran a MIXED batch
