@@ -24,6 +24,20 @@ def test_blocked_leaves_are_waiting_not_their_caller():
         == "other"
 
 
+def test_overlapped_fan_out_and_the_stream_relay_have_their_categories():
+    # The driver sends a step in ``launch`` and waits in ``collect`` (overlap scheduling), not in ``execute``.
+    loop = "DriverService._iterate (raymoe/actors/driver_service.py:281);Driver.step (raymoe/actors/driver.py:183)"
+    assert classify((loop + ";Driver._launch_next (raymoe/actors/driver.py:215);RayExecutor.launch "
+                     "(raymoe/actors/executor.py:224);StepChannelHub.send (raymoe/actors/step_channel.py:106);"
+                     "Connection._send (multiprocessing/connection.py:384)").split(";")) == "fan-out"
+    # A rank unpickling its step message or pickling its reply, outside the step itself.
+    assert classify(["Thread.run (threading.py:982)", "serve_steps (raymoe/actors/step_channel.py:190)",
+                     "ForkingPickler.dumps (multiprocessing/reduction.py:51)"]) == "fan-out"
+    assert classify(["serve_steps (raymoe/actors/step_channel.py:190)", "RankWorker.step (a.py:1)",
+                     "ModelRunner.forward (raymoe/runner/model_runner.py:200)"]) == "forward"
+    assert classify(["EventRelay._pump (raymoe/deploy/sse.py:124)"]) == "SSE + HTTP"
+
+
 def test_summarize_reads_py_spy_raw_lines(tmp_path):
     raw = tmp_path / "p.txt"
     raw.write_text("thread (1): MainThread;EngineClient.generate (a.py:1);futex_wait (f.py:2) 30\n"
