@@ -20,22 +20,61 @@ def tiny_model(tmp_path_factory) -> str:
     return str(make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("ckpt") / "qwen3_moe_tiny", seed=0))
 
 
+#: How often the session fixture tries to start one Ray node before it gives up. Ray waits a fixed 30 s for a new
+#: raylet to register with the GCS; on a loaded two-core CI machine (or when a port picked by :func:`free_port` is
+#: taken before Ray binds it) one start can miss that window, which once failed every Ray test of a CI run.
+NODE_START_ATTEMPTS = 3
+
+
+def _start_node(start, what: str):
+    """Run ``start()`` (which starts one Ray node and returns its result), retrying up to :data:`NODE_START_ATTEMPTS`
+    times. Before a retry, the processes the failed attempt left behind (children of this process that were not there
+    before it) are killed, and the tail of the newest raylet logs is printed so a CI log shows why the node failed.
+
+    Raises:
+        Exception: the last attempt's error when every attempt failed.
+    """
+    import glob
+    import sys
+
+    import psutil
+
+    me = psutil.Process()
+    for attempt in range(1, NODE_START_ATTEMPTS + 1):
+        before = {p.pid for p in me.children(recursive=True)}
+        try:
+            return start()
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception on a start-up timeout
+            if attempt == NODE_START_ATTEMPTS:
+                raise
+            print(f"[conftest] starting {what} failed (attempt {attempt}): {exc}", file=sys.stderr)
+            for log in sorted(glob.glob("/tmp/ray/session_latest/logs/raylet*"), key=os.path.getmtime)[-2:]:
+                with open(log, errors="replace") as f:
+                    print(f"[conftest] tail of {log}:\n" + "".join(f.readlines()[-15:]), file=sys.stderr)
+            leftovers = [p for p in me.children(recursive=True) if p.pid not in before]
+            for p in leftovers:
+                p.kill()
+            psutil.wait_procs(leftovers, timeout=10)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One Ray instance for the whole session: three nodes that each declare 2 GPUs (``ray.cluster_utils.Cluster``;
-    the head also has 8 logical CPUs, the workers 2), all on 127.0.0.1; CPU-only worlds place anywhere."""
+    the head also has 8 logical CPUs, the workers 2), all on 127.0.0.1; CPU-only worlds place anywhere. Each node's
+    start is retried (:func:`_start_node`)."""
     import ray
     from ray.cluster_utils import Cluster
 
     from raymoe.cluster.bootstrap import free_port
 
-    # Free ports everywhere, so the suite can run beside another Ray instance on the same machine.
-    cluster = Cluster(initialize_head=True, head_node_args={
+    # Free ports everywhere, so the suite can run beside another Ray instance on the same machine; fresh ones on
+    # every attempt.
+    cluster = _start_node(lambda: Cluster(initialize_head=True, head_node_args={
         "num_cpus": 8, "num_gpus": 2, "include_dashboard": False, "gcs_server_port": free_port(),
-        "dashboard_agent_listen_port": free_port(), "metrics_export_port": free_port()})
-    for _ in range(2):
-        cluster.add_node(num_cpus=2, num_gpus=2, dashboard_agent_listen_port=free_port(),
-                         metrics_export_port=free_port())
+        "dashboard_agent_listen_port": free_port(), "metrics_export_port": free_port()}), "the head node")
+    for i in range(2):
+        _start_node(lambda: cluster.add_node(num_cpus=2, num_gpus=2, dashboard_agent_listen_port=free_port(),
+                                             metrics_export_port=free_port()), f"worker node {i + 1}")
     ray.init(address=cluster.address)
     yield cluster
     ray.shutdown()
