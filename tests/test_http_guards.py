@@ -4,7 +4,8 @@ FastAPI app, driven through httpx's ASGI transport.
 Covers what needs no real model: the API key before the body (401 before 413), the body limit for declared and
 chunked bodies, request ids in headers and error bodies, the generic 500 (no traceback, no path), lone
 surrogates, operator limits (stop strings, timeout), tokenization off the event loop, the deadline and the
-slow-reader bound of a stream (the engine request is closed, which is its abort), logprob tokens decoded once.
+slow-reader bound of a stream (the engine request is closed, which is its abort), logprob tokens decoded once,
+the relay's backlog, and `raymoe bench frontend` (every stream ends in [DONE]).
 """
 
 from __future__ import annotations
@@ -387,3 +388,41 @@ def test_default_in_flight_bound_is_the_scheduler_capacity(tokenizer):
     assert _check_error(r, 429)["code"] == "too_many_requests"
     assert [a.status_code for a in answers] == [200] * capacity
     assert app.state.serving.in_flight == 0 and not engine.open
+
+
+def test_backlog_is_fifo_waits_for_events_and_drains_before_it_ends():
+    from raymoe.deploy.sse import Backlog
+
+    async def main():
+        backlog = Backlog()
+        backlog.put(b"a")
+        got = [await backlog.get()]
+        waiter = asyncio.ensure_future(backlog.get())
+        await asyncio.sleep(0)
+        assert not waiter.done()  # nothing to take: the consumer waits
+        backlog.put(b"b")
+        got.append(await asyncio.wait_for(waiter, 5))
+        backlog.put(b"c")
+        backlog.put(b"d")
+        backlog.close()  # what was put before the close is still taken, in order, then the end
+        got += [await backlog.get(), await backlog.get(), await backlog.get()]
+        idle = Backlog()
+        cancelled = asyncio.ensure_future(idle.get())
+        await asyncio.sleep(0.01)
+        assert not cancelled.done()  # a backlog never closed keeps its consumer waiting ...
+        cancelled.cancel()  # ... until the response is cancelled (client gone)
+        await asyncio.gather(cancelled, return_exceptions=True)
+        idle.put(b"late")  # a put after the consumer left is harmless
+        return got, cancelled
+
+    got, cancelled = _run(main)
+    assert got == [b"a", b"b", b"c", b"d", None]
+    assert cancelled.cancelled()
+
+
+def test_frontend_bench_streams_every_request_to_done(tiny_model):
+    from raymoe.bench.frontend import measure
+
+    result = asyncio.run(measure(tiny_model, concurrency=4, requests=12, output_len=8, rounds=2, warmup=4))
+    # ``measure`` raises when a stream does not end in [DONE] after at most ``output_len`` chunks.
+    assert len(result["us_per_token"]) == 2 and all(v > 0 for v in result["us_per_token"])

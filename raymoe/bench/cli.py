@@ -83,6 +83,8 @@ _MODULE_COMMANDS = (
      "raymoe.bench.compare", "add_compare_args", "run_compare"),
     ("profile-serve", "py-spy breakdown of a served step over every engine process",
      "raymoe.bench.profile_serve", "add_profile_args", "run_profile"),
+    ("frontend", "the HTTP front end's CPU per streamed token, in process, fed by a synthetic engine",
+     "raymoe.bench.frontend", "add_frontend_args", "run_frontend"),
     ("serve", "streaming load against an OpenAI-compatible server: TTFT, ITL, throughput",
      "raymoe.bench.serve", "add_serve_bench_args", "run_serve_bench"),
     ("arrivals", "TTFT/ITL p50/p99 of two-turn chats arriving during decoding, per server config (e.g. mixed "
