@@ -28,12 +28,13 @@ NODE_START_ATTEMPTS = 3
 
 def _start_node(start, what: str):
     """Run ``start()`` (which starts one Ray node and returns its result), retrying up to :data:`NODE_START_ATTEMPTS`
-    times. Before a retry, the processes the failed attempt left behind (children of this process that were not there
-    before it) are killed, and the tail of the newest raylet logs is printed so a CI log shows why the node failed.
+    times. Before a retry, the processes the failed attempt left behind (new children of this process, with their own
+    children) are killed, and the tail of the newest raylet logs is printed so a CI log shows why the node failed.
 
     Raises:
         Exception: the last attempt's error when every attempt failed.
     """
+    import contextlib
     import glob
     import sys
 
@@ -41,7 +42,7 @@ def _start_node(start, what: str):
 
     me = psutil.Process()
     for attempt in range(1, NODE_START_ATTEMPTS + 1):
-        before = {p.pid for p in me.children(recursive=True)}
+        before = {p.pid for p in me.children()}
         try:
             return start()
         except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception on a start-up timeout
@@ -51,9 +52,15 @@ def _start_node(start, what: str):
             for log in sorted(glob.glob("/tmp/ray/session_latest/logs/raylet*"), key=os.path.getmtime)[-2:]:
                 with open(log, errors="replace") as f:
                     print(f"[conftest] tail of {log}:\n" + "".join(f.readlines()[-15:]), file=sys.stderr)
-            leftovers = [p for p in me.children(recursive=True) if p.pid not in before]
+            # The processes this attempt started (direct children that are new: its raylet ...) and theirs; the
+            # worker processes that earlier nodes' raylets start meanwhile are left alone.
+            leftovers = [p for p in me.children() if p.pid not in before]
+            for p in list(leftovers):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    leftovers += p.children(recursive=True)
             for p in leftovers:
-                p.kill()
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
             psutil.wait_procs(leftovers, timeout=10)
 
 

@@ -67,7 +67,7 @@ class StreamBounds:
 
 class Backlog:
     """The events produced but not yet written: a FIFO with one producer (the relay's pump) and one consumer (the
-    response), on the running asyncio loop.
+    response), on the running asyncio loop (not thread-safe).
 
     Why not an ``anyio`` memory object stream: its ``receive`` passes through a checkpoint (one more event-loop
     turn) and makes an event and a waiter record through anyio's backend lookup for every event: 21 % of the front
