@@ -28,8 +28,9 @@ from raymoe.deploy.engine_client import EngineClient
 
 
 class SyntheticEngineClient(EngineClient):
-    """An ``EngineClient`` whose engine is a loop on the same event loop: every ``step_s`` seconds it delivers one
-    random token to each request the front end has sent, ``finish_reason="length"`` at ``output_len``.
+    """An ``EngineClient`` without a driver actor or Ray: its engine is a task on the same event loop that, every
+    ``step_s`` seconds, delivers one random token to each request the front end has sent (``finish_reason="length"``
+    at ``output_len``). Aborts forget the request.
 
     Args:
         model: Hugging Face model folder (tokenizer and config; no weights are loaded).
