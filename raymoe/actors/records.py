@@ -106,8 +106,8 @@ class EngineStats:
             request was in flight (KV slots neither free nor cached, ReqToTokenPool rows in use, radix-cache
             tokens still locked); all 0 when it holds. ``idle_checked``: whether it has been measured since the
             last request arrived (so the three counts describe the current idle state).
-        step_times: histograms of the steps' period and ranks' forward time by mode (``step_timing``; None
-            before the first step).
+        step_times: histograms of the steps' period and ranks' forward time by mode (``step_timing``; the
+            driver always fills it, with zero counts before the first step; None only in stats built elsewhere).
     """
 
     num_running: int

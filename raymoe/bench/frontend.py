@@ -6,8 +6,8 @@ per step is taken from the ranks. This benchmark isolates the front end's own Py
 strings, metrics, response chunks, the ``EventRelay`` and the SSE response) and the real
 ``EngineClient.generate``, fed by :class:`SyntheticEngineClient`, which delivers one token to every open stream
 per step, as the output reader thread does with the driver's per-step batch. The ASGI app is called directly, so
-uvicorn, the sockets and the client are left out (in a served run they add the socket writes, about a fifth of the
-front end's CPU by ``raymoe bench profile-serve``).
+uvicorn's protocol code, the sockets, the output reader thread and the client are left out (served dp=2 ep=2 at
+c=16, the front end's kernel time was about 0.2 s of its 1.3-1.4 s of CPU per 5 s: docs/performance.md).
 
 Measured: the process's CPU time (``time.process_time``) over ``--requests`` completions of ``--output-len``
 tokens each, ``--concurrency`` at a time, per streamed token, in microseconds; one figure per round.
