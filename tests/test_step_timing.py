@@ -72,13 +72,25 @@ def test_driver_times_every_step_under_its_mode(tiny_model):
     from raymoe import Engine, SamplingParams
 
     with Engine(tiny_model, max_running_requests=4, chunked_prefill_size=64) as engine:
+        driver = engine.driver
+        # Record every launched step's forward modes at the executor, independently of the driver's labelling.
+        launched: list[list[FM]] = []
+        launch = driver.executor.launch
+
+        def recording_launch(batches):
+            launched.append([b.forward_mode for b in batches])
+            return launch(batches)
+
+        driver.executor.launch = recording_launch
         prompts = [list(range(5 + i, 40 + i)) for i in range(6)]
         engine.generate(prompt_token_ids=prompts,
                         sampling_params=[SamplingParams(max_tokens=3 + 4 * i, ignore_eos=True) for i in range(6)])
-        driver = engine.driver
         snap = driver.step_timer.snapshot()
+    seen = {"decode": sum(all(m in (FM.DECODE, FM.IDLE) for m in step) for step in launched),
+            "mixed": sum(FM.MIXED in step for step in launched)}
+    seen["extend"] = len(launched) - seen["decode"] - seen["mixed"]
+    assert len(launched) == driver.num_steps and seen["mixed"] > 0  # the last two prompts join running decodes
+    assert seen["decode"] > 0 and seen["extend"] > 0 and driver.num_mixed_steps == seen["mixed"]
     for hists in (snap.period, snap.forward):
-        assert sum(h.count for h in hists.values()) == driver.num_steps
-        assert hists["mixed"].count == driver.num_mixed_steps > 0  # the last two prompts join running decodes
-        assert hists["decode"].count > 0 and hists["extend"].count > 0
+        assert {m: h.count for m, h in hists.items()} == seen
         assert all(h.total > 0 for h in hists.values())

@@ -38,7 +38,6 @@ from raymoe.scheduler.req import Req, RequestFault, RequestFaultError
 from raymoe.scheduler.sampling_params import SamplingParams
 from raymoe.scheduler.schedule_batch import ScheduleBatch, check_sampling_row
 from raymoe.scheduler.scheduler import IdleReport, Scheduler
-from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
 
@@ -210,8 +209,9 @@ class Driver:
         self.num_tbo_steps += worker_batches[0].use_tbo
         self.num_graph_steps += worker_batches[0].graph_bs is not None
         self.num_low_latency_steps += worker_batches[0].dispatch_capacity is not None
-        self.num_mixed_steps += any(b.forward_mode == ForwardMode.MIXED for b in worker_batches)
-        mode, launched_at = step_mode([b.forward_mode for b in worker_batches]), self.step_timer.clock()
+        mode = step_mode([b.forward_mode for b in worker_batches])  # "mixed" iff some group ran MIXED
+        self.num_mixed_steps += mode == "mixed"
+        launched_at = self.step_timer.clock()
         return _LaunchedStep(sched_batches, self.executor.launch(worker_batches), mode, launched_at)
 
     def _finish(self, launched: _LaunchedStep) -> list[Req]:
@@ -222,8 +222,7 @@ class Driver:
             return self._fail_step(e)
         self._step_errors_in_a_row = 0
         self.last_step_seconds = [o.forward_seconds for o in outputs]
-        self.step_timer.collected(launched.mode, launched.launched_at,
-                                  max((o.forward_seconds for o in outputs), default=0.0))
+        self.step_timer.collected(launched.mode, launched.launched_at, max(self.last_step_seconds, default=0.0))
         self.num_steps += 1
         self.num_idle_group_steps += sum(b is None for b in launched.sched_batches)
         updated: list[Req] = []
