@@ -4,7 +4,7 @@
         [--round-trip-bytes 1024,65536,1048576]
 
 Each rank routes its own random tokens (top-2, distinct experts) through ``TorchDispatcher`` in both modes and over
-both carriers (gloo, and the shared-memory mapping of ``raymoe.comm.shm`` where this machine supports it), all
+both carriers (gloo, and the shared-memory mapping of ``raymoe.platform.cpu.shm`` where this machine supports it), all
 four taking turns in one process; the median over ``iters`` calls (ranks start each call together) is printed in
 ms. The low-latency capacity is the token count, as the driver plans an eager decode step.
 """

@@ -337,7 +337,7 @@ class MoeCommConfig:
         num_max_dispatch_tokens_per_rank: most tokens one rank may send in a low-latency step (sizes DeepEP's
             buffers); a step with more tokens on some rank runs in normal mode. None: ``max_running_requests``.
         cpu_comm: what carries the ``torch`` backend's all-to-all between CPU (gloo) ranks: ``"auto"`` (a
-            shared-memory mapping when every EP rank is on one x86-64 node, ``raymoe.comm.shm``; else gloo),
+            shared-memory mapping when every EP rank is on one x86-64 node, ``raymoe.platform.cpu.shm``; else gloo),
             ``"shm"`` (shared memory or an error at start-up) or ``"gloo"``. Ignored on GPU.
     """
 
@@ -405,7 +405,7 @@ class EngineConfig:
         device: ``"cpu"`` or ``"cuda"``; ``None`` picks cuda when available.
         attention_backend: ``"torch_native"`` (CPU and GPU) or ``"flash_attn"`` (GPU: vLLM's flash-attention,
             ``vllm.vllm_flash_attn``, imported lazily; checked here, so a missing package or an unsupported
-            ``dtype`` / ``page_size`` fails at config time; see ``raymoe.attention.flash_attn_provider``).
+            ``dtype`` / ``page_size`` fails at config time; see ``raymoe.platform.cuda.flash_attn_provider``).
         ray_address: Ray cluster to join for world size > 1 (None: start a local one on 127.0.0.1).
         fanout: how a step reaches the ranks: ``"channel"`` (the step channel: one authenticated Unix socket per
             rank on the driver's machine, ``raymoe.actors.step_channel``; a rank that cannot reach it makes the
@@ -458,7 +458,7 @@ class EngineConfig:
             page = 16 if self.attention_backend == "flash_attn" else 1
             object.__setattr__(self, "cache", dataclasses.replace(self.cache, page_size=page))
         if self.attention_backend == "flash_attn":
-            from raymoe.attention.flash_attn_provider import check_flash_attn_config
+            from raymoe.platform.cuda.flash_attn_provider import check_flash_attn_config
 
             check_flash_attn_config(self.cache.page_tokens, self.dtype)
         if self.fanout not in (None, "channel", "remote", "compiled"):
@@ -469,7 +469,7 @@ class EngineConfig:
             raise InvalidRequestError("cpu_rank_nice", f"must be in [-20, 19], got {self.cpu_rank_nice!r}")
         if self.step_timeout_s <= 0:
             raise InvalidRequestError("step_timeout_s", "must be > 0")
-        from raymoe.gpu_backends import check_gpu_backends
+        from raymoe.platform.backends import check_gpu_backends
 
         check_gpu_backends(self)
 

@@ -1,5 +1,5 @@
 """A CPU conformance double of DeepEP v1.2.x's Python API (``deep_ep.Buffer``, ``Config``, ``EventOverlap``) over
-gloo, so the DeepEP adapter (``raymoe.comm.deepep``) is tested without a GPU.
+gloo, so the DeepEP adapter (``raymoe.platform.cuda.deepep``) is tested without a GPU.
 
 It keeps DeepEP's signatures (keyword names and defaults), return tuples, tensor layouts and dtypes (int32
 counts, int64 top-k ids with -1, Python lists, the low-latency ``[E_local, M_max * ranks, H]`` layout), its

@@ -1,4 +1,4 @@
-"""The fused decode attention block (``raymoe.kernels.attn_block``) against the torch operators it replaces, its
+"""The fused decode attention block (``raymoe.platform.cpu.kernels.attn_block``) against the torch operators it replaces, its
 index checks, and the model's decode logits with the block on and off."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raymoe.kernels import attn_block, build, packed_linear
-from raymoe.kernels.attn_block import AttnBlockPlan, BlockAttentionInputs
 from raymoe.models.decoder import DecoderLayer
+from raymoe.platform.cpu.kernels import attn_block, build, packed_linear
+from raymoe.platform.cpu.kernels.attn_block import AttnBlockPlan, BlockAttentionInputs
 
 pytestmark = pytest.mark.skipif(build.load() is None, reason="no C compiler for the fused CPU kernels")
 

@@ -11,8 +11,8 @@ from raymoe.bench.profile_serve import WAITING, classify, cpu_seconds, cpu_split
 
 def test_blocked_leaves_are_waiting_not_their_caller():
     rank = "Thread.run (threading.py:982);serve_steps (raymoe/actors/step_channel.py:198)"
-    assert classify((rank + ";ShmAllToAll._wait_flag (raymoe/comm/shm.py:266);"
-                     "futex_wait (raymoe/comm/futex.py:69)").split(";")) == WAITING
+    assert classify((rank + ";ShmAllToAll._wait_flag (raymoe/platform/cpu/shm.py:266);"
+                     "futex_wait (raymoe/platform/cpu/futex.py:69)").split(";")) == WAITING
     assert classify(["StepChannelHub.gather (raymoe/actors/step_channel.py:90)",
                      "_PollLikeSelector.select (selectors.py:415)"]) == WAITING
     assert classify(["BaseEventLoop._run_once (asyncio/base_events.py:1898)",
@@ -20,7 +20,7 @@ def test_blocked_leaves_are_waiting_not_their_caller():
     # the same callers, busy: their own categories
     assert classify(["RankWorker.step (raymoe/actors/rank_worker.py:111)",
                      "ModelRunner.forward (raymoe/runner/model_runner.py:200)"]) == "forward"
-    assert classify(["ShmAllToAll._post (raymoe/comm/shm.py:249)", "futex_wake (raymoe/comm/futex.py:60)"]) \
+    assert classify(["ShmAllToAll._post (raymoe/platform/cpu/shm.py:249)", "futex_wake (raymoe/platform/cpu/futex.py:60)"]) \
         == "other"
 
 

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (``raymoe.kernels``) against the torch operators they replace: norms, q/k norm + RoPE,
+"""The fused CPU kernels (``raymoe.platform.cpu.kernels``) against the torch operators they replace: norms, q/k norm + RoPE,
 KV store, paged decode attention, softmax top-k routing and routed experts; their argument checks (a bad index
 raises before anything is written); the switch and the build fallback; and a whole model's prefill, decode and
 mixed-step logits with the kernels on and off."""
@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 from raymoe.attention import torch_native
 from raymoe.config_arch import RouterConfig
-from raymoe.kernels import build, cpu_ops
 from raymoe.layers.norm import rms_norm
 from raymoe.layers.router import select_experts
+from raymoe.platform.cpu.kernels import build, cpu_ops
 
 pytestmark = pytest.mark.skipif(build.load() is None,
                                 reason="fused CPU kernels unavailable (no C compiler, or RAYMOE_CPU_KERNELS=0)")
@@ -284,7 +284,7 @@ def test_build_caches_and_falls_back_without_a_compiler(monkeypatch, tmp_path, c
     monkeypatch.setattr(build, "_compiler", lambda: None)
     build.reset()
     try:
-        with caplog.at_level(logging.WARNING, logger="raymoe.kernels.build"):
+        with caplog.at_level(logging.WARNING, logger="raymoe.platform.cpu.kernels.build"):
             assert build.load() is None
         assert "no C compiler" in caplog.text
         assert not cpu_ops.enabled_for(torch.randn(2))

@@ -1,4 +1,4 @@
-"""The DeepEP dispatcher (``raymoe.comm.deepep``) through a CPU conformance double of ``deep_ep`` (``deep_ep_double``):
+"""The DeepEP dispatcher (``raymoe.platform.cuda.deepep``) through a CPU conformance double of ``deep_ep`` (``deep_ep_double``):
 the same results as the torch dispatcher on gloo ranks (ep=2 and ep=4 with an idle rank, normal and low-latency
 modes, two TBO-like handles in flight, single-batch-overlap parts), the same greedy tokens through ModelRunners
 at ep=2, and loud failures on misuse (of the adapter and of the double)."""
@@ -90,7 +90,7 @@ def _compare(groups, sizes: list[int], dtype_name: str, limits_name: str) -> dic
 
 def _ep2_checks(groups) -> dict:
     """fp32 and bf16 comparisons, then the misuse checks, on one pair of ranks (one spawn)."""
-    from raymoe.comm import deepep_buffer
+    from raymoe.platform.cuda import deepep_buffer
 
     out = {"fp32": _compare(groups, [5, 3], "float32", "RELAXED")}
     deepep_buffer._REGISTRY.clear()  # a process builds one model; these scenarios build three
@@ -114,8 +114,8 @@ def _misuse(groups) -> dict:
     import deep_ep_double as dd
     from deep_ep_double_core import DoubleMisuse
 
-    from raymoe.comm.deepep import DeepEPDispatcher
-    from raymoe.comm.deepep_buffer import DeepEPInFlightError
+    from raymoe.platform.cuda.deepep import DeepEPDispatcher
+    from raymoe.platform.cuda.deepep_buffer import DeepEPInFlightError
 
     experts = _experts(groups, torch.float32)
     x, ids, w = _inputs(groups.ep_rank, 3, torch.float32)
@@ -223,8 +223,8 @@ def _greedy_runs(groups, path: str) -> dict:
                                               disable_cuda_graph=True, overlap=overlap), groups)
                for name, backend, overlap in (("torch", "torch", OverlapConfig()),
                                               ("deepep", "deepep", OverlapConfig()), ("deepep_tbo", "deepep", tbo))}
-    from raymoe.comm.deepep import DeepEPDispatcher
     from raymoe.layers.moe import SparseMoeBlock
+    from raymoe.platform.cuda.deepep import DeepEPDispatcher
 
     blocks = [m for m in runners["deepep_tbo"].model.modules() if isinstance(m, SparseMoeBlock)]
     shared = {id(m.a2a.shared) for m in blocks if isinstance(m.a2a, DeepEPDispatcher)}

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from flash_attn_double import FlashAttnDouble
 
 from raymoe import Engine, SamplingParams
-from raymoe.attention import flash_attn_provider
-from raymoe.attention.flash_attn_provider import FlashAttnProvider
 from raymoe.config import CacheConfig, EngineConfig
 from raymoe.errors import BackendUnavailableError, InvalidRequestError
+from raymoe.platform.cuda import flash_attn_provider
+from raymoe.platform.cuda.flash_attn_provider import FlashAttnProvider
 from raymoe.runner.model_runner import RunnerConfig
 
 # ------------------------------------------------------------------------------------------------ the double

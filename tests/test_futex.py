@@ -1,4 +1,4 @@
-"""Blocking flag waits (``raymoe.comm.futex``): a waiter in another process sleeps until the flag is raised,
+"""Blocking flag waits (``raymoe.platform.cpu.futex``): a waiter in another process sleeps until the flag is raised,
 wakes within a bounded time, costs no CPU while it sleeps, and times out with a clear error."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from raymoe.comm.futex import flag_address, futex_supported, futex_wake, wait_flag_ge
+from raymoe.platform.cpu.futex import flag_address, futex_supported, futex_wake, wait_flag_ge
 
 pytestmark = pytest.mark.skipif(not futex_supported(), reason="needs Linux futex(2)")
 
@@ -61,7 +61,7 @@ def _native_lines(buf: mmap.mmap) -> tuple[np.ndarray, int]:
 
 
 def _native_waiter(buf, out) -> None:
-    from raymoe.kernels import build
+    from raymoe.platform.cpu.kernels import build
 
     lines, base = _native_lines(buf)
     t0, c0 = time.monotonic(), time.process_time()
@@ -72,7 +72,7 @@ def _native_waiter(buf, out) -> None:
 def test_a_native_waiter_announces_its_sleep_and_the_store_wakes_it():
     """The C protocol (``csrc/shm_exchange.c``): the waiter sets the waiter word beside its flag before it sleeps
     and clears it when it returns; a store below the target leaves it asleep, the store of the target wakes it."""
-    from raymoe.kernels import build
+    from raymoe.platform.cpu.kernels import build
 
     lib = build.load()
     if lib is None:
@@ -98,7 +98,7 @@ def test_a_native_waiter_announces_its_sleep_and_the_store_wakes_it():
 
 
 def test_a_native_wait_times_out_and_a_raised_flag_returns_at_once():
-    from raymoe.kernels import build
+    from raymoe.platform.cpu.kernels import build
 
     lib = build.load()
     if lib is None:

@@ -10,11 +10,11 @@ import pytest
 
 from raymoe.config import EngineConfig, MoeCommConfig
 from raymoe.errors import InvalidRequestError
-from raymoe.gpu_backends import environment_report, module_available
+from raymoe.platform.backends import environment_report, module_available
 
 
 def test_gpu_backend_without_its_package_is_a_config_error(tiny_model, monkeypatch):
-    monkeypatch.setattr("raymoe.gpu_backends.module_available", lambda name: False)
+    monkeypatch.setattr("raymoe.platform.backends.module_available", lambda name: False)
     with pytest.raises(InvalidRequestError, match="deep_ep") as e:
         EngineConfig(model=tiny_model, device="cuda", moe_comm=MoeCommConfig(a2a_backend="deepep"))
     assert e.value.field == "a2a_backend"
@@ -24,7 +24,7 @@ def test_gpu_backend_without_its_package_is_a_config_error(tiny_model, monkeypat
 
 
 def test_gpu_backend_on_cpu_is_a_config_error(tiny_model, monkeypatch):
-    monkeypatch.setattr("raymoe.gpu_backends.module_available", lambda name: True)  # even when installed
+    monkeypatch.setattr("raymoe.platform.backends.module_available", lambda name: True)  # even when installed
     with pytest.raises(InvalidRequestError, match="CUDA only"):
         EngineConfig(model=tiny_model, device="cpu", moe_comm=MoeCommConfig(a2a_backend="deepep"))
     with pytest.raises(InvalidRequestError, match="bfloat16") as e:
@@ -42,7 +42,7 @@ def test_env_report_and_imports_without_gpu_packages():
     assert report["torch"] and report["cuda.is_available"] in ("True", "False")
     assert report["a2a_backend=deepep"].startswith("ok" if module_available("deep_ep") else "missing")
     # importing raymoe (engine, models, GPU adapters' modules) must not import CUDA-only packages
-    code = ("import sys, raymoe, raymoe.engine, raymoe.comm.dispatcher, raymoe.gpu_backends; "
+    code = ("import sys, raymoe, raymoe.engine, raymoe.comm.dispatcher, raymoe.platform.backends; "
             "bad = [m for m in ('deep_ep', 'vllm', 'flash_attn') if m in sys.modules]; print(bad); "
             "sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0

@@ -1,4 +1,4 @@
-"""Host allocator tuning of CPU ranks (``raymoe.runner.host_alloc``): freed blocks are reused, so a step that
+"""Host allocator tuning of CPU ranks (``raymoe.platform.cpu.host_alloc``): freed blocks are reused, so a step that
 allocates and frees the same megabyte tensors touches no fresh pages once warm."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import resource
 import pytest
 import torch
 
-from raymoe.runner import host_alloc
+from raymoe.platform.cpu import host_alloc
 
 
 def _minor_faults() -> int:

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from raymoe.attention.torch_native import TorchNativeAttnBackend
 from raymoe.comm.groups import ParallelGroups
-from raymoe.kernels import build
 from raymoe.kvcache.pools import ReqToTokenPool, TokenToKVPool
 from raymoe.layers.moe import LocalExperts
+from raymoe.platform.cpu.kernels import build
 from raymoe.runner.sampler import greedy_argmax
 from raymoe.step.forward_mode import ForwardMode
 
@@ -88,7 +88,7 @@ class _Decode:
 def test_decode_attention_reuses_gather_buffers_without_stale_rows(fused):
     """Batches of different sizes and widths through one backend (its buffers grow and are reused across
     layers and steps) equal SDPA over keys gathered afresh; with the fused CPU kernels off (the gather path) and
-    on (``raymoe.kernels.cpu_ops.decode_attention``, no gather)."""
+    on (``raymoe.platform.cpu.kernels.cpu_ops.decode_attention``, no gather)."""
     if fused and build.load() is None:
         pytest.skip("fused CPU kernels unavailable (no C compiler, or RAYMOE_CPU_KERNELS=0)")
     build.reset(enabled=fused)

@@ -164,7 +164,7 @@ def test_dense_layout_only_for_small_cpu_steps(kernels):
     kernel takes float32 experts, the token-row layout also answers up to ``ROUTED_KERNEL_ROWS_PER_EXPERT``
     routed pairs per local expert; a layer whose bound is 0 never takes it."""
     from raymoe.comm.low_latency import DENSE_EXPERT_MAC_BUDGET, ROUTED_KERNEL_ROWS_PER_EXPERT, dense_row_experts
-    from raymoe.kernels import build
+    from raymoe.platform.cpu.kernels import build
 
     if kernels and build.load() is None:
         pytest.skip("fused CPU kernels unavailable (no C compiler, or RAYMOE_CPU_KERNELS=0)")
@@ -195,7 +195,7 @@ def test_token_row_layout_bounded_by_the_experts_arithmetic():
     ``ROUTED_KERNEL_MAX_MACS`` of routed pairs: large experts go to the grouped layout (the packed GEMM) even
     within the pair bound."""
     from raymoe.comm.low_latency import ROUTED_KERNEL_MAX_MACS
-    from raymoe.kernels import build
+    from raymoe.platform.cpu.kernels import build
 
     if build.load() is None:
         pytest.skip("fused CPU kernels unavailable (no C compiler, or RAYMOE_CPU_KERNELS=0)")

@@ -1,4 +1,4 @@
-"""The packed small-M GEMM (``csrc/gemm.c`` through ``raymoe.kernels.packed_linear``) and the layers that use it."""
+"""The packed small-M GEMM (``csrc/gemm.c`` through ``raymoe.platform.cpu.kernels.packed_linear``) and the layers that use it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from raymoe.comm.groups import ParallelGroups
-from raymoe.kernels import build, packed_linear
+from raymoe.platform.cpu.kernels import build, packed_linear
 
 pytestmark = pytest.mark.skipif(build.load() is None, reason="fused CPU kernels unavailable (no C compiler)")
 

@@ -1,4 +1,4 @@
-"""Shared-memory EP all-to-all (``raymoe.comm.shm``, ``raymoe.comm.ep_transport``): byte-identical to gloo for
+"""Shared-memory EP all-to-all (``raymoe.platform.cpu.shm``, ``raymoe.comm.ep_transport``): byte-identical to gloo for
 equal and variable splits, several calls in flight, both MoE dispatch modes; the gloo fallback for messages over a
 slot; clear errors for misuse, a silent peer and a bad ``cpu_comm``."""
 
@@ -15,7 +15,10 @@ from raymoe.comm.dispatcher import TorchDispatcher
 from raymoe.comm.ep_transport import EpTransport
 from raymoe.comm.expert_input import GroupedExpertRows
 from raymoe.comm.groups import ParallelGroups
-from raymoe.comm.shm import (
+from raymoe.config import MoeCommConfig, ParallelConfig
+from raymoe.errors import InvalidRequestError
+from raymoe.platform.cpu.kernels import build
+from raymoe.platform.cpu.shm import (
     NATIVE_SPIN_NS,
     OVERSUBSCRIBED_SPIN_NS,
     ShmAllToAll,
@@ -23,9 +26,6 @@ from raymoe.comm.shm import (
     default_spin_ns,
     shm_supported,
 )
-from raymoe.config import MoeCommConfig, ParallelConfig
-from raymoe.errors import InvalidRequestError
-from raymoe.kernels import build
 
 pytestmark = pytest.mark.skipif(not shm_supported(), reason="needs x86-64 and a writable /dev/shm")
 

@@ -27,5 +27,5 @@ class RankStepError(RaymoeError):
 def is_collective_error(type_name: str) -> bool:
     """Whether a rank exception of this type name means the rank group's collectives are broken: a
     ``torch.distributed`` error, or ``TimeoutError`` (the shared-memory all-to-all waited a whole collective
-    timeout for a peer, ``raymoe.comm.shm``)."""
+    timeout for a peer, ``raymoe.platform.cpu.shm``)."""
     return any(c in type_name for c in COLLECTIVE_ERRORS) or type_name == "TimeoutError"

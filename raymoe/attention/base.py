@@ -41,7 +41,7 @@ class AttentionBackend(ABC):
         return self.forward_extend(q, k, v, layer_id, forward_batch)
 
     def block_attention_inputs(self, layer_id: int, forward_batch):
-        """What the fused CPU attention block (``raymoe.kernels.attn_block``) reads for layer ``layer_id`` in this
+        """What the fused CPU attention block (``raymoe.platform.cpu.kernels.attn_block``) reads for layer ``layer_id`` in this
         step, as a ``BlockAttentionInputs``, when this backend would attend every token of the step with the paged
         kernel over float32 CPU buffers. None (the default): the layer runs its attention ops through
         :meth:`forward`."""
@@ -78,7 +78,7 @@ class AttentionBackend(ABC):
 
 def get_attention_backend(name: str, **kwargs) -> AttentionBackend:
     """Build attention backend ``name``: ``"torch_native"`` (paged SDPA, CPU and GPU) or ``"flash_attn"`` (vLLM's
-    flash-attention kernel over a block table, ``raymoe.attention.flash_attn``; its package is imported only here).
+    flash-attention kernel over a block table, ``raymoe.platform.cuda.flash_attn``; its package is imported only here).
 
     Raises:
         ValueError: unknown name, or the backend rejects the pools/heads it is given.
@@ -89,7 +89,7 @@ def get_attention_backend(name: str, **kwargs) -> AttentionBackend:
 
         return TorchNativeAttnBackend(**kwargs)
     if name == "flash_attn":
-        from raymoe.attention.flash_attn import FlashAttnBackend
+        from raymoe.platform.cuda.flash_attn import FlashAttnBackend
 
         return FlashAttnBackend(**kwargs)
     raise ValueError(f"unknown attention backend {name!r}")

@@ -5,7 +5,7 @@ masks the padding; grouped-query heads are folded into the query-length dim so K
 Extend runs one SDPA call per request with a causal mask shifted by the cached prefix length; on a float32 CPU cache,
 requests short enough (``EXTEND_KERNEL_MAX_PAIRS``) take the fused paged-attention kernel instead, one query token
 per row reading its request's slot row of the ``ReqToTokenPool`` table in place
-(``raymoe.kernels.cpu_ops.extend_attention``).
+(``raymoe.platform.cpu.kernels.cpu_ops.extend_attention``).
 Under a decode graph (``raymoe.runner.graph_runner``) the same decode kernel reads fixed-address index/mask
 buffers, refreshed in place by the graph hooks before each replay, over the graph's KV width (on CUDA one capture
 per width of a ladder up to the table width; ``raymoe.attention.paged_graph_hooks``).
@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 from raymoe.attention.base import AttentionBackend
 from raymoe.attention.paged_graph_hooks import PagedDecodeGraphHooks
-from raymoe.kernels import cpu_ops
-from raymoe.kernels.attn_block import BlockAttentionInputs
 from raymoe.kvcache.pools import ReqToTokenPool, TokenToKVPool
+from raymoe.platform.cpu.kernels import cpu_ops
+from raymoe.platform.cpu.kernels.attn_block import BlockAttentionInputs
 
 # Most (query, key) pairs one extend request may attend to for the fused kernel; longer requests take SDPA. The
 # kernel loops over pairs (about 50 ns each for 4 query heads of 32 on this project's CPU); SDPA costs about 0.1 ms
@@ -165,7 +165,7 @@ class TorchNativeAttnBackend(PagedDecodeGraphHooks, AttentionBackend):
     def forward_decode(self, q, k, v, layer_id, forward_batch):
         """Decode attention: ``q`` [bs, Hq, D], ``k``/``v`` [bs, Hkv, D] (written to ``out_cache_loc`` first)
         -> [bs, Hq, D]; keys/values of each row are gathered over ``kv_indices`` [bs, L] and masked by ``kv_mask``.
-        A float32 CPU cache takes the fused kernels instead (``raymoe.kernels.cpu_ops.kv_store`` and
+        A float32 CPU cache takes the fused kernels instead (``raymoe.platform.cpu.kernels.cpu_ops.kv_store`` and
         ``decode_attention``): they read the cache through ``kv_indices`` in place, masked by ``seq_lens``, with
         no gather and no SDPA call."""
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)

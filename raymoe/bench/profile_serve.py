@@ -12,7 +12,7 @@ thread blocked in the kernel (:data:`WAIT_FRAMES`: a futex sleep, a selector, a 
 since py-spy (``--nonblocking``, Python frames only) reports such threads as active; counted as CPU, they had put
 the driver of a dp=2 ep=2 engine at four times the CPU the kernel counted for it. The table's columns add up to
 the CPU an average step costs in each process. One blind spot: the native shared-memory exchange
-(``raymoe.comm.shm``) spins and sleeps inside one C call, which py-spy shows as that Python frame at work, so in
+(``raymoe.platform.cpu.shm``) spins and sleeps inside one C call, which py-spy shows as that Python frame at work, so in
 the rank columns "forward" holds those waits and the other categories' shares come out smaller than they are.
 Needs ``py-spy`` (``pip install py-spy``).
 """

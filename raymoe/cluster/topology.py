@@ -102,9 +102,9 @@ def _node_key() -> str:
 
 
 def _ep_shared_memory(ep_group, cpu_comm: str, timeout_s: float):
-    """The EP group's :class:`~raymoe.comm.shm.ShmAllToAll`, or None (``auto`` where it cannot run). Collective:
+    """The EP group's :class:`~raymoe.platform.cpu.shm.ShmAllToAll`, or None (``auto`` where it cannot run). Collective:
     every rank sees the same gathered facts, so all ranks decide alike."""
-    from raymoe.comm.shm import ShmAllToAll, shm_supported
+    from raymoe.platform.cpu.shm import ShmAllToAll, shm_supported
 
     facts: list = [None] * dist.get_world_size(ep_group)
     dist.all_gather_object(facts, (_node_key(), shm_supported()), group=ep_group)

@@ -1,6 +1,6 @@
 """The MoE dispatcher a layer holds: normal and low-latency dispatch/combine behind one interface.
 
-Every backend (``torch`` here, ``deepep`` in ``raymoe.comm.deepep``) exposes the same four halves, so overlap
+Every backend (``torch`` here, ``deepep`` in ``raymoe.platform.cuda.deepep``) exposes the same four halves, so overlap
 schedules (two-batch and single-batch overlap) can run other work between an ``_a`` that starts a transfer and
 the ``_b`` that waits for it:
 
@@ -126,7 +126,7 @@ class A2ABackendSpec:
 
 def get_all_to_all_backend(name: str, groups: ParallelGroups, num_experts: int, **options):
     """Build the dispatcher of backend ``name``: ``"torch"`` (CPU and GPU) or ``"deepep"`` (CUDA + ``deep_ep``,
-    imported lazily; ``options`` go to :class:`~raymoe.comm.deepep.DeepEPDispatcher`: ``hidden_size``, ``dtype``,
+    imported lazily; ``options`` go to :class:`~raymoe.platform.cuda.deepep.DeepEPDispatcher`: ``hidden_size``, ``dtype``,
     ``num_max_dispatch_tokens_per_rank``, ``low_latency``, ``buffer_factory``; see :meth:`A2ABackendSpec.options`).
 
     Raises:
@@ -137,6 +137,6 @@ def get_all_to_all_backend(name: str, groups: ParallelGroups, num_experts: int, 
         raise ValueError(f"unknown all-to-all backend {name!r} (expected one of {A2A_BACKENDS})")
     if name == "torch":
         return TorchDispatcher(groups, num_experts, **options)
-    from raymoe.comm.deepep import DeepEPDispatcher  # lazy: needs CUDA and deep_ep
+    from raymoe.platform.cuda.deepep import DeepEPDispatcher  # lazy: needs CUDA and deep_ep
 
     return DeepEPDispatcher(groups, num_experts, **options)

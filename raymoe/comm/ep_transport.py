@@ -20,7 +20,7 @@ from raymoe.comm.groups import ParallelGroups
 
 
 class EpTransport:
-    """All-to-all over ``groups.ep_group``, through ``groups.ep_shm`` (:class:`~raymoe.comm.shm.ShmAllToAll`)
+    """All-to-all over ``groups.ep_group``, through ``groups.ep_shm`` (:class:`~raymoe.platform.cpu.shm.ShmAllToAll`)
     when the ranks have one and the message fits its slots.
 
     Attributes:

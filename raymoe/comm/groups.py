@@ -23,7 +23,7 @@ class ParallelGroups:
         tp_rank, tp_size, tp_group: tensor-parallel group of attention/dense layers (ranks of one DP group).
         dp_rank, dp_size: data-parallel attention group index and count.
         ep_rank, ep_size, ep_group: expert-parallel group (``ep_size == world_size`` or 1).
-        ep_shm: the EP group's shared-memory all-to-all (:class:`~raymoe.comm.shm.ShmAllToAll`) when its CPU
+        ep_shm: the EP group's shared-memory all-to-all (:class:`~raymoe.platform.cpu.shm.ShmAllToAll`) when its CPU
             ranks share a node and ``cpu_comm`` allows it; None: ``ep_group`` carries everything.
     """
 

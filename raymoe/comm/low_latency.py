@@ -47,7 +47,7 @@ import torch
 from raymoe.comm.ep_transport import EpTransport
 from raymoe.comm.expert_input import GroupedExpertRows, RoutedTokenRows
 from raymoe.comm.groups import ParallelGroups
-from raymoe.kernels import cpu_ops
+from raymoe.platform.cpu.kernels import cpu_ops
 
 DENSE_EXPERT_MAC_BUDGET = 1 << 22
 """Multiply-accumulates one MoE layer's local experts may spend on the dense layout (every local expert over every
@@ -56,7 +56,7 @@ float32 GEMM ran at about 60 GFLOP/s). Below it the dense GEMMs cost less than t
 GEMMs they replace (measured crossover on one rank with 8 experts: about 24 tokens, where the budget allows 21)."""
 
 ROUTED_KERNEL_ROWS_PER_EXPERT = 24
-"""Where the fused CPU kernel takes the experts (float32, ``raymoe.kernels.cpu_ops.moe_routed_rows``), a step uses
+"""Where the fused CPU kernel takes the experts (float32, ``raymoe.platform.cpu.kernels.cpu_ops.moe_routed_rows``), a step uses
 the token-row layout while its routed pairs per local expert, ``ep * M * k / E``, are at most this, whatever the
 MAC budget: the kernel's cost follows the routed pairs, not every expert over every row. Measured on the
 benchmark machine (tiny model, 8 experts top-2, whole decode steps): at 16 pairs per expert 12-15 % less CPU per
@@ -66,7 +66,7 @@ ROUTED_KERNEL_MAX_MACS = 1 << 23
 """Most multiply-accumulates of a step's routed pairs (``ep * M * k * 3 * H * I_local``) for which the token-row
 layout is chosen on behalf of the fused kernel (where the dispatcher knows its experts' size): the kernel saves the
 sort and index operators of the grouped layout (tens of microseconds), but its dot products run at a fraction of
-the packed GEMM's rate (``raymoe.kernels.packed_linear``). At the tiny model's size (24.6 K MACs per pair, 342
+the packed GEMM's rate (``raymoe.platform.cpu.kernels.packed_linear``). At the tiny model's size (24.6 K MACs per pair, 342
 pairs allowed) the pair bound above decides; at hidden 1024 and I 512 (1.57 M MACs per pair) the kernel took a
 two-batch-overlap half step of 32 tokens per rank in 69 ms against 52 ms for the grouped layout over packed
 weights (``raymoe bench overlap``, docs/performance.md, thirteenth session)."""
@@ -261,7 +261,7 @@ class TorchLowLatencyAllToAll:
     def _pack_host(self, message: torch.Tensor, geo: _Geometry, m: int, hidden: torch.Tensor,
                    topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         """:meth:`_pack_device` for a CPU message, one ``memmove`` per part: on CPU a tensor call costs more than
-        copying a decode step's few kilobytes (the shared-memory carrier copies the same way, ``raymoe.comm.shm``)."""
+        copying a decode step's few kilobytes (the shared-memory carrier copies the same way, ``raymoe.platform.cpu.shm``)."""
         n, k = topk_ids.shape
         base = message.data_ptr()
         _host_copy(base, hidden)

@@ -45,7 +45,7 @@ def _cmd_generate(a: argparse.Namespace) -> None:
 
 
 def _cmd_env(a: argparse.Namespace) -> None:
-    from raymoe.gpu_backends import environment_report
+    from raymoe.platform.backends import environment_report
 
     report = environment_report()
     width = max(map(len, report))

@@ -9,7 +9,7 @@ dummy slot 0 that padded rows write to), so pages ``1 .. num_pages`` are handed 
 of ``page_size`` positions ``[j * page_size, (j + 1) * page_size)`` of its sequence lies at consecutive slots of a
 single page, starting at the page's first slot. Then position ``i`` lives at slot
 ``block_table[i // page_size] * page_size + i % page_size`` with ``block_table[j] = slot_of(j * page_size) //
-page_size`` (``raymoe.attention.flash_attn``).
+page_size`` (``raymoe.platform.cuda.flash_attn``).
 
 How the scheduler keeps the guarantee (see ``raymoe.scheduler``):
 

@@ -16,7 +16,7 @@ class ReqToTokenPool:
     ``req_to_token`` [size, max_context_len] int64: entry (r, i) is the KV slot of token i of the request in row r.
     ``page_size`` (tokens): the driver's allocator keeps every aligned run of ``page_size`` positions of a row in
     one KV page, in order (``raymoe.kvcache.paged_allocator``), so position ``j * page_size`` names the page of
-    the run; block-table backends rely on it (``raymoe.attention.flash_attn``). 1: no such layout.
+    the run; block-table backends rely on it (``raymoe.platform.cuda.flash_attn``). 1: no such layout.
     """
 
     def __init__(self, size: int, max_context_len: int, device: torch.device | str = "cpu", page_size: int = 1):

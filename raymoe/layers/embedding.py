@@ -15,7 +15,7 @@ from torch import nn
 from raymoe.comm.ep_transport import EpTransport
 from raymoe.comm.groups import ParallelGroups, tp_all_gather_last_dim, tp_all_reduce
 from raymoe.errors import CheckpointError
-from raymoe.kernels import packed_linear
+from raymoe.platform.cpu.kernels import packed_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -74,7 +74,7 @@ class ParallelLMHead(packed_linear.PackedWeightsMixin, VocabParallelEmbedding):
     def load(self, reader, name: str) -> None:
         """Read this shard's rows of ``name`` ([vocab, hidden]); on a CPU float32 rank, then store them
         column-major (the same [V_local, H] tensor over [H, V_local] storage), and keep a packed copy for the
-        packed GEMM (``raymoe.kernels.packed_linear``), which a one-threaded decode step uses instead: cold, it takes
+        packed GEMM (``raymoe.platform.cpu.kernels.packed_linear``), which a one-threaded decode step uses instead: cold, it takes
         0.38 ms at [16, 128] x [128, 8192] (docs/performance.md, thirteenth session).
 
         Why column-major on CPU: ``F.linear`` then hands MKL a non-transposed [H, V_local] right operand, which it

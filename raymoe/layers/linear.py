@@ -12,7 +12,7 @@ from torch import nn
 
 from raymoe.comm.groups import ParallelGroups, divide, tp_all_gather_last_dim, tp_all_reduce
 from raymoe.errors import CheckpointError
-from raymoe.kernels import packed_linear
+from raymoe.platform.cpu.kernels import packed_linear
 
 
 def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:

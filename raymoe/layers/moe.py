@@ -33,11 +33,11 @@ from raymoe.comm.expert_input import (
 from raymoe.comm.groups import ParallelGroups, divide, tp_all_reduce
 from raymoe.config_arch import RouterConfig
 from raymoe.errors import CheckpointError
-from raymoe.kernels import cpu_ops, packed_linear
 from raymoe.layers.activation import silu_and_mul
 from raymoe.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from raymoe.layers.router import select_experts
 from raymoe.overlap.operations import OpRole, stage_op
+from raymoe.platform.cpu.kernels import cpu_ops, packed_linear
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm takes on CPU
 
@@ -75,7 +75,7 @@ class LocalExperts(packed_linear.PackedWeightsMixin, nn.Module):
     all-reduced by the caller).
 
     On a float32 CPU rank both stacks are also kept packed (``packed13``, ``packed2``), and the grouped paths run
-    the packed GEMM (``raymoe.kernels.packed_linear``) where :func:`~raymoe.kernels.packed_linear.use_packed` says so.
+    the packed GEMM (``raymoe.platform.cpu.kernels.packed_linear``) where :func:`~raymoe.platform.cpu.kernels.packed_linear.use_packed` says so.
     """
 
     PACKED = (("packed13", "w13"), ("packed2", "w2"))
@@ -140,7 +140,7 @@ class LocalExperts(packed_linear.PackedWeightsMixin, nn.Module):
         [E_local, C, H] for :class:`MaskedExpertRows` (:meth:`forward_masked`), [R_max, H] for
         :class:`GroupedExpertRows` (:meth:`forward_segments`), the weighted sums [R, H] for
         :class:`DenseExpertRows` (:meth:`forward_dense`) and [B * M, H] for :class:`RoutedTokenRows` (float32 CPU
-        experts: the fused kernel over the routed pairs only, ``raymoe.kernels.cpu_ops.moe_routed_rows``; else
+        experts: the fused kernel over the routed pairs only, ``raymoe.platform.cpu.kernels.cpu_ops.moe_routed_rows``; else
         as dense rows)."""
         if isinstance(rows, GroupedExpertRows):
             return self.forward_segments(rows.x, rows.ends, rows.expert_capacity)
@@ -341,7 +341,7 @@ class SparseMoeBlock(nn.Module):
         return [*self.routing_operations(), *self.expert_operations()]
 
     def fused_router(self) -> dict | None:
-        """The router as keyword arguments of :class:`~raymoe.kernels.attn_block.AttnBlockPlan` (``w_gate`` and its
+        """The router as keyword arguments of :class:`~raymoe.platform.cpu.kernels.attn_block.AttnBlockPlan` (``w_gate`` and its
         packed copy, ``top_k``, ``renorm``, ``routed_scale``) where the fused attention block can route (softmax,
         greedy top-k, no correction bias, no gate bias); else None."""
         r = self.router

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raymoe.kernels import cpu_ops
+from raymoe.platform.cpu.kernels import cpu_ops
 
 
 class RMSNorm(nn.Module):
@@ -48,7 +48,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """``(rms_norm(x + residual), x + residual)``: the pre-norm residual step of a decoder layer.
 
     Shapes: ``x``, ``residual`` [T, D]; ``weight`` [D]. Float32 CPU tensors take one fused kernel call
-    (``raymoe.kernels.cpu_ops.add_rms_norm``), anything else the torch operators.
+    (``raymoe.platform.cpu.kernels.cpu_ops.add_rms_norm``), anything else the torch operators.
     """
     if x.dim() == 2 and residual.dim() == 2 and weight.dim() == 1 and cpu_ops.enabled_for(x, residual, weight):
         return cpu_ops.add_rms_norm(x, residual, weight, eps)

@@ -11,7 +11,7 @@ Variants (``raymoe.config_arch.RouterConfig``):
   two, masked experts get -inf; the weights are the uncorrected sigmoid scores, renormalized (+1e-20).
 
 Every variant finally multiplies the weights by ``routed_scaling_factor``. Scores are computed in float32.
-Float32 CPU logits of the softmax greedy variant take one fused kernel (``raymoe.kernels.cpu_ops.topk_softmax``).
+Float32 CPU logits of the softmax greedy variant take one fused kernel (``raymoe.platform.cpu.kernels.cpu_ops.topk_softmax``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from raymoe.config_arch import RouterConfig
-from raymoe.kernels import cpu_ops
+from raymoe.platform.cpu.kernels import cpu_ops
 
 
 def _group_mask(choice: torch.Tensor, cfg: RouterConfig) -> torch.Tensor:

@@ -14,13 +14,13 @@ from raymoe.comm.dispatcher import A2ABackendSpec
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ModelConfig
 from raymoe.errors import CheckpointError
-from raymoe.kernels import attn_block, cpu_ops
-from raymoe.kernels.attn_block import AttnBlockPlan
 from raymoe.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from raymoe.layers.moe import DenseMLP, SparseMoeBlock
 from raymoe.layers.norm import RMSNorm, add_rms_norm
 from raymoe.overlap.forward import forward_layers
 from raymoe.overlap.operations import ForwardState
+from raymoe.platform.cpu.kernels import attn_block, cpu_ops
+from raymoe.platform.cpu.kernels.attn_block import AttnBlockPlan
 
 
 def load_norm(norm: RMSNorm | torch.Tensor, reader, name: str) -> None:
@@ -87,7 +87,7 @@ class DecoderLayer(nn.Module):
         state.residual = state.moe_output = None
 
     def op_attn_block(self, state: ForwardState) -> None:
-        """:meth:`attn_half_operations` as one fused kernel call (``raymoe.kernels.attn_block``) on a float32 CPU
+        """:meth:`attn_half_operations` as one fused kernel call (``raymoe.platform.cpu.kernels.attn_block``) on a float32 CPU
         rank whose attention and router the kernel covers, for a step within ``ATTN_BLOCK_MAX_MACS`` whose
         tokens the backend attends with its paged kernel (``block_attention_inputs``); otherwise those ops in
         turn."""

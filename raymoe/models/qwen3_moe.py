@@ -13,12 +13,12 @@ from torch import nn
 
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ModelConfig
-from raymoe.kernels import cpu_ops
 from raymoe.layers.linear import QKVParallelLinear, RowParallelLinear
 from raymoe.layers.norm import rms_norm
 from raymoe.layers.rotary import RotaryEmbedding
 from raymoe.models.decoder import DecoderLayer, MoeCausalLM, build_mlp, load_norm
 from raymoe.overlap.operations import ForwardState, OpRole, stage_op
+from raymoe.platform.cpu.kernels import cpu_ops
 
 
 class Qwen3MoeAttention(nn.Module):
@@ -47,7 +47,7 @@ class Qwen3MoeAttention(nn.Module):
     def op_prepare(self, state: ForwardState) -> None:
         """qkv projection, q/k RMSNorm and RoPE. Queries and keys stay side by side ([T, Hq + Hkv, D], as the
         projection lays them out), so both are normed (per-head weights) and rotated by one set of operators; on
-        a float32 CPU rank by one fused kernel, in place in the projection's output (``raymoe.kernels.cpu_ops``)."""
+        a float32 CPU rank by one fused kernel, in place in the projection's output (``raymoe.platform.cpu.kernels.cpu_ops``)."""
         x = state.hidden_states
         t = x.shape[0]
         qkv = self.qkv_proj(x)
@@ -72,7 +72,7 @@ class Qwen3MoeAttention(nn.Module):
         state.q = state.k = state.v = None
 
     def attn_block_weights(self) -> dict | None:
-        """This attention as keyword arguments of :class:`~raymoe.kernels.attn_block.AttnBlockPlan` (weights, head
+        """This attention as keyword arguments of :class:`~raymoe.platform.cpu.kernels.attn_block.AttnBlockPlan` (weights, head
         sizes, rotary tables, q/k norm), or None where the fused attention block does not apply (projection biases,
         interleaved rotary, tensor parallelism: the o projection's all-reduce sits between its ops)."""
         if (self.qkv_proj.bias is not None or self.o_proj.bias is not None or self.rotary.interleaved

@@ -24,10 +24,10 @@ from raymoe.models.loader import CheckpointReader
 from raymoe.models.registry import get_model_class
 from raymoe.overlap.split import TboForwardBatchPreparer
 from raymoe.overlap.strategy import resolve_decode_schedule
+from raymoe.platform.cpu.host_alloc import tune_host_allocator
 from raymoe.runner.forward_batch import ForwardBatch
 from raymoe.runner.future_tokens import FutureTokenMap
 from raymoe.runner.graph_buckets import DEFAULT_MIN_KV_WIDTH, capture_sizes, kv_width_ladder
-from raymoe.runner.host_alloc import tune_host_allocator
 from raymoe.runner.sampler import Sampler
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
@@ -103,7 +103,7 @@ class RunnerConfig:
             raise ValueError(f"num_kv_slots + 1 ({self.num_kv_slots + 1}) must be a multiple of page_size "
                              f"({self.page_size})")
         if self.attention_backend == "flash_attn":
-            from raymoe.attention.flash_attn_provider import check_flash_attn_config
+            from raymoe.platform.cuda.flash_attn_provider import check_flash_attn_config
 
             check_flash_attn_config(self.page_size, self.dtype)
         if self.cuda_graph_min_kv_width is not None and self.cuda_graph_min_kv_width < 1:
@@ -138,7 +138,7 @@ class ModelRunner:
         self.groups = groups or ParallelGroups.single()
         self.device = torch.device(cfg.device)
         if self.device.type == "cpu":
-            tune_host_allocator()  # reuse freed host blocks: no fresh pages per step (raymoe.runner.host_alloc)
+            tune_host_allocator()  # reuse freed host blocks: no fresh pages per step (raymoe.platform.cpu.host_alloc)
         self.dtype = DTYPES[cfg.dtype]
         self.model_config = ModelConfig.from_hf(cfg.model_path)
         with CheckpointReader(cfg.model_path) as reader:

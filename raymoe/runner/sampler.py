@@ -7,7 +7,7 @@ itself. The draw of a seeded request comes from a generator seeded by ``(seed, t
 seeded request gives the same tokens whatever batch it shares.
 
 On a CPU rank with the fused kernels, a batch without top-k/top-p/min-p filters is sampled by one kernel call
-(``raymoe.kernels.cpu_ops.sample_rows``: the same rule at the same draws) instead of about twenty operators.
+(``raymoe.platform.cpu.kernels.cpu_ops.sample_rows``: the same rule at the same draws) instead of about twenty operators.
 
 Greedy rows take :func:`greedy_argmax`: ATen's CPU ``argmax`` over a long last dim is a scalar loop (about 4 ns
 per element, 5 ms for 256 x 8192 logits on one core) while ``amax`` is vectorized, so the vocabulary is reduced
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from raymoe.kernels import cpu_ops
+from raymoe.platform.cpu.kernels import cpu_ops
 from raymoe.runner.forward_batch import SamplingBatchInfo
 from raymoe.step.step_output import TokenLogprobs
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from raymoe.kernels import build
+from raymoe.platform.cpu.kernels import build
 
 _F32 = torch.float32
 _SAMPLE_BLOCK = 64  # SAMPLE_BLOCK of csrc/sampling.c: the sampling kernel's scratch holds one sum per block

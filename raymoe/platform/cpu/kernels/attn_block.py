@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from raymoe.kernels import cpu_ops, packed_linear
+from raymoe.platform.cpu.kernels import cpu_ops, packed_linear
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -105,7 +105,7 @@ class AttnBlockPlan:
     """One layer's weights for :meth:`__call__` (Qwen3-MoE / Mixtral-style GQA attention, tp = 1). The norm
     weights and rotary tables are read in place; the kernel's GEMM reads the three projections packed: the copies
     their layers keep (``w_qkv_packed``, ``w_o_packed``, ``w_gate_packed``, made at load), or copies packed here
-    where none is given (:func:`raymoe.kernels.packed_linear.pack`). The owner builds a new plan after it loads new
+    where none is given (:func:`raymoe.platform.cpu.kernels.packed_linear.pack`). The owner builds a new plan after it loads new
     weights.
 
     Args:

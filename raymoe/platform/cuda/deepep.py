@@ -27,7 +27,7 @@ Low-latency mode (``capacity`` M; fixed shapes, DeepEP's hook-based receive, no 
 
 Every call gets its own handle (two-batch overlap runs two in flight). DeepEP keeps two low-latency buffers,
 so at most two low-latency kernels may await their receive; the shared buffer refuses a third
-(``raymoe.comm.deepep_buffer``) and cleans the low-latency buffer when a step follows a normal-mode one.
+(``raymoe.platform.cuda.deepep_buffer``) and cleans the low-latency buffer when a step follows a normal-mode one.
 
 Dtypes: DeepEP's combine and low-latency kernels take bfloat16 rows (top-k weights float32, cast here); run
 models in bfloat16 with this backend.
@@ -41,7 +41,9 @@ from typing import Any
 
 import torch
 
-from raymoe.comm.deepep_buffer import (
+from raymoe.comm.expert_input import ExpertRows, MaskedExpertRows
+from raymoe.comm.groups import ParallelGroups
+from raymoe.platform.cuda.deepep_buffer import (
     LOW_LATENCY,
     NORMAL,
     DeepEPBufferSpec,
@@ -49,8 +51,6 @@ from raymoe.comm.deepep_buffer import (
     hidden_bytes_of,
     shared_deepep_buffer,
 )
-from raymoe.comm.expert_input import ExpertRows, MaskedExpertRows
-from raymoe.comm.groups import ParallelGroups
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Paged attention through vLLM's flash-attention kernel: ``flash_attn_varlen_func`` over a block table (GPU).
 
-The kernel comes from ``raymoe.attention.flash_attn_provider`` (``vllm.vllm_flash_attn``, imported only when this
+The kernel comes from ``raymoe.platform.cuda.flash_attn_provider`` (``vllm.vllm_flash_attn``, imported only when this
 backend is built; tests inject a CPU conformance double). One kernel call per layer serves every step kind:
 decode, extend, extend over a radix-cache prefix, chunked prefill, MIXED.
 
@@ -36,8 +36,8 @@ from itertools import accumulate
 import torch
 
 from raymoe.attention.base import AttentionBackend
-from raymoe.attention.flash_attn_provider import MIN_PAGE_MULTIPLE, FlashAttnProvider
 from raymoe.kvcache.pools import ReqToTokenPool, TokenToKVPool
+from raymoe.platform.cuda.flash_attn_provider import MIN_PAGE_MULTIPLE, FlashAttnProvider
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class FlashAttnBackend(AttentionBackend):
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool, num_heads: int,
                  num_kv_heads: int, head_dim: int, provider: FlashAttnProvider | None = None):
         if provider is None:
-            from raymoe.attention import flash_attn_provider
+            from raymoe.platform.cuda import flash_attn_provider
 
             provider = flash_attn_provider.find_flash_attn()
         page = req_to_token_pool.page_size

@@ -3,7 +3,7 @@
 #include "cpu_ops.h"
 
 /* What a layer's attention block keeps from step to step: sizes, norm constants and weight pointers (mirrored
- * by AttnBlockParams in raymoe/kernels/attn_block.py; keep the two in the same order). experts == 0: a layer
+ * by AttnBlockParams in raymoe/platform/cpu/kernels/attn_block.py; keep the two in the same order). experts == 0: a layer
  * without a router (a dense MLP follows), router fields unused. */
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, experts, top_k, renorm, table_rows;

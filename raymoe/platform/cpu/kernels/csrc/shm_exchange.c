@@ -1,4 +1,4 @@
-/* Shared-memory exchange between CPU ranks (raymoe/comm/shm.py): sequence flags with futex sleeps, and whole
+/* Shared-memory exchange between CPU ranks (raymoe/platform/cpu/shm.py): sequence flags with futex sleeps, and whole
  * post / receive calls of equal-chunk collectives (all-gather, equal all-to-all) in one C call each.
  *
  * A decode step of an expert-parallel rank makes two such collectives per MoE layer; in Python each post or
@@ -16,7 +16,7 @@
  * (the word no longer holds the value read). Waits sleep in slices of at most 50 ms and re-read the flag, as the
  * Python protocol does; a writer that skips the wake therefore saves about a microsecond of kernel time per
  * flag whenever the peer is still running. All ranks of a group use this file or none does (the Python
- * protocol always wakes and never sets waiter words): raymoe/comm/shm.py agrees on it when the group maps.
+ * protocol always wakes and never sets waiter words): raymoe/platform/cpu/shm.py agrees on it when the group maps.
  */
 #include <time.h>
 #include <unistd.h>
@@ -100,7 +100,7 @@ int raymoe_flag_wait_ge(int64_t *line, int64_t target, double timeout_s, int64_t
     }
 }
 
-/* The mapping of raymoe/comm/shm.py (ShmLayout): P ranks, K slots of C bytes per ordered pair, control lines
+/* The mapping of raymoe/platform/cpu/shm.py (ShmLayout): P ranks, K slots of C bytes per ordered pair, control lines
  * ready[src, dst] then done[src, dst, slot], mailboxes from byte `control_bytes` on. */
 static int64_t *ready_line(uint8_t *base, int64_t p, int64_t src, int64_t dst) {
     return (int64_t *)base + (src * p + dst) * LINE;

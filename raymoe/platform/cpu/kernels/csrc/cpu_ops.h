@@ -6,7 +6,7 @@
  * At decode sizes (a few to a few hundred rows, hidden sizes in the hundreds) a step is made of small operators
  * whose cost is the framework's per-call overhead (about 3 us per tensor call on the CI machine), not
  * arithmetic. These kernels do one layer stage each in a single call, reading strided inputs in place.
- * Python binds them through ctypes (raymoe/kernels/cpu_ops.py), which checks dtypes, devices, shapes and
+ * Python binds them through ctypes (raymoe/platform/cpu/kernels/cpu_ops.py), which checks dtypes, devices, shapes and
  * strides before every call; the C code checks only the indices it reads through (positions, KV slots, table
  * rows), before it writes anything.
  *

@@ -29,7 +29,7 @@ few kilobytes in a decode step, and three tensor calls per copy took longer than
 microseconds per two-rank all-gather post, docs/performance.md). :func:`shm_supported` is False elsewhere, and
 ``cpu_comm="auto"`` then keeps gloo.
 
-Native path: where every rank of the group has raymoe's C kernel library (``raymoe.kernels.build``; agreed when
+Native path: where every rank of the group has raymoe's C kernel library (``raymoe.platform.cpu.kernels.build``; agreed when
 the group maps, :meth:`ShmAllToAll.create`), an equal-chunk post or receive (all-gather, equal all-to-all: the
 low-latency dispatch and combine) is one C call (``csrc/shm_exchange.c``), and every flag wait and store of the
 group, variable splits included, uses that file's protocol: a writer makes the ``futex_wake`` system call only
@@ -54,8 +54,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from raymoe.comm.futex import flag_address, futex_wake, wait_flag_ge
-from raymoe.kernels import build
+from raymoe.platform.cpu.futex import flag_address, futex_wake, wait_flag_ge
+from raymoe.platform.cpu.kernels import build
 
 SHM_DIR = "/dev/shm"
 DEFAULT_BUDGET_BYTES = 128 << 20  # /dev/shm one EP group's mapping may take by default (slots only)
@@ -155,7 +155,7 @@ class ShmAllToAll:
         buf: the mapping (``mmap``), kept open for the communicator's life.
         timeout_s: how long :meth:`ShmWork.wait` and slot reuse wait for a peer, seconds.
         native: use the C exchange (module docstring). Every rank of the group must pass the same value
-            (:meth:`create` agrees on it); True needs the kernel library (``raymoe.kernels.build.load()``).
+            (:meth:`create` agrees on it); True needs the kernel library (``raymoe.platform.cpu.kernels.build.load()``).
         spin_ns: how long a native wait spins before it sleeps, nanoseconds (None: :func:`default_spin_ns`).
     Raises:
         RuntimeError: ``native`` without the kernel library.
@@ -351,7 +351,7 @@ class ShmAllToAll:
 
     def _wait_flag(self, flags: np.ndarray, i: int, target: int, peer: int, what: str) -> None:
         """Wait for ``flags[i] >= target`` (set by ``peer``): a short spin, then sleep on the flag's futex
-        (``raymoe.comm.futex``), so a rank that waits leaves the CPU to the peer it waits for."""
+        (``raymoe.platform.cpu.futex``), so a rank that waits leaves the CPU to the peer it waits for."""
         if self._lib is not None:
             if self._lib.raymoe_flag_wait_ge(flag_address(flags, i), target, self.timeout_s, self.spin_ns):
                 self._timed_out(peer, what, target)

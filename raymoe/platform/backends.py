@@ -19,7 +19,7 @@ from raymoe.errors import InvalidRequestError
 class GpuBackend:
     """One optional backend: the engine option that selects it, the module(s) that provide it (any one is
     enough), how to install it, and whether :func:`check_gpu_backends` looks for the package (False where the
-    backend's own config check imports it: ``flash_attn``, ``raymoe.attention.flash_attn_provider``)."""
+    backend's own config check imports it: ``flash_attn``, ``raymoe.platform.cuda.flash_attn_provider``)."""
 
     option: str
     value: str

@@ -1,6 +1,6 @@
 """Blocking waits on sequence flags in shared memory: Linux futexes, with a short spin first.
 
-Processes that meet through a shared mapping (the CPU ranks' all-to-all, ``raymoe.comm.shm``) wait for a
+Processes that meet through a shared mapping (the CPU ranks' all-to-all, ``raymoe.platform.cpu.shm``) wait for a
 peer to raise an int64 sequence flag. Polling such a flag (spin, ``sched_yield``, short sleeps) burns the CPU the
 peer needs: on a 2-core machine with two rank processes, the driver, the HTTP front end and the client, a rank
 that polls slows the rank it waits for. A futex lets the waiter sleep in the kernel until the writer wakes it

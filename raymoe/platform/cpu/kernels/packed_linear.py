@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from raymoe.kernels import cpu_ops
+from raymoe.platform.cpu.kernels import cpu_ops
 
 NR = 16                  # output columns per packed panel (NR in csrc/gemm.c)
 MAX_ROWS_X_THREADS = 128  # rows x intra-op threads above which MKL's threaded GEMM wins (measured, see use_packed)

@@ -1,7 +1,7 @@
 """The one DeepEP buffer of a process's expert-parallel group, shared by every MoE layer, and the rules of its use.
 
 ``deep_ep.Buffer`` owns pinned NVLink/RDMA memory and NVSHMEM state, so a process holds one per EP group and
-every layer's :class:`~raymoe.comm.deepep.DeepEPDispatcher` uses it. :class:`SharedDeepEPBuffer` wraps it with
+every layer's :class:`~raymoe.platform.cuda.deepep.DeepEPDispatcher` uses it. :class:`SharedDeepEPBuffer` wraps it with
 the bookkeeping DeepEP leaves to its caller:
 
 * sizing from DeepEP's own hints (:func:`deepep_buffer_sizes`): the normal-mode NVLink/RDMA hints of the
