@@ -23,6 +23,7 @@ from raymoe.bench.ranks import spawn_ranks
 from raymoe.comm.dispatcher import TorchDispatcher
 from raymoe.config import ParallelConfig
 from raymoe.layers.moe import LocalExperts
+from raymoe.platform.selector import select_platform
 
 
 def _layer_ms(groups, n: int, experts: int, hidden: int, iters: int) -> dict[str, float]:
@@ -30,10 +31,12 @@ def _layer_ms(groups, n: int, experts: int, hidden: int, iters: int) -> dict[str
     x = torch.randn(n, hidden)
     ids = torch.stack([torch.randperm(experts)[:2] for _ in range(n)])
     w = torch.rand(n, 2)
-    carriers = {"gloo": TorchDispatcher(dataclasses.replace(groups, ep_shm=None), experts)}
-    if groups.ep_shm is not None:
-        carriers["shm"] = TorchDispatcher(groups, experts)
-    local = LocalExperts(experts, hidden, hidden // 2, groups, torch.float32)
+    ops = select_platform("cpu")
+    macs = 3 * hidden * (hidden // 2)
+    carriers = {"gloo": TorchDispatcher(dataclasses.replace(groups, ep_transport=None), experts, ops, macs)}
+    if groups.ep_transport is not None:
+        carriers["shm"] = TorchDispatcher(groups, experts, ops, macs)
+    local = LocalExperts(experts, hidden, hidden // 2, groups, torch.float32, ops)
     local.w13.data.normal_(0, 0.05)
     local.w2.data.normal_(0, 0.05)
     times: dict[str, list[float]] = {}
@@ -54,8 +57,8 @@ def _round_trip_us(groups, nbytes: int, iters: int) -> dict[str, float]:
     x = torch.zeros(nbytes // 4)
     y = torch.empty_like(x)
     calls = {"gloo": lambda: dist.all_to_all_single(y, x, group=groups.ep_group)}
-    if groups.ep_shm is not None:
-        calls["shm"] = lambda: groups.ep_shm.all_to_all_single(y, x).wait()
+    if groups.ep_transport is not None:
+        calls["shm"] = lambda: groups.ep_transport.shm.all_to_all_single(y, x).wait()
     out = {}
     for name, call in calls.items():
         ts = []

@@ -457,10 +457,9 @@ class EngineConfig:
         if self.cache.page_size is None:  # fill in the backend's default page size (a derived value, set once)
             page = 16 if self.attention_backend == "flash_attn" else 1
             object.__setattr__(self, "cache", dataclasses.replace(self.cache, page_size=page))
-        if self.attention_backend == "flash_attn":
-            from raymoe.platform.cuda.flash_attn_provider import check_flash_attn_config
+        from raymoe.platform.backends import check_attention_backend
 
-            check_flash_attn_config(self.cache.page_tokens, self.dtype)
+        check_attention_backend(self.attention_backend, self.cache.page_tokens, self.dtype)
         if self.fanout not in (None, "channel", "remote", "compiled"):
             raise InvalidRequestError("fanout", f"must be 'channel', 'remote' or 'compiled', got {self.fanout!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:

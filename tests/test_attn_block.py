@@ -1,5 +1,5 @@
-"""The fused decode attention block (``raymoe.platform.cpu.kernels.attn_block``) against the torch operators it replaces, its
-index checks, and the model's decode logits with the block on and off."""
+"""The fused decode attention block (``raymoe.platform.cpu.kernels.attn_block``) against the torch operators it
+replaces, its index checks, and the model's decode logits with the block on and off."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raymoe.models.decoder import DecoderLayer
 from raymoe.platform.cpu.kernels import attn_block, build, packed_linear
 from raymoe.platform.cpu.kernels.attn_block import AttnBlockPlan, BlockAttentionInputs
+from raymoe.platform.cpu.platform import CpuPlatform
 
 pytestmark = pytest.mark.skipif(build.load() is None, reason="no C compiler for the fused CPU kernels")
 
@@ -176,7 +176,7 @@ def test_model_decode_uses_the_block_and_keeps_its_logits(tiny_model, monkeypatc
     monkeypatch.setattr(attn_block, "ATTN_BLOCK_MAX_MACS", 8 * 50_176 - 1)  # a layer too large for 8 rows: no plan
     assert torch.allclose(_decode_logits(tiny_model, False), fused[0], atol=1e-4, rtol=1e-4)
     assert len(calls) == 72
-    monkeypatch.setattr(DecoderLayer, "plain_operations", DecoderLayer.operations)
+    monkeypatch.setattr(CpuPlatform, "fusions", lambda self: ())  # the layers' ops one by one
     for got, graphs in zip(fused, (False, True), strict=True):
         want = _decode_logits(tiny_model, graphs)
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)

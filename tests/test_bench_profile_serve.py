@@ -20,8 +20,8 @@ def test_blocked_leaves_are_waiting_not_their_caller():
     # the same callers, busy: their own categories
     assert classify(["RankWorker.step (raymoe/actors/rank_worker.py:111)",
                      "ModelRunner.forward (raymoe/runner/model_runner.py:200)"]) == "forward"
-    assert classify(["ShmAllToAll._post (raymoe/platform/cpu/shm.py:249)", "futex_wake (raymoe/platform/cpu/futex.py:60)"]) \
-        == "other"
+    assert classify(["ShmAllToAll._post (raymoe/platform/cpu/shm.py:249)",
+                     "futex_wake (raymoe/platform/cpu/futex.py:60)"]) == "other"
 
 
 def test_overlapped_fan_out_and_the_stream_relay_have_their_categories():

@@ -1,5 +1,5 @@
-"""The fused CPU kernels (``raymoe.platform.cpu.kernels``) against the torch operators they replace: norms, q/k norm + RoPE,
-KV store, paged decode attention, softmax top-k routing and routed experts; their argument checks (a bad index
+"""The fused CPU kernels (``raymoe.platform.cpu.kernels``) against the torch operators they replace: norms, q/k norm
++ RoPE, KV store, paged decode attention, softmax top-k routing and routed experts; their argument checks (a bad index
 raises before anything is written); the switch and the build fallback; and a whole model's prefill, decode and
 mixed-step logits with the kernels on and off."""
 
@@ -12,11 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raymoe.attention import torch_native
 from raymoe.config_arch import RouterConfig
-from raymoe.layers.norm import rms_norm
 from raymoe.layers.router import select_experts
+from raymoe.platform.cpu import attention as cpu_attention
 from raymoe.platform.cpu.kernels import build, cpu_ops
+from raymoe.platform.selector import select_platform
+
+CPU = select_platform("cpu")
+rms_norm = CPU.rms_norm
 
 pytestmark = pytest.mark.skipif(build.load() is None,
                                 reason="fused CPU kernels unavailable (no C compiler, or RAYMOE_CPU_KERNELS=0)")
@@ -188,9 +191,9 @@ def test_sampler_draws_the_same_tokens_with_kernels_on_and_off(kernels_off):
     info = SamplingBatchInfo.from_inputs(SamplingInputs(
         temperatures=temps, top_ps=[1.0] * bs, top_ks=[-1] * bs, min_ps=[0.0] * bs, seeds=seeds,
         output_lens=list(range(bs)), logprobs=[None] * bs), "cpu")
-    off = Sampler(seed=5)(logits, info)[0]
+    off = Sampler(CPU, seed=5)(logits, info)[0]
     build.reset(enabled=True)
-    on = Sampler(seed=5)(logits, info)[0]
+    on = Sampler(CPU, seed=5)(logits, info)[0]
     assert (on != off).sum() <= 1                              # the same draws; at most a rounding-edge draw differs
 
 
@@ -198,12 +201,12 @@ def test_sampler_draws_the_same_tokens_with_kernels_on_and_off(kernels_off):
 def test_topk_softmax_matches_select_experts(experts, k, renorm, scale, kernels_off):
     logits = torch.randn(33, experts, generator=_gen(4))
     cfg = RouterConfig(norm_topk_prob=renorm, routed_scaling_factor=scale)
-    ref_w, ref_ids = select_experts(logits, k, cfg)           # torch path (kernels off)
+    ref_w, ref_ids = select_experts(CPU, logits, k, cfg)           # torch path (kernels off)
     build.reset(enabled=True)
     w, ids = cpu_ops.topk_softmax(logits, k, renorm, scale)
     assert torch.equal(ids, ref_ids)
     assert torch.allclose(w, ref_w, atol=1e-6, rtol=1e-5)
-    got_w, got_ids = select_experts(logits, k, cfg)           # the router takes the kernel
+    got_w, got_ids = select_experts(CPU, logits, k, cfg)           # the router takes the kernel
     assert torch.equal(got_ids, ids) and torch.equal(got_w, w)
 
 
@@ -224,7 +227,7 @@ def test_routed_rows_match_batched_experts(first_expert, kernels_off):
 
     g = _gen(5)
     e_local, e_total, k, blocks, m, h = 6, 12, 3, 2, 7, 24
-    ex = LocalExperts(e_local, h, 10, ParallelGroups.single(), torch.float32)
+    ex = LocalExperts(e_local, h, 10, ParallelGroups.single(), torch.float32, CPU)
     ex.w13.data.copy_(torch.randn(ex.w13.shape, generator=g) * 0.3)
     ex.w2.data.copy_(torch.randn(ex.w2.shape, generator=g) * 0.3)
     # messages: [blocks, rows + 2 spare rows, h] with the routing in their own strided buffers
@@ -340,7 +343,7 @@ def _decode_logits(model_path: str, graphs: bool) -> torch.Tensor:
 def test_model_decode_logits_equal_with_kernels_on_and_off(tiny_model, graphs, max_pairs, kernels_off,
                                                            monkeypatch):
     if max_pairs is not None:  # the MIXED step's 3-token chunk (36 pairs) takes SDPA, its decode row (11) the kernel
-        monkeypatch.setattr(torch_native, "EXTEND_KERNEL_MAX_PAIRS", max_pairs)
+        monkeypatch.setattr(cpu_attention, "EXTEND_KERNEL_MAX_PAIRS", max_pairs)
     off = _decode_logits(tiny_model, graphs)
     build.reset(enabled=True)
     on = _decode_logits(tiny_model, graphs)

@@ -1,7 +1,7 @@
-"""The DeepEP dispatcher (``raymoe.platform.cuda.deepep``) through a CPU conformance double of ``deep_ep`` (``deep_ep_double``):
-the same results as the torch dispatcher on gloo ranks (ep=2 and ep=4 with an idle rank, normal and low-latency
-modes, two TBO-like handles in flight, single-batch-overlap parts), the same greedy tokens through ModelRunners
-at ep=2, and loud failures on misuse (of the adapter and of the double)."""
+"""The DeepEP dispatcher (``raymoe.platform.cuda.deepep``) through a CPU conformance double of ``deep_ep``
+(``deep_ep_double``): the same results as the torch dispatcher on gloo ranks (ep=2 and ep=4 with an idle rank,
+normal and low-latency modes, two TBO-like handles in flight, single-batch-overlap parts), the same greedy tokens
+through ModelRunners at ep=2, and loud failures on misuse (of the adapter and of the double)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from raymoe.config import ParallelConfig  # noqa: E402
+from raymoe.platform.selector import reference_platform, select_platform  # noqa: E402
 
 E, K, H, INTER = 8, 2, 16, 16  # INTER * 2 bytes % 16 == 0: bf16 grouped GEMM strides
 NUM_MAX = 8
@@ -24,7 +25,7 @@ def _experts(groups, dtype):
 
     g = torch.Generator().manual_seed(0)
     w13, w2 = torch.randn(E, 2 * INTER, H, generator=g) * 0.2, torch.randn(E, H, INTER, generator=g) * 0.2
-    local = LocalExperts(E, H, INTER, groups, dtype)
+    local = LocalExperts(E, H, INTER, groups, dtype, select_platform("cpu"))
     s = local.expert_start
     local.w13.data.copy_(w13[s:s + local.num_local])
     local.w2.data.copy_(w2[s:s + local.num_local])
@@ -62,7 +63,7 @@ def _compare(groups, sizes: list[int], dtype_name: str, limits_name: str) -> dic
     """Per mode, the max |deepep - torch| of both children's outputs on this rank (plus shapes seen)."""
     import deep_ep_double
 
-    from raymoe.comm.dispatcher import TorchDispatcher, get_all_to_all_backend
+    from raymoe.comm.dispatcher import A2ABackendSpec, TorchDispatcher
 
     dtype = getattr(torch, dtype_name)
     deep_ep_double.install(getattr(deep_ep_double, limits_name))
@@ -70,9 +71,9 @@ def _compare(groups, sizes: list[int], dtype_name: str, limits_name: str) -> dic
     x, ids, w = _inputs(groups.ep_rank, sizes[groups.ep_rank], dtype)
     cut = x.shape[0] // 2
     children = [(x[:cut], ids[:cut], w[:cut]), (x[cut:], ids[cut:], w[cut:])]
-    ref_a2a = TorchDispatcher(groups, E)
-    deep = get_all_to_all_backend("deepep", groups, E, hidden_size=H, dtype=dtype,
-                                  num_max_dispatch_tokens_per_rank=NUM_MAX)
+    ref_a2a = TorchDispatcher(groups, E, reference_platform())
+    deep = select_platform("cpu").create_dispatcher(A2ABackendSpec("deepep", "auto", NUM_MAX), groups, E, H, dtype,
+                                                    INTER)
     out = {"in_flight_max": 0}
     for mode, capacity, parts in (("normal", None, 1), ("sbo_parts", None, 2), ("low_latency", max(sizes), 1),
                                   ("normal_again", None, 1), ("low_latency_again", max(sizes), 1)):
@@ -148,7 +149,7 @@ def _misuse(groups) -> dict:
     hook()
     found["hook_twice"] = _raises(hook, DoubleMisuse, "twice")
     d2[4]()
-    y = experts.forward_masked(recv_x)
+    y = experts.ops.expert_masked(recv_x, experts)
     found["combine_other_topk"] = _raises(lambda: buf.low_latency_combine(y, ids.flip(1).contiguous(), w, handle),
                                           DoubleMisuse, "not the one of this dispatch")
     found["ll_rows_beyond_count_are_nan"] = bool(torch.isnan(recv_x[0, int(count[0]):]).all())
@@ -192,15 +193,18 @@ def test_deepep_adapter_equals_torch_dispatcher_ep4_with_idle_rank():
 
 
 def test_deepep_backend_needs_deep_ep_and_an_ep_group(monkeypatch):
-    from raymoe.comm.dispatcher import get_all_to_all_backend
+    from raymoe.comm.dispatcher import A2ABackendSpec
     from raymoe.comm.groups import ParallelGroups
 
     monkeypatch.setitem(sys.modules, "deep_ep", None)  # "not installed"
     fake = ParallelGroups(world_size=2, dp_size=2, ep_size=2, ep_group=object())
+    platform = select_platform("cpu")
     with pytest.raises(ImportError, match="deep_ep"):
-        get_all_to_all_backend("deepep", fake, E, hidden_size=H)
+        platform.create_dispatcher(A2ABackendSpec("deepep"), fake, E, H, torch.bfloat16, INTER)
     with pytest.raises(ValueError, match="ep_size"):
-        get_all_to_all_backend("deepep", ParallelGroups.single(), E, hidden_size=H)
+        platform.create_dispatcher(A2ABackendSpec("deepep"), ParallelGroups.single(), E, H, torch.bfloat16, INTER)
+    with pytest.raises(ValueError, match="unknown all-to-all backend"):
+        platform.create_dispatcher(A2ABackendSpec("nccl_ep"), fake, E, H, torch.bfloat16, INTER)
 
 
 def _greedy_runs(groups, path: str) -> dict:

@@ -36,7 +36,7 @@ def _decode(capacity: int) -> ModelWorkerBatch:
 
 
 def test_forward_runs_on_the_meta_device(arch_path, monkeypatch):
-    monkeypatch.setattr(model_runner, "Sampler", lambda seed, device: None)  # generators cannot live on meta
+    monkeypatch.setattr(model_runner, "Sampler", lambda ops, seed, device: None)  # generators cannot live on meta
     cfg = RunnerConfig(model_path=arch_path, dtype="float32", num_kv_slots=64, max_req_rows=4, max_context_len=32,
                        device="meta", disable_cuda_graph=True)
     runner = ModelRunner(cfg)
@@ -57,7 +57,7 @@ def test_a_tensor_pinned_to_cpu_is_caught(arch_path, monkeypatch):
         original(self, config, dtype, device="cpu", interleaved=interleaved)
 
     monkeypatch.setattr(rotary.RotaryEmbedding, "__init__", pinned)
-    monkeypatch.setattr(model_runner, "Sampler", lambda seed, device: None)
+    monkeypatch.setattr(model_runner, "Sampler", lambda ops, seed, device: None)
     runner = ModelRunner(RunnerConfig(model_path=arch_path, dtype="float32", num_kv_slots=64, max_req_rows=4,
                                       max_context_len=32, device="meta", disable_cuda_graph=True))
     with pytest.raises((RuntimeError, NotImplementedError)):

@@ -10,7 +10,10 @@ import torch
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ParallelConfig
 from raymoe.layers.embedding import ParallelLMHead
+from raymoe.platform.selector import select_platform
 from tests.dist_harness import run_ranks
+
+CPU = select_platform("cpu")
 
 VOCAB, HIDDEN = 1001, 24  # a vocabulary that does not divide by the rank count: padded shard rows
 
@@ -31,11 +34,11 @@ class _Reader:
 
 
 def _rank(groups: ParallelGroups, rows: list[int], bound: int | None) -> list:
-    head = ParallelLMHead(VOCAB, HIDDEN, groups, torch.float32)
+    head = ParallelLMHead(VOCAB, HIDDEN, groups, torch.float32, CPU)
     assert head.split_over_dp and head.weight.shape[0] == -(-VOCAB // groups.ep_size)
     w = _weights()
     head.load(_Reader(w), "lm_head.weight")
-    out = [head.weight.t().is_contiguous()]  # CPU float32: column-major storage (ParallelLMHead.load)
+    out = [head.weight.t().is_contiguous()]  # CPU float32: column-major storage (the CPU platform's preparation)
     for step, n in enumerate(rows[groups.ep_rank::groups.ep_size]):
         hidden = torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(100 * step + groups.ep_rank))
         logits = head(hidden, bound)
@@ -54,7 +57,7 @@ def test_dp_split_lm_head_equals_the_replicated_head(ep, cpu_comm, bound):
 
 
 def test_tensor_parallel_and_single_rank_heads_are_not_split():
-    head = ParallelLMHead(VOCAB, HIDDEN, ParallelGroups.single(), torch.float32)
+    head = ParallelLMHead(VOCAB, HIDDEN, ParallelGroups.single(), torch.float32, CPU)
     assert not head.split_over_dp and head.weight.shape[0] == VOCAB
     w = _weights()
     head.load(_Reader(w), "lm_head.weight")
@@ -64,6 +67,6 @@ def test_tensor_parallel_and_single_rank_heads_are_not_split():
 
 
 def test_lm_head_keeps_row_major_storage_outside_cpu_float32():
-    head = ParallelLMHead(VOCAB, HIDDEN, ParallelGroups.single(), torch.bfloat16)
+    head = ParallelLMHead(VOCAB, HIDDEN, ParallelGroups.single(), torch.bfloat16, CPU)
     head.load(_Reader(_weights()), "lm_head.weight")
     assert head.weight.is_contiguous()

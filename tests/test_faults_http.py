@@ -21,7 +21,7 @@ import pytest
 from idle import assert_idle
 from server_harness import uvicorn_server
 
-from raymoe.actors.process_tuning import DEFAULT_RANK_NICE
+from raymoe.platform.cpu.process import DEFAULT_RANK_NICE
 
 NO_EOS = {"ignore_eos": True}
 

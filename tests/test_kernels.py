@@ -8,18 +8,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raymoe.attention.torch_native import TorchNativeAttnBackend
 from raymoe.comm.groups import ParallelGroups
 from raymoe.kvcache.pools import ReqToTokenPool, TokenToKVPool
 from raymoe.layers.moe import LocalExperts
+from raymoe.platform.cpu.attention import CpuPagedAttnBackend
 from raymoe.platform.cpu.kernels import build
-from raymoe.runner.sampler import greedy_argmax
+from raymoe.platform.selector import reference_platform, select_platform
 from raymoe.step.forward_mode import ForwardMode
+
+CPU = select_platform("cpu")
+REF = reference_platform()
+greedy_argmax = CPU.greedy_argmax
 
 
 def _experts(dtype: torch.dtype, num_experts: int = 8, hidden: int = 32, inter: int = 16) -> LocalExperts:
     g = torch.Generator().manual_seed(0)
-    ex = LocalExperts(num_experts, hidden, inter, ParallelGroups.single(), dtype)
+    ex = LocalExperts(num_experts, hidden, inter, ParallelGroups.single(), dtype, REF)
     ex.w13.data.copy_(torch.randn(ex.w13.shape, generator=g) * 0.1)
     ex.w2.data.copy_(torch.randn(ex.w2.shape, generator=g) * 0.1)
     return ex
@@ -35,8 +39,8 @@ def test_grouped_experts_equal_the_loop(dtype, rows, used):
     x = torch.randn(rows, 32, generator=g).to(dtype)
     allowed = torch.randperm(8, generator=g)[:used]
     ids = allowed[torch.randint(0, used, (rows,), generator=g)]
-    assert torch.equal(ex.forward_grouped(x, ids), ex.forward_loop(x, ids))
-    assert torch.equal(ex(x, ids), ex.forward_loop(x, ids))
+    assert torch.equal(REF.expert_rows(x, ids, ex), REF._expert_loop(x, ids, ex))
+    assert torch.equal(ex(x, ids), REF._expert_loop(x, ids, ex))
 
 
 def test_experts_zero_rows_and_float64_fallback():
@@ -88,7 +92,7 @@ class _Decode:
 def test_decode_attention_reuses_gather_buffers_without_stale_rows(fused):
     """Batches of different sizes and widths through one backend (its buffers grow and are reused across
     layers and steps) equal SDPA over keys gathered afresh; with the fused CPU kernels off (the gather path) and
-    on (``raymoe.platform.cpu.kernels.cpu_ops.decode_attention``, no gather)."""
+    on (``raymoe.platform.cpu.kernels.cpu_ops.decode_attention``, no gather), through the CPU platform's backend."""
     if fused and build.load() is None:
         pytest.skip("fused CPU kernels unavailable (no C compiler, or RAYMOE_CPU_KERNELS=0)")
     build.reset(enabled=fused)
@@ -102,7 +106,7 @@ def _check_decode_attention():
     hq, hkv, d, ctx, layers = 4, 2, 8, 40, 2
     req_pool = ReqToTokenPool(16, ctx)
     kv = TokenToKVPool(16 * ctx, layers, hkv, d, torch.float32, "cpu")
-    backend = TorchNativeAttnBackend(req_pool, kv, hq, hkv, d)
+    backend = CpuPagedAttnBackend(req_pool, kv, hq, hkv, d)
     g = torch.Generator().manual_seed(0)
     for layer in range(layers):
         k_buf, v_buf = kv.get_kv_buffer(layer)

@@ -12,21 +12,36 @@ import torch
 from raymoe import Engine, SamplingParams
 from raymoe.comm.a2a_plan import child_dispatch_capacity, plan_dispatch_capacity
 from raymoe.comm.dispatcher import TorchDispatcher
-from raymoe.comm.expert_input import (
-    DenseExpertRows,
-    GroupedExpertRows,
-    RoutedTokenRows,
-    effective_a2a_mode,
-    resolve_a2a_mode,
-)
+from raymoe.comm.expert_input import DenseExpertRows, GroupedExpertRows, RoutedTokenRows, resolve_a2a_mode
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ParallelConfig
 from raymoe.layers.moe import LocalExperts
+from raymoe.platform.reference.platform import TorchPlatform
+from raymoe.platform.selector import reference_platform, select_platform
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.sampling_inputs import SamplingInputs
 from raymoe.step.worker_batch import ModelWorkerBatch
 
 E, K, H, INTER = 8, 2, 16, 12
+REF, CPU = reference_platform(), select_platform("cpu")
+
+
+class TokenRowsUpTo(TorchPlatform):
+    """The reference platform with the token-row layout for steps of at most ``max_rows`` gathered token rows."""
+
+    def __init__(self, max_rows: int):
+        super().__init__()
+        self.max_rows = max_rows
+
+    def use_token_rows(self, ep_size, capacity, top_k, num_experts, expert_row_macs, hidden) -> bool:
+        return ep_size * capacity <= self.max_rows
+
+
+def _dispatcher(groups: ParallelGroups, token_rows_up_to: int = -1, expert_row_macs: int = 0,
+                ops=None) -> TorchDispatcher:
+    """A torch dispatcher whose layout picks token rows for steps of at most ``token_rows_up_to`` gathered rows
+    (-1: never), or ``ops``'s choice."""
+    return TorchDispatcher(groups, E, ops or TokenRowsUpTo(token_rows_up_to), expert_row_macs=expert_row_macs)
 
 
 def _experts(groups: ParallelGroups) -> tuple[LocalExperts, torch.Tensor, torch.Tensor]:
@@ -34,7 +49,7 @@ def _experts(groups: ParallelGroups) -> tuple[LocalExperts, torch.Tensor, torch.
     g = torch.Generator().manual_seed(0)
     w13 = torch.randn(E, 2 * INTER, H, generator=g) * 0.2
     w2 = torch.randn(E, H, INTER, generator=g) * 0.2
-    local = LocalExperts(E, H, INTER, groups, torch.float32)
+    local = LocalExperts(E, H, INTER, groups, torch.float32, CPU)
     start = local.expert_start
     local.w13.data.copy_(w13[start:start + local.num_local])
     local.w2.data.copy_(w2[start:start + local.num_local])
@@ -57,8 +72,8 @@ def _moe_both_modes(groups: ParallelGroups, sizes: list[int], skewed: bool = Fal
     if skewed:
         ids = torch.tensor([[1, 0]] * n, dtype=torch.int64).view(n, K)
     experts, w13, w2 = _experts(groups)
-    a2a = TorchDispatcher(groups, E)  # dense_row_experts 0: the grouped layout at any size
-    dense = TorchDispatcher(groups, E, dense_row_experts=groups.ep_size * max(sizes) * experts.num_local)
+    a2a = _dispatcher(groups)  # the grouped layout at any size
+    dense = _dispatcher(groups, token_rows_up_to=groups.ep_size * max(sizes))
     out = {}
     for mode, capacity, disp in (("normal", None, a2a), ("low_latency", max(sizes), a2a),
                                  ("dense", max(sizes), dense)):
@@ -158,43 +173,43 @@ def test_dense_experts_weight_every_row_and_ignore_padding(dtype):
 
 
 @pytest.mark.parametrize("kernels", [False, True])
-def test_dense_layout_only_for_small_cpu_steps(kernels):
-    """The layer sizes the dense bound by the multiply-accumulates of its experts; above it, and for float16
-    (whose range a zero-weighted expert output could overflow), the grouped layout answers. Where the fused
-    kernel takes float32 experts, the token-row layout also answers up to ``ROUTED_KERNEL_ROWS_PER_EXPERT``
-    routed pairs per local expert; a layer whose bound is 0 never takes it."""
-    from raymoe.comm.low_latency import DENSE_EXPERT_MAC_BUDGET, ROUTED_KERNEL_ROWS_PER_EXPERT, dense_row_experts
+def test_cpu_cost_model_picks_token_rows_only_for_small_cpu_steps(kernels):
+    """The CPU platform's layout (``raymoe.platform.cpu.expert_layout``) sizes the dense bound by the
+    multiply-accumulates of the experts; above it, and for float16 (whose range a zero-weighted expert output could
+    overflow), the grouped layout answers. Where the fused kernel takes float32 experts, token rows also answer up
+    to ``ROUTED_KERNEL_ROWS_PER_EXPERT`` routed pairs per local expert; experts of unknown size never take them."""
+    from raymoe.platform.cpu.expert_layout import (
+        DENSE_EXPERT_MAC_BUDGET,
+        ROUTED_KERNEL_ROWS_PER_EXPERT,
+        dense_row_experts,
+        use_token_rows,
+    )
     from raymoe.platform.cpu.kernels import build
 
     if kernels and build.load() is None:
         pytest.skip("fused CPU kernels unavailable (no C compiler, or RAYMOE_CPU_KERNELS=0)")
-    assert dense_row_experts(128, 64) == DENSE_EXPERT_MAC_BUDGET // (3 * 128 * 64)
-    assert dense_row_experts(2048, 768) == 0  # a real model's experts never take the dense layout
-    a2a = TorchDispatcher(ParallelGroups.single(), E, dense_row_experts=E * 6)
-    never = TorchDispatcher(ParallelGroups.single(), E, dense_row_experts=0)
+    assert dense_row_experts(3 * 128 * 64) == DENSE_EXPERT_MAC_BUDGET // (3 * 128 * 64)
+    assert dense_row_experts(3 * 2048 * 768) == 0  # a real model's experts never take the dense layout
+    macs = DENSE_EXPERT_MAC_BUDGET // (E * 6)       # the dense bound admits 6 tokens of E local experts
     kernel_max = ROUTED_KERNEL_ROWS_PER_EXPERT * E // K      # most tokens per rank the kernel rule admits
+    kernel_macs = 20_000                                      # above the dense bound at kernel_max, within the kernel's
     build.reset(enabled=kernels)
     try:
-        kinds = []
-        for disp, capacity, dtype in ((a2a, 6, torch.float32), (a2a, 7, torch.float32),
-                                      (a2a, kernel_max, torch.float32), (a2a, kernel_max + 1, torch.float32),
-                                      (a2a, 6, torch.float16), (a2a, 6, torch.bfloat16), (a2a, 7, torch.bfloat16),
-                                      (never, 1, torch.float32)):
-            x, ids, w = _inputs(0, capacity)
-            h = disp.dispatch_a(x.to(dtype), ids, w.to(dtype), capacity)
-            kinds.append(type(disp.dispatch_b(h)).__name__)
+        kinds = [use_token_rows(1, capacity, K, E, m, torch.zeros(1, dtype=dtype))
+                 for capacity, dtype, m in ((6, torch.float32, macs), (7, torch.float32, macs),
+                                            (kernel_max, torch.float32, kernel_macs),
+                                            (kernel_max + 1, torch.float32, kernel_macs),
+                                            (6, torch.float16, macs), (6, torch.bfloat16, macs),
+                                            (7, torch.bfloat16, macs), (1, torch.float32, 0))]
     finally:
         build.reset()
-    small = "RoutedTokenRows" if kernels else "GroupedExpertRows"
-    assert kinds == ["RoutedTokenRows", small, small, "GroupedExpertRows", "GroupedExpertRows", "RoutedTokenRows",
-                     "GroupedExpertRows", "GroupedExpertRows"]
+    assert kinds == [True, kernels, kernels, False, False, True, False, False]
 
 
 def test_token_row_layout_bounded_by_the_experts_arithmetic():
-    """Where the dispatcher knows its experts' MACs per row, the fused kernel's token-row layout stops at
-    ``ROUTED_KERNEL_MAX_MACS`` of routed pairs: large experts go to the grouped layout (the packed GEMM) even
-    within the pair bound."""
-    from raymoe.comm.low_latency import ROUTED_KERNEL_MAX_MACS
+    """The fused kernel's token-row layout stops at ``ROUTED_KERNEL_MAX_MACS`` of routed pairs: large experts go to
+    the grouped layout (the packed GEMM) even within the pair bound; through a CPU platform dispatcher."""
+    from raymoe.platform.cpu.expert_layout import ROUTED_KERNEL_MAX_MACS
     from raymoe.platform.cpu.kernels import build
 
     if build.load() is None:
@@ -202,8 +217,8 @@ def test_token_row_layout_bounded_by_the_experts_arithmetic():
     capacity = 8                                              # 16 routed pairs at ep 1, top-2
     fits = ROUTED_KERNEL_MAX_MACS // (capacity * K)
     kinds = []
-    for macs in (0, fits, fits + 1):
-        disp = TorchDispatcher(ParallelGroups.single(), E, dense_row_experts=1, expert_row_macs=macs)
+    for macs in (fits // 64, fits, fits + 1):
+        disp = _dispatcher(ParallelGroups.single(), expert_row_macs=macs, ops=CPU)
         x, ids, w = _inputs(0, capacity)
         kinds.append(type(disp.dispatch_b(disp.dispatch_a(x, ids, w, capacity))).__name__)
     assert kinds == ["RoutedTokenRows", "RoutedTokenRows", "GroupedExpertRows"]
@@ -214,8 +229,8 @@ def test_dense_at_ep1_sends_nothing_and_equals_the_sorted_path(capacity):
     """With one EP rank a small CPU step keeps its tokens whole (no pair sort, no message) in either mode, and
     gives the sorted path's result."""
     experts, _, _ = _experts(ParallelGroups.single())
-    sorted_path = TorchDispatcher(ParallelGroups.single(), E)
-    dense = TorchDispatcher(ParallelGroups.single(), E, dense_row_experts=E * 6)
+    sorted_path = _dispatcher(ParallelGroups.single())
+    dense = _dispatcher(ParallelGroups.single(), token_rows_up_to=6)
     x, ids, w = _inputs(0, 6)
     outs = []
     for disp in (sorted_path, dense):
@@ -232,7 +247,7 @@ def test_dense_at_ep1_sends_nothing_and_equals_the_sorted_path(capacity):
 def test_low_latency_at_ep1_and_capacity_checks():
     groups = ParallelGroups.single()
     experts, _, _ = _experts(groups)
-    a2a = TorchDispatcher(groups, E)
+    a2a = _dispatcher(groups)
     x, ids, w = _inputs(0, 6)
     results = []
     for capacity in (None, 6, 9):
@@ -253,7 +268,7 @@ def test_low_latency_at_ep1_and_capacity_checks():
 def test_low_latency_message_layout_any_row_size(dtype, hidden):
     """Rows whose byte size is no multiple of 8 (the routing after them must stay int64-aligned): with identity
     experts the combine returns each token's weighted sum of itself, as the normal mode does."""
-    a2a = TorchDispatcher(ParallelGroups.single(), E)
+    a2a = _dispatcher(ParallelGroups.single())
     g = torch.Generator().manual_seed(3)
     x = torch.randn(5, hidden, generator=g).to(dtype)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(5)])
@@ -270,17 +285,18 @@ def test_low_latency_message_layout_any_row_size(dtype, hidden):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_host_and_device_message_packing_write_the_same_bytes(dtype):
-    """CPU messages are written by ``memmove``; the tensor-copy packer (CUDA) must lay out the same bytes."""
+    """The CPU platform writes messages by ``memmove``; the reference's tensor copies (CUDA's, on the device's
+    stream) must lay out the same bytes."""
     from raymoe.comm.low_latency import TorchLowLatencyAllToAll
 
-    a2a = TorchLowLatencyAllToAll(ParallelGroups.single(), E)
+    host, device = (TorchLowLatencyAllToAll(ParallelGroups.single(), E, ops) for ops in (CPU, REF))
     for n, m, hidden in ((5, 7, 5), (7, 7, 16), (0, 3, 3)):
         x, ids, w = _inputs(0, n)
         x = torch.randn(n, hidden).to(dtype)
-        geo = a2a.geometry(m, K, hidden, dtype, torch.device("cpu"))
+        geo = host.geometry(m, K, hidden, dtype, torch.device("cpu"))
         messages = [torch.zeros(geo.nbytes, dtype=torch.uint8) for _ in range(2)]
-        a2a._pack_host(messages[0], geo, m, x, ids, w.to(dtype))
-        a2a._pack_device(messages[1], geo, m, x, ids, w.to(dtype))
+        host._pack(messages[0], geo, m, x, ids, w.to(dtype))
+        device._pack(messages[1], geo, m, x, ids, w.to(dtype))
         assert torch.equal(messages[0], messages[1])
         assert messages[0][geo.ids_offset:geo.weights_offset].view(torch.int64)[n * K:].eq(E).all()
 
@@ -311,9 +327,9 @@ def test_driver_plans_one_mode_and_capacity_for_every_rank():
     assert child_dispatch_capacity(9, ForwardMode.EXTEND) == 9
     assert resolve_a2a_mode("auto", True) == "low_latency" and resolve_a2a_mode("auto", False) == "normal"
     # nothing to dispatch on one CPU rank: auto keeps the (sync-free) grouped path; CUDA needs fixed shapes
-    assert effective_a2a_mode("auto", 1, "cpu") == "normal" and effective_a2a_mode("auto", 2, "cpu") == "auto"
-    assert effective_a2a_mode("auto", 1, "cuda") == "auto" and effective_a2a_mode("low_latency", 1, "cpu") == \
-        "low_latency"
+    cuda = select_platform("cuda")
+    assert CPU.effective_a2a_mode("auto", 1) == "normal" and CPU.effective_a2a_mode("auto", 2) == "auto"
+    assert cuda.effective_a2a_mode("auto", 1) == "auto" and CPU.effective_a2a_mode("low_latency", 1) == "low_latency"
     with pytest.raises(ValueError):
         resolve_a2a_mode("fast", True)
     with pytest.raises(ValueError, match="dispatch_capacity"):

@@ -23,6 +23,7 @@ from raymoe.overlap.operations import (
     stage_op,
 )
 from raymoe.overlap.strategy import OperationsStrategy, resolve_decode_schedule
+from raymoe.platform.selector import select_platform
 from raymoe.step.forward_mode import ForwardMode
 
 MOE_OPS = ["op_gate", "op_select_experts", "op_dispatch_a", "op_dispatch_b", "op_experts", "op_combine_a",
@@ -106,10 +107,11 @@ def test_coarse_decode_schedule_is_the_prefill_schedule_and_auto_follows_the_dev
     for mode in (ForwardMode.DECODE, ForwardMode.IDLE):
         assert _stage_names(layer, mode, "coarse") == prefill
         assert _stage_names(layer, mode, "fine") != prefill
-    assert resolve_decode_schedule("auto", "cpu") == "coarse" and resolve_decode_schedule("auto", "cuda") == "fine"
-    assert resolve_decode_schedule("fine", "cpu") == "fine"
+    cpu, cuda = (p.default_tbo_decode_schedule for p in (select_platform("cpu"), select_platform("cuda")))
+    assert resolve_decode_schedule("auto", cpu) == "coarse" and resolve_decode_schedule("auto", cuda) == "fine"
+    assert resolve_decode_schedule("fine", cpu) == "fine"
     with pytest.raises(ValueError, match="schedule"):
-        resolve_decode_schedule("wide", "cpu")
+        resolve_decode_schedule("wide", cpu)
     with pytest.raises(ValueError, match="schedule"):
         OperationsStrategy.tbo([layer], ForwardMode.DECODE, "auto")
     with pytest.raises(InvalidRequestError, match="tbo_decode_schedule"):

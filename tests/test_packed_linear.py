@@ -1,4 +1,5 @@
-"""The packed small-M GEMM (``csrc/gemm.c`` through ``raymoe.platform.cpu.kernels.packed_linear``) and the layers that use it."""
+"""The packed small-M GEMM (``csrc/gemm.c`` through ``raymoe.platform.cpu.kernels.packed_linear``) and the layers
+that use it."""
 
 from __future__ import annotations
 
@@ -86,10 +87,12 @@ def test_use_packed_bounds_rows_by_threads():
         torch.set_num_threads(threads)
 
 
-def test_layers_pack_at_load_and_follow_dtype_changes():
-    """A loaded linear layer computes through its packed copy, gives F.linear's result, and a dtype change packs
-    again (float32) or drops the copy (bfloat16)."""
+def test_layers_are_prepared_at_load_by_their_platform():
+    """A linear layer loaded on the CPU platform keeps a packed copy and computes F.linear's result through it; on
+    the reference platform it keeps nothing; after a move to bfloat16 the packed copy is not taken (the input's
+    dtype rules it out) and the result follows the moved weight."""
     from raymoe.layers.linear import ColumnParallelLinear
+    from raymoe.platform.selector import reference_platform, select_platform
 
     class Reader:
         def __init__(self, t):
@@ -102,35 +105,37 @@ def test_layers_pack_at_load_and_follow_dtype_changes():
             return self.t.narrow(dim, start, end - start).to(dtype)
 
     w = torch.randn(40, 24)
-    layer = ColumnParallelLinear(24, [40], ParallelGroups.single(), torch.float32)
-    assert layer.packed is None
-    layer.load(Reader(w), ["w"])
-    assert layer.packed is not None
     x = torch.randn(5, 24)
+    layer = ColumnParallelLinear(24, [40], ParallelGroups.single(), torch.float32, select_platform("cpu"))
+    assert layer.prepared is None
+    layer.load(Reader(w), ["w"])
+    assert isinstance(layer.prepared, packed_linear.PackedWeight)
     torch.testing.assert_close(layer(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
     layer.to(torch.bfloat16)
-    assert layer.packed is None
-    layer.to(torch.float32)  # nothing was packed any more: the torch path until the next load
-    assert layer.packed is None
-    layer.load(Reader(w), ["w"])
-    layer.to(torch.float32)
-    assert layer.packed is not None
+    torch.testing.assert_close(layer(x.bfloat16()), F.linear(x.bfloat16(), w.bfloat16()))
+    ref = ColumnParallelLinear(24, [40], ParallelGroups.single(), torch.float32, reference_platform())
+    ref.load(Reader(w), ["w"])
+    assert ref.prepared is None
+    torch.testing.assert_close(ref(x), F.linear(x, w))
 
 
 def test_experts_grouped_layout_through_packed_weights_equals_grouped_mm():
-    """``LocalExperts`` with its stacks packed gives ``torch._grouped_mm``'s rows (sorted and segment forms)."""
+    """``LocalExperts`` on the CPU platform (stacks packed at load) gives the reference platform's
+    ``torch._grouped_mm`` rows (sorted and segment forms)."""
     from raymoe.layers.moe import LocalExperts
+    from raymoe.platform.cpu.kernels.packed_linear import pack
+    from raymoe.platform.selector import reference_platform, select_platform
 
-    experts = LocalExperts(4, 32, 24, ParallelGroups.single(), torch.float32)
+    ref, cpu = reference_platform(), select_platform("cpu")
+    experts = LocalExperts(4, 32, 24, ParallelGroups.single(), torch.float32, cpu)
     g = torch.Generator().manual_seed(5)
     experts.w13.data.copy_(torch.randn(4, 48, 32, generator=g) / 6)
     experts.w2.data.copy_(torch.randn(4, 32, 24, generator=g) / 5)
     x = torch.randn(13, 32, generator=g)
     ids = torch.tensor([3, 0, 0, 2, 3, 3, 0, 2, 2, 0, 3, 3, 0])
     ends = torch.tensor([5, 5, 8, 13], dtype=torch.int32)
-    want = experts(x, ids), experts.forward_segments(x, ends, 5)
-    experts.repack()
-    assert experts.packed13 is not None and experts.packed2 is not None
-    got = experts(x, ids), experts.forward_segments(x, ends, 5)
+    want = ref.expert_rows(x, ids, experts), ref.expert_segments(x, ends, 5, experts)
+    experts.prepared13, experts.prepared2 = pack(experts.w13), pack(experts.w2)
+    got = cpu.expert_rows(x, ids, experts), cpu.expert_segments(x, ends, 5, experts)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

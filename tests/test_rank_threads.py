@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from raymoe.actors.process_tuning import rank_cpu_threads
 from raymoe.config import EngineConfig
 from raymoe.errors import InvalidRequestError
+from raymoe.platform.interface import rank_cpu_threads
 
 
 def test_derived_threads_leave_one_core(monkeypatch):
@@ -31,7 +31,7 @@ def test_step_thread_priority_is_per_thread_and_failures_are_logged(monkeypatch,
     process without the privilege keeps its priority with a warning instead of failing the rank."""
     import threading
 
-    from raymoe.actors import process_tuning
+    from raymoe.platform.cpu import process as process_tuning
 
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     seen = {}

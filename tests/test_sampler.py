@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from raymoe.platform.selector import select_platform
 from raymoe.runner.forward_batch import SamplingBatchInfo
 from raymoe.runner.sampler import Sampler
 from raymoe.step.sampling_inputs import SamplingInputs
+
+CPU = select_platform("cpu")
 
 
 def _info(bs: int, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seeds=None, output_lens=None):
@@ -17,7 +20,7 @@ def _info(bs: int, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seeds=None, 
 
 
 def _frequencies(logits: torch.Tensor, info, draws: int = 4000) -> torch.Tensor:
-    sampler = Sampler(seed=1)
+    sampler = Sampler(CPU, seed=1)
     rows = logits.expand(draws, -1).contiguous()
     ids, _ = sampler(rows, info)
     return torch.bincount(ids, minlength=logits.shape[-1]).float() / draws
@@ -44,6 +47,6 @@ def test_filters_restrict_the_candidates():
 def test_seeded_row_is_batch_invariant():
     torch.manual_seed(0)
     logits = torch.randn(5, 64)
-    alone = Sampler(seed=0)(logits[2:3], _info(1, seeds=[7], output_lens=[3]))[0]
-    batch = Sampler(seed=123)(logits, _info(5, seeds=[None, None, 7, None, None], output_lens=[0, 0, 3, 0, 0]))[0]
+    alone = Sampler(CPU, seed=0)(logits[2:3], _info(1, seeds=[7], output_lens=[3]))[0]
+    batch = Sampler(CPU, seed=123)(logits, _info(5, seeds=[None, None, 7, None, None], output_lens=[0, 0, 3, 0, 0]))[0]
     assert batch[2].item() == alone[0].item()

@@ -1,4 +1,4 @@
-"""Shared-memory EP all-to-all (``raymoe.platform.cpu.shm``, ``raymoe.comm.ep_transport``): byte-identical to gloo for
+"""Shared-memory EP all-to-all (``raymoe.platform.cpu.shm``, the CPU platform's transport): byte-identical to gloo for
 equal and variable splits, several calls in flight, both MoE dispatch modes; the gloo fallback for messages over a
 slot; clear errors for misuse, a silent peer and a bad ``cpu_comm``."""
 
@@ -12,20 +12,21 @@ import torch
 import torch.distributed as dist
 
 from raymoe.comm.dispatcher import TorchDispatcher
-from raymoe.comm.ep_transport import EpTransport
 from raymoe.comm.expert_input import GroupedExpertRows
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import MoeCommConfig, ParallelConfig
 from raymoe.errors import InvalidRequestError
 from raymoe.platform.cpu.kernels import build
-from raymoe.platform.cpu.shm import (
+from raymoe.platform.cpu.shm import ShmAllToAll
+from raymoe.platform.cpu.shm_layout import (
     NATIVE_SPIN_NS,
     OVERSUBSCRIBED_SPIN_NS,
-    ShmAllToAll,
     ShmLayout,
     default_spin_ns,
     shm_supported,
 )
+from raymoe.platform.cpu.transport import ShmEpTransport
+from raymoe.platform.reference.platform import TorchPlatform
 
 pytestmark = pytest.mark.skipif(not shm_supported(), reason="needs x86-64 and a writable /dev/shm")
 
@@ -38,7 +39,7 @@ def _split_matrix(p: int, seed: int) -> list[list[int]]:
 def _exchanges(groups: ParallelGroups, native: bool) -> dict:
     """Run the same exchanges through shared memory (the C exchange or the Python protocol) and through gloo;
     report whether they agree."""
-    assert groups.ep_shm is not None, "cpu_comm=shm must give the EP group a shared-memory communicator"
+    assert isinstance(groups.ep_transport, ShmEpTransport), "cpu_comm=shm must give the EP group shared memory"
     shm, p, me = ShmAllToAll.create(groups.ep_group, native=native), groups.ep_size, groups.ep_rank
     report = {"native": shm.native == native}
     # equal splits, three dtypes, two calls in flight, waited in reverse order
@@ -63,7 +64,7 @@ def _exchanges(groups: ParallelGroups, native: bool) -> dict:
     shm.all_to_all_single(out, x, recv, send).wait()
     report["varlen"] = torch.equal(out, ref)
     # the transport: counts matrix, and the fallback to gloo for a message over a slot
-    t = EpTransport(dataclasses.replace(groups, ep_shm=shm))
+    t = ShmEpTransport(groups, shm)
     s_l, r_l, max_pair = t.exchange_counts(torch.tensor(send))
     report["counts"] = (s_l, r_l, max_pair) == (send, recv, max(max(r) for r in m))
     big = torch.randn(p * (shm.layout.slot_bytes // 4 + 1), generator=g)
@@ -130,8 +131,8 @@ def _dispatch_both_transports(groups: ParallelGroups) -> dict:
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
     w = torch.softmax(torch.randn(n, k, generator=g), dim=-1)
     results = {}
-    for name, grp in (("shm", groups), ("gloo", dataclasses.replace(groups, ep_shm=None))):
-        a2a = TorchDispatcher(grp, e)
+    for name, grp in (("shm", groups), ("gloo", dataclasses.replace(groups, ep_transport=None))):
+        a2a = TorchDispatcher(grp, e, TorchPlatform())
         for mode, capacity in (("normal", None), ("low_latency", 3 + 2 * (groups.ep_size - 1))):
             handle = a2a.dispatch_a(x, ids, w, capacity)
             rows = a2a.dispatch_b(handle)
@@ -139,7 +140,7 @@ def _dispatch_both_transports(groups: ParallelGroups) -> dict:
             y = rows.x * 2.0 + 1.0  # any per-row function: both carriers must return the same combine
             a2a.combine_a(handle, y)
             results[f"{name}/{mode}"] = a2a.combine_b(handle)
-        results[f"{name}/calls"] = (a2a.normal.transport.shm_calls + a2a.low_latency.transport.shm_calls)
+        results[f"{name}/calls"] = sum(getattr(d.transport, "shm_calls", 0) for d in (a2a.normal, a2a.low_latency))
     return {"normal": torch.equal(results["shm/normal"], results["gloo/normal"]),
             "low_latency": torch.equal(results["shm/low_latency"], results["gloo/low_latency"]),
             "used_shm": results["shm/calls"] > 0 and results["gloo/calls"] == 0}
@@ -154,7 +155,8 @@ def test_moe_dispatch_through_shared_memory_equals_gloo():
 
 
 def _silent_peer(groups: ParallelGroups, native: bool) -> str:
-    shm = ShmAllToAll(groups.ep_rank, groups.ep_shm.layout, groups.ep_shm._buf, timeout_s=0.5, native=native)
+    shared = groups.ep_transport.shm
+    shm = ShmAllToAll(groups.ep_rank, shared.layout, shared._buf, timeout_s=0.5, native=native)
     if groups.ep_rank == 1:
         return "skipped"
     try:

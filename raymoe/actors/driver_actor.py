@@ -28,7 +28,6 @@ import ray
 
 from raymoe.actors.channel import connect_channel
 from raymoe.actors.driver_service import DriverService, EngineStats, OutputBatch, RequestDelta, RequestError
-from raymoe.actors.process_tuning import rank_cpu_threads
 from raymoe.config import EngineConfig, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -71,9 +70,10 @@ class DriverActor:
         set_engine_process_nice()
 
         if config.parallel.world_size == 1:  # the rank computes in this process
-            import torch
+            from raymoe.platform.selector import select_platform
+            from raymoe.runner.device import engine_device
 
-            torch.set_num_threads(rank_cpu_threads(config.cpu_threads, ranks_on_node=1))
+            select_platform(engine_device(config.device)).set_rank_threads(config.cpu_threads, ranks_on_node=1)
         self._lock = threading.Lock()
         self._conn = None
         self._early: OutputBatch = []  # published before the front end connected

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from raymoe.actors.driver import Driver
 from raymoe.actors.executor import LocalExecutor, RayExecutor
-from raymoe.comm.expert_input import effective_a2a_mode
 from raymoe.config import EngineConfig, ModelConfig
+from raymoe.platform.selector import select_platform
 from raymoe.runner.device import engine_device
 from raymoe.runner.model_runner import RunnerConfig
 from raymoe.tokenizer import eos_token_ids
@@ -23,7 +23,8 @@ def runner_config_for(config: EngineConfig) -> RunnerConfig:
         enable_torch_compile=g.enable_torch_compile, cuda_graph_min_kv_width=g.cuda_graph_min_kv_width,
         overlap=config.overlap, cpu_threads=config.cpu_threads, cpu_rank_nice=config.cpu_rank_nice,
         a2a_backend=config.moe_comm.a2a_backend,
-        a2a_mode=effective_a2a_mode(config.moe_comm.a2a_mode, config.parallel.ep_size, engine_device(config.device)),
+        a2a_mode=select_platform(engine_device(config.device)).effective_a2a_mode(config.moe_comm.a2a_mode,
+                                                                                  config.parallel.ep_size),
         num_max_dispatch_tokens_per_rank=config.max_dispatch_tokens_per_rank, cpu_comm=config.moe_comm.cpu_comm)
 
 

@@ -1,5 +1,6 @@
-"""Process settings for raymoe's long-lived serving processes: the rank actors, the driver actor (which also runs
-the rank of a one-rank world) and the HTTP front end."""
+"""Process settings for raymoe's long-lived serving processes on every platform: the rank actors, the driver actor
+and the HTTP front end. (Settings of a CPU rank's compute, its threads and step-thread priority, are the CPU
+platform's: ``raymoe.platform.cpu.process``.)"""
 
 from __future__ import annotations
 
@@ -9,46 +10,6 @@ import os
 import threading
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_RANK_NICE = -10
-"""Nice value of the thread that runs a CPU rank's steps in a multi-rank engine, unless configured
-(``EngineConfig.cpu_rank_nice``)."""
-
-
-def rank_cpu_threads(requested: int | None, ranks_on_node: int) -> int:
-    """Intra-op threads for one CPU rank: ``requested``, else ``(cores - 1) // ranks_on_node`` and at least 1.
-
-    One core is left to the processes beside the ranks (HTTP front end, driver loop, Ray, a load generator):
-    torch's parallel regions wait for their slowest thread, so a rank whose threads share a core with them runs
-    each step at the pace of the busiest core (on the 2-core CI machine, serving at 2 threads gave about half the
-    throughput of 1 thread: ``raymoe bench compare``, docs/performance.md).
-    """
-    if requested is not None:
-        return requested
-    return max(1, ((os.cpu_count() or 1) - 1) // max(1, ranks_on_node))
-
-
-def raise_step_thread_priority(nice: int | None) -> int | None:
-    """Give the calling thread (the one that runs a CPU rank's steps) nice value ``nice``; returns the value set, or
-    None when ``nice`` is None or the process may not raise its priority (no root or CAP_SYS_NICE: a warning).
-
-    Why: the ranks of a multi-rank engine meet in a collective at every MoE layer, so a rank that the kernel
-    preempts for the HTTP front end, the driver, Ray or a load generator stalls every rank at the next exchange,
-    and its waiting peers leave their cores idle meanwhile. With a higher weight a woken rank preempts those
-    processes at once, and they run while the ranks wait for each other or for the next step. The cost is CPU
-    the HTTP front end does not get while the ranks compute, so TTFT grows at high concurrency; -10 rather than
-    -20 leaves it about ten times the share (docs/performance.md has the served figures). Threads the calling
-    thread starts later (torch's intra-op pool) inherit the value; the rest of the process keeps its own.
-    """
-    if nice is None:
-        return None
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except OSError as e:
-        logger.warning("rank step thread keeps its priority: cannot set nice %d (%s); set cpu_rank_nice=0 to skip",
-                       nice, e)
-        return None
-    return nice
 
 
 def set_engine_process_nice(nice: int = 0) -> bool:

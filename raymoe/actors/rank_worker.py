@@ -15,6 +15,7 @@ import os
 
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ParallelConfig
+from raymoe.platform.interface import Platform
 from raymoe.runner.model_runner import ModelRunner, RunnerConfig
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
@@ -34,6 +35,7 @@ class RankWorker:
         self.rank = rank
         self.groups = ParallelGroups.single()
         self.runner: ModelRunner | None = None
+        self._platform: Platform | None = None
         self._injected_step_errors = 0
         if self.parallel.world_size == 1:
             self.load()
@@ -48,31 +50,36 @@ class RankWorker:
         return f"tcp://{ip}:{free_port(ip)}"
 
     def init_distributed(self, init_method: str, timeout_s: float = 60.0) -> int:
-        """Join the world group and create the TP/EP groups; returns this process id. Also sets the process's
-        priority (``raymoe.actors.process_tuning``): this runs only in rank actors of multi-rank worlds."""
-        import torch
-
-        from raymoe.actors.process_tuning import raise_step_thread_priority, rank_cpu_threads, set_engine_process_nice
+        """Join the world group and create the TP/EP groups (the EP transport is the rank's platform's); returns
+        this process id. Also tunes the process (``raymoe.actors.process_tuning``, the platform's thread count and
+        step-thread priority): this runs only in rank actors of multi-rank worlds."""
+        from raymoe.actors.process_tuning import set_engine_process_nice
         from raymoe.cluster.topology import init_parallel_groups
 
         device = self._device()
         backend = "nccl" if device.type == "cuda" else "gloo"
-        torch.set_num_threads(rank_cpu_threads(self.runner_cfg.cpu_threads, self.parallel.world_size))
+        self.platform.set_rank_threads(self.runner_cfg.cpu_threads, self.parallel.world_size)
         set_engine_process_nice()  # a rank actor: not at Ray's background worker niceness
-        raise_step_thread_priority(self._step_nice())  # the actor thread steps under plain calls
+        self._configure_step_thread()  # the actor thread steps under plain calls
         self.groups = init_parallel_groups(self.rank, self.parallel, init_method, backend, timeout_s,
                                            device_id=device if device.type == "cuda" else None,
-                                           cpu_comm=self.runner_cfg.cpu_comm)
+                                           cpu_comm=self.runner_cfg.cpu_comm, platform=self.platform)
         return os.getpid()
 
-    def _step_nice(self) -> int | None:
-        """The nice value for this rank's step thread: None (leave it) for CUDA ranks and one-rank worlds."""
-        from raymoe.actors.process_tuning import DEFAULT_RANK_NICE
+    @property
+    def platform(self) -> Platform:
+        """This rank's platform, chosen once from its device and dtype (``raymoe.platform.selector``)."""
+        if self._platform is None:
+            import torch
 
-        if self._device().type != "cpu" or self.parallel.world_size == 1:
-            return None
-        nice = self.runner_cfg.cpu_rank_nice
-        return DEFAULT_RANK_NICE if nice is None else (nice or None)
+            from raymoe.platform.selector import select_platform
+
+            self._platform = select_platform(self._device(), getattr(torch, self.runner_cfg.dtype))
+        return self._platform
+
+    def _configure_step_thread(self) -> None:
+        """The platform's tuning of the calling thread, which runs this rank's steps."""
+        self.platform.configure_step_thread(self.runner_cfg.cpu_rank_nice, self.parallel.world_size > 1)
 
     def _device(self):
         """This rank's ``torch.device`` (made current for CUDA). Raises RankDeviceError: CUDA configured but no
@@ -94,7 +101,7 @@ class RankWorker:
         from raymoe.actors.process_tuning import freeze_startup_heap
 
         device = self._device()
-        self.runner = ModelRunner(replace(self.runner_cfg, device=str(device)), self.groups)
+        self.runner = ModelRunner(replace(self.runner_cfg, device=str(device)), self.groups, self.platform)
         if freeze_heap:
             freeze_startup_heap()
         return True
@@ -122,17 +129,15 @@ class RankWorker:
 
         import torch
 
-        from raymoe.actors.process_tuning import raise_step_thread_priority
         from raymoe.actors.step_channel import connect_step_channel, serve_steps
 
         conn = connect_step_channel(path, authkey, self.rank)
         if conn is None:
             return False
         threads = torch.get_num_threads()
-        nice = self._step_nice()
 
         def serve() -> None:
-            raise_step_thread_priority(nice)
+            self._configure_step_thread()
             torch.set_num_threads(threads)
             serve_steps(conn, self.rank, self.parallel.tp_size, self.step)
 

@@ -3,7 +3,8 @@
 Lifecycle per step: the runner calls :meth:`init_forward_metadata` once with the ``ForwardBatch``; then every
 attention layer calls :meth:`forward`, which stores this step's keys/values at ``forward_batch.out_cache_loc``
 and attends over each request's cached tokens. Backends hold per-step metadata themselves so that two-batch
-overlap can give each half its own backend (``raymoe.attention.tbo``).
+overlap can give each half its own backend (``raymoe.attention.tbo``). The rank's platform builds backends by name
+(``Platform.attention_backend``).
 """
 
 from __future__ import annotations
@@ -40,13 +41,6 @@ class AttentionBackend(ABC):
             return self.forward_decode(q, k, v, layer_id, forward_batch)
         return self.forward_extend(q, k, v, layer_id, forward_batch)
 
-    def block_attention_inputs(self, layer_id: int, forward_batch):
-        """What the fused CPU attention block (``raymoe.platform.cpu.kernels.attn_block``) reads for layer ``layer_id`` in this
-        step, as a ``BlockAttentionInputs``, when this backend would attend every token of the step with the paged
-        kernel over float32 CPU buffers. None (the default): the layer runs its attention ops through
-        :meth:`forward`."""
-        return None
-
     # ---- decode graph hooks (raymoe.runner.graph_runner); backends without graph support keep these ----
     supports_graph_kv_widths = False  # True: decode cost follows the graph's KV width (CUDA captures a width ladder)
 
@@ -74,22 +68,3 @@ class AttentionBackend(ABC):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """Sequence length given to padding rows of a graph bucket (tokens)."""
         raise NotImplementedError(f"{type(self).__name__} does not support graph capture")
-
-
-def get_attention_backend(name: str, **kwargs) -> AttentionBackend:
-    """Build attention backend ``name``: ``"torch_native"`` (paged SDPA, CPU and GPU) or ``"flash_attn"`` (vLLM's
-    flash-attention kernel over a block table, ``raymoe.platform.cuda.flash_attn``; its package is imported only here).
-
-    Raises:
-        ValueError: unknown name, or the backend rejects the pools/heads it is given.
-        BackendUnavailableError: ``flash_attn`` without its package (``vllm``).
-    """
-    if name == "torch_native":
-        from raymoe.attention.torch_native import TorchNativeAttnBackend
-
-        return TorchNativeAttnBackend(**kwargs)
-    if name == "flash_attn":
-        from raymoe.platform.cuda.flash_attn import FlashAttnBackend
-
-        return FlashAttnBackend(**kwargs)
-    raise ValueError(f"unknown attention backend {name!r}")

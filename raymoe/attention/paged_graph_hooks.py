@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-_CPU_WIDTH_STEP = 16  # tokens: granularity of the attended width of a CPU graph replay without a fixed width
+_WIDTH_STEP = 16  # tokens: granularity of the attended width of a recorded graph's replay (no fixed width)
 
 
 class PagedDecodeGraphHooks:
@@ -53,9 +53,10 @@ class PagedDecodeGraphHooks:
     def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_cpu,
                                                 forward_mode, *, kv_width: int | None = None) -> None:
         """Refresh the views of rows ``[0, bs)`` at ``kv_width`` tokens (the width the graph was captured at) and
-        point ``kv_indices`` / ``kv_mask`` at them. ``kv_width=None``: W on CUDA; on CPU, where a replay is a Python
-        callable whose shapes may change, the step's longest sequence rounded up to ``_CPU_WIDTH_STEP`` (capped
-        at W). Rows must satisfy seq_len <= the width (the runner picks a width that holds them).
+        point ``kv_indices`` / ``kv_mask`` at them. ``kv_width=None`` (a recorded graph, whose replay is a Python
+        callable and may change shapes: ``raymoe.platform.reference.graphs``): the step's longest sequence rounded
+        up to ``_WIDTH_STEP`` (capped at W), or W at capture. Rows must satisfy seq_len <= the width (the runner
+        picks a width that holds them).
 
         Raises:
             ValueError: ``kv_width`` is above W or below 1, or ``bs`` above the allocated rows.
@@ -65,8 +66,8 @@ class PagedDecodeGraphHooks:
             if not 1 <= kv_width <= width:
                 raise ValueError(f"graph KV width {kv_width} outside [1, {width}] tokens")
             width = kv_width
-        elif self.graph_kv_indices.device.type == "cpu" and len(seq_lens_cpu):
-            width = min(width, -(-max(seq_lens_cpu) // _CPU_WIDTH_STEP) * _CPU_WIDTH_STEP)
+        elif len(seq_lens_cpu):
+            width = min(width, -(-max(seq_lens_cpu) // _WIDTH_STEP) * _WIDTH_STEP)
         if bs > self.graph_max_bs:
             raise ValueError(f"graph batch of {bs} rows above the {self.graph_max_bs} allocated")
         indices = self.graph_kv_indices[:bs * width].view(bs, width)

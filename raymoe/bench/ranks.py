@@ -1,7 +1,8 @@
 """Spawn gloo ranks for benchmarks below the Ray layer (same idea as the tests' ``dist_harness``).
 
 ``spawn_ranks(fn, parallel, *args)`` starts ``parallel.world_size`` processes on 127.0.0.1; each sets
-``torch.set_num_threads(threads_per_rank)``, joins the process groups (``init_parallel_groups``), runs
+``torch.set_num_threads(threads_per_rank)``, joins the process groups (``init_parallel_groups``, with the CPU
+platform's EP transport), runs
 ``fn(groups, *args)`` and sends its return value back; results come back in rank order. ``fn`` must be a
 module-level function (it is pickled into spawned processes).
 """
@@ -24,11 +25,12 @@ def _entry(rank, parallel, port, threads, cpu_comm, fn, args, queue):
     import torch.distributed as dist
 
     from raymoe.cluster.topology import init_parallel_groups
+    from raymoe.platform.selector import select_platform
 
     torch.set_num_threads(threads)
     try:
         groups = init_parallel_groups(rank, parallel, f"tcp://127.0.0.1:{port}", "gloo", timeout_s=300,
-                                      cpu_comm=cpu_comm)
+                                      cpu_comm=cpu_comm, platform=select_platform("cpu"))
         queue.put((rank, "ok", fn(groups, *args)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, "error", traceback.format_exc()))

@@ -6,7 +6,7 @@ block of ranks, which placement keeps on one node). The EP group is every rank w
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -15,8 +15,7 @@ import torch.distributed as dist
 from raymoe.cluster.rendezvous import rendezvous_store
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import CPU_COMM_MODES, ParallelConfig
-
-logger = logging.getLogger(__name__)
+from raymoe.platform.interface import Platform
 
 
 @dataclass(frozen=True)
@@ -45,7 +44,8 @@ def tp_group_ranks(cfg: ParallelConfig) -> list[list[int]]:
 
 
 def init_parallel_groups(rank: int, cfg: ParallelConfig, init_method: str, backend: str = "gloo",
-                         timeout_s: float = 60.0, device_id=None, cpu_comm: str = "auto") -> ParallelGroups:
+                         timeout_s: float = 60.0, device_id=None, cpu_comm: str = "auto",
+                         platform: Platform | None = None) -> ParallelGroups:
     """Join the world process group and create the TP and EP groups (every rank must call this).
 
     Args:
@@ -53,15 +53,18 @@ def init_parallel_groups(rank: int, cfg: ParallelConfig, init_method: str, backe
             that address only, ``raymoe.cluster.rendezvous``).
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (GPU). timeout_s: collective and rendezvous timeout, seconds.
         device_id: the rank's CUDA ``torch.device`` for NCCL (binds the communicator to it eagerly); None on CPU.
-        cpu_comm: the EP all-to-all of gloo ranks (``MoeCommConfig.cpu_comm``): ``"auto"`` (shared memory when
+        cpu_comm: the EP all-to-all of CPU ranks (``MoeCommConfig.cpu_comm``): ``"auto"`` (shared memory when
             every EP rank is on this node and the machine supports it, else gloo), ``"shm"`` (shared memory or an
             error) or ``"gloo"``.
+        platform: the rank's platform, which makes the EP group's transport
+            (:meth:`~raymoe.platform.interface.Platform.create_ep_transport`); None: ``torch.distributed`` only.
     Returns:
         the rank's ``ParallelGroups`` with explicit group handles.
     Raises:
         RuntimeError / DistBackendError: rendezvous failed or timed out.
         ValueError: ``init_method`` is not ``tcp://host:port``.
-        ValueError: ``cpu_comm="shm"`` but the EP ranks span nodes or the machine has no usable ``/dev/shm``.
+        ValueError: an unknown ``cpu_comm``; ``"shm"`` but the EP ranks span nodes or the machine has no usable
+            ``/dev/shm``.
         OSError: ``cpu_comm="shm"`` and ``/dev/shm`` cannot hold the mapping.
     """
     if cpu_comm not in CPU_COMM_MODES:
@@ -79,47 +82,11 @@ def init_parallel_groups(rank: int, cfg: ParallelConfig, init_method: str, backe
         if rank in ranks:
             tp_group = g
     ep_group = dist.new_group(list(range(cfg.world_size)), timeout=timeout) if cfg.ep_size > 1 else None
-    ep_shm = None
-    if ep_group is not None and backend == "gloo" and cpu_comm != "gloo":
-        ep_shm = _ep_shared_memory(ep_group, cpu_comm, timeout_s)
-    return ParallelGroups(
+    groups = ParallelGroups(
         world_rank=rank, world_size=cfg.world_size, tp_rank=coords.tp_rank, tp_size=cfg.tp_size, tp_group=tp_group,
         dp_rank=coords.dp_rank, dp_size=cfg.dp_size, ep_rank=rank if cfg.ep_size > 1 else 0, ep_size=cfg.ep_size,
-        ep_group=ep_group, ep_shm=ep_shm,
+        ep_group=ep_group,
     )
-
-
-def _node_key() -> str:
-    """Identifies this machine's kernel instance: host name plus boot id (two containers may share a name)."""
-    import socket
-
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
-def _ep_shared_memory(ep_group, cpu_comm: str, timeout_s: float):
-    """The EP group's :class:`~raymoe.platform.cpu.shm.ShmAllToAll`, or None (``auto`` where it cannot run). Collective:
-    every rank sees the same gathered facts, so all ranks decide alike."""
-    from raymoe.platform.cpu.shm import ShmAllToAll, shm_supported
-
-    facts: list = [None] * dist.get_world_size(ep_group)
-    dist.all_gather_object(facts, (_node_key(), shm_supported()), group=ep_group)
-    one_node = len({key for key, _ in facts}) == 1
-    usable = one_node and all(ok for _, ok in facts)
-    if not usable:
-        why = "the EP ranks span several nodes" if not one_node else "a rank has no usable /dev/shm (or not x86-64)"
-        if cpu_comm == "shm":
-            raise ValueError(f"cpu_comm='shm': {why}")
-        logger.info("EP all-to-all over gloo: %s", why)
-        return None
-    try:
-        return ShmAllToAll.create(ep_group, timeout_s=timeout_s)
-    except OSError as e:  # raised on every rank alike (rank 0 broadcasts the reservation's outcome)
-        if cpu_comm == "shm":
-            raise
-        logger.warning("EP all-to-all over gloo: %s", e)
-        return None
+    if platform is None:
+        return groups
+    return dataclasses.replace(groups, ep_transport=platform.create_ep_transport(groups, cpu_comm, timeout_s))

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from raymoe.comm.ep_transport import EpTransport
+from raymoe.comm.ep_transport import ep_transport_of
 from raymoe.comm.expert_input import ExpertRows
 from raymoe.comm.groups import ParallelGroups
 
@@ -54,11 +54,11 @@ class DispatchHandle:
 
 class TorchAllToAll:
     """Dispatch/combine with ``all_to_all_single`` exchanges over the EP group's transport
-    (:class:`~raymoe.comm.ep_transport.EpTransport`: shared memory between CPU ranks of one node, else gloo on
-    CPU and NCCL on GPU).
+    (:class:`~raymoe.comm.transport.EpTransport`: the platform's, such as shared memory between CPU ranks of one
+    node, else ``torch.distributed``).
 
     Args:
-        groups: the rank's process groups; ``groups.ep_group`` is used (never the world group).
+        groups: the rank's process groups; its EP transport is used (never the world group).
         num_experts: total routed experts E (divisible by ``ep_size``).
     """
 
@@ -67,7 +67,7 @@ class TorchAllToAll:
         self.ep_size = groups.ep_size
         self.num_local_experts = num_experts // groups.ep_size
         self.local_expert_start = groups.ep_rank * self.num_local_experts
-        self.transport = EpTransport(groups) if groups.ep_size > 1 else None
+        self.transport = ep_transport_of(groups)
 
     def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchHandle:
         """Start sending each routing pair's hidden row to its expert's owner (syncs once for the row counts).

@@ -18,13 +18,14 @@ the ``_b`` that waits for it:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from raymoe.comm.all_to_all import DispatchHandle, TorchAllToAll
-from raymoe.comm.expert_input import A2A_BACKENDS, ExpertRows, GroupedExpertRows, RoutedTokenRows
+from raymoe.comm.expert_input import ExpertRows, GroupedExpertRows, RoutedTokenRows
 from raymoe.comm.groups import ParallelGroups
-from raymoe.comm.low_latency import LowLatencyHandle, TorchLowLatencyAllToAll, check_capacity, dense_row_experts
+from raymoe.comm.low_latency import LowLatencyHandle, LowLatencyOps, TorchLowLatencyAllToAll, check_capacity
 
 
 @dataclass
@@ -37,31 +38,43 @@ class LocalDenseHandle:
     combined: torch.Tensor | None = None
 
 
+class MoeDispatcher(Protocol):
+    """The four halves every MoE all-to-all backend exposes (module docstring)."""
+
+    def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   capacity: int | None = None) -> Any: ...
+
+    def dispatch_b(self, handle: Any) -> Any: ...
+
+    def combine_a(self, handle: Any, expert_out: torch.Tensor, part: int = 0, num_parts: int = 1) -> None: ...
+
+    def combine_b(self, handle: Any) -> torch.Tensor: ...
+
+
 class TorchDispatcher:
     """Normal (:class:`~raymoe.comm.all_to_all.TorchAllToAll`) and low-latency
-    (:class:`~raymoe.comm.low_latency.TorchLowLatencyAllToAll`) modes over ``torch.distributed`` collectives.
+    (:class:`~raymoe.comm.low_latency.TorchLowLatencyAllToAll`) modes over the EP group's transport.
 
     Args:
-        groups: the rank's process groups (``ep_group`` is used). num_experts: routed experts E.
-        dense_row_experts: the dense-layout bound (:class:`~raymoe.comm.low_latency.TorchLowLatencyAllToAll`; 0:
-            never dense): low-latency steps at ``ep_size > 1``, any step at ``ep_size == 1``.
-        expert_row_macs: ``3 * H * I_local`` of the layer's experts (0: unknown), which bounds the token-row layout.
+        groups: the rank's process groups (``ep_transport`` / ``ep_group`` are used). num_experts: routed experts E.
+        ops: the rank's platform: it picks the expert layout of low-latency steps (at ``ep_size == 1``, of any
+            step: :meth:`~raymoe.platform.interface.Platform.use_token_rows`) and writes the messages.
+        expert_row_macs: ``3 * H * I_local`` of the layer's experts (0: unknown).
     """
 
-    def __init__(self, groups: ParallelGroups, num_experts: int, dense_row_experts: int = 0,
-                 expert_row_macs: int = 0):
+    def __init__(self, groups: ParallelGroups, num_experts: int, ops: LowLatencyOps, expert_row_macs: int = 0):
         self.normal = TorchAllToAll(groups, num_experts)
-        self.low_latency = TorchLowLatencyAllToAll(groups, num_experts, dense_row_experts, expert_row_macs)
+        self.low_latency = TorchLowLatencyAllToAll(groups, num_experts, ops, expert_row_macs)
         self.ep_size = groups.ep_size
         self.num_local_experts = num_experts // groups.ep_size
 
     def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    capacity: int | None = None) -> DispatchHandle | LowLatencyHandle | LocalDenseHandle:
         """Start the dispatch (low-latency when ``capacity`` is set). With ``ep_size == 1`` nothing is sent, and
-        a small CPU step (``TorchLowLatencyAllToAll.uses_dense`` at ``M``, the capacity, else N) keeps its tokens
-        whole for the token-row layout instead of sorting pairs. Raises ValueError: N > capacity."""
+        where the platform picks the token-row layout (``TorchLowLatencyAllToAll.uses_token_rows`` at ``M``, the
+        capacity, else N) the tokens stay whole instead of being sorted into pairs. Raises ValueError: N > capacity."""
         rows = hidden.shape[0] if capacity is None else capacity
-        if self.ep_size == 1 and self.low_latency.uses_dense(rows, topk_ids.shape[1], hidden):
+        if self.ep_size == 1 and self.low_latency.uses_token_rows(rows, topk_ids.shape[1], hidden):
             check_capacity(hidden.shape[0], rows)
             return LocalDenseHandle(RoutedTokenRows(hidden.unsqueeze(0), topk_ids.unsqueeze(0),
                                                     topk_weights.to(hidden.dtype).unsqueeze(0), 0))
@@ -107,36 +120,14 @@ class TorchDispatcher:
 @dataclass(frozen=True)
 class A2ABackendSpec:
     """Which all-to-all backend a MoE layer builds, with the engine-wide options a DeepEP buffer is sized by
-    (``RunnerConfig.a2a_backend`` / ``a2a_mode`` / ``num_max_dispatch_tokens_per_rank``; same on every rank)."""
+    (``MoeCommConfig``; the same on every rank). The rank's platform builds it
+    (:meth:`~raymoe.platform.interface.Platform.create_dispatcher`).
+
+    Attributes:
+        name: ``"torch"`` or a registered backend (``"deepep"``). mode: ``"normal"``, ``"low_latency"`` or
+            ``"auto"``. num_max_dispatch_tokens_per_rank: tokens one rank may send in a low-latency step.
+    """
 
     name: str = "torch"
     mode: str = "auto"
     num_max_dispatch_tokens_per_rank: int = 256
-
-    def options(self, hidden_size: int, dtype: torch.dtype, intermediate_size: int = 0) -> dict:
-        """Constructor options of the backend for a layer of ``hidden_size``, ``dtype`` and local expert
-        ``intermediate_size`` (torch: the dense-layout bound, :func:`~raymoe.comm.low_latency.dense_row_experts`,
-        none without an intermediate size, and the experts' MACs per row)."""
-        if self.name != "deepep":
-            return {"dense_row_experts": dense_row_experts(hidden_size, intermediate_size) if intermediate_size else 0,
-                    "expert_row_macs": 3 * hidden_size * intermediate_size}
-        return {"hidden_size": hidden_size, "dtype": dtype, "low_latency": self.mode != "normal",
-                "num_max_dispatch_tokens_per_rank": self.num_max_dispatch_tokens_per_rank}
-
-
-def get_all_to_all_backend(name: str, groups: ParallelGroups, num_experts: int, **options):
-    """Build the dispatcher of backend ``name``: ``"torch"`` (CPU and GPU) or ``"deepep"`` (CUDA + ``deep_ep``,
-    imported lazily; ``options`` go to :class:`~raymoe.platform.cuda.deepep.DeepEPDispatcher`: ``hidden_size``, ``dtype``,
-    ``num_max_dispatch_tokens_per_rank``, ``low_latency``, ``buffer_factory``; see :meth:`A2ABackendSpec.options`).
-
-    Raises:
-        ValueError: unknown backend name.
-        ImportError: ``deepep`` without the ``deep_ep`` package (the message names it).
-    """
-    if name not in A2A_BACKENDS:
-        raise ValueError(f"unknown all-to-all backend {name!r} (expected one of {A2A_BACKENDS})")
-    if name == "torch":
-        return TorchDispatcher(groups, num_experts, **options)
-    from raymoe.platform.cuda.deepep import DeepEPDispatcher  # lazy: needs CUDA and deep_ep
-
-    return DeepEPDispatcher(groups, num_experts, **options)

@@ -1,79 +1,59 @@
-"""The expert-parallel group's all-to-all transport: shared memory between CPU ranks of one node, else
-``torch.distributed`` (gloo on CPU, NCCL on GPU).
+"""The expert-parallel group's ``torch.distributed`` transport (gloo on CPU, NCCL on GPU), an implementation of
+:class:`~raymoe.comm.transport.EpTransport`.
 
-Both MoE dispatch modes go through :class:`EpTransport` (``raymoe.comm.all_to_all`` normal mode,
-``raymoe.comm.low_latency`` low-latency mode). Which path a call takes depends only on numbers every rank of the
-group knows alike (the message size of an equal split; the largest pair of a variable split, known to all ranks
-from :meth:`EpTransport.exchange_counts`), so all ranks take the same path for the same call and the collective
-sequence stays matched.
+Both MoE dispatch modes (``raymoe.comm.all_to_all`` normal mode, ``raymoe.comm.low_latency`` low-latency mode) and
+the vocabulary-split LM head call an :class:`EpTransport`. A platform may hand its ranks a faster one (the CPU
+platform's shared-memory exchange between ranks of one node, ``raymoe.platform.cpu.transport``); the rank's
+``ParallelGroups.ep_transport`` holds it, and :func:`ep_transport_of` falls back to :class:`DistEpTransport`.
+
+Every call is a collective: all ranks of the group make the same calls in the same order. An implementation that
+picks between paths (shared memory or ``torch.distributed``) must decide from numbers every rank knows alike (the
+message size of an equal split, the largest pair of a variable split as :meth:`EpTransport.exchange_counts`
+returns it), so the collective sequence stays matched on every rank.
 """
 
 from __future__ import annotations
-
-import math
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from raymoe.comm.groups import ParallelGroups
+from raymoe.comm.transport import EpTransport, Work
 
 
-class EpTransport:
-    """All-to-all over ``groups.ep_group``, through ``groups.ep_shm`` (:class:`~raymoe.platform.cpu.shm.ShmAllToAll`)
-    when the ranks have one and the message fits its slots.
+class DistEpTransport:
+    """:class:`EpTransport` over ``groups.ep_group`` with ``torch.distributed`` collectives (``async_op=True``: on
+    NCCL a ``wait()`` only orders the current stream, so the ``_a`` halves of a dispatch never block the host).
 
     Attributes:
-        shm_calls, dist_calls: calls that went through shared memory / ``torch.distributed`` (diagnostics).
+        dist_calls: exchanges started (diagnostics).
+    Raises:
+        ValueError: ``groups.ep_size`` is 1 (there is nothing to exchange).
     """
 
     def __init__(self, groups: ParallelGroups):
+        if groups.ep_size < 2:
+            raise ValueError("an EP transport needs ep_size >= 2")
         self.group = groups.ep_group
-        self.shm = groups.ep_shm
         self.ep_size = groups.ep_size
         self.ep_rank = groups.ep_rank
-        self.shm_calls = 0
         self.dist_calls = 0
 
-    def all_to_all_equal(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
-        """Start an equal-split all-to-all of ``inp`` into ``out`` (same shapes, first dim divisible into
-        ``ep_size`` chunks); returns a work whose ``wait()`` completes it."""
-        chunk_bytes = inp.numel() * inp.element_size() // self.ep_size
-        if self.shm is not None and self.shm.fits(chunk_bytes):
-            self.shm_calls += 1
-            return self.shm.all_to_all_single(out, inp)
+    def all_to_all_equal(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
         self.dist_calls += 1
         return dist.all_to_all_single(out, inp, group=self.group, async_op=True)
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
-        """Start an all-gather of ``inp`` into ``out`` (``ep_size`` times its elements; chunk ``s`` from rank
-        ``s``); returns a work whose ``wait()`` completes it. The path depends on the message size only."""
-        if self.shm is not None and self.shm.fits(inp.numel() * inp.element_size()):
-            self.shm_calls += 1
-            return self.shm.all_gather(out, inp)
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
         self.dist_calls += 1
         if inp.device.type == "cuda":
             return dist.all_gather_into_tensor(out.view(-1), inp.view(-1), group=self.group, async_op=True)
+        # gloo has no all_gather_into_tensor: the same bytes as an equal all-to-all of repeated chunks
         return dist.all_to_all_single(out.view(-1), inp.view(-1).repeat(self.ep_size), group=self.group,
                                       async_op=True)
 
     def exchange_counts(self, send_counts: torch.Tensor) -> tuple[list[int], list[int], int]:
-        """Exchange per-peer row counts (blocking; syncs with the host).
-
-        Args:
-            send_counts: [ep] int64 rows this rank sends to each peer.
-        Returns:
-            (send_counts, recv_counts, max_pair_rows): host lists, and the largest count any rank sends any peer
-            (the same number on every rank; through shared memory only, else the largest of this rank's own
-            sends and receives, which gloo paths never need to agree on).
-        """
-        p = self.ep_size
-        if self.shm is not None:  # p * p int64: far below any slot
-            matrix = torch.empty(p * p, dtype=torch.int64)
-            self.shm.all_to_all_single(matrix, send_counts.to("cpu", torch.int64).repeat(p)).wait()
-            self.shm_calls += 1
-            rows = matrix.view(p, p).tolist()  # row s: what rank s sends to each peer
-            return rows[self.ep_rank], [r[self.ep_rank] for r in rows], max(max(r) for r in rows)
+        """As :meth:`EpTransport.exchange_counts`; ``max_pair_rows`` is the largest of this rank's own sends and
+        receives (this transport has one path, so ranks need not agree on it)."""
         recv = torch.empty_like(send_counts)
         dist.all_to_all_single(recv, send_counts, group=self.group)
         self.dist_calls += 1
@@ -81,12 +61,14 @@ class EpTransport:
         return send_l, recv_l, max(send_l + recv_l)
 
     def all_to_all_rows(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                        max_pair_rows: int) -> Any:
-        """Start a variable-split all-to-all of rows (dim 0). ``max_pair_rows`` from :meth:`exchange_counts`
-        decides the path for all ranks alike; returns a work whose ``wait()`` completes it."""
-        row_bytes = math.prod(inp.shape[1:]) * inp.element_size()
-        if self.shm is not None and self.shm.fits(max_pair_rows * row_bytes):
-            self.shm_calls += 1
-            return self.shm.all_to_all_single(out, inp.contiguous(), out_splits, in_splits)
+                        max_pair_rows: int) -> Work:
         self.dist_calls += 1
         return dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=self.group, async_op=True)
+
+
+def ep_transport_of(groups: ParallelGroups) -> EpTransport | None:
+    """The transport a rank's MoE exchanges use: ``groups.ep_transport`` (the platform's, made when the groups
+    were created), else :class:`DistEpTransport` over ``groups.ep_group``; None with one EP rank."""
+    if groups.ep_size < 2:
+        return None
+    return groups.ep_transport if groups.ep_transport is not None else DistEpTransport(groups)

@@ -19,18 +19,67 @@
   Where the rows are few (a decode step of a small model on CPU) either costs less than sorting the pairs and
   running grouped GEMMs over segments of one or two rows.
 
-The experts answer in the layout they were given (``LocalExperts.forward_input``), and the dispatcher's combine
-takes that answer back.
+Each layout computes itself through the matching operation of :class:`ExpertCompute` (``rows.compute(ops,
+experts)``), which the rank's platform implements; the experts answer in the layout they were given, and the
+dispatcher's combine takes that answer back.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 A2A_MODES: tuple[str, ...] = ("normal", "low_latency", "auto")
 A2A_BACKENDS: tuple[str, ...] = ("torch", "deepep")
+
+
+class ExpertWeights(Protocol):
+    """A rank's local experts as the expert operations read them (``raymoe.layers.moe.LocalExperts``).
+
+    Attributes:
+        w13: [E_local, 2 I, H] gate and up projections. w2: [E_local, H, I] down projections.
+        prepared13, prepared2: what the platform's ``prepare_weight`` made of them at load (None: nothing).
+        num_local: E_local. expert_start: the global id of local expert 0.
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    prepared13: Any
+    prepared2: Any
+    num_local: int
+    expert_start: int
+
+
+class ExpertCompute(ABC):
+    """The expert operations (SwiGLU experts, Shazeer 2020), one per layout; part of the platform interface
+    (``raymoe.platform.interface.Platform``). Outputs have the input rows' dtype."""
+
+    @abstractmethod
+    def expert_rows(self, x: torch.Tensor, local_ids: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
+        """Expert ``local_ids[i]`` on row ``x[i]``: ``x`` [R, H], ``local_ids`` [R] int64 -> [R, H] (R may be 0)."""
+
+    @abstractmethod
+    def expert_segments(self, x: torch.Tensor, ends: torch.Tensor, expert_capacity: int,
+                        experts: ExpertWeights) -> torch.Tensor:
+        """Expert ``e`` on rows ``[ends[e - 1], ends[e])`` of ``x`` [R_max, H] (``ends`` [E_local] int32 on the
+        device; no expert has more than ``expert_capacity`` rows) -> [R_max, H]; rows from ``ends[-1]`` on are
+        padding in and out. Must not read device values on the host (decode graphs hold it)."""
+
+    @abstractmethod
+    def expert_masked(self, x: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
+        """Every row of the masked layout through its expert: ``x`` [E_local, C, H] -> [E_local, C, H]."""
+
+    @abstractmethod
+    def expert_dense(self, x: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
+        """``sum_e weights[:, e] * expert_e(x)``: ``x`` [R, H], ``weights`` [R, E_local] -> [R, H]."""
+
+    @abstractmethod
+    def expert_routed(self, rows: RoutedTokenRows, experts: ExpertWeights) -> torch.Tensor:
+        """Token rows with their own routing (:class:`RoutedTokenRows`) -> the weighted sums of this rank's picks
+        per row, [B * M, H]."""
 
 
 @dataclass
@@ -40,6 +89,10 @@ class ExpertRows:
     x: torch.Tensor
     local_ids: torch.Tensor
 
+    def compute(self, ops: ExpertCompute, experts: ExpertWeights) -> torch.Tensor:
+        """The experts' answer [R, H]."""
+        return ops.expert_rows(self.x, self.local_ids, experts)
+
 
 @dataclass
 class MaskedExpertRows:
@@ -47,6 +100,10 @@ class MaskedExpertRows:
 
     x: torch.Tensor
     counts: torch.Tensor
+
+    def compute(self, ops: ExpertCompute, experts: ExpertWeights) -> torch.Tensor:
+        """The experts' answer [E_local, C, H] (every slot, valid or not)."""
+        return ops.expert_masked(self.x, experts)
 
 
 @dataclass
@@ -61,6 +118,10 @@ class GroupedExpertRows:
     ends: torch.Tensor
     expert_capacity: int
 
+    def compute(self, ops: ExpertCompute, experts: ExpertWeights) -> torch.Tensor:
+        """The experts' answer [R_max, H] (padding rows hold anything)."""
+        return ops.expert_segments(self.x, self.ends, self.expert_capacity, experts)
+
 
 @dataclass
 class DenseExpertRows:
@@ -71,6 +132,10 @@ class DenseExpertRows:
 
     x: torch.Tensor
     weights: torch.Tensor
+
+    def compute(self, ops: ExpertCompute, experts: ExpertWeights) -> torch.Tensor:
+        """The weighted sums [R, H]."""
+        return ops.expert_dense(self.x, self.weights, experts)
 
 
 def resolve_a2a_mode(mode: str, is_decode_step: bool) -> str:
@@ -89,16 +154,6 @@ def resolve_a2a_mode(mode: str, is_decode_step: bool) -> str:
     return mode
 
 
-def effective_a2a_mode(mode: str, ep_size: int, device: str) -> str:
-    """The engine-wide mode the driver and the ranks use for option ``mode``: ``auto`` becomes ``normal`` when
-    nothing is dispatched (``ep_size == 1``) on CPU, where the normal path is already free of host syncs (grouped
-    GEMMs over only the routed rows) and the low-latency layout would compute every expert over every slot;
-    on CUDA (graph capture needs fixed shapes) and with ``ep_size > 1`` it stays ``auto``."""
-    if mode == "auto" and ep_size == 1 and not device.startswith("cuda"):
-        return "normal"
-    return mode
-
-
 @dataclass
 class RoutedTokenRows:
     """Token rows with their own routing, in blocks: ``x`` [B, M, H] (hidden dtype), ``topk_ids`` [B, M, k] int64
@@ -113,6 +168,10 @@ class RoutedTokenRows:
     topk_weights: torch.Tensor
     first_expert: int
 
+    def compute(self, ops: ExpertCompute, experts: ExpertWeights) -> torch.Tensor:
+        """The weighted sums of this rank's picks [B * M, H]."""
+        return ops.expert_routed(self, experts)
+
     def dense(self, num_local: int) -> DenseExpertRows:
         """The same rows as :class:`DenseExpertRows` ([B * M, H], a weight per local expert; pairs that are not
         this rank's are selected away, never multiplied, so garbage in padding rows stays out of the weights)."""
@@ -124,3 +183,7 @@ class RoutedTokenRows:
         weights.scatter_add_(1, torch.where(mine, local, num_local),
                              torch.where(mine, self.topk_weights.reshape(b * m, k), 0.0))
         return DenseExpertRows(self.x.reshape(b * m, h), weights[:, :num_local])
+
+
+ExpertInput = ExpertRows | MaskedExpertRows | GroupedExpertRows | DenseExpertRows | RoutedTokenRows
+"""Every layout a dispatch may hand the experts; each has ``compute(ops, experts)``."""

@@ -8,10 +8,11 @@ groups), in which case every collective is skipped.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from raymoe.comm.transport import EpTransport
 
 
 @dataclass(frozen=True)
@@ -23,21 +24,23 @@ class ParallelGroups:
         tp_rank, tp_size, tp_group: tensor-parallel group of attention/dense layers (ranks of one DP group).
         dp_rank, dp_size: data-parallel attention group index and count.
         ep_rank, ep_size, ep_group: expert-parallel group (``ep_size == world_size`` or 1).
-        ep_shm: the EP group's shared-memory all-to-all (:class:`~raymoe.platform.cpu.shm.ShmAllToAll`) when its CPU
-            ranks share a node and ``cpu_comm`` allows it; None: ``ep_group`` carries everything.
+        ep_transport: the EP group's transport as the rank's platform made it (the CPU platform's shared-memory
+            exchange when the group's ranks share a node and ``cpu_comm`` allows it); None: every MoE exchange
+            runs as ``torch.distributed`` collectives over ``ep_group``
+            (``raymoe.comm.ep_transport.ep_transport_of``).
     """
 
     world_rank: int = 0
     world_size: int = 1
     tp_rank: int = 0
     tp_size: int = 1
-    tp_group: Any = None
+    tp_group: dist.ProcessGroup | None = None
     dp_rank: int = 0
     dp_size: int = 1
     ep_rank: int = 0
     ep_size: int = 1
-    ep_group: Any = None
-    ep_shm: Any = None
+    ep_group: dist.ProcessGroup | None = None
+    ep_transport: EpTransport | None = None
 
     def __post_init__(self) -> None:
         if self.world_size != self.tp_size * self.dp_size:

@@ -18,66 +18,39 @@ those properties with the all-gather / reduce-scatter exchange SGLang's DP atten
   sums them per token into [ep * M, H] partial sums and sends source ``r`` its [M, H]; each rank sums the
   ``ep`` partial sums of its tokens.
 
-Small steps on CPU (``ep * M * E_local`` row-expert products within the dispatcher's ``dense_row_experts``, which
-the MoE layer sizes by :data:`DENSE_EXPERT_MAC_BUDGET`) skip the sort: the receiver hands the experts every
-gathered token row once with its own routing, read in place from the messages
-(:class:`~raymoe.comm.expert_input.RoutedTokenRows`). The fused CPU kernel runs only the routed (row, expert)
-pairs; the torch path builds a dense [ep * M, E_local] weight matrix and runs every local expert over every row in
-two batched GEMMs. Either way the experts answer the weighted per-token sums the combine sends back as they are.
-On two CPU ranks of the tiny benchmark model (8 or 16 tokens per rank, 4 experts each) a decode step took
-0.2-0.5 ms less than with the sort, the grouped GEMMs over one- or two-row segments and the masked sum
-(docs/performance.md).
+Where the rank's platform says so (:meth:`~raymoe.platform.interface.Platform.use_token_rows`: small steps on
+CPU, ``raymoe.platform.cpu.expert_layout``), the receiver skips the sort: it hands the experts every gathered token
+row once with its own routing, read in place from the messages (:class:`~raymoe.comm.expert_input.RoutedTokenRows`),
+and the experts answer the weighted per-token sums the combine sends back as they are.
 
 Bytes per peer and direction: ``M`` rows plus the routing. The layout before it sent each (token, expert) pair
 to its expert's rank, in messages of ``M * min(k, E_local)`` rows (the worst case of one rank sending every pair
 to one peer), and packed the received pairs per expert with about twice the index ops; on two CPU ranks a decode
-step took 0.35-1.0 ms longer with it (docs/performance.md). Fixed-size messages are sent whole, so the pair
-layout moves fewer bytes only where ``k`` or ``E_local`` is 1.
+step took 0.35-1.0 ms longer with it. Fixed-size messages are sent whole, so the pair layout moves fewer bytes only
+where ``k`` or ``E_local`` is 1.
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from raymoe.comm.ep_transport import EpTransport
+from raymoe.comm.ep_transport import ep_transport_of
 from raymoe.comm.expert_input import GroupedExpertRows, RoutedTokenRows
 from raymoe.comm.groups import ParallelGroups
-from raymoe.platform.cpu.kernels import cpu_ops
-
-DENSE_EXPERT_MAC_BUDGET = 1 << 22
-"""Multiply-accumulates one MoE layer's local experts may spend on the dense layout (every local expert over every
-gathered row) on CPU: 0.15-0.25 ms on one core of the benchmark machine (an AVX2 EPYC, where a [16, 128] x [128, 512]
-float32 GEMM ran at about 60 GFLOP/s). Below it the dense GEMMs cost less than the sort and the per-segment grouped
-GEMMs they replace (measured crossover on one rank with 8 experts: about 24 tokens, where the budget allows 21)."""
-
-ROUTED_KERNEL_ROWS_PER_EXPERT = 24
-"""Where the fused CPU kernel takes the experts (float32, ``raymoe.platform.cpu.kernels.cpu_ops.moe_routed_rows``), a step uses
-the token-row layout while its routed pairs per local expert, ``ep * M * k / E``, are at most this, whatever the
-MAC budget: the kernel's cost follows the routed pairs, not every expert over every row. Measured on the
-benchmark machine (tiny model, 8 experts top-2, whole decode steps): at 16 pairs per expert 12-15 % less CPU per
-step than the sort and grouped GEMMs (ep=2 at 32 tokens per rank, ep=1 at 64), even at 32, grouped ahead at 64."""
-
-ROUTED_KERNEL_MAX_MACS = 1 << 23
-"""Most multiply-accumulates of a step's routed pairs (``ep * M * k * 3 * H * I_local``) for which the token-row
-layout is chosen on behalf of the fused kernel (where the dispatcher knows its experts' size): the kernel saves the
-sort and index operators of the grouped layout (tens of microseconds), but its dot products run at a fraction of
-the packed GEMM's rate (``raymoe.platform.cpu.kernels.packed_linear``). At the tiny model's size (24.6 K MACs per pair, 342
-pairs allowed) the pair bound above decides; at hidden 1024 and I 512 (1.57 M MACs per pair) the kernel took a
-two-batch-overlap half step of 32 tokens per rank in 69 ms against 52 ms for the grouped layout over packed
-weights (``raymoe bench overlap``, docs/performance.md, thirteenth session)."""
-
-_DENSE_DTYPES = (torch.float32, torch.bfloat16)  # float32 range: a 0-weighted expert output cannot overflow to inf
 
 
-def dense_row_experts(hidden_size: int, intermediate_size: int, budget_macs: int = DENSE_EXPERT_MAC_BUDGET) -> int:
-    """How many (row, local expert) products fit ``budget_macs``: a SwiGLU expert spends ``3 * H * I`` MACs on a row
-    (gate, up and down projections; ``intermediate_size`` is the rank's local I)."""
-    return budget_macs // max(1, 3 * hidden_size * intermediate_size)
+class LowLatencyOps(Protocol):
+    """What the low-latency exchange asks of the rank's platform (:class:`~raymoe.platform.interface.Platform`
+    has both): the expert layout of a step, and how to write a message."""
+
+    def use_token_rows(self, ep_size: int, capacity: int, top_k: int, num_experts: int, expert_row_macs: int,
+                       hidden: torch.Tensor) -> bool: ...
+
+    def write_bytes(self, dst: torch.Tensor, offset: int, src: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -89,7 +62,7 @@ class LowLatencyHandle:
             the call.
         payload: uint8 [ep, B] received messages until ``dispatch_b`` unpacks them.
         order: [ep * M * k] int64 received pair (``(src * M + t) * k + j``) at each sorted position.
-        dense: the step uses the dense layout (:class:`~raymoe.comm.expert_input.RoutedTokenRows`).
+        dense: the step uses the token-row layout (:class:`~raymoe.comm.expert_input.RoutedTokenRows`).
         mine: [ep, M, k, 1] bool, pairs routed to this rank's experts. weights: [ep, M, k, 1] their top-k weights
             (a view of the received messages). Both unused in the dense layout.
         partial: [ep, M * H] per-source partial sums once the combine is posted. works: pending collectives.
@@ -137,60 +110,41 @@ def check_capacity(num_tokens: int, capacity: int) -> None:
         raise ValueError(f"low-latency dispatch of {num_tokens} tokens exceeds the per-rank capacity {capacity}")
 
 
-def _host_copy(dst: int, src: torch.Tensor) -> None:
-    """Copy CPU tensor ``src``'s elements (row-major) to address ``dst``."""
-    src = src.contiguous()
-    ctypes.memmove(dst, src.data_ptr(), src.numel() * src.element_size())
-
-
 def _aligned(nbytes: int, align: int) -> int:
     return (nbytes + align - 1) // align * align
 
 
 class TorchLowLatencyAllToAll:
     """Fixed-shape dispatch/combine by all-gather and reduce-scatter (module docstring) over the EP group's transport
-    (:class:`~raymoe.comm.ep_transport.EpTransport`: shared memory between CPU ranks of one node, else gloo on
-    CPU and NCCL on GPU).
+    (:class:`~raymoe.comm.transport.EpTransport`: the platform's, such as shared memory between CPU ranks of one
+    node, else ``torch.distributed``).
 
     Args:
-        groups: the rank's process groups; ``groups.ep_group`` is used (never the world group).
+        groups: the rank's process groups; its EP transport is used (never the world group).
         num_experts: total routed experts E (divisible by ``ep_size``); rank r owns ``[r * E_local, (r+1) * E_local)``.
-        dense_row_experts: CPU steps of float32/bfloat16 tokens with ``ep * M * E_local`` at most this use the
-            dense layout (:func:`dense_row_experts`; 0: never). Every rank of the group has the same value and the
-            same ``M``, though the choice only shapes this rank's own expert work.
-        expert_row_macs: multiply-accumulates of one local expert on one row, ``3 * H * I_local`` (0: unknown; then
-            :data:`ROUTED_KERNEL_MAX_MACS` is not applied).
+        ops: the rank's platform (the step's expert layout, message writes).
+        expert_row_macs: multiply-accumulates of one local expert on one row, ``3 * H * I_local`` (0: unknown).
     """
 
-    def __init__(self, groups: ParallelGroups, num_experts: int, dense_row_experts: int = 0,
-                 expert_row_macs: int = 0):
+    def __init__(self, groups: ParallelGroups, num_experts: int, ops: LowLatencyOps, expert_row_macs: int = 0):
         self.ep_size = groups.ep_size
         self.num_experts = num_experts
         self.num_local_experts = num_experts // groups.ep_size
-        self.transport = EpTransport(groups) if groups.ep_size > 1 else None
+        self.transport = ep_transport_of(groups)
+        self.ops = ops
         start = self.first_expert = groups.ep_rank * self.num_local_experts
         # global expert id (E: an unused row) -> local expert, E_local for every expert of another rank
         remap = torch.full((num_experts + 1,), self.num_local_experts, dtype=torch.int64)
         remap[start:start + self.num_local_experts] = torch.arange(self.num_local_experts)
         self._remap = {torch.device("cpu"): remap}
         self._geometries: dict[tuple, _Geometry] = {}
-        self.dense_row_experts = dense_row_experts
         self.expert_row_macs = expert_row_macs
-        self._pad_ids = torch.empty(0, dtype=torch.int64)  # E, E, ...: the ids of unused message rows (CPU)
+        self._pad_ids: dict[torch.device, torch.Tensor] = {}  # E, E, ...: the ids of unused message rows
 
-    def uses_dense(self, capacity: int, top_k: int, hidden: torch.Tensor) -> bool:
+    def uses_token_rows(self, capacity: int, top_k: int, hidden: torch.Tensor) -> bool:
         """Whether a step of per-rank capacity ``capacity`` (tokens like ``hidden``, top-``top_k`` routing) answers
-        ``RoutedTokenRows`` (small CPU steps; never with ``dense_row_experts`` 0, a layer whose experts are too
-        large for the layout): within the dense MAC budget, or where the fused kernel takes the experts, the
-        routed pairs per local expert stay within :data:`ROUTED_KERNEL_ROWS_PER_EXPERT` and their arithmetic within
-        :data:`ROUTED_KERNEL_MAX_MACS`."""
-        if hidden.device.type != "cpu" or hidden.dtype not in _DENSE_DTYPES or self.dense_row_experts <= 0:
-            return False
-        if self.ep_size * capacity * self.num_local_experts <= self.dense_row_experts:
-            return True
-        pairs = self.ep_size * capacity * top_k
-        return (pairs <= ROUTED_KERNEL_ROWS_PER_EXPERT * self.num_experts
-                and pairs * self.expert_row_macs <= ROUTED_KERNEL_MAX_MACS and cpu_ops.enabled_for(hidden))
+        ``RoutedTokenRows``: the platform's choice (:meth:`LowLatencyOps.use_token_rows`)."""
+        return self.ops.use_token_rows(self.ep_size, capacity, top_k, self.num_experts, self.expert_row_macs, hidden)
 
     def remap(self, device: torch.device) -> torch.Tensor:
         """[E + 1] int64: global expert id -> local expert id, ``E_local`` where another rank owns it."""
@@ -236,9 +190,8 @@ class TorchLowLatencyAllToAll:
         m, h, ep = capacity, hidden.shape[1], self.ep_size
         geo = self.geometry(m, k, h, hidden.dtype, hidden.device)
         message = torch.empty(geo.nbytes, dtype=torch.uint8, device=hidden.device)
-        pack = self._pack_host if message.device.type == "cpu" else self._pack_device
-        pack(message, geo, m, hidden, topk_ids, topk_weights)
-        handle = LowLatencyHandle(n, m, k, h, hidden.dtype, dense=self.uses_dense(m, k, hidden))
+        self._pack(message, geo, m, hidden, topk_ids, topk_weights)
+        handle = LowLatencyHandle(n, m, k, h, hidden.dtype, dense=self.uses_token_rows(m, k, hidden))
         if ep == 1:
             handle.payload = message.view(1, -1)
             return handle
@@ -246,32 +199,26 @@ class TorchLowLatencyAllToAll:
         handle.works = [self.transport.all_gather(handle.payload, message)]
         return handle
 
-    def _pack_device(self, message: torch.Tensor, geo: _Geometry, m: int, hidden: torch.Tensor,
-                     topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    def _pack(self, message: torch.Tensor, geo: _Geometry, m: int, hidden: torch.Tensor,
+              topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         """Write ``message`` (uint8 [nbytes], the layout of ``geo`` for capacity ``m``): the N token rows,
-        ``topk_ids`` then ``E`` for the unused rows, ``topk_weights``; tensor copies, so it stays on the device's
-        stream (a graph captures it)."""
-        (n, k), h = topk_ids.shape, hidden.shape[1]
-        message[:geo.hidden_bytes].view(hidden.dtype).view(m, h)[:n].copy_(hidden)
-        ids = message[geo.ids_offset:geo.weights_offset].view(torch.int64).view(m, k)
-        ids[:n].copy_(topk_ids)
-        ids[n:].fill_(self.num_experts)
-        message[geo.weights_offset:geo.weights_end].view(hidden.dtype).view(m, k)[:n].copy_(topk_weights)
-
-    def _pack_host(self, message: torch.Tensor, geo: _Geometry, m: int, hidden: torch.Tensor,
-                   topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
-        """:meth:`_pack_device` for a CPU message, one ``memmove`` per part: on CPU a tensor call costs more than
-        copying a decode step's few kilobytes (the shared-memory carrier copies the same way, ``raymoe.platform.cpu.shm``)."""
+        ``topk_ids`` then ``E`` for the unused rows, ``topk_weights``, through the platform's
+        :meth:`LowLatencyOps.write_bytes` (device copies on a GPU's stream, which a graph captures; one ``memmove``
+        per part on CPU, where a tensor call costs more than copying a decode step's few kilobytes)."""
         n, k = topk_ids.shape
-        base = message.data_ptr()
-        _host_copy(base, hidden)
-        _host_copy(base + geo.ids_offset, topk_ids.to(torch.int64))
-        pad = (m - n) * k
-        if pad:
-            if self._pad_ids.numel() < pad:
-                self._pad_ids = torch.full((pad,), self.num_experts, dtype=torch.int64)
-            ctypes.memmove(base + geo.ids_offset + 8 * n * k, self._pad_ids.data_ptr(), 8 * pad)
-        _host_copy(base + geo.weights_offset, topk_weights.to(hidden.dtype))
+        write = self.ops.write_bytes
+        write(message, 0, hidden)
+        write(message, geo.ids_offset, topk_ids.to(torch.int64))
+        if m > n:
+            write(message, geo.ids_offset + 8 * n * k, self._pad_ids_for((m - n) * k, message.device))
+        write(message, geo.weights_offset, topk_weights.to(hidden.dtype))
+
+    def _pad_ids_for(self, count: int, device: torch.device) -> torch.Tensor:
+        """``count`` copies of ``E`` (an expert nobody owns), int64 on ``device``, from a buffer kept per device."""
+        pad = self._pad_ids.get(device)
+        if pad is None or pad.numel() < count:
+            pad = self._pad_ids[device] = torch.full((count,), self.num_experts, dtype=torch.int64, device=device)
+        return pad[:count]
 
     def dispatch_b(self, handle: LowLatencyHandle) -> GroupedExpertRows | RoutedTokenRows:
         """Wait for every peer's message; returns this rank's pairs as token rows sorted by local expert,

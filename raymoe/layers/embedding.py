@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raymoe.comm.ep_transport import EpTransport
+from raymoe.comm.ep_transport import ep_transport_of
 from raymoe.comm.groups import ParallelGroups, tp_all_gather_last_dim, tp_all_reduce
 from raymoe.errors import CheckpointError
-from raymoe.platform.cpu.kernels import packed_linear
+from raymoe.platform.interface import Platform, WeightKind
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -52,7 +52,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.data[: rows.shape[0]].copy_(rows)
 
 
-class ParallelLMHead(packed_linear.PackedWeightsMixin, VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding):
     """Output projection sharded by vocabulary rows. ``hidden`` [N, H] -> logits [N, vocab] of those rows.
 
     With tensor parallelism the TP ranks share the rows and all-gather their logits. Under attention data
@@ -64,33 +64,23 @@ class ParallelLMHead(packed_linear.PackedWeightsMixin, VocabParallelEmbedding):
     forward, which every rank of the group must enter (an IDLE rank with zero rows too).
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, groups: ParallelGroups, dtype: torch.dtype):
+    def __init__(self, vocab_size: int, hidden_size: int, groups: ParallelGroups, dtype: torch.dtype, ops: Platform):
         split = groups.tp_size == 1 and groups.ep_size > 1
         super().__init__(vocab_size, hidden_size, groups, dtype, *((groups.ep_size, groups.ep_rank) if split else ()))
         self.split_over_dp = split
-        self.transport = EpTransport(groups) if split else None
-        self.packed: packed_linear.PackedWeight | None = None
+        self.transport = ep_transport_of(groups) if split else None
+        self.ops = ops
+        self.prepared = None
 
     def load(self, reader, name: str) -> None:
-        """Read this shard's rows of ``name`` ([vocab, hidden]); on a CPU float32 rank, then store them
-        column-major (the same [V_local, H] tensor over [H, V_local] storage), and keep a packed copy for the
-        packed GEMM (``raymoe.platform.cpu.kernels.packed_linear``), which a one-threaded decode step uses instead: cold, it takes
-        0.38 ms at [16, 128] x [128, 8192] (docs/performance.md, thirteenth session).
-
-        Why column-major on CPU: ``F.linear`` then hands MKL a non-transposed [H, V_local] right operand, which it
-        streams row by row. A decode step reads the head's weights cold (every layer and the other processes run
-        between two LM heads), and cold the non-transposed form took 0.42 against 0.56 ms at [16, 128] x
-        [128, 4096] and 0.80 against 1.09 ms at [16, 128] x [128, 8192] (one thread, 32 MB touched between calls;
-        docs/performance.md, twelfth session); warm it is 0.03-0.06 ms slower. Other devices and dtypes keep the
-        row-major layout (their GEMM libraries were not measured here).
+        """Read this shard's rows of ``name`` ([vocab, hidden]), then let the platform prepare them for the head
+        (``WeightKind.LM_HEAD``: a CPU rank stores them column-major and keeps a packed copy).
 
         Raises:
             CheckpointError: the tensor's shape is not [vocab, hidden].
         """
         super().load(reader, name)
-        if self.weight.device.type == "cpu" and self.weight.dtype == torch.float32:
-            self.weight.data = self.weight.data.t().contiguous().t()
-        self.repack()
+        self.prepared = self.ops.prepare_weight(self.weight, WeightKind.LM_HEAD)
 
     def forward(self, hidden: torch.Tensor, rows_per_rank: int | None = None) -> torch.Tensor:  # type: ignore[override]
         """Logits [N, vocab] of ``hidden`` [N, H].
@@ -102,7 +92,7 @@ class ParallelLMHead(packed_linear.PackedWeightsMixin, VocabParallelEmbedding):
             ValueError: N is above ``rows_per_rank``.
         """
         if self.transport is None:
-            logits = packed_linear.matmul(hidden, self.weight, self.packed)
+            logits = self.ops.linear(hidden, self.weight, self.prepared)
             logits = tp_all_gather_last_dim(logits, self.groups)
             return logits[..., : self.vocab_size]
         n, h = hidden.shape
@@ -115,7 +105,7 @@ class ParallelLMHead(packed_linear.PackedWeightsMixin, VocabParallelEmbedding):
         send = hidden.contiguous() if n == m else torch.cat((hidden, hidden.new_zeros(m - n, h)))
         gathered = hidden.new_empty((ep * m, h))                                # rank s's rows at [s * m, (s+1) * m)
         self.transport.all_gather(gathered, send).wait()
-        part = packed_linear.matmul(gathered, self.weight, self.packed)         # [ep * m, V_local]
+        part = self.ops.linear(gathered, self.weight, self.prepared)             # [ep * m, V_local]
         mine = torch.empty_like(part)
         self.transport.all_to_all_equal(mine, part).wait()                      # chunk s: my rows, shard s's columns
         logits = mine.view(ep, m, self.vocab_local).transpose(0, 1).reshape(m, ep * self.vocab_local)

@@ -2,7 +2,9 @@
 
 Shard arithmetic happens in the constructors (``local`` vs ``full`` sizes); collectives happen only in
 ``forward``, through the explicit ``ParallelGroups`` handle. Weights are ``[out_features, in_features]`` as in
-``torch.nn.Linear`` and Hugging Face checkpoints; each rank reads only its own slice from the checkpoint.
+``torch.nn.Linear`` and Hugging Face checkpoints; each rank reads only its own slice from the checkpoint. The
+multiplication is the rank's platform's (``Platform.linear``), over the weight and what the platform prepared of it
+once the layer was loaded (``prepared``: a packed copy on a CPU rank).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from torch import nn
 
 from raymoe.comm.groups import ParallelGroups, divide, tp_all_gather_last_dim, tp_all_reduce
 from raymoe.errors import CheckpointError
-from raymoe.platform.cpu.kernels import packed_linear
+from raymoe.platform.interface import Platform, WeightKind
 
 
 def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -20,17 +22,32 @@ def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> 
         raise CheckpointError(name, f"shape {tuple(tensor.shape)} does not match the model's {tuple(expected)}")
 
 
-class ReplicatedLinear(packed_linear.PackedWeightsMixin, nn.Module):
+class _PlatformLinear(nn.Module):
+    """What every linear layer here shares: its platform, its weight's prepared form, the multiplication."""
+
+    def __init__(self, ops: Platform):
+        super().__init__()
+        self.ops = ops
+        self.prepared = None
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.ops.linear(x, self.weight, self.prepared, bias)
+
+    def prepare(self) -> None:
+        """Let the platform prepare the loaded weight (after every load)."""
+        self.prepared = self.ops.prepare_weight(self.weight, WeightKind.LINEAR)
+
+
+class ReplicatedLinear(_PlatformLinear):
     """A linear layer held whole by every rank. ``x`` [..., in] -> [..., out]."""
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, bias: bool = False):
-        super().__init__()
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, ops: Platform, bias: bool = False):
+        super().__init__(ops)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-        self.packed: packed_linear.PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear.matmul(x, self.weight, self.packed, self.bias)
+        return self._matmul(x, self.bias)
 
     def load(self, reader, name: str) -> None:
         """Copy ``name`` (and ``name``'s ``.bias`` sibling) from the checkpoint reader."""
@@ -40,10 +57,10 @@ class ReplicatedLinear(packed_linear.PackedWeightsMixin, nn.Module):
         if self.bias is not None:
             bname = name.rsplit(".", 1)[0] + ".bias"
             self.bias.data.copy_(reader.get(bname, dtype=self.bias.dtype))
-        self.repack()
+        self.prepare()
 
 
-class ColumnParallelLinear(packed_linear.PackedWeightsMixin, nn.Module):
+class ColumnParallelLinear(_PlatformLinear):
     """Output dim split over tp ranks: rank r holds rows ``[r * out_local, (r + 1) * out_local)``.
 
     ``x`` [..., in] -> [..., out_local] (``gather_output=True``: all-gathered to [..., out]).
@@ -51,8 +68,8 @@ class ColumnParallelLinear(packed_linear.PackedWeightsMixin, nn.Module):
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], groups: ParallelGroups, dtype: torch.dtype,
-                 bias: bool = False, gather_output: bool = False):
-        super().__init__()
+                 ops: Platform, bias: bool = False, gather_output: bool = False):
+        super().__init__(ops)
         self.groups = groups
         self.output_sizes = list(output_sizes)
         self.local_sizes = [divide(s, groups.tp_size, "output size") for s in output_sizes]
@@ -60,10 +77,9 @@ class ColumnParallelLinear(packed_linear.PackedWeightsMixin, nn.Module):
         out_local = sum(self.local_sizes)
         self.weight = nn.Parameter(torch.empty(out_local, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_local, dtype=dtype), requires_grad=False) if bias else None
-        self.packed: packed_linear.PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = packed_linear.matmul(x, self.weight, self.packed, self.bias)
+        y = self._matmul(x, self.bias)
         return tp_all_gather_last_dim(y, self.groups) if self.gather_output else y
 
     def load(self, reader, names: list[str]) -> None:
@@ -83,27 +99,26 @@ class ColumnParallelLinear(packed_linear.PackedWeightsMixin, nn.Module):
                 self.bias.data[offset:offset + local].copy_(
                     reader.get_slice(bname, 0, start, start + local, dtype=self.bias.dtype))
             offset += local
-        self.repack()
+        self.prepare()
 
 
-class RowParallelLinear(packed_linear.PackedWeightsMixin, nn.Module):
+class RowParallelLinear(_PlatformLinear):
     """Input dim split over tp ranks; partial outputs are summed with an all-reduce on the tp group.
 
     ``x`` [..., in_local] -> [..., out] (``reduce_results=False`` leaves the partial sum to the caller).
     """
 
     def __init__(self, in_features: int, out_features: int, groups: ParallelGroups, dtype: torch.dtype,
-                 bias: bool = False, reduce_results: bool = True):
-        super().__init__()
+                 ops: Platform, bias: bool = False, reduce_results: bool = True):
+        super().__init__(ops)
         self.groups = groups
         self.in_local = divide(in_features, groups.tp_size, "input size")
         self.reduce_results = reduce_results
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-        self.packed: packed_linear.PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = packed_linear.matmul(x, self.weight, self.packed)
+        y = self._matmul(x)
         if self.reduce_results:
             tp_all_reduce(y, self.groups)
         if self.bias is not None:
@@ -118,7 +133,7 @@ class RowParallelLinear(packed_linear.PackedWeightsMixin, nn.Module):
         self.weight.data.copy_(w)
         if self.bias is not None:
             self.bias.data.copy_(reader.get(name.rsplit(".", 1)[0] + ".bias", dtype=self.bias.dtype))
-        self.repack()
+        self.prepare()
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -128,7 +143,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 groups: ParallelGroups, dtype: torch.dtype, bias: bool = False):
+                 groups: ParallelGroups, dtype: torch.dtype, ops: Platform, bias: bool = False):
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, groups.tp_size, "num_attention_heads")
         if num_kv_heads >= groups.tp_size:
@@ -139,7 +154,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.kv_replicas = divide(groups.tp_size, num_kv_heads, "tp_size over num_key_value_heads")
         super().__init__(hidden_size, [self.num_heads * head_dim * groups.tp_size,
                                        self.num_kv_heads * head_dim * groups.tp_size,
-                                       self.num_kv_heads * head_dim * groups.tp_size], groups, dtype, bias)
+                                       self.num_kv_heads * head_dim * groups.tp_size], groups, dtype, ops, bias)
 
     def load(self, reader, names: list[str]) -> None:  # names = [q, k, v]
         """Read this rank's query heads and its (possibly replicated) kv heads."""
@@ -157,4 +172,4 @@ class QKVParallelLinear(ColumnParallelLinear):
                 self.bias.data[offset:offset + n].copy_(
                     reader.get_slice(name.rsplit(".", 1)[0] + ".bias", 0, start, start + n, dtype=self.bias.dtype))
             offset += n
-        self.repack()
+        self.prepare()

@@ -24,6 +24,7 @@ from raymoe.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowPara
 from raymoe.layers.norm import RMSNorm
 from raymoe.layers.rotary import RotaryEmbedding
 from raymoe.overlap.operations import OpRole, stage_op
+from raymoe.platform.interface import Platform
 
 _LORA_NORM_EPS = 1e-6  # DeepSeek's q_a/kv_a RMSNorms use the default eps, not rms_norm_eps
 
@@ -43,13 +44,13 @@ class MLAAttention(nn.Module):
         layer_id: index of the layer (its cache layer).
         groups: process groups (heads split over ``groups.tp_size``).
         rotary: rotary table over ``qk_rope_head_dim`` (interleaved pairs for DeepSeek).
-        dtype: parameter dtype.
+        dtype: parameter dtype. ops: the rank's platform.
     Raises:
         ValueError: ``config.mla`` is None or the heads do not divide over TP.
     """
 
     def __init__(self, config: ModelConfig, layer_id: int, groups: ParallelGroups, rotary: RotaryEmbedding,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, ops: Platform):
         super().__init__()
         if config.mla is None:
             raise ValueError("MLAAttention needs config.mla")
@@ -58,16 +59,16 @@ class MLAAttention(nn.Module):
         self.num_heads = divide(config.num_attention_heads, groups.tp_size, "num_attention_heads")
         heads, hidden, bias = config.num_attention_heads, config.hidden_size, config.attention_bias
         if m.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(hidden, [heads * m.qk_head_dim], groups, dtype)
+            self.q_proj = ColumnParallelLinear(hidden, [heads * m.qk_head_dim], groups, dtype, ops)
         else:
-            self.q_a_proj = ReplicatedLinear(hidden, m.q_lora_rank, dtype, bias=bias)
-            self.q_a_layernorm = RMSNorm(m.q_lora_rank, _LORA_NORM_EPS, dtype)
-            self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, [heads * m.qk_head_dim], groups, dtype)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, m.cache_dim, dtype, bias=bias)
-        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, _LORA_NORM_EPS, dtype)
+            self.q_a_proj = ReplicatedLinear(hidden, m.q_lora_rank, dtype, ops, bias=bias)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, _LORA_NORM_EPS, dtype, ops)
+            self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, [heads * m.qk_head_dim], groups, dtype, ops)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, m.cache_dim, dtype, ops, bias=bias)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, _LORA_NORM_EPS, dtype, ops)
         self.kv_b_proj = ColumnParallelLinear(m.kv_lora_rank, [heads * (m.qk_nope_head_dim + m.v_head_dim)],
-                                              groups, dtype)
-        self.o_proj = RowParallelLinear(heads * m.v_head_dim, hidden, groups, dtype, bias=bias)
+                                              groups, dtype, ops)
+        self.o_proj = RowParallelLinear(heads * m.v_head_dim, hidden, groups, dtype, ops, bias=bias)
         self.rotary = rotary
 
     def _w_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,6 +86,7 @@ class MLAAttention(nn.Module):
         k_pe = rows[:, None, m.kv_lora_rank:].expand(n, self.num_heads, m.qk_rope_head_dim)
         return torch.cat((k_nope, k_pe), dim=-1), values
 
+    @stage_op(OpRole.ATTN_PREPARE)
     def op_prepare(self, state) -> None:
         """Queries and this step's cache rows: ``state.q`` ([T, H_local, qk_head_dim], or absorbed
         [T, H_local, kv_lora_rank + qk_rope] for decode), ``state.k`` = rows [T, kv_lora_rank + qk_rope],

@@ -19,71 +19,52 @@ correction bias, renormalization, scaling factor); weights are cast to the hidde
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from raymoe.comm.dispatcher import A2ABackendSpec, get_all_to_all_backend
-from raymoe.comm.expert_input import (
-    DenseExpertRows,
-    ExpertRows,
-    GroupedExpertRows,
-    MaskedExpertRows,
-    RoutedTokenRows,
-)
+from raymoe.comm.dispatcher import A2ABackendSpec
+from raymoe.comm.expert_input import ExpertInput
 from raymoe.comm.groups import ParallelGroups, divide, tp_all_reduce
 from raymoe.config_arch import RouterConfig
 from raymoe.errors import CheckpointError
-from raymoe.layers.activation import silu_and_mul
 from raymoe.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from raymoe.layers.router import select_experts
 from raymoe.overlap.operations import OpRole, stage_op
-from raymoe.platform.cpu.kernels import cpu_ops, packed_linear
-
-_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm takes on CPU
-
-
-def _grouped_mm_ok(x: torch.Tensor) -> bool:
-    """Whether the experts can run ``torch._grouped_mm`` on rows ``x``: CPU, a dtype it takes, not under
-    ``torch.compile`` (its shape rule for the op accepts bf16 only)."""
-    return (x.device.type == "cpu" and x.dtype in _GROUPED_MM_DTYPES and hasattr(torch, "_grouped_mm")
-            and not torch.compiler.is_compiling())
+from raymoe.platform.interface import Platform, WeightKind
 
 
 class DenseMLP(nn.Module):
     """SwiGLU MLP, tensor-parallel: ``x`` [T, H] -> [T, H]."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, groups: ParallelGroups, dtype: torch.dtype,
-                 reduce_results: bool = True):
+                 ops: Platform, reduce_results: bool = True):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2, groups, dtype)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, groups, dtype,
+        self.ops = ops
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2, groups, dtype, ops)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, groups, dtype, ops,
                                            reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
     def load(self, reader, prefix: str) -> None:
         self.gate_up_proj.load(reader, [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"])
         self.down_proj.load(reader, f"{prefix}.down_proj.weight")
 
 
-class LocalExperts(packed_linear.PackedWeightsMixin, nn.Module):
+class LocalExperts(nn.Module):
     """The experts this rank owns, stacked: ``w13`` [E_local, 2 I_local, H], ``w2`` [E_local, H, I_local].
 
     With ``ep_size > 1`` each rank owns ``E / ep_size`` whole experts; with ``ep_size == 1`` and
     ``tp_size > 1`` every rank holds all experts with the intermediate dim split (partial sums are
-    all-reduced by the caller).
-
-    On a float32 CPU rank both stacks are also kept packed (``packed13``, ``packed2``), and the grouped paths run
-    the packed GEMM (``raymoe.platform.cpu.kernels.packed_linear``) where :func:`~raymoe.platform.cpu.kernels.packed_linear.use_packed` says so.
+    all-reduced by the caller). The arithmetic is the platform's (``ExpertCompute`` in ``raymoe.comm.expert_input``),
+    over these weights and what the platform prepared of them at load (``prepared13``, ``prepared2``).
     """
 
-    PACKED = (("packed13", "w13"), ("packed2", "w2"))
-
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, groups: ParallelGroups,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, ops: Platform):
         super().__init__()
         self.groups = groups
+        self.ops = ops
         self.num_local = divide(num_experts, groups.ep_size, "num_experts over ep_size")
         self.expert_start = groups.ep_rank * self.num_local
         self.tp_split = groups.tp_size if groups.ep_size == 1 else 1
@@ -92,134 +73,18 @@ class LocalExperts(packed_linear.PackedWeightsMixin, nn.Module):
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, self.inter_local, dtype=dtype),
                                requires_grad=False)
-        self.packed13: packed_linear.PackedWeight | None = None
-        self.packed2: packed_linear.PackedWeight | None = None
+        self.prepared13 = self.prepared2 = None
 
     def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Apply expert ``local_ids[i]`` to row ``x[i]``: ``x`` [R, H], ``local_ids`` [R] int64 in
-        ``[0, E_local)`` -> [R, H] in ``x``'s dtype (R may be 0).
+        ``[0, E_local)`` -> [R, H] in ``x``'s dtype (R may be 0)."""
+        return self.ops.expert_rows(x, local_ids, self)
 
-        Rows are sorted by expert into contiguous segments and both projections run as one grouped GEMM over
-        the segments (:meth:`forward_grouped`): no Python loop over experts and no host sync, so its cost
-        does not depend on how many experts got rows. Where grouped GEMMs are unavailable (non-CPU devices,
-        float64, under ``torch.compile``) it runs one GEMM per non-empty expert (:meth:`forward_loop`); both give
-        the same rows.
-        """
-        if x.shape[0] == 0:
-            return torch.empty_like(x)
-        if _grouped_mm_ok(x):
-            return self.forward_grouped(x, local_ids)
-        return self.forward_loop(x, local_ids)
-
-    def forward_grouped(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` as two ``torch._grouped_mm`` calls over expert-sorted rows (float32/bfloat16/float16).
-
-        Segment ends are cumulative per-expert row counts [E_local] int32 computed on the device (an empty
-        expert is an empty segment), so the shapes depend on R only.
-        """
-        order = torch.argsort(local_ids, stable=True)
-        counts = torch.zeros(self.num_local, dtype=torch.int64, device=x.device)
-        counts.index_add_(0, local_ids, torch.ones_like(local_ids))
-        ends = counts.cumsum(0).to(torch.int32)
-        xs = x.index_select(0, order)                                                   # [R, H] by expert
-        y = self._grouped(xs, ends)                                                     # [R, H]
-        return torch.empty_like(x).index_copy_(0, order, y)
-
-    def _grouped(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        """Both projections over expert segments (``ends`` [E_local] int32): the packed GEMM where it applies,
-        else ``torch._grouped_mm``. ``x`` [R, H] -> [R, H]."""
-        if packed_linear.use_packed(self.packed13, x):
-            h = silu_and_mul(packed_linear.grouped_linear(x, ends, self.packed13))      # [R, I_local]
-            return packed_linear.grouped_linear(h, ends, self.packed2)
-        h = silu_and_mul(torch._grouped_mm(x, self.w13.transpose(1, 2), offs=ends))     # [R, I_local]
-        return torch._grouped_mm(h, self.w2.transpose(1, 2), offs=ends)
-
-    def forward_input(self, rows: ExpertRows | MaskedExpertRows | GroupedExpertRows | DenseExpertRows
-                      | RoutedTokenRows) -> torch.Tensor:
-        """Apply the experts to a dispatch's answer, in its layout: [R, H] for :class:`ExpertRows`,
-        [E_local, C, H] for :class:`MaskedExpertRows` (:meth:`forward_masked`), [R_max, H] for
-        :class:`GroupedExpertRows` (:meth:`forward_segments`), the weighted sums [R, H] for
-        :class:`DenseExpertRows` (:meth:`forward_dense`) and [B * M, H] for :class:`RoutedTokenRows` (float32 CPU
-        experts: the fused kernel over the routed pairs only, ``raymoe.platform.cpu.kernels.cpu_ops.moe_routed_rows``; else
-        as dense rows)."""
-        if isinstance(rows, GroupedExpertRows):
-            return self.forward_segments(rows.x, rows.ends, rows.expert_capacity)
-        if isinstance(rows, RoutedTokenRows):
-            if cpu_ops.enabled_for(rows.x, rows.topk_weights, self.w13, self.w2):
-                return cpu_ops.moe_routed_rows(rows.x, rows.topk_ids, rows.topk_weights, rows.first_expert, self.w13,
-                                               self.w2)
-            rows = rows.dense(self.num_local)
-        if isinstance(rows, DenseExpertRows):
-            return self.forward_dense(rows.x, rows.weights)
-        if isinstance(rows, MaskedExpertRows):
-            return self.forward_masked(rows.x)
-        return self(rows.x, rows.local_ids)
-
-    def forward_segments(self, x: torch.Tensor, ends: torch.Tensor, expert_capacity: int) -> torch.Tensor:
-        """Expert ``e`` on rows ``[ends[e - 1], ends[e])`` of ``x`` [R_max, H] (``ends`` [E_local] int32 on the
-        device; expert 0 starts at row 0; no expert has more than ``expert_capacity`` rows) -> [R_max, H]; rows
-        from ``ends[-1]`` on are padding in and out.
-
-        One ``torch._grouped_mm`` per projection over the segments, as :meth:`forward_grouped` (no sort: the rows
-        come sorted), so only the received rows are multiplied; shapes depend on ``R_max`` only and nothing is read
-        on the host, so a decode graph can hold it. Without grouped GEMMs (non-CPU devices, float64, under
-        ``torch.compile``) the rows are spread into the masked layout [E_local, expert_capacity, H] and run there
-        (:meth:`forward_masked`).
-        """
-        if x.shape[0] == 0:
-            return torch.empty_like(x)
-        if _grouped_mm_ok(x):
-            return self._grouped(x, ends)                                                 # [R_max, H]
-        r, el, c = x.shape[0], self.num_local, expert_capacity
-        ends = ends.to(torch.int64)
-        starts = ends - torch.diff(ends, prepend=ends.new_zeros(1))                      # [E_local]
-        slot = torch.arange(c, device=x.device)
-        spread = (starts.view(el, 1) + slot.view(1, c)).clamp_(max=r - 1)               # [E_local, C]
-        y = self.forward_masked(x.index_select(0, spread.view(-1)).view(el, c, -1))      # [E_local, C, H]
-        pos = torch.arange(r, device=x.device)
-        expert = torch.searchsorted(ends, pos, right=True).clamp_(max=el - 1)            # [R_max]
-        return y.view(el * c, -1).index_select(0, expert * c + (pos - starts[expert]).clamp_(0, c - 1))
-
-    def forward_dense(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Every local expert over every row, weighted and summed: ``x`` [R, H], ``weights`` [R, E_local] ->
-        ``sum_e weights[:, e] * expert_e(x)`` [R, H] in ``x``'s dtype.
-
-        Two batched GEMMs ([E_local, R, 2 I] then [E_local, R, H]) and one weighted reduction over the experts, in
-        expert order; a row adds exact zeros for the experts it did not pick. Worth it only where ``R * E_local``
-        is small (:data:`~raymoe.comm.low_latency.DENSE_EXPERT_MAC_BUDGET`): the other layouts multiply only routed
-        rows. The GEMMs block differently from the grouped ones, so results agree with them to rounding.
-        """
-        h = silu_and_mul(torch.matmul(x, self.w13.transpose(1, 2)))     # [E_local, R, I_local]
-        y = torch.bmm(h, self.w2.transpose(1, 2))                        # [E_local, R, H]
-        return (y * weights.t().unsqueeze(-1)).sum(dim=0)
-
-    def forward_masked(self, x: torch.Tensor) -> torch.Tensor:
-        """Every row of the low-latency layout through its expert: ``x`` [E_local, C, H] -> [E_local, C, H].
-
-        Two batched GEMMs over all ``C`` rows of every expert, valid or not (a row's output depends on that row
-        only, so the invalid rows, which the combine never reads, cannot disturb the valid ones). Shapes depend
-        on ``C`` only, which is what a decode graph needs; a GPU masked grouped GEMM would skip the invalid rows.
-        """
-        h = silu_and_mul(torch.bmm(x, self.w13.transpose(1, 2)))       # [E_local, C, I_local]
-        return torch.bmm(h, self.w2.transpose(1, 2))                    # [E_local, C, H]
-
-    def forward_loop(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` with one pair of GEMMs per non-empty expert (any dtype; syncs for the row counts)."""
-        out = torch.empty_like(x)
-        if x.shape[0] == 0:
-            return out
-        order = torch.argsort(local_ids, stable=True)
-        counts = torch.bincount(local_ids, minlength=self.num_local).tolist()
-        xs = x[order]
-        outs = []
-        start = 0
-        for e, c in enumerate(counts):
-            if c:
-                h = silu_and_mul(F.linear(xs[start:start + c], self.w13[e]))
-                outs.append(F.linear(h, self.w2[e]))
-                start += c
-        out[order] = torch.cat(outs) if len(outs) > 1 else outs[0]
-        return out
+    def forward_input(self, rows: ExpertInput) -> torch.Tensor:
+        """Apply the experts to a dispatch's answer, in its layout (``raymoe.comm.expert_input``), answering in
+        that layout: [R, H] for pair rows, [E_local, C, H] for the masked layout, [R_max, H] for sorted segments,
+        the weighted sums for token rows."""
+        return rows.compute(self.ops, self)
 
     def load(self, reader, prefix: str) -> None:
         """Read ``{prefix}.E.{gate,up,down}_proj.weight`` for the local experts only."""
@@ -237,7 +102,8 @@ class LocalExperts(packed_linear.PackedWeightsMixin, nn.Module):
             if tuple(w.shape) != tuple(self.w2.shape[1:]):
                 raise CheckpointError(f"{base}.down_proj.weight", f"unexpected shape {tuple(w.shape)}")
             self.w2.data[le].copy_(w)
-        self.repack()
+        self.prepared13 = self.ops.prepare_weight(self.w13, WeightKind.EXPERTS)
+        self.prepared2 = self.ops.prepare_weight(self.w2, WeightKind.EXPERTS)
 
 
 class SparseMoeBlock(nn.Module):
@@ -247,6 +113,7 @@ class SparseMoeBlock(nn.Module):
         num_experts, top_k, hidden_size, intermediate_size: from the model config.
         norm_topk_prob: renormalize the top-k probabilities to sum to 1 (used when ``router`` is None).
         groups: explicit process groups (EP group for dispatch/combine, TP group when experts are TP-split).
+        dtype: parameter dtype. ops: the rank's platform (routing, expert arithmetic, the dispatcher it builds).
         a2a_backend: the all-to-all backend: a name (``"torch"``, ``"deepep"`` with default options) or an
             :class:`~raymoe.comm.dispatcher.A2ABackendSpec` (DeepEP's buffer options).
         router: routing variant (None: softmax greedy top-k with ``norm_topk_prob``, the Qwen3-MoE rule).
@@ -255,31 +122,34 @@ class SparseMoeBlock(nn.Module):
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 norm_topk_prob: bool, groups: ParallelGroups, dtype: torch.dtype,
+                 norm_topk_prob: bool, groups: ParallelGroups, dtype: torch.dtype, ops: Platform,
                  a2a_backend: str | A2ABackendSpec = "torch",
                  router: RouterConfig | None = None, shared_intermediate_size: int = 0):
         super().__init__()
         self.groups = groups
+        self.ops = ops
         self.top_k = top_k
         self.router = router or RouterConfig(norm_topk_prob=norm_topk_prob)
-        self.gate = ReplicatedLinear(hidden_size, num_experts, dtype)
+        self.gate = ReplicatedLinear(hidden_size, num_experts, dtype, ops)
         if self.router.use_correction_bias:  # float32, as DeepSeek keeps it
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
         else:
             self.e_score_correction_bias = None
-        self.experts = LocalExperts(num_experts, hidden_size, intermediate_size, groups, dtype)
-        self.shared_experts = (DenseMLP(hidden_size, shared_intermediate_size, groups, dtype)
+        self.experts = LocalExperts(num_experts, hidden_size, intermediate_size, groups, dtype, ops)
+        self.shared_experts = (DenseMLP(hidden_size, shared_intermediate_size, groups, dtype, ops)
                                if shared_intermediate_size else None)
         spec = a2a_backend if isinstance(a2a_backend, A2ABackendSpec) else A2ABackendSpec(a2a_backend)
-        self.a2a = get_all_to_all_backend(spec.name, groups, num_experts,
-                                          **spec.options(hidden_size, dtype, self.experts.inter_local))
+        self.a2a = ops.create_dispatcher(spec, groups, num_experts, hidden_size, dtype, self.experts.inter_local)
 
     # ---- operations (see module docstring) ----
+    @stage_op(OpRole.ROUTER_GATE)
     def op_gate(self, state) -> None:
         state.router_logits = self.gate(state.hidden_states)
 
+    @stage_op(OpRole.ROUTER_TOPK)
     def op_select_experts(self, state) -> None:
-        weights, ids = select_experts(state.router_logits, self.top_k, self.router, self.e_score_correction_bias)
+        weights, ids = select_experts(self.ops, state.router_logits, self.top_k, self.router,
+                                      self.e_score_correction_bias)
         state.topk_weights = weights.to(state.hidden_states.dtype)
         state.topk_ids = ids
 
@@ -339,16 +209,6 @@ class SparseMoeBlock(nn.Module):
     def operations(self) -> list:
         """The block's op list, in execution order."""
         return [*self.routing_operations(), *self.expert_operations()]
-
-    def fused_router(self) -> dict | None:
-        """The router as keyword arguments of :class:`~raymoe.platform.cpu.kernels.attn_block.AttnBlockPlan` (``w_gate`` and its
-        packed copy, ``top_k``, ``renorm``, ``routed_scale``) where the fused attention block can route (softmax,
-        greedy top-k, no correction bias, no gate bias); else None."""
-        r = self.router
-        if not r.is_softmax_greedy or self.gate.bias is not None:
-            return None
-        return {"w_gate": self.gate.weight, "w_gate_packed": self.gate.packed, "top_k": self.top_k,
-                "renorm": r.norm_topk_prob, "routed_scale": r.routed_scaling_factor}
 
     def load(self, reader, prefix: str) -> None:
         self.gate.load(reader, f"{prefix}.gate.weight")

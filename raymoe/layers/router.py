@@ -10,8 +10,8 @@ Variants (``raymoe.config_arch.RouterConfig``):
   balancing): the choice uses ``sigmoid(logits) + e_score_correction_bias``, a group scores the sum of its best
   two, masked experts get -inf; the weights are the uncorrected sigmoid scores, renormalized (+1e-20).
 
-Every variant finally multiplies the weights by ``routed_scaling_factor``. Scores are computed in float32.
-Float32 CPU logits of the softmax greedy variant take one fused kernel (``raymoe.platform.cpu.kernels.cpu_ops.topk_softmax``).
+Every variant finally multiplies the weights by ``routed_scaling_factor``. Scores are computed in float32. The softmax
+greedy variant is the platform's ``topk_softmax`` operation (one fused kernel on a CPU rank).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from raymoe.config_arch import RouterConfig
-from raymoe.platform.cpu.kernels import cpu_ops
+from raymoe.platform.interface import Platform
 
 
 def _group_mask(choice: torch.Tensor, cfg: RouterConfig) -> torch.Tensor:
@@ -35,11 +35,12 @@ def _group_mask(choice: torch.Tensor, cfg: RouterConfig) -> torch.Tensor:
     return keep.unsqueeze(-1).expand(t, cfg.n_group, e // cfg.n_group).reshape(t, e)
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, cfg: RouterConfig,
+def select_experts(ops: Platform, router_logits: torch.Tensor, top_k: int, cfg: RouterConfig,
                    correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose ``top_k`` experts per token.
 
     Args:
+        ops: the rank's platform (the softmax greedy variant is its ``topk_softmax``).
         router_logits: [T, E] gate outputs (any float dtype; scored in float32).
         top_k: experts per token (<= E; with group-limited routing, <= eligible experts).
         cfg: the routing variant.
@@ -49,8 +50,8 @@ def select_experts(router_logits: torch.Tensor, top_k: int, cfg: RouterConfig,
     Raises:
         ValueError: the bias is missing though the config asks for it.
     """
-    if cfg.is_softmax_greedy and cpu_ops.enabled_for(router_logits):
-        return cpu_ops.topk_softmax(router_logits, top_k, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    if cfg.is_softmax_greedy:
+        return ops.topk_softmax(router_logits, top_k, cfg.norm_topk_prob, cfg.routed_scaling_factor)
     logits = router_logits.float()
     scores = torch.sigmoid(logits) if cfg.scoring_func == "sigmoid" else torch.softmax(logits, dim=-1)
     choice = scores

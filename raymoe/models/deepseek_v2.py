@@ -24,6 +24,7 @@ from raymoe.config import ModelConfig
 from raymoe.layers.mla import MLAAttention
 from raymoe.layers.rotary import RotaryEmbedding
 from raymoe.models.decoder import DecoderLayer, MoeCausalLM, build_mlp
+from raymoe.platform.interface import Platform
 
 
 class DeepseekV2ForCausalLM(MoeCausalLM):
@@ -31,21 +32,22 @@ class DeepseekV2ForCausalLM(MoeCausalLM):
 
     Args:
         config: normalized config with ``config.mla`` set. groups: the rank's process groups.
-        dtype: parameter dtype. a2a_backend: MoE all-to-all backend. enable_sbo: single-batch overlap.
+        dtype: parameter dtype. ops: the rank's platform. a2a_backend: MoE all-to-all backend. enable_sbo:
+        single-batch overlap.
     Raises:
         ValueError: the config has no MLA section.
     """
 
-    def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
+    def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype, ops: Platform,
                  a2a_backend: str = "torch", enable_sbo: bool = False):
-        super().__init__(config, groups, dtype, enable_sbo)
+        super().__init__(config, groups, dtype, ops, enable_sbo)
         if config.mla is None:
             raise ValueError(f"{config.model_type}: config has no MLA section (kv_lora_rank ...)")
         rotary = RotaryEmbedding(config, dtype, interleaved=config.mla.rope_interleave)
         self.layers = nn.ModuleList(
-            DecoderLayer(i, MLAAttention(config, i, groups, rotary, dtype), build_mlp(config, i, groups, dtype,
-                                                                                        a2a_backend),
-                         config.hidden_size, config.rms_norm_eps, dtype)
+            DecoderLayer(i, MLAAttention(config, i, groups, rotary, dtype, ops),
+                         build_mlp(config, i, groups, dtype, ops, a2a_backend),
+                         config.hidden_size, config.rms_norm_eps, dtype, ops)
             for i in range(config.num_hidden_layers))
         self.num_local_heads = self.layers[0].self_attn.num_heads
 
@@ -58,17 +60,14 @@ class DeepseekV2ForCausalLM(MoeCausalLM):
                                 dtype, device)
 
     def create_attn_backend(self, name: str, req_to_token_pool, token_to_kv_pool):
-        """An MLA backend over the latent cache.
+        """The platform's MLA backend ``name`` over the latent cache.
 
         Raises:
             ValueError: ``name`` has no MLA implementation (only ``"torch_native"``).
         """
-        if name != "torch_native":
-            raise ValueError(f"attention backend {name!r} has no MLA implementation; use 'torch_native'")
-        from raymoe.attention.mla_torch_native import TorchNativeMLABackend
-
-        return TorchNativeMLABackend(req_to_token_pool, token_to_kv_pool, self.num_local_heads,
-                                     self.config.mla.softmax_scale)
+        return self.ops.mla_attention_backend(name, req_to_token_pool=req_to_token_pool,
+                                              token_to_kv_pool=token_to_kv_pool, num_heads=self.num_local_heads,
+                                              softmax_scale=self.config.mla.softmax_scale)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

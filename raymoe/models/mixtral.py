@@ -20,6 +20,7 @@ from raymoe.config import ModelConfig
 from raymoe.layers.rotary import RotaryEmbedding
 from raymoe.models.decoder import DecoderLayer, MoeCausalLM, build_mlp
 from raymoe.models.qwen3_moe import Qwen3MoeAttention
+from raymoe.platform.interface import Platform
 
 _EXPERT = re.compile(r"^(.*\.experts\.\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _MIXTRAL_PART = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -57,17 +58,17 @@ class MixtralForCausalLM(MoeCausalLM):
 
     Args:
         config: normalized model config. groups: the rank's process groups. dtype: parameter dtype.
-        a2a_backend: MoE all-to-all backend. enable_sbo: single-batch overlap.
+        ops: the rank's platform. a2a_backend: MoE all-to-all backend. enable_sbo: single-batch overlap.
     """
 
-    def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
+    def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype, ops: Platform,
                  a2a_backend: str = "torch", enable_sbo: bool = False):
-        super().__init__(config, groups, dtype, enable_sbo)
+        super().__init__(config, groups, dtype, ops, enable_sbo)
         rotary = RotaryEmbedding(config, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(i, Qwen3MoeAttention(config, i, groups, rotary, dtype, qk_norm=False),
-                         build_mlp(config, i, groups, dtype, a2a_backend), config.hidden_size,
-                         config.rms_norm_eps, dtype, mlp_name="block_sparse_moe")
+            DecoderLayer(i, Qwen3MoeAttention(config, i, groups, rotary, dtype, ops, qk_norm=False),
+                         build_mlp(config, i, groups, dtype, ops, a2a_backend), config.hidden_size,
+                         config.rms_norm_eps, dtype, ops, mlp_name="block_sparse_moe")
             for i in range(config.num_hidden_layers))
         self.num_local_heads = self.layers[0].self_attn.num_heads
         self.num_local_kv_heads = self.layers[0].self_attn.num_kv_heads

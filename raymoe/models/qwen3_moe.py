@@ -14,11 +14,10 @@ from torch import nn
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ModelConfig
 from raymoe.layers.linear import QKVParallelLinear, RowParallelLinear
-from raymoe.layers.norm import rms_norm
 from raymoe.layers.rotary import RotaryEmbedding
 from raymoe.models.decoder import DecoderLayer, MoeCausalLM, build_mlp, load_norm
 from raymoe.overlap.operations import ForwardState, OpRole, stage_op
-from raymoe.platform.cpu.kernels import cpu_ops
+from raymoe.platform.interface import Platform
 
 
 class Qwen3MoeAttention(nn.Module):
@@ -26,16 +25,17 @@ class Qwen3MoeAttention(nn.Module):
     norms, RoPE), ``op_core`` (attention, o_proj)."""
 
     def __init__(self, config: ModelConfig, layer_id: int, groups: ParallelGroups, rotary: RotaryEmbedding,
-                 dtype: torch.dtype, qk_norm: bool = True):
+                 dtype: torch.dtype, ops: Platform, qk_norm: bool = True):
         super().__init__()
         self.layer_id = layer_id
+        self.ops = ops
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, groups, dtype, bias=config.attention_bias)
+                                          config.num_key_value_heads, groups, dtype, ops, bias=config.attention_bias)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, groups,
-                                        dtype, bias=config.attention_bias)
+                                        dtype, ops, bias=config.attention_bias)
         self.qk_norm = qk_norm
         self.norm_eps = config.rms_norm_eps
         if qk_norm:
@@ -44,23 +44,18 @@ class Qwen3MoeAttention(nn.Module):
                                                               dtype=dtype), persistent=False)
         self.rotary = rotary
 
+    @stage_op(OpRole.ATTN_PREPARE)
     def op_prepare(self, state: ForwardState) -> None:
         """qkv projection, q/k RMSNorm and RoPE. Queries and keys stay side by side ([T, Hq + Hkv, D], as the
-        projection lays them out), so both are normed (per-head weights) and rotated by one set of operators; on
-        a float32 CPU rank by one fused kernel, in place in the projection's output (``raymoe.platform.cpu.kernels.cpu_ops``)."""
+        projection lays them out), so both are normed (per-head weights) and rotated by one platform operation
+        (``Platform.qk_norm_rope``; in place in the projection's output on a CPU rank)."""
         x = state.hidden_states
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qk = qkv[:, :(hq + hkv) * d].reshape(t, hq + hkv, d)
-        positions = state.forward_batch.positions
-        if not self.rotary.interleaved and cpu_ops.enabled_for(qkv, self.rotary.cos):
-            norm_w = self.qk_norm_weight if self.qk_norm else None
-            cpu_ops.qk_norm_rope_(qk, norm_w, self.norm_eps, self.rotary.cos, self.rotary.sin, positions)
-        else:
-            if self.qk_norm:
-                qk = rms_norm(qk, self.qk_norm_weight, self.norm_eps)
-            qk = self.rotary.rotate(positions, qk)
+        qk = self.ops.qk_norm_rope(qk, self.qk_norm_weight if self.qk_norm else None, self.norm_eps, self.rotary,
+                                   state.forward_batch.positions)
         state.q, state.k = qk[:, :hq], qk[:, hq:]
         state.v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
 
@@ -70,19 +65,6 @@ class Qwen3MoeAttention(nn.Module):
         o = fb.attn_backend.forward(state.q, state.k, state.v, self.layer_id, fb)
         state.hidden_states = self.o_proj(o.reshape(o.shape[0], self.num_heads * self.head_dim))  # T may be 0 (IDLE)
         state.q = state.k = state.v = None
-
-    def attn_block_weights(self) -> dict | None:
-        """This attention as keyword arguments of :class:`~raymoe.platform.cpu.kernels.attn_block.AttnBlockPlan` (weights, head
-        sizes, rotary tables, q/k norm), or None where the fused attention block does not apply (projection biases,
-        interleaved rotary, tensor parallelism: the o projection's all-reduce sits between its ops)."""
-        if (self.qkv_proj.bias is not None or self.o_proj.bias is not None or self.rotary.interleaved
-                or self.o_proj.groups.tp_size != 1):
-            return None
-        return {"w_qkv": self.qkv_proj.weight, "w_o": self.o_proj.weight, "w_qkv_packed": self.qkv_proj.packed,
-                "w_o_packed": self.o_proj.packed,
-                "qk_norm_w": self.qk_norm_weight if self.qk_norm else None, "qk_eps": self.norm_eps,
-                "cos": self.rotary.cos, "sin": self.rotary.sin, "heads": self.num_heads,
-                "kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "scale": self.head_dim ** -0.5}
 
     def load(self, reader, prefix: str) -> None:
         self.qkv_proj.load(reader, [f"{prefix}.{p}_proj.weight" for p in ("q", "k", "v")])
@@ -99,18 +81,19 @@ class Qwen3MoeForCausalLM(MoeCausalLM):
         config: normalized model config.
         groups: the rank's process groups (TP for attention/dense, EP for experts).
         dtype: parameter and activation dtype.
+        ops: the rank's platform.
         a2a_backend: MoE all-to-all backend name.
         enable_sbo: single-batch overlap inside MoE layers (``raymoe.overlap.sbo``; same on every rank).
     """
 
-    def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
+    def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype, ops: Platform,
                  a2a_backend: str = "torch", enable_sbo: bool = False):
-        super().__init__(config, groups, dtype, enable_sbo)
+        super().__init__(config, groups, dtype, ops, enable_sbo)
         rotary = RotaryEmbedding(config, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(i, Qwen3MoeAttention(config, i, groups, rotary, dtype),
-                         build_mlp(config, i, groups, dtype, a2a_backend), config.hidden_size,
-                         config.rms_norm_eps, dtype)
+            DecoderLayer(i, Qwen3MoeAttention(config, i, groups, rotary, dtype, ops),
+                         build_mlp(config, i, groups, dtype, ops, a2a_backend), config.hidden_size,
+                         config.rms_norm_eps, dtype, ops)
             for i in range(config.num_hidden_layers))
         self.num_local_heads = self.layers[0].self_attn.num_heads
         self.num_local_kv_heads = self.layers[0].self_attn.num_kv_heads

@@ -13,8 +13,10 @@ from collections.abc import Sequence
 
 import torch
 
+from raymoe.overlap.fusion import Fusion
 from raymoe.overlap.operations import ForwardState, execute_operations, execute_overlapped_operations
 from raymoe.overlap.strategy import OperationsStrategy
+from raymoe.step.forward_mode import ForwardMode
 
 
 def split_state(state: ForwardState) -> list[ForwardState]:
@@ -47,24 +49,50 @@ def merge_states(parent: ForwardState, children: Sequence[ForwardState]) -> Forw
     return parent
 
 
-def forward_layers(layers: Sequence, state: ForwardState, enable_sbo: bool = False,
-                   tbo_decode_schedule: str = "fine") -> ForwardState:
-    """Run ``layers`` on ``state`` (hidden_states [T, H] in and out).
+class LayerSchedules:
+    """A model's op lists for each kind of forward, built once and reused every step.
 
     Args:
         layers: decoder layers exposing ``operations()`` (and ``is_moe``).
-        state: from the model's embedding; ``state.forward_batch.tbo_children`` selects two-batch overlap.
-        enable_sbo: single-batch overlap inside MoE layers (a per-engine setting; ignored for TBO steps).
-        tbo_decode_schedule: ``"fine"`` or ``"coarse"`` stage boundaries of DECODE TBO steps (per engine;
-            ``OperationsStrategy.tbo``).
-    Returns:
-        ``state`` with the last layer's hidden states.
+        fusions: the rank's platform's fusions (``Platform.fusions()``), applied to plain forwards only: the
+            overlap schedules split the runs they would fuse.
     """
-    fb = state.forward_batch
-    if fb.tbo_children is None:
-        strategy = OperationsStrategy.sbo(layers) if enable_sbo else OperationsStrategy.plain(layers)
-        return execute_operations(state, strategy.operations)
-    strategy = OperationsStrategy.tbo(layers, fb.forward_mode, tbo_decode_schedule)
-    children = execute_overlapped_operations(split_state(state), [strategy.operations] * 2,
-                                             [0, strategy.tbo_delta_stages])
-    return merge_states(state, children)
+
+    def __init__(self, layers: Sequence, fusions: Sequence[Fusion] = ()):
+        self.layers = list(layers)
+        self.plain = OperationsStrategy.plain(self.layers, fusions)
+        self._sbo: OperationsStrategy | None = None
+        self._tbo: dict[tuple[ForwardMode, str], OperationsStrategy] = {}
+
+    def sbo(self) -> OperationsStrategy:
+        """Single-batch overlap of every MoE layer (``raymoe.overlap.sbo``)."""
+        if self._sbo is None:
+            self._sbo = OperationsStrategy.sbo(self.layers)
+        return self._sbo
+
+    def tbo(self, forward_mode: ForwardMode, decode_schedule: str) -> OperationsStrategy:
+        """The two-batch-overlap schedule of a rank whose batch has ``forward_mode``
+        (:meth:`OperationsStrategy.tbo`)."""
+        key = (forward_mode, decode_schedule)
+        if key not in self._tbo:
+            self._tbo[key] = OperationsStrategy.tbo(self.layers, forward_mode, decode_schedule)
+        return self._tbo[key]
+
+    def run(self, state: ForwardState, enable_sbo: bool = False, tbo_decode_schedule: str = "fine") -> ForwardState:
+        """Run the layers on ``state`` (hidden_states [T, H] in and out).
+
+        Args:
+            state: from the model's embedding; ``state.forward_batch.tbo_children`` selects two-batch overlap.
+            enable_sbo: single-batch overlap inside MoE layers (a per-engine setting; ignored for TBO steps).
+            tbo_decode_schedule: ``"fine"`` or ``"coarse"`` stage boundaries of DECODE TBO steps (per engine).
+        Returns:
+            ``state`` with the last layer's hidden states.
+        """
+        fb = state.forward_batch
+        if fb.tbo_children is None:
+            strategy = self.sbo() if enable_sbo else self.plain
+            return execute_operations(state, strategy.operations)
+        strategy = self.tbo(fb.forward_mode, tbo_decode_schedule)
+        children = execute_overlapped_operations(split_state(state), [strategy.operations] * 2,
+                                                 [0, strategy.tbo_delta_stages])
+        return merge_states(state, children)

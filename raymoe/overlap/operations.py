@@ -37,9 +37,15 @@ Operation = Callable[[Any], None] | YieldOperation
 
 
 class OpRole(Enum):
-    """What an op does, as far as overlap schedules care (stage boundaries are placed before roles)."""
+    """What an op does, as far as overlap schedules and platform fusions care: schedules place stage boundaries
+    before roles; a platform's fusion (``raymoe.overlap.fusion``) replaces a run of ops by their roles."""
 
+    ATTN_INPUT_NORM = "attn_input_norm"  # residual kept, input RMSNorm
+    ATTN_PREPARE = "attn_prepare"      # qkv projection, q/k norms, rotary
     ATTN_CORE = "attn_core"            # attention over the KV cache + output projection
+    MLP_INPUT_NORM = "mlp_input_norm"  # residual add + post-attention RMSNorm
+    ROUTER_GATE = "router_gate"        # router logits
+    ROUTER_TOPK = "router_topk"        # top-k experts and their weights
     DISPATCH_A = "dispatch_a"          # start the MoE dispatch transfer
     DISPATCH_B = "dispatch_b"          # wait for it
     EXPERTS = "experts"                # local expert compute

@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from raymoe.overlap.fusion import Fusion, apply_fusions
 from raymoe.overlap.operations import Operation, OpRole, YieldOperation, move_before, op_role
 from raymoe.step.forward_mode import ForwardMode
 
@@ -48,15 +49,16 @@ EXTEND_DELTA_STAGES = 0
 DECODE_SCHEDULES = ("fine", "coarse")
 
 
-def resolve_decode_schedule(schedule: str, device_type: str) -> str:
-    """The DECODE TBO schedule (``"fine"`` or ``"coarse"``) of engine option ``schedule`` on ``device_type``:
-    ``auto`` is coarse on CPU and fine elsewhere (CUDA keeps SGLang's schedule).
+def resolve_decode_schedule(schedule: str, platform_default: str) -> str:
+    """The DECODE TBO schedule (``"fine"`` or ``"coarse"``) of engine option ``schedule``: ``auto`` is the rank's
+    platform's default (``Platform.default_tbo_decode_schedule``: coarse on CPU, where a half-batch stage takes
+    milliseconds; fine, SGLang's schedule, on CUDA).
 
     Raises:
         ValueError: an unknown schedule name.
     """
     if schedule == "auto":
-        return "coarse" if device_type == "cpu" else "fine"
+        schedule = platform_default
     if schedule not in DECODE_SCHEDULES:
         raise ValueError(f"unknown TBO decode schedule {schedule!r} (expected auto, fine or coarse)")
     return schedule
@@ -130,10 +132,10 @@ class OperationsStrategy:
     tbo_delta_stages: int = 0
 
     @classmethod
-    def plain(cls, layers: Sequence) -> OperationsStrategy:
-        """Every layer's ops in order, no stage boundaries (``layer.plain_operations()`` where a layer has it: the
-        same ops, with runs that no overlap needs to split fused into one)."""
-        return cls([op for layer in layers for op in getattr(layer, "plain_operations", layer.operations)()])
+    def plain(cls, layers: Sequence, fusions: Sequence[Fusion] = ()) -> OperationsStrategy:
+        """Every layer's ops in order, no stage boundaries, with the platform's ``fusions`` applied
+        (``raymoe.overlap.fusion``: runs of ops a kernel computes in one call)."""
+        return cls(apply_fusions([op for layer in layers for op in layer.operations()], fusions))
 
     @classmethod
     def sbo(cls, layers: Sequence) -> OperationsStrategy:

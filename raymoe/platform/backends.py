@@ -104,3 +104,16 @@ def _import_status(modules: tuple[str, ...]) -> str:
             return f"broken ({type(e).__name__}: {e})"
         return f"ok ({name} {getattr(module, '__version__', '?')})"
     return f"missing ({' or '.join(modules)})"
+
+
+def check_attention_backend(name: str, page_size: int, dtype: str) -> None:
+    """Config-time check of attention backend ``name`` for ``page_size`` tokens per KV page and ``dtype`` (the
+    flash-attention adapter checks its package, page size and dtype; ``torch_native`` takes any).
+
+    Raises:
+        InvalidRequestError: naming ``attention_backend``, ``page_size`` or ``dtype``.
+    """
+    if name == "flash_attn":
+        from raymoe.platform.cuda.flash_attn_provider import check_flash_attn_config
+
+        check_flash_attn_config(page_size, dtype)

@@ -43,51 +43,15 @@ from collections.abc import Callable, Sequence
 import torch
 from tqdm import tqdm
 
+from raymoe.platform.interface import GraphCapture, GraphStep
 from raymoe.runner.forward_batch import ForwardBatch
 from raymoe.runner.graph_buckets import select_graph_bs, select_kv_width
 from raymoe.runner.graph_buffers import GraphInputBuffers
-from raymoe.runner.sync_guard import HostSyncGuard
 from raymoe.step.forward_mode import ForwardMode
 
 logger = logging.getLogger(__name__)
 
 ForwardFn = Callable[[ForwardBatch], torch.Tensor]
-
-
-class _CpuStep:
-    """CPU stand-in for a CUDA graph: a callable bound to one bucket's static ForwardBatch."""
-
-    def __init__(self, fn: Callable[[], torch.Tensor]):
-        self.fn = fn
-
-    def replay(self) -> torch.Tensor:
-        return self.fn()
-
-
-class _CudaStep:
-    """A captured ``torch.cuda.CUDAGraph`` and the output tensor it writes (fixed address in the graph pool)."""
-
-    def __init__(self, graph, output: torch.Tensor):
-        self.graph = graph
-        self.output = output
-
-    def replay(self) -> torch.Tensor:
-        self.graph.replay()
-        return self.output
-
-
-def _capture_cuda(fn: Callable[[], torch.Tensor], pool, stream, warmup_runs: int) -> _CudaStep:
-    """Warm up ``fn`` on ``stream`` (lazy inits, allocator, kernel selection), then capture it into ``pool``.
-    ``fn`` must return a tensor that outlives the graph's temporaries (the shared output buffer's rows)."""
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup_runs):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
-        output = fn()
-    return _CudaStep(graph, output)
 
 
 class GraphRunner:
@@ -98,22 +62,22 @@ class GraphRunner:
             the batch only through its tensors and the attention backend.
         attn_backend: the backend the forward uses; must implement the graph hooks of ``AttentionBackend``.
         sizes: bucket sizes to capture (any order; ``graph_buckets.capture_sizes``).
-        device: the rank's device; ``cuda`` captures CUDA graphs, anything else records CPU callables.
+        capture: the platform's capturer on the rank's device (``Platform.graph_capture``: CUDA graphs, or
+            recordings of the eager forward).
         max_kv_len: longest sequence a graph attends over, tokens (the ReqToTokenPool row width).
         kv_widths: KV widths to capture each (bucket, use_tbo) at, tokens (``max_kv_len`` is always added; none
             may exceed it; only ``max_kv_len`` when the backend does not ``supports_graph_kv_widths``). ``None``:
-            on CUDA ``[max_kv_len]`` (the model runner passes ``RunnerConfig.graph_kv_widths``); on CPU one
-            recording per (bucket, use_tbo) that narrows dynamically on replay. Given explicitly, the fixed-width
-            scheme runs on CPU too.
+            ``[max_kv_len]`` where the capture fixes widths (the model runner passes ``RunnerConfig.graph_kv_widths``),
+            else one recording per (bucket, use_tbo) that narrows dynamically on replay. Given explicitly, the
+            fixed-width scheme runs on recordings too.
         tbo_modes: which ``use_tbo`` values to capture per bucket (``(False,)``: TBO steps run eagerly). TBO
             is captured for buckets of 2 rows or more (a decode split at ``bs // 2`` needs both halves).
         tbo_prepare: ``fb -> None`` attaching ``fb.tbo_children`` (each with its own attention backend) to a
             static batch; required when ``tbo_modes`` contains True.
         use_compile: run each bucket's forward through ``torch.compile`` (static shapes per bucket).
         low_latency: capture the low-latency MoE dispatch (``ForwardBatch.dispatch_capacity`` = the bucket size,
-            as the driver plans decode steps, ``raymoe.comm.a2a_plan``); False: normal mode (CPU only: its shapes
-            depend on the routing, so a CUDA graph cannot hold it).
-        warmup_runs: eager runs before each CUDA capture.
+            as the driver plans decode steps, ``raymoe.comm.a2a_plan``), which must be free of host syncs; False:
+            normal mode (recordings only: its shapes depend on the routing, so a CUDA graph cannot hold it).
         show_progress: show a tqdm bar while capturing.
     Raises:
         NotImplementedError: the attention backend cannot be captured.
@@ -121,11 +85,10 @@ class GraphRunner:
             capture without ``tbo_prepare``.
     """
 
-    def __init__(self, forward_fn: ForwardFn, attn_backend, sizes: Sequence[int], device: torch.device | str,
-                 max_kv_len: int, tbo_modes: Sequence[bool] = (False,),
+    def __init__(self, forward_fn: ForwardFn, attn_backend, sizes: Sequence[int], capture: GraphCapture,
+                 device: torch.device | str, max_kv_len: int, tbo_modes: Sequence[bool] = (False,),
                  tbo_prepare: Callable[[ForwardBatch], None] | None = None, use_compile: bool = False,
-                 low_latency: bool = False, warmup_runs: int = 2, show_progress: bool = True,
-                 kv_widths: Sequence[int] | None = None):
+                 low_latency: bool = False, show_progress: bool = True, kv_widths: Sequence[int] | None = None):
         if not sizes or min(sizes) < 1:
             raise ValueError(f"graph batch sizes must be a non-empty list of sizes >= 1, got {list(sizes)}")
         if True in tbo_modes and tbo_prepare is None:
@@ -133,11 +96,12 @@ class GraphRunner:
         self.sizes = sorted(set(sizes))
         self.max_bs = self.sizes[-1]
         self.device = torch.device(device)
+        self.capturer = capture
         self.attn_backend = attn_backend
         self.tbo_modes = tuple(dict.fromkeys(tbo_modes))
         self.tbo_prepare = tbo_prepare
         self.max_kv_len = max_kv_len
-        self.fixed_width = kv_widths is not None or self.is_cuda  # False: CPU, narrowed per replay
+        self.fixed_width = kv_widths is not None or capture.fixed_kv_width  # False: narrowed per replay
         kv_widths = [max_kv_len] if kv_widths is None else list(kv_widths)
         if any(not 1 <= w <= max_kv_len for w in kv_widths):
             raise ValueError(f"graph KV widths must lie in [1, {max_kv_len}] tokens, got {kv_widths}")
@@ -145,36 +109,27 @@ class GraphRunner:
             kv_widths = [max_kv_len]
         self.kv_widths = sorted(set(kv_widths) | {max_kv_len})
         self.replayed_widths: dict[int, int] = dict.fromkeys(self.kv_widths, 0)  # replays per KV width
-        self._output: torch.Tensor | None = None  # CUDA: logits [max_bs, V] float32 shared by every graph
         self.use_compile = use_compile
         self.low_latency = low_latency
-        self.warmup_runs = warmup_runs
         self.forward_fn = torch.compile(forward_fn, dynamic=False) if use_compile else forward_fn
         attn_backend.init_cuda_graph_state(self.max_bs, max_kv_len)
         self._backends_with_state = {id(attn_backend)}
         self.buffers = GraphInputBuffers.create(self.max_bs, self.device,
                                                 attn_backend.get_cuda_graph_seq_len_fill_value())
         self.static_batches: dict[tuple[int, bool], ForwardBatch] = {}  # shared by the widths of a bucket
-        self.graphs: dict[tuple[int, bool, int], _CpuStep | _CudaStep] = {}  # (bs, use_tbo, kv_width)
+        self.graphs: dict[tuple[int, bool, int], GraphStep] = {}  # (bs, use_tbo, kv_width)
         self.capture_seconds = 0.0
         self.capture(show_progress)
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.type == "cuda"
 
     def capture(self, show_progress: bool = True) -> None:
         """Capture every (bucket, use_tbo, kv_width), largest first, and log the count, sizes and time taken."""
         keys = [(bs, tbo, w) for bs in reversed(self.sizes) for tbo in self.tbo_modes if bs >= 2 or not tbo
                 for w in reversed(self.kv_widths)]
         t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle() if self.is_cuda else None
-        stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         with self._compile_limits(len(keys)):
             for bs, tbo, w in tqdm(keys, desc="capture decode graphs", unit="graph", disable=not show_progress):
-                self.graphs[(bs, tbo, w)] = self._capture_one(bs, tbo, w, pool, stream)
-        if self.is_cuda:
-            torch.cuda.synchronize(self.device)
+                self.graphs[(bs, tbo, w)] = self._capture_one(bs, tbo, w)
+        self.capturer.finish()
         self.capture_seconds = time.perf_counter() - t0
         widths = self.kv_widths if self.fixed_width else f"dynamic up to {self.max_kv_len}"
         logger.info("captured %d decode graphs on %s (batch sizes %s, tbo %s, KV widths %s tokens%s) in %.2f s",
@@ -203,7 +158,7 @@ class GraphRunner:
                     self._backends_with_state.add(id(child.attn_backend))
         return fb
 
-    def _capture_one(self, bs: int, use_tbo: bool, kv_width: int, pool, stream) -> _CpuStep | _CudaStep:
+    def _capture_one(self, bs: int, use_tbo: bool, kv_width: int) -> GraphStep:
         fb = self._static_batch(bs, use_tbo)
         self.buffers.pad(0, bs)
         width = kv_width if self.fixed_width else None
@@ -216,24 +171,8 @@ class GraphRunner:
         def run() -> torch.Tensor:
             return forward_fn(fb)
 
-        if self.is_cuda:
-            def run_into_output() -> torch.Tensor:
-                logits = run()
-                if self._output is None:  # first (eager warm-up) run of the largest bucket: V is known now
-                    self._output = logits.new_empty((self.max_bs, logits.shape[1]))
-                return self._output[:bs].copy_(logits)
-
-            try:
-                return _capture_cuda(run_into_output, pool, stream, self.warmup_runs)
-            except RuntimeError as e:  # e.g. a host sync (.tolist(), .item()) inside the forward
-                raise RuntimeError(f"CUDA graph capture of decode batch size {bs} (tbo={use_tbo}, KV width "
-                                   f"{kv_width}) failed: {e}. The forward must not sync with the host; "
-                                   "or set disable_cuda_graph=True") from e
-        # CPU "capture": prove the bucket runs (and compile it when use_compile); with the low-latency dispatch the
-        # forward must also be free of host syncs, as a CUDA graph needs, and the guard proves it.
-        with HostSyncGuard() if self.low_latency and not self.use_compile else contextlib.nullcontext():
-            run()
-        return _CpuStep(run)
+        # the low-latency dispatch must be free of host syncs, as a CUDA graph needs (a recording proves it)
+        return self.capturer.capture(run, bs, self.max_bs, self.low_latency and not self.use_compile)
 
     def bucket_for(self, forward_batch: ForwardBatch) -> int | None:
         """The bucket ``forward_batch`` replays: its ``graph_bs`` when set (must be a captured size that holds

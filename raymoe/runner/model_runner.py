@@ -24,7 +24,8 @@ from raymoe.models.loader import CheckpointReader
 from raymoe.models.registry import get_model_class
 from raymoe.overlap.split import TboForwardBatchPreparer
 from raymoe.overlap.strategy import resolve_decode_schedule
-from raymoe.platform.cpu.host_alloc import tune_host_allocator
+from raymoe.platform.interface import Platform
+from raymoe.platform.selector import select_platform
 from raymoe.runner.forward_batch import ForwardBatch
 from raymoe.runner.future_tokens import FutureTokenMap
 from raymoe.runner.graph_buckets import DEFAULT_MIN_KV_WIDTH, capture_sizes, kv_width_ladder
@@ -102,10 +103,9 @@ class RunnerConfig:
         if self.page_size < 1 or (self.num_kv_slots + 1) % self.page_size:
             raise ValueError(f"num_kv_slots + 1 ({self.num_kv_slots + 1}) must be a multiple of page_size "
                              f"({self.page_size})")
-        if self.attention_backend == "flash_attn":
-            from raymoe.platform.cuda.flash_attn_provider import check_flash_attn_config
+        from raymoe.platform.backends import check_attention_backend
 
-            check_flash_attn_config(self.page_size, self.dtype)
+        check_attention_backend(self.attention_backend, self.page_size, self.dtype)
         if self.cuda_graph_min_kv_width is not None and self.cuda_graph_min_kv_width < 1:
             raise ValueError(f"cuda_graph_min_kv_width must be >= 1 or None, got {self.cuda_graph_min_kv_width}")
         _ = self.graph_capture_sizes  # validates the graph options
@@ -129,27 +129,33 @@ class RunnerConfig:
 class ModelRunner:
     """Loads the rank's shard and runs steps.
 
+    Args:
+        cfg: the rank's settings. groups: its process groups (None: one rank).
+        ops: the rank's platform, when its caller already chose it (the rank worker, which made the groups'
+            transport with it); None: chosen here from ``cfg.device`` and ``cfg.dtype``
+            (``raymoe.platform.selector.select_platform``).
     Raises:
         CheckpointError: the model folder is missing, truncated or does not match the architecture.
     """
 
-    def __init__(self, cfg: RunnerConfig, groups: ParallelGroups | None = None):
+    def __init__(self, cfg: RunnerConfig, groups: ParallelGroups | None = None, ops: Platform | None = None):
         self.cfg = cfg
         self.groups = groups or ParallelGroups.single()
         self.device = torch.device(cfg.device)
-        if self.device.type == "cpu":
-            tune_host_allocator()  # reuse freed host blocks: no fresh pages per step (raymoe.platform.cpu.host_alloc)
         self.dtype = DTYPES[cfg.dtype]
+        self.ops = ops if ops is not None else select_platform(self.device, self.dtype)
+        self.ops.tune_rank_memory()
         self.model_config = ModelConfig.from_hf(cfg.model_path)
         with CheckpointReader(cfg.model_path) as reader:
             model_cls = get_model_class(self.model_config.model_type)
             with torch.device(self.device):
                 a2a = A2ABackendSpec(cfg.a2a_backend, cfg.a2a_mode, cfg.num_max_dispatch_tokens_per_rank)
-                self.model = model_cls(self.model_config, self.groups, self.dtype, a2a,
+                self.model = model_cls(self.model_config, self.groups, self.dtype, self.ops, a2a,
                                        enable_sbo=cfg.overlap.enable_sbo)
             self.model.load_weights(reader)
         self.model.eval()
-        self.model.tbo_decode_schedule = resolve_decode_schedule(cfg.overlap.tbo_decode_schedule, self.device.type)
+        self.model.tbo_decode_schedule = resolve_decode_schedule(cfg.overlap.tbo_decode_schedule,
+                                                                 self.ops.default_tbo_decode_schedule)
         if cfg.inject_a2a_latency_ms > 0:
             inject_a2a_latency(self.model, cfg.inject_a2a_latency_ms)
         self.req_to_token_pool = ReqToTokenPool(cfg.max_req_rows, cfg.max_context_len, self.device, cfg.page_size)
@@ -161,7 +167,7 @@ class ModelRunner:
                                                   self.token_to_kv_pool)
 
         self.attn_backend = TboAttnBackend.create(make_backend) if cfg.overlap.enable_tbo else make_backend()
-        self.sampler = Sampler(cfg.seed, self.device)
+        self.sampler = Sampler(self.ops, cfg.seed, self.device)
         self.future_tokens = FutureTokenMap(cfg.max_req_rows, self.device)
         self.graph_runner = self.build_graph_runner() if cfg.graph_capture_sizes else None
 
@@ -169,9 +175,10 @@ class ModelRunner:
         """Capture the decode graphs of ``cfg.graph_capture_sizes`` (a ``GraphRunner``).
 
         Args:
-            kv_widths: KV widths to capture, tokens. ``None``: on CUDA ``cfg.graph_kv_widths`` (the graph runner
-                keeps only the table width for a backend whose kernels ignore it); on CPU one recording per
-                bucket, narrowed on replay. Explicit widths force fixed-width graphs, on CPU too (tests).
+            kv_widths: KV widths to capture, tokens. ``None``: ``cfg.graph_kv_widths`` where the platform's graphs
+                fix their width (CUDA; the graph runner keeps only the table width for a backend whose kernels
+                ignore it), else one recording per bucket, narrowed on replay. Explicit widths force fixed-width
+                graphs, on CPU too (tests).
         """
         from raymoe.runner.graph_runner import GraphRunner
 
@@ -181,10 +188,11 @@ class ModelRunner:
             TboForwardBatchPreparer.prepare(fb, cfg.overlap.tbo_token_distribution_threshold,
                                             self.attn_backend.children)
 
-        if kv_widths is None and self.device.type == "cuda":
+        capture = self.ops.graph_capture(self.device)
+        if kv_widths is None and capture.fixed_kv_width:
             kv_widths = cfg.graph_kv_widths
         tbo = cfg.overlap.enable_tbo
-        return GraphRunner(self.forward, self.attn_backend, cfg.graph_capture_sizes, self.device,
+        return GraphRunner(self.forward, self.attn_backend, cfg.graph_capture_sizes, capture, self.device,
                            max_kv_len=cfg.max_context_len, tbo_modes=(False, True) if tbo else (False,),
                            tbo_prepare=tbo_prepare if tbo else None, use_compile=cfg.enable_torch_compile,
                            low_latency=resolve_a2a_mode(cfg.a2a_mode, True) == "low_latency",

@@ -1,1 +1,1 @@
-"""placeholder"""
+"""The torch reference platform (``platform.TorchPlatform``): every operation in torch operators, any device."""

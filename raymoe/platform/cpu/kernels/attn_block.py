@@ -105,8 +105,8 @@ class AttnBlockPlan:
     """One layer's weights for :meth:`__call__` (Qwen3-MoE / Mixtral-style GQA attention, tp = 1). The norm
     weights and rotary tables are read in place; the kernel's GEMM reads the three projections packed: the copies
     their layers keep (``w_qkv_packed``, ``w_o_packed``, ``w_gate_packed``, made at load), or copies packed here
-    where none is given (:func:`raymoe.platform.cpu.kernels.packed_linear.pack`). The owner builds a new plan after it loads new
-    weights.
+    where none is given (:func:`~raymoe.platform.cpu.kernels.packed_linear.pack`). The owner builds a new plan after
+    it loads new weights.
 
     Args:
         ln1_w, ln2_w: [H] input and post-attention RMSNorm weights; norm_eps: their epsilon.
