@@ -13,18 +13,20 @@ import itertools
 from raymoe.errors import InvalidRequestError
 from raymoe.scheduler.group_state import GroupState
 from raymoe.scheduler.req import FinishKind, Req, RequestFault
+from raymoe.scheduler.request_rules import RequestLimits
 
 
 class RequestIntake:
     """The group's door: checks and queues new requests, removes aborted and failed ones.
 
     Args:
-        state: the group's state.
+        state: the group's state. limits: what a prompt must fit (context, vocabulary, KV pool).
         has_detokenizer: whether stop strings can be checked.
     """
 
-    def __init__(self, state: GroupState, *, has_detokenizer: bool):
+    def __init__(self, state: GroupState, limits: RequestLimits, *, has_detokenizer: bool):
         self.state = state
+        self.limits = limits
         self.has_detokenizer = has_detokenizer
         self._arrivals = itertools.count()
 
@@ -32,22 +34,14 @@ class RequestIntake:
         """Queue a new request (it gets the next arrival number).
 
         Raises:
-            InvalidRequestError: ``"prompt"`` when it is empty, leaves no room for one output token within
-                ``max_context_len``, or is longer than the whole KV pool; ``"stop"`` when it has stop strings and
-                there is no detokenizer; ``"rid"`` when a request with that id is unfinished or the
+            InvalidRequestError: the prompt breaks a rule of :class:`RequestLimits` (``"prompt"``), more
+                log-probabilities than the vocabulary are asked for (``"logprobs"``); ``"stop"`` when it has stop
+                strings and there is no detokenizer; ``"rid"`` when a request with that id is unfinished or the
                 request was scheduled before; ``"queue"`` when ``max_queued_requests`` requests are already waiting.
         """
         s = self.state
-        n = len(req.origin_input_ids)
-        if n == 0:
-            raise InvalidRequestError("prompt", "the prompt is empty")
-        if n >= s.cache_config.max_context_len:
-            raise InvalidRequestError(
-                "prompt", f"the prompt has {n} tokens; max_context_len {s.cache_config.max_context_len} leaves "
-                "no room for an output token")
-        if n > s.token_allocator.size:
-            raise InvalidRequestError(
-                "prompt", f"the prompt has {n} tokens, more than the KV pool ({s.token_allocator.size} tokens)")
+        self.limits.check_prompt(req.origin_input_ids)
+        self.limits.check_logprobs(req.sampling_params.logprobs)
         if req.sampling_params.stop and not self.has_detokenizer:
             raise InvalidRequestError("stop", "stop strings need a detokenizer, and this scheduler has none")
         if req.rid in s.unfinished:

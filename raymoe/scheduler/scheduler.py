@@ -31,6 +31,7 @@ from raymoe.scheduler.batch_formation import MAX_INFLIGHT, BatchFormation
 from raymoe.scheduler.group_state import GroupState, TokenRatioPolicy
 from raymoe.scheduler.intake import RequestIntake
 from raymoe.scheduler.req import Req, RequestFault
+from raymoe.scheduler.request_rules import RequestLimits
 from raymoe.scheduler.results import StopRules, apply_batch_result
 from raymoe.scheduler.schedule_batch import ScheduleBatch
 from raymoe.step.step_output import StepOutput
@@ -46,6 +47,7 @@ class Scheduler:
         cache_config: KV pool size (``max_total_tokens`` slots), ``max_context_len``, radix cache on/off.
         eos_token_ids: the model's end-of-sequence token ids.
         detokenize: token ids -> text; required for requests with stop strings.
+        vocab_size: prompt token ids must lie in ``[0, vocab_size)`` (None: unchecked).
         init_new_token_ratio: fraction of a request's remaining ``max_tokens`` reserved in KV when admitting
             new requests (lower admits more and risks retraction); decays per decode step.
         min_new_token_ratio: floor of that fraction.
@@ -67,18 +69,20 @@ class Scheduler:
     MAX_INFLIGHT = MAX_INFLIGHT
 
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, *, eos_token_ids: Sequence[int],
-                 detokenize: Callable[[Sequence[int]], str] | None = None,
+                 detokenize: Callable[[Sequence[int]], str] | None = None, vocab_size: int | None = None,
                  init_new_token_ratio: float = 0.7, min_new_token_ratio: float = 0.1,
                  new_token_ratio_decay: float = 0.002):
         ratio = TokenRatioPolicy(init_new_token_ratio, min_new_token_ratio, new_token_ratio_decay)
         self.config = config
         self.cache_config = cache_config
+        self.vocab_size = vocab_size
         self.stop_rules = StopRules(frozenset(int(t) for t in eos_token_ids), detokenize)
         self.state = GroupState(config, cache_config, ratio)
         self.token_allocator = self.state.token_allocator
         self.req_allocator = self.state.req_allocator
         self.tree_cache = self.state.tree_cache
-        self._intake = RequestIntake(self.state, has_detokenizer=detokenize is not None)
+        limits = RequestLimits(cache_config.max_context_len, vocab_size, self.token_allocator.size)
+        self._intake = RequestIntake(self.state, limits, has_detokenizer=detokenize is not None)
         self._formation = BatchFormation(self.state)
 
     # ---------------------------------------------------------------------------------------------- requests
@@ -86,9 +90,10 @@ class Scheduler:
         """Queue a new request.
 
         Raises:
-            InvalidRequestError: ``"prompt"`` when it is empty, leaves no room for one output token within
-                ``max_context_len``, or is longer than the whole KV pool; ``"stop"`` when it has stop strings and
-                the scheduler has no detokenizer; ``"rid"`` when a request with that id is
+            InvalidRequestError: ``"prompt"`` when it is empty, holds an id outside the vocabulary, leaves no room
+                for one output token within ``max_context_len``, or is longer than the whole KV pool
+                (``raymoe.scheduler.request_rules``); ``"logprobs"`` past the vocabulary size; ``"stop"`` when it
+                has stop strings and the scheduler has no detokenizer; ``"rid"`` when a request with that id is
                 unfinished; ``"queue"`` when ``max_queued_requests`` requests are already waiting.
         """
         self._intake.add(req)
