@@ -39,6 +39,12 @@ from raymoe.step.step_output import StepOutput
 __all__ = ["IdleReport", "Scheduler"]
 
 
+def _state_view(name: str, doc: str) -> property:
+    """A read-only attribute of the scheduler that reads ``GroupState.<name>`` on each access (the state rebinds
+    some of them, e.g. ``waiting``)."""
+    return property(lambda self: getattr(self.state, name), doc=doc)
+
+
 class Scheduler:
     """Waiting queue, running set, KV accounting and batch formation of one DP-attention group.
 
@@ -57,16 +63,13 @@ class Scheduler:
         ValueError: the ratios are not ``0 <= min <= init <= 1``.
 
     Attributes:
+        state: the group's :class:`GroupState`; ``waiting``, ``running``, ``chunked_req``, ``new_token_ratio``,
+            ``num_retractions``, ``hit_tokens`` and ``num_running`` read it (read-only).
         token_allocator, req_allocator, tree_cache: the group's KV slot allocator, row allocator and radix cache.
-        waiting: requests waiting for (re-)prefill, in arrival order of acceptance.
-        running: requests whose prompt is fully scheduled (they decode), in admission order.
-        chunked_req: the request whose prompt is being prefilled chunk by chunk, or ``None``.
-        num_retractions: requests pushed back to ``waiting`` by KV exhaustion so far.
-        hit_tokens: prompt tokens served from the radix cache at admission so far.
+        stop_rules: EOS ids and detokenizer (also as ``eos_token_ids`` and ``detokenize``).
     """
 
-    # Most batches in flight at once: step N running and step N+1 formed (overlap scheduling).
-    MAX_INFLIGHT = MAX_INFLIGHT
+    MAX_INFLIGHT = MAX_INFLIGHT  # step N running and step N+1 formed (``raymoe.scheduler.batch_formation``)
 
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, *, eos_token_ids: Sequence[int],
                  detokenize: Callable[[Sequence[int]], str] | None = None, vocab_size: int | None = None,
@@ -75,8 +78,8 @@ class Scheduler:
         ratio = TokenRatioPolicy(init_new_token_ratio, min_new_token_ratio, new_token_ratio_decay)
         self.config = config
         self.cache_config = cache_config
-        self.vocab_size = vocab_size
         self.stop_rules = StopRules(frozenset(int(t) for t in eos_token_ids), detokenize)
+        self.eos_token_ids, self.detokenize = self.stop_rules.eos_token_ids, self.stop_rules.detokenize
         self.state = GroupState(config, cache_config, ratio)
         self.token_allocator = self.state.token_allocator
         self.req_allocator = self.state.req_allocator
@@ -157,42 +160,13 @@ class Scheduler:
         return apply_batch_result(self.state, batch, output, self.stop_rules)
 
     # ------------------------------------------------------------------------------------------ observability
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return self.stop_rules.eos_token_ids
-
-    @property
-    def detokenize(self) -> Callable[[Sequence[int]], str] | None:
-        return self.stop_rules.detokenize
-
-    @property
-    def waiting(self) -> list[Req]:
-        return self.state.waiting
-
-    @property
-    def running(self) -> list[Req]:
-        return self.state.running
-
-    @property
-    def chunked_req(self) -> Req | None:
-        return self.state.chunked_req
-
-    @property
-    def new_token_ratio(self) -> float:
-        return self.state.new_token_ratio
-
-    @property
-    def num_retractions(self) -> int:
-        return self.state.num_retractions
-
-    @property
-    def hit_tokens(self) -> int:
-        return self.state.hit_tokens
-
-    @property
-    def num_running(self) -> int:
-        """Requests holding KV (decoding, or being prefilled chunk by chunk)."""
-        return self.state.num_running
+    waiting = _state_view("waiting", "Requests waiting for (re-)prefill, in order of acceptance (``list[Req]``).")
+    running = _state_view("running", "Requests whose prompt is fully scheduled, in admission order (``list[Req]``).")
+    chunked_req = _state_view("chunked_req", "The request being prefilled chunk by chunk (``Req | None``).")
+    new_token_ratio = _state_view("new_token_ratio", "Fraction of remaining ``max_tokens`` admission reserves.")
+    num_retractions = _state_view("num_retractions", "Requests pushed back to ``waiting`` by KV exhaustion so far.")
+    hit_tokens = _state_view("hit_tokens", "Prompt tokens served from the radix cache at admission so far.")
+    num_running = _state_view("num_running", "Requests holding KV (decoding, or being prefilled chunk by chunk).")
 
     @property
     def num_waiting(self) -> int:
