@@ -25,6 +25,10 @@ class InvalidRequestError(RaymoeError, ValueError):
         super().__init__(f"{field}: {message}")
 
 
+class ContextLengthError(InvalidRequestError):
+    """A prompt fills the context: no room is left for an output token (OpenAI's ``context_length_exceeded``)."""
+
+
 class CheckpointError(RaymoeError):
     """A model folder is missing, unreadable, or does not match the model architecture.
 

@@ -308,7 +308,7 @@ def test_heap_stays_bounded_and_pretty_prints():
     c.insert([1, 2, 4], s[:2] + a.alloc(1))
     for _ in range(1000):
         c.match_prefix([1, 2, 3])
-    assert len(c._heap) <= 2 * 4 + 64
+    assert len(c._lru.heap) <= 2 * 4 + 64
     text = c.pretty()
     assert "[1 2] tokens=2" in text and "[3] tokens=1" in text
     c._check_invariants()

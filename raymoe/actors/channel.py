@@ -4,19 +4,17 @@ Per engine step the driver sends one :data:`~raymoe.actors.driver_service.Output
 its new requests and aborts as ``(adds, aborts)`` tuples; both are pickled Python objects
 (``multiprocessing.connection``, stdlib). A message costs tens of microseconds of CPU here, where a Ray streaming
 generator item or actor call cost about 1.5 ms of CPU across both processes (measured on the 2-core CI machine),
-which at a few milliseconds per decode step is a large share of the machine. The socket lives in a fresh
-directory only its owner can enter, and both ends prove they know a random key (HMAC challenge) before any
-message is unpickled. The driver actor is therefore placed on the front end's node
+which at a few milliseconds per decode step is a large share of the machine. The socket is private and
+authenticated (``raymoe.actors.private_socket``). The driver actor is therefore placed on the front end's node
 (``raymoe.actors.driver_actor.start_driver_actor``).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import threading
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Connection
+
+from raymoe.actors.private_socket import PrivateListener, connect_private
 
 
 class ChannelListener:
@@ -27,10 +25,8 @@ class ChannelListener:
     """
 
     def __init__(self):
-        self._dir = tempfile.mkdtemp(prefix="raymoe-chan-")  # mode 0700
-        self.path = os.path.join(self._dir, "driver.sock")
-        self.authkey = os.urandom(32)
-        self._listener = Listener(self.path, family="AF_UNIX", authkey=self.authkey)
+        self._listener = PrivateListener("raymoe-chan-", "driver.sock")
+        self.path, self.authkey = self._listener.path, self._listener.authkey
         self._conn: Connection | None = None
         self._accepted = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="raymoe-channel-accept", daemon=True)
@@ -58,7 +54,6 @@ class ChannelListener:
         if self._conn is not None:
             self._conn.close()
         self._listener.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def connect_channel(path: str, authkey: bytes) -> Connection:
@@ -68,4 +63,4 @@ def connect_channel(path: str, authkey: bytes) -> Connection:
         OSError: no listener at ``path`` (the driver is not on the front end's node).
         multiprocessing.AuthenticationError: the key does not match.
     """
-    return Client(path, family="AF_UNIX", authkey=authkey)
+    return connect_private(path, authkey)

@@ -31,12 +31,11 @@ from raymoe.actors.executor import RankFailure, RankStepError
 from raymoe.actors.step_timing import StepTimer, step_mode
 from raymoe.comm.a2a_plan import apply_dispatch_plan
 from raymoe.config import EngineConfig
-from raymoe.errors import InvalidRequestError
 from raymoe.overlap.decision import apply_tbo_decision
 from raymoe.runner.graph_buckets import apply_graph_plan
-from raymoe.scheduler.req import Req, RequestFault, RequestFaultError
+from raymoe.scheduler.req import Req, RequestFault
 from raymoe.scheduler.sampling_params import SamplingParams
-from raymoe.scheduler.schedule_batch import ScheduleBatch, check_sampling_row
+from raymoe.scheduler.schedule_batch import ScheduleBatch
 from raymoe.scheduler.scheduler import IdleReport, Scheduler
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
@@ -82,8 +81,9 @@ class Driver:
         detokenize: token ids -> text (stop strings).
         dp_size: number of DP-attention groups.
         graph_capture_sizes: decode-graph buckets the ranks captured (empty: always eager).
-        vocab_size: token ids must lie in ``[0, vocab_size)`` (None: unchecked); checked here so that no front end
-            can send a rank an id its embedding cannot look up.
+        vocab_size: token ids must lie in ``[0, vocab_size)`` (None: unchecked); the schedulers check it on
+            admission (``raymoe.scheduler.request_rules``) so that no front end can send a rank an id its
+            embedding cannot look up.
         a2a_mode: the MoE all-to-all mode the ranks were built with (``RunnerConfig.a2a_mode``; None: the
             config's ``moe_comm.a2a_mode``); resolved per step by ``raymoe.comm.a2a_plan``.
     """
@@ -97,7 +97,7 @@ class Driver:
         self.graph_capture_sizes = tuple(graph_capture_sizes)
         self.vocab_size = vocab_size
         self.schedulers = [Scheduler(config.scheduler, config.cache, eos_token_ids=eos_token_ids,
-                                     detokenize=detokenize) for _ in range(dp_size)]
+                                     detokenize=detokenize, vocab_size=vocab_size) for _ in range(dp_size)]
         self.reqs: dict[str, Req] = {}
         self.group_of: dict[str, int] = {}
         self._ids = itertools.count()
@@ -126,21 +126,14 @@ class Driver:
         """Queue a request on a DP group.
 
         Raises:
-            InvalidRequestError: the prompt is empty or too long, a sampling value cannot be represented on the
-                ranks, or the queue is full (names the field).
+            InvalidRequestError: the scheduler refused it (``Scheduler.add_request``: the prompt is empty, too long
+                or outside the vocabulary, too many log-probabilities, the queue is full ...; names the field).
+                ``params`` were checked when they were built (``SamplingParams``).
         """
         if rid in self.reqs:
             raise ValueError(f"duplicate request id {rid!r}")
-        if self.vocab_size is not None and input_ids and not 0 <= min(input_ids) <= max(input_ids) < self.vocab_size:
-            raise InvalidRequestError("prompt", f"token ids must be in [0, {self.vocab_size})")
-        if self.vocab_size is not None and params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise InvalidRequestError("logprobs", f"must be <= the vocabulary size {self.vocab_size}")
         group = self._route(input_ids)
         req = Req(rid, list(input_ids), params)
-        try:
-            check_sampling_row(req)  # the same check the step build makes: refuse now rather than fail later
-        except RequestFaultError as e:
-            raise InvalidRequestError(e.fault.field or "request", e.fault.message) from None
         self.schedulers[group].add_request(req)
         self.reqs[rid] = req
         self.group_of[rid] = group
@@ -158,7 +151,7 @@ class Driver:
         requests (the caller fails them)."""
         dropped = list(self.reqs.values())
         self.schedulers = [Scheduler(self.config.scheduler, self.config.cache, eos_token_ids=s.eos_token_ids,
-                                     detokenize=s.detokenize) for s in self.schedulers]
+                                     detokenize=s.detokenize, vocab_size=self.vocab_size) for s in self.schedulers]
         self.reqs.clear()
         self.group_of.clear()
         self._step_errors_in_a_row = 0

@@ -5,7 +5,7 @@ is an actor task: submission, scheduling and result transfer cost about 1.5 ms o
 the two processes on the 2-core CI machine, a large share of a decode step of a few milliseconds; a Ray Compiled
 Graph avoids the task but its readers poll their channels and take the CPU the ranks need (docs/performance.md).
 Ranks on the driver's node can do without either: the driver listens on a private socket (the same
-authenticated ``multiprocessing.connection`` as the front end's channel, ``raymoe.actors.channel``), each rank
+authenticated socket as the front end's channel, ``raymoe.actors.private_socket``), each rank
 actor connects (:func:`connect_step_channel`; a rank that cannot reach the socket, on another machine, makes the
 driver use actor calls) and serves steps in order from a thread of its own (:func:`serve_steps`,
 :meth:`RankWorker.start_step_channel`):
@@ -31,15 +31,13 @@ ranks (placement, start-up, restarts, kill) and every other call. Faults, as the
 
 from __future__ import annotations
 
-import os
 import pickle
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Client, Connection, Listener, wait
+from multiprocessing.connection import Connection, wait
 
+from raymoe.actors.private_socket import PrivateListener, connect_private
 from raymoe.actors.step_errors import RankFailure, RankStepError, is_collective_error
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
@@ -58,10 +56,8 @@ class StepChannelHub:
 
     def __init__(self, world_size: int, tp_size: int, grace_s: float = 5.0):
         self.world_size, self.tp_size, self.grace_s = world_size, tp_size, grace_s
-        self._dir = tempfile.mkdtemp(prefix="raymoe-steps-")  # mode 0700: only this user can reach the socket
-        self.path = os.path.join(self._dir, "steps.sock")
-        self.authkey = os.urandom(32)
-        self._listener = Listener(self.path, family="AF_UNIX", authkey=self.authkey)
+        self._listener = PrivateListener("raymoe-steps-", "steps.sock")
+        self.path, self.authkey = self._listener.path, self._listener.authkey
         self._conns: list[Connection] = []
         self._seq = 0  # number of the last step sent
         self.healthy = False
@@ -165,7 +161,6 @@ class StepChannelHub:
         self._conns = []
         self._accepted = {}
         self._listener.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def connect_step_channel(path: str, authkey: bytes, rank: int) -> Connection | None:
@@ -176,7 +171,7 @@ def connect_step_channel(path: str, authkey: bytes, rank: int) -> Connection | N
         multiprocessing.AuthenticationError: the key does not match.
     """
     try:
-        conn = Client(path, family="AF_UNIX", authkey=authkey)
+        conn = connect_private(path, authkey)
     except OSError:
         return None
     conn.send(rank)

@@ -30,7 +30,8 @@ def bench_model_path(a: argparse.Namespace) -> str:
     """``a.model``, or the seeded benchmark checkpoint of the requested sizes (built once in the cache folder)."""
     if a.model:
         return a.model
-    from raymoe.models.checkpoint import cache_dir, make_checkpoint
+    from raymoe.models.checkpoint import make_checkpoint
+    from raymoe.paths import cache_dir
 
     dims = dict(num_layers=a.num_layers, hidden_size=a.hidden_size, num_experts=a.num_experts,
                 num_experts_per_tok=a.top_k, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,

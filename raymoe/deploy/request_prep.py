@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from raymoe.deploy.http_errors import APIError
 from raymoe.deploy.protocol import ChatCompletionRequest, CompletionRequest
 from raymoe.deploy.server_config import ServerLimits
-from raymoe.errors import InvalidRequestError
+from raymoe.errors import ContextLengthError, InvalidRequestError
+from raymoe.scheduler.request_rules import RequestLimits
 from raymoe.scheduler.sampling_params import SamplingParams
 
 _COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -99,14 +100,13 @@ def _chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
 
 
 def _check_prompt(ids: list[int], vocab_size: int, max_context_len: int, field: str) -> None:
-    if not ids:
-        raise APIError(400, "the prompt is empty", param=field)
-    if min(ids) < 0 or max(ids) >= vocab_size:
-        raise APIError(400, f"token ids must be in [0, {vocab_size})", param=field)
-    if len(ids) >= max_context_len:
-        raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context holds {max_context_len} "
-                            "tokens (prompt + output)", param=field,
-                       code="context_length_exceeded")
+    """The engine's prompt rules (``raymoe.scheduler.request_rules``), answered here as a 400 naming ``field``
+    before the request reaches the engine."""
+    try:
+        RequestLimits(max_context_len, vocab_size).check_prompt(ids, field)
+    except InvalidRequestError as e:
+        code = "context_length_exceeded" if isinstance(e, ContextLengthError) else None
+        raise APIError(400, e.message, param=e.field, code=code) from None
 
 
 def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_size: int,

@@ -6,67 +6,19 @@ Ownership: one ``RadixCache`` per DP-attention group lives on the driver, next t
 Algorithm: RadixAttention's prefix cache (SGLang; Zheng et al. 2023, "SGLang: Efficient Execution of Structured
 Language Model Programs"). Each edge holds a run of token ids (``key``) and their KV slots (``value``); children are
 keyed by their first token id. A running request locks the path of its matched prefix so eviction, which only
-removes unlocked leaves in least-recently-used order, cannot take KV it is reading.
+removes unlocked leaves in least-recently-used order, cannot take KV it is reading. The tree's records live in
+``raymoe.kvcache.radix_node``, the lock counts and eviction order in ``raymoe.kvcache.radix_lru``.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from raymoe.kvcache.allocator import TokenSlotAllocator
+from raymoe.kvcache.radix_lru import LockedLRU
+from raymoe.kvcache.radix_node import MatchResult, TreeNode, common_prefix_len, format_tree, iter_nodes
 
-
-class TreeNode:
-    """One edge of the radix tree: a run of tokens and the KV slots holding them.
-
-    Attributes:
-        children: child nodes keyed by the first token id of their ``key``.
-        parent: parent node; ``None`` for the root and for nodes that were evicted or dropped by ``reset``.
-        key: token ids of this edge (empty only for the root).
-        value: KV slots of those tokens, ``len(value) == len(key)``.
-        lock_ref: number of locks held on this node or its descendants (> 0: protected from eviction).
-        last_access: logical clock of the last match/insert through this node (a counter, not wall time).
-        node_id: creation number, breaks LRU ties deterministically.
-    """
-
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "node_id")
-
-    def __init__(self, key: list[int], value: list[int], parent: TreeNode | None, node_id: int, last_access: int):
-        self.children: dict[int, TreeNode] = {}
-        self.parent = parent
-        self.key = key
-        self.value = value
-        self.lock_ref = 0
-        self.last_access = last_access
-        self.node_id = node_id
-
-    def __repr__(self) -> str:
-        return f"TreeNode(id={self.node_id}, tokens={len(self.key)}, lock_ref={self.lock_ref})"
-
-
-@dataclass(frozen=True)
-class MatchResult:
-    """Outcome of :meth:`RadixCache.match_prefix`.
-
-    Attributes:
-        slots: KV slots of the longest cached prefix (one per matched token; a fresh list the caller may keep).
-        last_node: node where the match ends (the root for an empty match). Lock it with ``inc_lock_ref`` while
-            the request uses the prefix, and unlock it with ``dec_lock_ref`` when done.
-    """
-
-    slots: list[int]
-    last_node: TreeNode
-
-
-def _common_prefix_len(key: list[int], ids: list[int], start: int) -> int:
-    """Length of the common prefix of ``key`` and ``ids[start:]``."""
-    seg = ids[start : start + len(key)]
-    for n, (a, b) in enumerate(zip(key, seg, strict=False)):
-        if a != b:
-            return n
-    return len(seg)
+__all__ = ["MatchResult", "RadixCache", "TreeNode"]
 
 
 class RadixCache:
@@ -122,12 +74,7 @@ class RadixCache:
     def _init_tree(self) -> None:
         self.root_node = TreeNode([], [], None, self._new_id(), 0)
         self.root_node.lock_ref = 1  # never evictable; inc/dec_lock_ref never touch the root
-        self._evictable = 0
-        self._protected = 0
-        self._num_nodes = 1
-        # Lazy min-heap of (last_access, node_id, node) for unlocked leaves; entries go stale when a node is
-        # touched, locked, gains a child or is evicted, and are skipped at pop time (see _is_current).
-        self._heap: list[tuple[int, int, TreeNode]] = []
+        self._lru = LockedLRU(self.root_node)
 
     def _new_id(self) -> int:
         self._next_id += 1
@@ -143,7 +90,7 @@ class RadixCache:
             child = node.children.get(token_ids[i])
             if child is None:
                 break
-            k = _common_prefix_len(child.key, token_ids, i)
+            k = common_prefix_len(child.key, token_ids, i)
             i += k
             if k < len(child.key):
                 break
@@ -163,8 +110,7 @@ class RadixCache:
         slots: list[int] = []
         node, matched = self._walk(list(token_ids), slots)
         self.hit_tokens += matched
-        if not node.children and node.lock_ref == 0:
-            self._push(node)  # its last_access changed
+        self._lru.touched(node)  # its last_access changed
         return MatchResult(slots, node)
 
     def insert(self, token_ids: Sequence[int], slots: Sequence[int]) -> int:
@@ -188,11 +134,9 @@ class RadixCache:
         if matched < len(ids):
             leaf = TreeNode(ids[matched:], list(slots[matched:]), node, self._new_id(), self._clock)
             node.children[ids[matched]] = leaf
-            self._num_nodes += 1
-            self._evictable += len(leaf.key)
+            self._lru.added_leaf(leaf)
             node = leaf
-        if not node.children and node.lock_ref == 0:
-            self._push(node)
+        self._lru.touched(node)
         return matched
 
     def _walk(self, ids: list[int], out_slots: list[int] | None) -> tuple[TreeNode, int]:
@@ -209,7 +153,7 @@ class RadixCache:
             if ids[i : i + klen] == child.key:
                 k = klen
             else:
-                k = _common_prefix_len(child.key, ids, i)
+                k = common_prefix_len(child.key, ids, i)
                 child = self._split(child, k)
             child.last_access = now
             if out_slots is not None:
@@ -246,7 +190,7 @@ class RadixCache:
         node.value = node.value[k:]
         node.parent = upper
         upper.children[node.key[0]] = node
-        self._num_nodes += 1
+        self._lru.added_split()
         return upper
 
     # ------------------------------------------------------------------------------------------------- locks
@@ -260,14 +204,7 @@ class RadixCache:
             if node is self.root_node:
                 return
             raise ValueError(f"inc_lock_ref: {node!r} is no longer in the tree")
-        root = self.root_node
-        while node is not root:
-            if node.lock_ref == 0:
-                n = len(node.key)
-                self._evictable -= n
-                self._protected += n
-            node.lock_ref += 1
-            node = node.parent
+        self._lru.lock(node)
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Release one lock taken by ``inc_lock_ref(node)`` on ``node`` and its ancestors. The root is a no-op.
@@ -279,32 +216,9 @@ class RadixCache:
             return
         if node.lock_ref <= 0:  # ancestors hold at least as many locks as node, so checking node suffices
             raise ValueError(f"dec_lock_ref: {node!r} is not locked")
-        root = self.root_node
-        while node is not root:
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                n = len(node.key)
-                self._evictable += n
-                self._protected -= n
-                if not node.children:
-                    self._push(node)
-            node = node.parent
+        self._lru.unlock(node)
 
     # ---------------------------------------------------------------------------------------------- eviction
-    def _push(self, node: TreeNode) -> None:
-        heap = self._heap
-        heapq.heappush(heap, (node.last_access, node.node_id, node))
-        if len(heap) > 2 * self._num_nodes + 64:
-            self._rebuild_heap()
-
-    def _rebuild_heap(self) -> None:
-        """Drop stale entries: keep one entry per unlocked leaf."""
-        self._heap = [(n.last_access, n.node_id, n) for n in self._iter_nodes() if self._is_current(n, n.last_access)]
-        heapq.heapify(self._heap)
-
-    def _is_current(self, node: TreeNode, stamp: int) -> bool:
-        return node.parent is not None and not node.children and node.lock_ref == 0 and node.last_access == stamp
-
     def evict(self, num_tokens: int) -> int:
         """Evict least-recently-used unlocked leaves until at least ``num_tokens`` slots were freed or nothing
         evictable remains; freed slots go back to the allocator. A parent whose last child goes becomes a leaf
@@ -313,35 +227,22 @@ class RadixCache:
         Returns:
             number of slots freed (tokens evicted).
         """
-        heap = self._heap
-        freed: list[int] = []
-        while len(freed) < num_tokens and heap:
-            stamp, _, node = heapq.heappop(heap)
-            if not self._is_current(node, stamp):
-                continue
-            parent = node.parent
-            del parent.children[node.key[0]]
-            node.parent = None
-            self._num_nodes -= 1
-            self._evictable -= len(node.value)
-            freed += node.value
-            if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+        freed = self._lru.evict(num_tokens)
         if freed:
             self.allocator.free(freed)
         return len(freed)
 
     def evictable_size(self) -> int:
         """Tokens in unlocked nodes (what ``evict`` could free)."""
-        return self._evictable
+        return self._lru.evictable
 
     def protected_size(self) -> int:
         """Tokens in locked nodes."""
-        return self._protected
+        return self._lru.protected
 
     def total_size(self) -> int:
         """Tokens (= slots) held by the tree: ``evictable_size() + protected_size()``."""
-        return self._evictable + self._protected
+        return self._lru.evictable + self._lru.protected
 
     def reset(self) -> None:
         """Drop every node and free all tree slots into the allocator (hit counters are kept: they are cumulative).
@@ -352,10 +253,10 @@ class RadixCache:
         Raises:
             ValueError: a running request still holds a lock (``protected_size() > 0``); nothing is changed.
         """
-        if self._protected:
-            raise ValueError(f"reset: {self._protected} cached tokens are still locked by running requests")
+        if self._lru.protected:
+            raise ValueError(f"reset: {self._lru.protected} cached tokens are still locked by running requests")
         freed: list[int] = []
-        for node in self._iter_nodes():
+        for node in iter_nodes(self.root_node):
             freed += node.value
             node.parent = None
         if freed:
@@ -363,28 +264,9 @@ class RadixCache:
         self._init_tree()
 
     # ------------------------------------------------------------------------------------------------ debug
-    def _iter_nodes(self):
-        stack = [self.root_node]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
-
     def pretty(self) -> str:
         """Indented dump of the tree: key (first tokens), slots count, lock count and last access per node."""
-        lines = [f"root evictable={self._evictable} protected={self._protected}"]
-
-        def visit(node: TreeNode, depth: int) -> None:
-            for tok in sorted(node.children):
-                child = node.children[tok]
-                key = " ".join(map(str, child.key[:8])) + (" ..." if len(child.key) > 8 else "")
-                lines.append(
-                    f"{'  ' * depth}[{key}] tokens={len(child.key)} lock={child.lock_ref} t={child.last_access}"
-                )
-                visit(child, depth + 1)
-
-        visit(self.root_node, 1)
-        return "\n".join(lines)
+        return format_tree(self.root_node, f"root evictable={self._lru.evictable} protected={self._lru.protected}")
 
     def _check_invariants(self) -> None:
         """Walk the whole tree and assert its structure and counters (tests only; O(tree))."""
@@ -392,8 +274,9 @@ class RadixCache:
         assert root.parent is None and root.key == [] and root.value == [] and root.lock_ref == 1
         evictable = protected = nodes = 0
         slots: set[int] = set()
-        live = {(e[0], e[1]) for e in self._heap if self._is_current(e[2], e[0])}
-        for node in self._iter_nodes():
+        lru = self._lru
+        live = {(e[0], e[1]) for e in lru.heap if lru.is_current(e[2], e[0])}
+        for node in iter_nodes(root):
             nodes += 1
             for tok, child in node.children.items():
                 assert child.parent is node and child.key and child.key[0] == tok
@@ -410,6 +293,6 @@ class RadixCache:
                 evictable += len(node.key)
                 if not node.children:
                     assert (node.last_access, node.node_id) in live, f"unlocked leaf {node!r} missing from heap"
-        assert nodes == self._num_nodes
-        assert (evictable, protected) == (self._evictable, self._protected)
+        assert nodes == lru.num_nodes
+        assert (evictable, protected) == (lru.evictable, lru.protected)
         assert len(slots) == evictable + protected

@@ -3,8 +3,8 @@
 ``make_checkpoint`` writes ``config.json``, ``generation_config.json``, the tokenizer files and safetensors weights
 under their on-disk Hugging Face names, so the same folder loads in ``transformers`` (the parity oracle) and in
 raymoe. Weights are float32 and a pure function of the arguments (one ``torch.Generator`` seeded with ``seed``,
-tensors drawn in a fixed order), scaled so that greedy decoding is well conditioned: final logits have a std of
-several units and router logits are spread, so top-1/top-k choices are not near-ties.
+tensors drawn in a fixed order by the builders of ``raymoe.models.tiny_init``, scaled so that greedy decoding is
+well conditioned).
 
 ``default_model_path`` builds the demo checkpoint once per cache folder (file-locked) and returns its path.
 """
@@ -12,7 +12,6 @@ several units and router logits are spread, so top-1/top-k choices are not near-
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -27,16 +26,12 @@ from safetensors.torch import save_file
 
 from raymoe.errors import InvalidRequestError
 from raymoe.models import tiny_archs
+from raymoe.models.tiny_init import LM_HEAD_GAIN, OUT_PROJ_GAIN, ROUTER_GAIN, linear, norm
 from raymoe.models.tokenizer_builder import ENDOFTEXT_ID, IM_END_ID, build_tokenizer
+from raymoe.paths import cache_dir
 
 DEMO_VERSION = 1
 """Bump when the demo checkpoint's contents change, so caches rebuild under a new folder name."""
-
-# Init gains (std = gain / sqrt(fan_in) for linear weights): see the module docstring.
-_ROUTER_GAIN = 3.0
-_LM_HEAD_GAIN = 6.0
-_OUT_PROJ_GAIN = 1.5
-_NORM_NOISE = 0.1
 
 
 @dataclass(frozen=True)
@@ -85,16 +80,6 @@ class _Arch(NamedTuple):
     weight_steps: Callable[[TinyModelSpec, torch.Generator], Iterator[Tensors]]
 
 
-def _linear(gen: torch.Generator, out_f: int, in_f: int, gain: float = 1.0) -> torch.Tensor:
-    """[out_f, in_f] float32, std gain / sqrt(in_f)."""
-    return torch.randn(out_f, in_f, generator=gen) * (gain / math.sqrt(in_f))
-
-
-def _norm(gen: torch.Generator, n: int) -> torch.Tensor:
-    """[n] float32 around 1."""
-    return 1.0 + _NORM_NOISE * torch.randn(n, generator=gen)
-
-
 def _qwen3_moe_config(s: TinyModelSpec) -> dict[str, Any]:
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
@@ -139,30 +124,30 @@ def _qwen3_moe_weights(s: TinyModelSpec, gen: torch.Generator) -> Iterator[Tenso
     for i in range(s.num_layers):
         p = f"model.layers.{i}."
         t: Tensors = {
-            p + "input_layernorm.weight": _norm(gen, h),
-            p + "self_attn.q_proj.weight": _linear(gen, s.num_heads * d, h),
-            p + "self_attn.k_proj.weight": _linear(gen, s.num_kv_heads * d, h),
-            p + "self_attn.v_proj.weight": _linear(gen, s.num_kv_heads * d, h),
-            p + "self_attn.o_proj.weight": _linear(gen, h, s.num_heads * d, _OUT_PROJ_GAIN),
-            p + "self_attn.q_norm.weight": _norm(gen, d),
-            p + "self_attn.k_norm.weight": _norm(gen, d),
-            p + "post_attention_layernorm.weight": _norm(gen, h),
+            p + "input_layernorm.weight": norm(gen, h),
+            p + "self_attn.q_proj.weight": linear(gen, s.num_heads * d, h),
+            p + "self_attn.k_proj.weight": linear(gen, s.num_kv_heads * d, h),
+            p + "self_attn.v_proj.weight": linear(gen, s.num_kv_heads * d, h),
+            p + "self_attn.o_proj.weight": linear(gen, h, s.num_heads * d, OUT_PROJ_GAIN),
+            p + "self_attn.q_norm.weight": norm(gen, d),
+            p + "self_attn.k_norm.weight": norm(gen, d),
+            p + "post_attention_layernorm.weight": norm(gen, h),
         }
         if s.is_moe_layer(i):
-            t[p + "mlp.gate.weight"] = _linear(gen, s.num_experts, h, _ROUTER_GAIN)
+            t[p + "mlp.gate.weight"] = linear(gen, s.num_experts, h, ROUTER_GAIN)
             for e in range(s.num_experts):
                 q = f"{p}mlp.experts.{e}."
-                t[q + "gate_proj.weight"] = _linear(gen, s.moe_intermediate_size, h)
-                t[q + "up_proj.weight"] = _linear(gen, s.moe_intermediate_size, h)
-                t[q + "down_proj.weight"] = _linear(gen, h, s.moe_intermediate_size, _OUT_PROJ_GAIN)
+                t[q + "gate_proj.weight"] = linear(gen, s.moe_intermediate_size, h)
+                t[q + "up_proj.weight"] = linear(gen, s.moe_intermediate_size, h)
+                t[q + "down_proj.weight"] = linear(gen, h, s.moe_intermediate_size, OUT_PROJ_GAIN)
         else:
-            t[p + "mlp.gate_proj.weight"] = _linear(gen, s.intermediate_size, h)
-            t[p + "mlp.up_proj.weight"] = _linear(gen, s.intermediate_size, h)
-            t[p + "mlp.down_proj.weight"] = _linear(gen, h, s.intermediate_size, _OUT_PROJ_GAIN)
+            t[p + "mlp.gate_proj.weight"] = linear(gen, s.intermediate_size, h)
+            t[p + "mlp.up_proj.weight"] = linear(gen, s.intermediate_size, h)
+            t[p + "mlp.down_proj.weight"] = linear(gen, h, s.intermediate_size, OUT_PROJ_GAIN)
         yield t
-    last: Tensors = {"model.norm.weight": _norm(gen, h)}
+    last: Tensors = {"model.norm.weight": norm(gen, h)}
     if not s.tie_word_embeddings:
-        last["lm_head.weight"] = _linear(gen, s.vocab_size, h, _LM_HEAD_GAIN)
+        last["lm_head.weight"] = linear(gen, s.vocab_size, h, LM_HEAD_GAIN)
     yield last
 
 
@@ -312,12 +297,6 @@ def make_checkpoint(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def cache_dir() -> Path:
-    """``$RAYMOE_CACHE_DIR`` if set, else ``~/.cache/raymoe``."""
-    env = os.environ.get("RAYMOE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "raymoe"
 
 
 def default_model_path(progress: bool = True) -> Path:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from raymoe.models.tiny_init import LM_HEAD_GAIN, OUT_PROJ_GAIN, ROUTER_GAIN, linear, norm
 from raymoe.models.tokenizer_builder import ENDOFTEXT_ID, IM_END_ID
 
 
@@ -51,47 +52,43 @@ def deepseek_config(s, v3: bool) -> dict[str, Any]:
 
 def deepseek_weights(s, gen: torch.Generator, v3: bool) -> Iterator[dict[str, torch.Tensor]]:
     """Weights in build steps: embeddings, one dict per layer, final norm + LM head."""
-    from raymoe.models.checkpoint import _LM_HEAD_GAIN, _OUT_PROJ_GAIN, _ROUTER_GAIN, _linear, _norm
-
     h, m = s.hidden_size, _mla_dims(s, v3)
     qk = m["qk_nope_head_dim"] + m["qk_rope_head_dim"]
     yield {"model.embed_tokens.weight": torch.randn(s.vocab_size, h, generator=gen)}
     for i in range(s.num_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        t = {p + "input_layernorm.weight": _norm(gen, h), p + "post_attention_layernorm.weight": _norm(gen, h)}
+        t = {p + "input_layernorm.weight": norm(gen, h), p + "post_attention_layernorm.weight": norm(gen, h)}
         if m["q_lora_rank"] is None:
-            t[a + "q_proj.weight"] = _linear(gen, s.num_heads * qk, h)
+            t[a + "q_proj.weight"] = linear(gen, s.num_heads * qk, h)
         else:
-            t[a + "q_a_proj.weight"] = _linear(gen, m["q_lora_rank"], h)
-            t[a + "q_a_layernorm.weight"] = _norm(gen, m["q_lora_rank"])
-            t[a + "q_b_proj.weight"] = _linear(gen, s.num_heads * qk, m["q_lora_rank"])
-        t[a + "kv_a_proj_with_mqa.weight"] = _linear(gen, m["kv_lora_rank"] + m["qk_rope_head_dim"], h)
-        t[a + "kv_a_layernorm.weight"] = _norm(gen, m["kv_lora_rank"])
-        t[a + "kv_b_proj.weight"] = _linear(gen, s.num_heads * (m["qk_nope_head_dim"] + m["v_head_dim"]),
-                                            m["kv_lora_rank"])
-        t[a + "o_proj.weight"] = _linear(gen, h, s.num_heads * m["v_head_dim"], _OUT_PROJ_GAIN)
+            t[a + "q_a_proj.weight"] = linear(gen, m["q_lora_rank"], h)
+            t[a + "q_a_layernorm.weight"] = norm(gen, m["q_lora_rank"])
+            t[a + "q_b_proj.weight"] = linear(gen, s.num_heads * qk, m["q_lora_rank"])
+        t[a + "kv_a_proj_with_mqa.weight"] = linear(gen, m["kv_lora_rank"] + m["qk_rope_head_dim"], h)
+        t[a + "kv_a_layernorm.weight"] = norm(gen, m["kv_lora_rank"])
+        t[a + "kv_b_proj.weight"] = linear(gen, s.num_heads * (m["qk_nope_head_dim"] + m["v_head_dim"]),
+                                           m["kv_lora_rank"])
+        t[a + "o_proj.weight"] = linear(gen, h, s.num_heads * m["v_head_dim"], OUT_PROJ_GAIN)
         if i == 0:  # first_k_dense_replace = 1
             t.update(_mlp(gen, p + "mlp.", h, s.intermediate_size))
         else:
-            t[p + "mlp.gate.weight"] = _linear(gen, s.num_experts, h, _ROUTER_GAIN)
+            t[p + "mlp.gate.weight"] = linear(gen, s.num_experts, h, ROUTER_GAIN)
             if v3:
                 t[p + "mlp.gate.e_score_correction_bias"] = 0.1 * torch.randn(s.num_experts, generator=gen)
             for e in range(s.num_experts):
                 t.update(_mlp(gen, f"{p}mlp.experts.{e}.", h, s.moe_intermediate_size))
             t.update(_mlp(gen, p + "mlp.shared_experts.", h, s.moe_intermediate_size))
         yield t
-    last = {"model.norm.weight": _norm(gen, h)}
+    last = {"model.norm.weight": norm(gen, h)}
     if not s.tie_word_embeddings:
-        last["lm_head.weight"] = _linear(gen, s.vocab_size, h, _LM_HEAD_GAIN)
+        last["lm_head.weight"] = linear(gen, s.vocab_size, h, LM_HEAD_GAIN)
     yield last
 
 
 def _mlp(gen: torch.Generator, prefix: str, h: int, inter: int, names=("gate_proj", "up_proj", "down_proj")):
-    from raymoe.models.checkpoint import _OUT_PROJ_GAIN, _linear
-
-    return {f"{prefix}{names[0]}.weight": _linear(gen, inter, h), f"{prefix}{names[1]}.weight": _linear(gen, inter, h),
-            f"{prefix}{names[2]}.weight": _linear(gen, h, inter, _OUT_PROJ_GAIN)}
+    return {f"{prefix}{names[0]}.weight": linear(gen, inter, h), f"{prefix}{names[1]}.weight": linear(gen, inter, h),
+            f"{prefix}{names[2]}.weight": linear(gen, h, inter, OUT_PROJ_GAIN)}
 
 
 def mixtral_config(s) -> dict[str, Any]:
@@ -107,22 +104,20 @@ def mixtral_config(s) -> dict[str, Any]:
 
 def mixtral_weights(s, gen: torch.Generator) -> Iterator[dict[str, torch.Tensor]]:
     """Weights in build steps (``block_sparse_moe.experts.E.w1/w3/w2``: gate/up/down)."""
-    from raymoe.models.checkpoint import _LM_HEAD_GAIN, _OUT_PROJ_GAIN, _ROUTER_GAIN, _linear, _norm
-
     h, d = s.hidden_size, s.head_dim
     yield {"model.embed_tokens.weight": torch.randn(s.vocab_size, h, generator=gen)}
     for i in range(s.num_layers):
         p = f"model.layers.{i}."
-        t = {p + "input_layernorm.weight": _norm(gen, h), p + "post_attention_layernorm.weight": _norm(gen, h),
-             p + "self_attn.q_proj.weight": _linear(gen, s.num_heads * d, h),
-             p + "self_attn.k_proj.weight": _linear(gen, s.num_kv_heads * d, h),
-             p + "self_attn.v_proj.weight": _linear(gen, s.num_kv_heads * d, h),
-             p + "self_attn.o_proj.weight": _linear(gen, h, s.num_heads * d, _OUT_PROJ_GAIN),
-             p + "block_sparse_moe.gate.weight": _linear(gen, s.num_experts, h, _ROUTER_GAIN)}
+        t = {p + "input_layernorm.weight": norm(gen, h), p + "post_attention_layernorm.weight": norm(gen, h),
+             p + "self_attn.q_proj.weight": linear(gen, s.num_heads * d, h),
+             p + "self_attn.k_proj.weight": linear(gen, s.num_kv_heads * d, h),
+             p + "self_attn.v_proj.weight": linear(gen, s.num_kv_heads * d, h),
+             p + "self_attn.o_proj.weight": linear(gen, h, s.num_heads * d, OUT_PROJ_GAIN),
+             p + "block_sparse_moe.gate.weight": linear(gen, s.num_experts, h, ROUTER_GAIN)}
         for e in range(s.num_experts):
             t.update(_mlp(gen, f"{p}block_sparse_moe.experts.{e}.", h, s.moe_intermediate_size, ("w1", "w3", "w2")))
         yield t
-    last = {"model.norm.weight": _norm(gen, h)}
+    last = {"model.norm.weight": norm(gen, h)}
     if not s.tie_word_embeddings:
-        last["lm_head.weight"] = _linear(gen, s.vocab_size, h, _LM_HEAD_GAIN)
+        last["lm_head.weight"] = linear(gen, s.vocab_size, h, LM_HEAD_GAIN)
     yield last

@@ -19,40 +19,39 @@ from typing import Any, ClassVar
 import torch
 
 from raymoe.step.forward_mode import ForwardMode
-from raymoe.step.sampling_inputs import SamplingInputs
+from raymoe.step.sampling_inputs import SamplingInputs, SamplingRows
 from raymoe.step.worker_batch import ModelWorkerBatch
 
 
-@dataclass
-class SamplingBatchInfo:
-    """Per-row sampling parameters as tensors (``bs`` rows).
+@dataclass(frozen=True)
+class SamplingBatchInfo(SamplingRows[torch.Tensor, torch.Tensor]):
+    """Per-row sampling parameters on the rank's device, ``bs`` rows (fields declared by :class:`SamplingRows`).
 
     ``temperatures``/``top_ps``/``min_ps`` [bs] float32, ``top_ks`` [bs] int64 (<= 0: off); ``seeds``,
     ``output_lens`` and ``logprobs`` stay Python lists (used to build per-row generators and log-prob answers);
     ``all_greedy`` skips sampling.
     """
 
-    temperatures: torch.Tensor
-    top_ps: torch.Tensor
-    top_ks: torch.Tensor
-    min_ps: torch.Tensor
-    seeds: list[int | None]
-    output_lens: list[int]
-    logprobs: list[int | None]
+    # The tensor dtype of each generic column of SamplingRows; the other fields are host lists.
+    DTYPES: ClassVar[dict[str, torch.dtype]] = {"FloatRows": torch.float32, "IntRows": torch.int64}
+
     all_greedy: bool
 
     @classmethod
     def from_inputs(cls, s: SamplingInputs, device: torch.device | str) -> SamplingBatchInfo:
         """Tensorize the driver's per-row sampling record on ``device``."""
-        def t(x: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype, device=device)
+        columns: dict[str, Any] = {}
+        for f in dataclasses.fields(SamplingRows):
+            value = getattr(s, f.name)
+            dtype = cls.DTYPES.get(f.type)
+            columns[f.name] = list(value) if dtype is None else torch.tensor(value, dtype=dtype, device=device)
+        return cls(**columns, all_greedy=s.all_greedy)
 
-        return cls(
-            temperatures=t(s.temperatures, torch.float32), top_ps=t(s.top_ps, torch.float32),
-            top_ks=t(s.top_ks, torch.int64), min_ps=t(s.min_ps, torch.float32),
-            seeds=list(s.seeds), output_lens=list(s.output_lens), logprobs=list(s.logprobs),
-            all_greedy=s.all_greedy,
-        )
+
+_untyped = [f.name for f in dataclasses.fields(SamplingRows)
+            if f.type not in SamplingBatchInfo.DTYPES and not str(f.type).startswith("list[")]
+if _untyped:  # a new SamplingRows column must be a generic column (a tensor here) or a host list
+    raise TypeError(f"SamplingRows fields {_untyped} are neither FloatRows/IntRows columns nor lists")
 
 
 @dataclass

@@ -1,17 +1,16 @@
-"""KV accounting checks of one DP group's scheduler: the idle invariant and the full slot/row audit.
+"""KV accounting of one DP group: the usage gauge, the idle invariant and the full slot/row audit.
 
-Ownership: read-only views of a :class:`~raymoe.scheduler.scheduler.Scheduler`'s allocators, radix cache and
-requests (the scheduler's ``idle_report`` / ``check_memory_invariants`` call these). The driver sums the idle
-reports of its groups for metrics and for the stress benchmark; tests run the audit after every step.
+Ownership: read-only views of a :class:`~raymoe.scheduler.group_state.GroupState` (its allocators, radix cache and
+requests); the group's ``Scheduler`` calls these for ``kv_usage`` / ``idle_report`` / ``check_memory_invariants``.
+The driver sums the idle reports of its groups for metrics and for the stress benchmark; tests run the audit after
+every step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from raymoe.scheduler.scheduler import Scheduler
+from raymoe.scheduler.group_state import GroupState
 
 
 @dataclass(frozen=True)
@@ -37,41 +36,49 @@ class IdleReport:
         return self.leaked_kv_slots == 0 and self.leaked_req_rows == 0 and self.locked_cache_tokens == 0
 
 
-def idle_report(sched: Scheduler) -> IdleReport | None:
-    """The idle invariant's counts of ``sched`` when it holds no unfinished request and no batch is in flight
+def kv_usage(state: GroupState) -> float:
+    """Fraction of KV slots holding tokens of requests or locked prefixes, in [0, 1] (evictable cached tokens count
+    as free, and so do a paged allocator's stranded slots, which hold no token). O(1)."""
+    alloc = state.token_allocator
+    used = alloc.size - alloc.available_size() - alloc.stranded_size() - state.tree_cache.evictable_size()
+    return used / alloc.size
+
+
+def idle_report(state: GroupState) -> IdleReport | None:
+    """The idle invariant's counts of ``state`` when it holds no unfinished request and no batch is in flight
     (``None`` otherwise). O(1)."""
-    if sched._unfinished or sched._inflight:
+    if state.unfinished or state.inflight:
         return None
-    size = sched.token_allocator.size
+    size = state.token_allocator.size
     return IdleReport(
-        leaked_kv_slots=size - sched.token_allocator.available_size() - sched.tree_cache.evictable_size(),
-        leaked_req_rows=sched.req_allocator.size - sched.req_allocator.available_size(),
-        locked_cache_tokens=sched.tree_cache.protected_size())
+        leaked_kv_slots=size - state.token_allocator.available_size() - state.tree_cache.evictable_size(),
+        leaked_req_rows=state.req_allocator.size - state.req_allocator.available_size(),
+        locked_cache_tokens=state.tree_cache.protected_size())
 
 
-def check_memory_invariants(sched: Scheduler) -> None:
+def check_memory_invariants(state: GroupState) -> None:
     """Assert that every KV slot and row is accounted for exactly once (tests and debugging).
 
     Checks: free + radix-cache + owned by live requests + stranded (paged allocator) slots == pool size; owned
     slots are distinct and never the dummy slot 0; rows in use == live requests; waiting requests hold nothing; with
     no live request no radix lock is held. Raises ``AssertionError`` with details otherwise.
     """
-    live = list(sched.running) + ([sched.chunked_req] if sched.chunked_req is not None else [])
+    live = list(state.running) + ([state.chunked_req] if state.chunked_req is not None else [])
     owned: list[int] = []
     for r in live:
         assert r.req_pool_idx is not None, f"live request {r.rid!r} has no row"
         assert r.prefix_len <= r.kv_len, f"request {r.rid!r}: prefix_len {r.prefix_len} > kv_len {r.kv_len}"
         owned += r.kv_slots[r.prefix_len :]
-    for r in sched.waiting:
+    for r in state.waiting:
         assert r.req_pool_idx is None and not r.kv_slots and r.last_node is None, f"waiting {r.rid!r} holds KV"
     assert 0 not in owned, "dummy slot 0 is owned by a request"
     assert len(set(owned)) == len(owned), "a KV slot is owned by two requests (or twice by one)"
-    free, tree = sched.token_allocator.available_size(), sched.tree_cache.total_size()
-    size, stranded = sched.token_allocator.size, sched.token_allocator.stranded_size()
+    free, tree = state.token_allocator.available_size(), state.tree_cache.total_size()
+    size, stranded = state.token_allocator.size, state.token_allocator.stranded_size()
     assert free + tree + len(owned) + stranded == size, (
         f"KV slots leak or double count: free {free} + tree {tree} + owned {len(owned)} + stranded {stranded} "
         f"!= size {size}")
-    rows = sched.req_allocator.size - sched.req_allocator.available_size()
+    rows = state.req_allocator.size - state.req_allocator.available_size()
     assert rows == len(live), f"{rows} rows in use for {len(live)} live requests"
     if not live:
-        assert sched.tree_cache.protected_size() == 0, "radix locks held with no live request"
+        assert state.tree_cache.protected_size() == 0, "radix locks held with no live request"

@@ -2,7 +2,10 @@
 
 Every field is bounded here, so a Python caller (``Engine.generate``) gets the same typed error as an HTTP client
 gets a 400: :class:`~raymoe.errors.InvalidRequestError` naming the field. The HTTP front end may be stricter (its
-limits are in ``raymoe.deploy.server_config.ServerLimits``) but never looser than these engine-wide caps.
+limits are in ``raymoe.deploy.server_config.ServerLimits``) but never looser than these engine-wide caps. The
+bounds include what the ranks can represent (float32 and int64 tensors, ``torch.Generator`` seeds), so a valid
+``SamplingParams`` always fits a step; ``ScheduleBatch.build`` re-runs :meth:`SamplingParams.validate` on a row's
+first step, so that a value changed after construction fails that request alone instead of the whole step.
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
-from numbers import Real
 
 from raymoe.errors import InvalidRequestError
 
@@ -27,14 +29,17 @@ MAX_STOP_STRINGS = 256
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOKEN_ID = 2**31 - 1
+# Largest magnitude of temperature, top_p and min_p: the ranks hold them in float32 tensors.
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_real(v: object) -> bool:
-    return isinstance(v, Real) and not isinstance(v, bool) and math.isfinite(v)
+def _is_float32(v: object) -> bool:
+    """A Python int or float (not bool) that a float32 holds as a finite number."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) <= FLOAT32_MAX
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,7 @@ class SamplingParams:
 
     Attributes:
         max_tokens: maximum number of generated tokens, in [1, ``MAX_TOKENS``].
-        temperature: softmax temperature, a finite number >= 0; 0 means greedy (argmax).
+        temperature: softmax temperature, a finite int or float >= 0 that a float32 holds; 0 means greedy (argmax).
         top_p: nucleus mass in (0, 1].
         top_k: keep the k most likely tokens; -1 (default) or 0 disables it; at most ``MAX_TOP_K``.
         min_p: drop tokens whose probability is below ``min_p * p_max``; in [0, 1].
@@ -74,17 +79,26 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self._normalize_sequences()
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field against its bounds (construction does; see the module docstring for the other caller).
+
+        Raises:
+            InvalidRequestError: naming the first field that is out of range or of the wrong type.
+        """
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS:
             raise InvalidRequestError("max_tokens", f"must be an integer in [1, {MAX_TOKENS}], got "
                                                     f"{self.max_tokens!r}")
-        if not _is_real(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not _is_float32(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError("temperature", f"must be a finite number >= 0 a float32 can hold, got "
+                                                     f"{self.temperature!r}")
+        if not _is_float32(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
             raise InvalidRequestError("top_k", f"must be -1, 0 or a positive integer <= {MAX_TOP_K}, "
                                                f"got {self.top_k!r}")
-        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+        if not _is_float32(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise InvalidRequestError("seed", f"must be an integer in [0, {MAX_SEED}], got {self.seed!r}")

@@ -11,10 +11,10 @@ decoding requests itself is a plain list on the scheduler, not a batch object.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from raymoe.errors import InvalidRequestError
 from raymoe.scheduler.req import Req, RequestFault, RequestFaultError
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.sampling_inputs import SamplingInputs
@@ -81,7 +81,7 @@ class ScheduleBatch:
             if req.req_pool_idx is None:
                 raise RequestFaultError(req, RequestFault("failed", "the request holds no KV row"))
             if req.table_len == 0:  # first step since (re-)admission: its parameters are frozen from here on
-                check_sampling_row(req)
+                _check_sampling_row(req)
             input_ids += req.tokens(start, end)
             out_cache_loc += req.kv_slots[start:end]
             if not decode:
@@ -118,32 +118,18 @@ class ScheduleBatch:
         return len(self.reqs)
 
 
-_INT64_MAX = 2**63 - 1
-_FLOAT32_MAX = 3.4028234663852886e38
-
-
-def check_sampling_row(req: Req) -> None:
-    """Check that ``req``'s sampling numbers can be put into the ranks' tensors (float32/int64) and generators.
-
-    ``SamplingParams`` validates ranges already; this is the last check before a row leaves the driver, so that a
-    value no rank can represent fails this one request instead of the whole step on every rank.
+def _check_sampling_row(req: Req) -> None:
+    """Re-check ``req``'s sampling parameters (``SamplingParams.validate``: the bounds include what the ranks'
+    float32/int64 tensors and generators hold) before its first row leaves the driver, so that a value changed
+    after construction fails this one request instead of the whole step on every rank.
 
     Raises:
         RequestFaultError: kind ``"invalid"``, naming the field.
     """
-    p = req.sampling_params
-
-    def bad(name: str, why: str) -> RequestFaultError:
-        return RequestFaultError(req, RequestFault("invalid", why, field=name))
-
-    for name in ("temperature", "top_p", "min_p"):
-        v = getattr(p, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or abs(v) > _FLOAT32_MAX:
-            raise bad(name, f"must be a finite number a float32 can hold, got {v!r}")
-    for name in ("top_k", "seed", "logprobs"):
-        v = getattr(p, name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not -1 <= v <= _INT64_MAX):
-            raise bad(name, f"must be an integer in [-1, 2**63 - 1], got {v!r}")
+    try:
+        req.sampling_params.validate()
+    except InvalidRequestError as e:
+        raise RequestFaultError(req, RequestFault("invalid", e.message, field=e.field)) from None
 
 
 def _sampling_inputs(reqs: Sequence[Req]) -> SamplingInputs:

@@ -4,15 +4,25 @@ Ownership: the scheduler builds it from each request's ``SamplingParams`` (``Sch
 and ships it inside the ``ModelWorkerBatch``; the rank's ``SamplingBatchInfo.from_inputs`` turns it into tensors
 for the ``Sampler``. The values themselves are validated once, in ``SamplingParams``; this record only checks
 that every list has one entry per row.
+
+The per-row fields are declared once, in :class:`SamplingRows`, generic in how a column of floats (``FloatRows``)
+and of integers (``IntRows``) is held: Python lists here, tensors in ``raymoe.runner.forward_batch``'s
+``SamplingBatchInfo``, which derives from the same class. A new per-row field is one edit there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Generic, TypeVar
+
+FloatRows = TypeVar("FloatRows")
+"""How a column of per-row floats is held (``list[float]``, or a [bs] float32 tensor on the rank)."""
+IntRows = TypeVar("IntRows")
+"""How a column of per-row integers is held (``list[int]``, or a [bs] int64 tensor on the rank)."""
 
 
 @dataclass(frozen=True)
-class SamplingInputs:
+class SamplingRows(Generic[FloatRows, IntRows]):
     """Sampling parameters of ``bs`` rows, one entry per row in batch order.
 
     Attributes:
@@ -24,28 +34,33 @@ class SamplingInputs:
         output_lens: tokens generated so far per request (seeded sampling draws from ``(seed, output_len)``).
         logprobs: number of top log-probs wanted per request, ``None`` for none.
     Raises:
-        ValueError: the lists differ in length (the message names the field).
+        ValueError: the columns differ in length (the message names the field).
     """
 
-    temperatures: list[float]
-    top_ps: list[float]
-    top_ks: list[int]
-    min_ps: list[float]
+    temperatures: FloatRows
+    top_ps: FloatRows
+    top_ks: IntRows
+    min_ps: FloatRows
     seeds: list[int | None]
     output_lens: list[int]
     logprobs: list[int | None]
 
     def __post_init__(self) -> None:
         bs = len(self.temperatures)
-        for f in fields(self):
+        for f in fields(SamplingRows):
             n = len(getattr(self, f.name))
             if n != bs:
-                raise ValueError(f"SamplingInputs.{f.name} has {n} entries, expected {bs} (one per row)")
+                raise ValueError(f"{type(self).__name__}.{f.name} has {n} entries, expected {bs} (one per row)")
 
     @property
     def batch_size(self) -> int:
         """Number of rows."""
         return len(self.temperatures)
+
+
+@dataclass(frozen=True)
+class SamplingInputs(SamplingRows[list[float], list[int]]):
+    """The driver's per-row sampling record: every column a Python list (see :class:`SamplingRows`)."""
 
     @property
     def all_greedy(self) -> bool:

@@ -79,7 +79,7 @@ def _cpu_flags() -> str:
 
 def library_path(cc: str) -> Path:
     """Where the library built by compiler ``cc`` for this source and machine lives (it may not exist yet)."""
-    from raymoe.models.checkpoint import cache_dir
+    from raymoe.paths import cache_dir
 
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
     key = hashlib.sha256()

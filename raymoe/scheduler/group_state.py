@@ -1,0 +1,145 @@
+"""One DP group's scheduling state: its KV resources, request queues and counters, and how a request gives KV back.
+
+Ownership: the group's ``Scheduler`` creates and owns one :class:`GroupState`; its components read and change it
+(``intake``: accepting, aborting and failing requests; ``batch_formation``: forming steps; ``retraction``: freeing
+KV for decode; ``results``: applying a step's tokens) and ``accounting`` audits it. None of them holds state of its
+own beyond counters, so the group's whole picture is here. Plain Python, no tensors.
+
+KV ownership of a request (``raymoe.scheduler.req``): the first ``prefix_len`` of its ``kv_slots`` belong to the
+radix cache (locked through ``last_node``), the rest to the request; :meth:`GroupState.release` hands both back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from raymoe.config import CacheConfig, SchedulerConfig
+from raymoe.kvcache.allocator import ReqSlotAllocator
+from raymoe.kvcache.paged_allocator import make_token_allocator
+from raymoe.kvcache.radix_cache import RadixCache
+from raymoe.scheduler.req import Req, RequestFault
+from raymoe.scheduler.schedule_batch import ScheduleBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenRatioPolicy:
+    """How much of a request's remaining ``max_tokens`` admission reserves in KV, as a fraction of those tokens.
+
+    Attributes:
+        init: the starting fraction (lower admits more and risks retraction).
+        floor: the least fraction the decay reaches.
+        decay: subtracted per decode step; after a retraction the fraction jumps to 1.0.
+
+    Raises:
+        ValueError: the fractions are not ``0 <= floor <= init <= 1``.
+    """
+
+    init: float = 0.7
+    floor: float = 0.1
+    decay: float = 0.002
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.floor <= self.init <= 1.0:
+            raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1")
+
+
+class GroupState:
+    """KV resources, queues and counters of one DP-attention group.
+
+    Args:
+        config: scheduling limits. cache_config: KV pool size, context length, page size, radix cache on/off.
+        ratio: the new-token ratio's start, floor and decay.
+
+    Attributes:
+        config, cache_config: as given.
+        token_allocator, req_allocator, tree_cache: the group's KV slot allocator, ReqToTokenPool row allocator and
+            radix cache.
+        max_seq_len: longest sequence a request can reach in tokens (the context, and the pool its KV must fit in).
+        waiting: requests waiting for (re-)prefill, in order of acceptance.
+        running: requests whose prompt is fully scheduled (they decode), in admission order.
+        chunked_req: the request whose prompt is being prefilled chunk by chunk, or ``None``.
+        unfinished: every accepted, unfinished request by id.
+        inflight: batches sent to the ranks whose results are not applied yet, oldest first.
+        finished_outside_step: requests finished or failed while scheduling, not yet reported (``drain``).
+        new_token_ratio: the fraction admission reserves now (see :class:`TokenRatioPolicy`).
+        num_retractions: requests pushed back to ``waiting`` by KV exhaustion so far.
+        hit_tokens: prompt tokens served from the radix cache at admission so far.
+    """
+
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, ratio: TokenRatioPolicy):
+        self.config = config
+        self.cache_config = cache_config
+        # Token-granular, or pages of cache_config.page_tokens for block-table kernels (raymoe.kvcache.paged_allocator).
+        self.token_allocator = make_token_allocator(cache_config.max_total_tokens, cache_config.page_tokens)
+        # Sized like the ranks' table (config.req_pool_rows); the scheduler itself keeps running + chunked
+        # requests within max_running_requests, so the last row is spare.
+        self.req_allocator = ReqSlotAllocator(config.req_pool_rows)
+        self.tree_cache = RadixCache(self.token_allocator, disable=not cache_config.enable_radix_cache)
+        self.max_seq_len = min(cache_config.max_context_len, cache_config.max_total_tokens + 1)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.unfinished: dict[str, Req] = {}
+        self.inflight: deque[ScheduleBatch] = deque()
+        self.finished_outside_step: list[Req] = []
+        self.ratio = ratio
+        self.new_token_ratio = ratio.init
+        self.num_retractions = 0
+        self.hit_tokens = 0
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV (decoding, or being prefilled chunk by chunk)."""
+        return len(self.running) + (self.chunked_req is not None)
+
+    def decoders(self) -> list[Req]:
+        """Running requests to decode next: all but those whose pending token ends them by length."""
+        ctx, pool = self.cache_config.max_context_len, self.token_allocator.size
+        return [r for r in self.running if not r.length_capped(ctx, pool)]
+
+    def release(self, req: Req, *, cache: bool) -> None:
+        """Give back the KV, radix lock and row of ``req`` (``cache``: insert its computed KV into the tree)."""
+        if req.req_pool_idx is None:
+            return
+        slots = req.kv_slots
+        if cache:
+            fill = req.fill_ids
+            k = min(len(slots), len(fill))  # slots past the real tokens (a step in flight) are not cached
+            n = self.tree_cache.insert(fill[:k], slots[:k])
+            if n > req.prefix_len:
+                self.token_allocator.free(slots[req.prefix_len : n])
+            if len(slots) > k:
+                self.token_allocator.free(slots[k:])
+        elif len(slots) > req.prefix_len:
+            self.token_allocator.free(slots[req.prefix_len :])
+        if req.last_node is not None:
+            self.tree_cache.dec_lock_ref(req.last_node)
+        self.req_allocator.free(req.req_pool_idx)
+        req.reset_kv()
+
+    def detach(self, req: Req) -> None:
+        """Take an unfinished request out of every queue and release its KV, row and radix lock (not cached)."""
+        del self.unfinished[req.rid]
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked_req is req:
+            self.chunked_req = None
+        self.release(req, cache=False)
+
+    def fail(self, req: Req, fault: RequestFault, *, report: bool = True) -> None:
+        """Fail one unfinished request (``FinishKind.ERROR`` with ``fault``) wherever it is and release its KV, row
+        and radix lock; with ``report`` it joins ``finished_outside_step`` (else the caller reports it). A request
+        that is not unfinished is left alone."""
+        if req.rid not in self.unfinished:
+            return
+        self.detach(req)
+        req.fail(fault)
+        if report:
+            self.finished_outside_step.append(req)
+        log.warning("request %s failed: %s", req.rid, fault.message)
