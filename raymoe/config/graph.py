@@ -1,32 +1,37 @@
-"""Decode graph capture options."""
+"""Decode graph capture options (declarations: ``raymoe.config.option``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raymoe.config.option import option
 from raymoe.errors import InvalidRequestError
+from raymoe.runner.graph_buckets import DEFAULT_MIN_KV_WIDTH
 
 
 @dataclass(frozen=True)
 class GraphConfig:
-    """Decode graph capture (CUDA graphs on GPU, static-buffer callables on CPU; ``raymoe.runner.graph_runner``).
+    """Decode graph capture (CUDA graphs on GPU, static-buffer callables on CPU; ``raymoe.runner.graph_runner``);
+    each field's help says what it means.
 
-    Attributes:
-        disable_cuda_graph: decode eagerly, capture nothing.
-        cuda_graph_max_bs: largest captured batch size (None: ``max_running_requests``).
-        cuda_graph_bs: explicit batch sizes to capture (None: 1, 2, 4, 8, 16, 24, 32, 48, 64, ... up to the max).
-        enable_torch_compile: run captured forwards through ``torch.compile`` (slower on CPU; see bench graph).
-        cuda_graph_min_kv_width: tokens; on CUDA each bucket is also captured at KV widths from this one, doubling,
-            up to ``max_context_len``, and a replay attends over the narrowest width that holds its longest
-            sequence (paged SDPA backends; ``raymoe.runner.graph_buckets.kv_width_ladder``). None: one width,
-            ``max_context_len`` (fewer graphs, slower decode of short sequences).
+    Raises:
+        InvalidRequestError: a size that is not a positive integer (names the field).
     """
 
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int | None = None
-    cuda_graph_bs: tuple[int, ...] | None = None
-    enable_torch_compile: bool = False
-    cuda_graph_min_kv_width: int | None = 128
+    disable_cuda_graph: bool = option(False, help="decode eagerly, capture no decode graphs.")
+    cuda_graph_max_bs: int | None = option(
+        None, help="largest captured decode batch size (None: max_running_requests).")
+    cuda_graph_bs: tuple[int, ...] | None = option(
+        None, help="explicit decode batch sizes to capture (None: 1, 2, 4, 8, 16, 24, 32, 48, 64, ... up to the "
+                   "largest); a batch above the largest one runs eagerly.")
+    enable_torch_compile: bool = option(
+        False, help="run the captured forwards through torch.compile (slower on CPU; see raymoe bench graph).")
+    cuda_graph_min_kv_width: int | None = option(
+        DEFAULT_MIN_KV_WIDTH,
+        help="tokens; on CUDA each bucket is also captured at KV widths from this one, doubling, up to "
+             "max_context_len, and a replay attends over the narrowest width that holds its longest sequence (paged "
+             "SDPA backends; raymoe.runner.graph_buckets.kv_width_ladder). None: one width, max_context_len (fewer "
+             "graphs, slower decode of short sequences). CPU ignores it (its replays narrow dynamically).")
 
     def __post_init__(self) -> None:
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:

@@ -1,35 +1,36 @@
-"""KV cache sizing and scheduling limits of one DP-attention group."""
+"""KV cache sizing and scheduling limits of one DP-attention group (option declarations: ``raymoe.config.option``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raymoe.config.option import check_choices, option
 from raymoe.errors import InvalidRequestError
 from raymoe.kvcache.paged_allocator import pool_slots
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """KV cache sizing for one DP-attention group.
+    """KV cache sizing for one DP-attention group; each field's help says what it means.
 
-    Attributes:
-        max_total_tokens: KV slots (tokens) in the pool, not counting dummy slot 0; ``None``: derived from
-            ``kv_cache_bytes`` by the engine.
-        max_context_len: longest sequence (prompt + output) in tokens; also the width of ReqToTokenPool rows.
-        enable_radix_cache: share KV of common prefixes between requests.
-        page_size: tokens per KV page; slots are handed out in pages and a request's every aligned run of
-            ``page_size`` positions lies in one page (``raymoe.kvcache.paged_allocator``; block-table kernels
-            need it). ``None``: the attention backend's default, which ``EngineConfig`` fills in (1 for
-            ``torch_native``, 16 for ``flash_attn``); a standalone ``CacheConfig`` reads it as 1
-            (:attr:`page_tokens`). With pages the usable pool is ``max_total_tokens`` rounded down to whole pages.
+    Raises:
+        InvalidRequestError: a field out of range (names it).
     """
 
-    max_total_tokens: int = 16384
-    max_context_len: int = 2048
-    enable_radix_cache: bool = True
-    page_size: int | None = None
+    max_total_tokens: int = option(
+        16384, help="KV slots (tokens) in the pool of each DP group, not counting dummy slot 0; with pages the usable "
+                    "pool is this rounded down to whole pages.")
+    max_context_len: int = option(
+        2048, help="longest sequence (prompt + output), tokens; also the width of the ReqToTokenPool rows.")
+    enable_radix_cache: bool = option(True, help="share the KV of common prompt prefixes between requests.")
+    page_size: int | None = option(
+        None, help="tokens per KV page: slots are handed out in pages, and each aligned run of page_size positions "
+                   "of a request lies in one page (raymoe.kvcache.paged_allocator; block-table kernels need it). "
+                   "None: the attention backend's default, which EngineConfig fills in (1 for torch_native, 16 for "
+                   "flash_attn); a standalone CacheConfig reads it as 1 (page_tokens).")
 
     def __post_init__(self) -> None:
+        check_choices(self)
         if self.max_total_tokens < 2:
             raise InvalidRequestError("max_total_tokens", "must be >= 2")
         if self.max_context_len < 2:
@@ -53,39 +54,39 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Per-DP-group scheduling limits.
+    """Per-DP-group scheduling limits; each field's help says what it means.
 
-    Attributes:
-        max_running_requests: most requests in one decode batch (also ReqToTokenPool rows).
-        chunked_prefill_size: most prompt tokens prefilled in one step (longer prompts are chunked);
-            ``None`` disables chunking (one prompt may then exceed ``max_prefill_tokens`` on its own).
-        max_prefill_tokens: token budget of one prefill batch.
-        schedule_policy: ``"fcfs"`` or ``"lpm"`` (longest prefix match first).
-        max_queued_requests: waiting requests accepted before new ones are refused.
-        enable_mixed_chunk: a prefill step also decodes every running request (``ForwardMode.MIXED``), so new
-            prompts do not stall the running streams (SGLang's ``--enable-mixed-chunk``).
-        disable_overlap_schedule: run the driver's steps one at a time. By default the driver forms and sends step
-            N+1 while the ranks compute step N (zero-overhead scheduling; ``raymoe.actors.driver``); greedy
-            outputs are the same either way.
+    Raises:
+        InvalidRequestError: a field out of range or not among its choices (names it).
     """
 
-    max_running_requests: int = 64
-    chunked_prefill_size: int | None = 512
-    max_prefill_tokens: int = 4096
-    schedule_policy: str = "fcfs"
-    max_queued_requests: int = 4096
-    enable_mixed_chunk: bool = True
-    disable_overlap_schedule: bool = False
+    max_running_requests: int = option(
+        64, help="most requests in one decode batch of a DP group (also the ReqToTokenPool rows).")
+    chunked_prefill_size: int | None = option(
+        512, help="most prompt tokens prefilled in one step, longer prompts are chunked; None disables chunking "
+                  "(one prompt may then exceed max_prefill_tokens on its own).")
+    max_prefill_tokens: int = option(4096, help="token budget of one prefill batch.")
+    schedule_policy: str = option(
+        "fcfs", choices=("fcfs", "lpm"), help="order of the waiting requests: fcfs (first come, first served) or lpm "
+                                              "(longest prefix match first).")
+    max_queued_requests: int = option(
+        4096, help="waiting requests of a DP group accepted before new ones are refused (HTTP 429).")
+    enable_mixed_chunk: bool = option(
+        True, help="a prefill step also decodes every running request (MIXED batches), so new prompts do not stall "
+                   "the running streams (SGLang's --enable-mixed-chunk).")
+    disable_overlap_schedule: bool = option(
+        False, help="run the driver's steps one at a time. By default the driver forms and sends step N+1 while the "
+                    "ranks compute step N (zero-overhead scheduling, raymoe.actors.driver); greedy outputs are the "
+                    "same either way.")
 
     def __post_init__(self) -> None:
+        check_choices(self)
         if self.max_running_requests < 1:
             raise InvalidRequestError("max_running_requests", "must be >= 1")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
             raise InvalidRequestError("chunked_prefill_size", "must be >= 1 or None")
         if self.max_prefill_tokens < 1:
             raise InvalidRequestError("max_prefill_tokens", "must be >= 1")
-        if self.schedule_policy not in ("fcfs", "lpm"):
-            raise InvalidRequestError("schedule_policy", "must be 'fcfs' or 'lpm'")
         if self.max_queued_requests < 1:
             raise InvalidRequestError("max_queued_requests", "must be >= 1")
 
