@@ -23,7 +23,7 @@ from raymoe.actors.step_channel import StepChannelHub
 from raymoe.actors.step_errors import RankFailure, RankStepError, is_collective_error
 from raymoe.config import ParallelConfig
 from raymoe.errors import EngineUnhealthyError
-from raymoe.runner.model_runner import RunnerConfig
+from raymoe.runner.runner_config import RunnerConfig
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
 

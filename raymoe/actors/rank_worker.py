@@ -15,7 +15,8 @@ import os
 
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ParallelConfig
-from raymoe.runner.model_runner import ModelRunner, RunnerConfig
+from raymoe.runner.model_runner import ModelRunner
+from raymoe.runner.runner_config import RunnerConfig
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
 
@@ -62,7 +63,7 @@ class RankWorker:
         raise_step_thread_priority(self._step_nice())  # the actor thread steps under plain calls
         self.groups = init_parallel_groups(self.rank, self.parallel, init_method, backend, timeout_s,
                                            device_id=device if device.type == "cuda" else None,
-                                           cpu_comm=self.runner_cfg.cpu_comm)
+                                           cpu_comm=self.runner_cfg.moe_comm.cpu_comm)
         return os.getpid()
 
     def _step_nice(self) -> int | None:

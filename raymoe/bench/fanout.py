@@ -39,7 +39,7 @@ def run_fanout(a: argparse.Namespace) -> dict:
     from raymoe.cluster.bootstrap import init_ray
     from raymoe.config import ParallelConfig
     from raymoe.deploy.cli import resolve_model
-    from raymoe.runner.model_runner import RunnerConfig
+    from raymoe.runner.runner_config import RunnerConfig
 
     model = resolve_model(a.model)
     init_ray(a.address)
