@@ -7,12 +7,12 @@ exchange, ``GraphConfig`` decode graph capture, and ``EngineConfig`` is what ``E
 ``engine_options`` is the flat namespace of them all.
 """
 
-from raymoe.config.engine import EngineConfig
+from raymoe.config.engine import FANOUTS, EngineConfig
 from raymoe.config.engine_options import engine_config_from_options, engine_options
 from raymoe.config.graph import GraphConfig
 from raymoe.config.model import ModelConfig
 from raymoe.config.parallel import CPU_COMM_MODES, MoeCommConfig, OverlapConfig, ParallelConfig
 from raymoe.config.scheduling import CacheConfig, SchedulerConfig
 
-__all__ = ["CPU_COMM_MODES", "CacheConfig", "EngineConfig", "GraphConfig", "ModelConfig", "MoeCommConfig",
+__all__ = ["CPU_COMM_MODES", "FANOUTS", "CacheConfig", "EngineConfig", "GraphConfig", "ModelConfig", "MoeCommConfig",
            "OverlapConfig", "ParallelConfig", "SchedulerConfig", "engine_config_from_options", "engine_options"]

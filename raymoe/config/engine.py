@@ -15,6 +15,9 @@ from raymoe.config.parallel import MoeCommConfig, OverlapConfig, ParallelConfig
 from raymoe.config.scheduling import CacheConfig, SchedulerConfig
 from raymoe.errors import InvalidRequestError
 
+FANOUTS = ("channel", "remote", "compiled")
+"""How a step can reach the ranks (``EngineConfig.fanout``, ``raymoe.actors.executor.RayExecutor``)."""
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -43,7 +46,7 @@ class EngineConfig:
         None, flag="address", help="Ray cluster to join for world size > 1, e.g. ray://head:10001 or auto (None: "
                                    "start a local one on 127.0.0.1).")
     fanout: str | None = option(
-        None, choices=("channel", "compiled", "remote"),
+        None, choices=FANOUTS,
         help="how a step reaches the ranks: channel (the step channel: one authenticated Unix socket per rank on the "
              "driver's machine, raymoe.actors.step_channel; a rank that cannot reach it makes the engine use "
              "remote), compiled (Ray Compiled Graph: shared-memory channels whose readers poll), remote (plain actor "
