@@ -82,7 +82,7 @@ def bench_runner(runner: ModelRunner, sizes: list[int], seq_len: int, iters: int
 
 def run_graph_bench(a: argparse.Namespace) -> dict:
     """Entry point of ``raymoe bench graph``: prints a table and writes JSON to ``a.output_json``."""
-    from raymoe.deploy.cli import resolve_model
+    from raymoe.cli_args import resolve_model
 
     model = resolve_model(a.model)
     sizes = sorted({int(s) for s in a.batch_sizes.split(",")})
