@@ -57,7 +57,7 @@ stop_head() {
 trap stop_head EXIT
 
 echo "== checkpoint"
-MODEL="$(PYTHONPATH="$ROOT" "$PYTHON" -m raymoe.deploy.cli make-checkpoint --out "$WORK/qwen3_moe_tiny" 2>/dev/null)"
+MODEL="$(PYTHONPATH="$ROOT" "$PYTHON" -m raymoe.cli make-checkpoint --out "$WORK/qwen3_moe_tiny" 2>/dev/null)"
 echo "$MODEL"
 
 echo "== ray start --head (token auth, temp dir $WORK, dashboard 127.0.0.1:$DASH)"

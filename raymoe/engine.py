@@ -12,16 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from raymoe.actors.factory import build_driver
-from raymoe.config import (
-    CacheConfig,
-    EngineConfig,
-    GraphConfig,
-    ModelConfig,
-    MoeCommConfig,
-    OverlapConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
+from raymoe.config import EngineConfig, ModelConfig, engine_config_from_options
 from raymoe.errors import EngineUnhealthyError, InvalidRequestError
 from raymoe.scheduler.req import FinishKind, Req
 from raymoe.scheduler.sampling_params import SamplingParams
@@ -53,20 +44,8 @@ class RequestOutput:
 
 
 def _split_options(model: str, options: dict) -> EngineConfig:
-    nested = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
-              "overlap": OverlapConfig, "graph": GraphConfig, "moe_comm": MoeCommConfig}
-    owner = {f.name: key for key, cls in nested.items() for f in dataclasses.fields(cls)}
-    top_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", *nested}
-    parts: dict[str, dict] = {key: {} for key in nested}
-    top = {}
-    for k, v in options.items():
-        if k in owner:
-            parts[owner[k]][k] = v
-        elif k in top_fields:
-            top[k] = v
-        else:
-            raise InvalidRequestError(k, "unknown engine option")
-    return EngineConfig(model=model, **{key: cls(**parts[key]) for key, cls in nested.items()}, **top)
+    """The ``EngineConfig`` of flat ``options`` (``raymoe.config.engine_config_from_options``)."""
+    return engine_config_from_options(model, options)
 
 
 class Engine:
@@ -74,15 +53,12 @@ class Engine:
 
     Args:
         model: path of a Hugging Face model folder.
-        **options: fields of ``EngineConfig`` (``dtype``, ``seed``, ``device``, ``attention_backend``),
-            ``CacheConfig`` (``max_total_tokens``, ``max_context_len``, ``enable_radix_cache``, ``page_size``) and
-            ``SchedulerConfig`` (``max_running_requests``, ``chunked_prefill_size``, ``max_prefill_tokens``,
-            ``schedule_policy``, ``max_queued_requests``) and ``ParallelConfig`` (``tp_size``, ``dp_size``,
-            ``ep_size``; world size > 1 runs the ranks as Ray actors, on ``ray_address`` or a local cluster),
-            ``OverlapConfig`` (``enable_tbo``, ``tbo_min_tokens_decode``, ``tbo_min_tokens_extend``,
-            ``tbo_token_distribution_threshold``, ``enable_sbo``) and ``GraphConfig`` (``disable_cuda_graph``,
-            ``cuda_graph_max_bs``, ``cuda_graph_bs``, ``enable_torch_compile``) and ``MoeCommConfig``
-            (``a2a_backend``, ``a2a_mode``, ``num_max_dispatch_tokens_per_rank``).
+        **options: flat engine options: every option field of ``EngineConfig`` and of its groups
+            (``CacheConfig``, ``SchedulerConfig``, ``ParallelConfig``, ``OverlapConfig``, ``GraphConfig``,
+            ``MoeCommConfig``) by its field name, e.g. ``dtype="bfloat16", max_running_requests=32, dp_size=2``.
+            Each is declared once, with its help, choices and default, in ``raymoe.config``;
+            ``raymoe.config.engine_options()`` lists them and ``raymoe serve --help`` prints them. World size
+            ``dp_size * tp_size`` > 1 runs the ranks as Ray actors, on ``ray_address`` or a local cluster.
 
     Raises:
         CheckpointError: missing or broken model folder. InvalidRequestError: a bad option (names it).

@@ -137,7 +137,7 @@ def test_missing_tensor_is_named(tiny_model, tmp_path):
 
 def test_cli_generate_prints_text(tmp_path):
     env = {"RAYMOE_CACHE_DIR": str(tmp_path / "cache"), "PATH": str(Path(sys.executable).parent)}
-    proc = subprocess.run([sys.executable, "-m", "raymoe.deploy.cli", "generate", "--prompt", "def fib(n):"],
+    proc = subprocess.run([sys.executable, "-m", "raymoe.cli", "generate", "--prompt", "def fib(n):"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("def fib(n):")

@@ -307,6 +307,7 @@ def test_build_error_names_the_compiler_failure(monkeypatch, tmp_path):
 
 
 def _decode_logits(model_path: str, graphs: bool) -> torch.Tensor:
+    from raymoe.config import GraphConfig
     from raymoe.runner.model_runner import ModelRunner, RunnerConfig
     from raymoe.step.forward_mode import ForwardMode
     from raymoe.step.sampling_inputs import SamplingInputs
@@ -314,7 +315,8 @@ def _decode_logits(model_path: str, graphs: bool) -> torch.Tensor:
 
     bs, prompt = 3, 6
     runner = ModelRunner(RunnerConfig(model_path=model_path, dtype="float32", num_kv_slots=256, max_req_rows=4,
-                                      max_context_len=32, disable_cuda_graph=not graphs, cuda_graph_bs=(4,)))
+                                      max_context_len=32,
+                                      graph=GraphConfig(disable_cuda_graph=not graphs, cuda_graph_bs=(4,))))
     logits = []
     sample = runner.sampler
     runner.sampler = lambda lg, sampling: (logits.append(lg.clone()), sample(lg, sampling))[1]

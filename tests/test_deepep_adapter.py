@@ -213,7 +213,7 @@ def _greedy_runs(groups, path: str) -> dict:
     import deep_ep_double
 
     from raymoe.comm.a2a_plan import plan_dispatch_capacity
-    from raymoe.config import OverlapConfig
+    from raymoe.config import GraphConfig, MoeCommConfig, OverlapConfig
     from raymoe.overlap.decision import decide_tbo
     from raymoe.runner.model_runner import ModelRunner, RunnerConfig
     from raymoe.step.forward_mode import ForwardMode
@@ -223,8 +223,8 @@ def _greedy_runs(groups, path: str) -> dict:
     deep_ep_double.install(deep_ep_double.RELAXED)  # float32 rows and hidden 128: see deep_ep_double.Limits
     tbo = OverlapConfig(enable_tbo=True, tbo_min_tokens_decode=2, tbo_min_tokens_extend=4)
     runners = {name: ModelRunner(RunnerConfig(path, "float32", num_kv_slots=256, max_req_rows=4, max_context_len=64,
-                                              a2a_backend=backend, a2a_mode="auto", num_max_dispatch_tokens_per_rank=4,
-                                              disable_cuda_graph=True, overlap=overlap), groups)
+                                              moe_comm=MoeCommConfig(backend, "auto", 4),
+                                              graph=GraphConfig(disable_cuda_graph=True), overlap=overlap), groups)
                for name, backend, overlap in (("torch", "torch", OverlapConfig()),
                                               ("deepep", "deepep", OverlapConfig()), ("deepep_tbo", "deepep", tbo))}
     from raymoe.layers.moe import SparseMoeBlock

@@ -9,6 +9,7 @@ import torch
 from hf_models import CONFIGS, build
 
 from raymoe import Engine, SamplingParams
+from raymoe.config import GraphConfig
 from raymoe.runner.model_runner import ModelRunner, RunnerConfig
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.sampling_inputs import SamplingInputs
@@ -52,7 +53,7 @@ def _hf_greedy(hf_model, prompt_ids: list[int]) -> list[int]:
 def test_prefill_logits_match_transformers(hf_case):
     _, path, hf = hf_case
     runner = ModelRunner(RunnerConfig(path, "float32", num_kv_slots=512, max_req_rows=8, max_context_len=256,
-                                      disable_cuda_graph=True))
+                                      graph=GraphConfig(disable_cuda_graph=True)))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 17, 1, 40)]
     logits = runner.forward(runner.prepare(_extend_batch(prompts)), return_all_logits=True)
@@ -95,7 +96,7 @@ def test_mla_cache_holds_latent_and_rope_key_only(tmp_path):
 
     path = build("deepseek_v3", tmp_path / "v3")
     runner = ModelRunner(RunnerConfig(path, "float32", num_kv_slots=64, max_req_rows=2, max_context_len=64,
-                                      disable_cuda_graph=True))
+                                      graph=GraphConfig(disable_cuda_graph=True)))
     pool = runner.token_to_kv_pool
     m, layers = runner.model_config.mla, runner.model_config.num_hidden_layers
     assert isinstance(pool, MLATokenToKVPool)
@@ -116,7 +117,7 @@ def test_absorbed_decode_matches_non_absorbed_extend(tmp_path, name):
     logits = {}
     for form in ("decode", "extend"):
         runner = ModelRunner(RunnerConfig(path, "float64", num_kv_slots=64, max_req_rows=2, max_context_len=64,
-                                          disable_cuda_graph=True))
+                                          graph=GraphConfig(disable_cuda_graph=True)))
         runner.forward(runner.prepare(_extend_batch(prompts)))
         slots = [10, 11]
         full = [p + [t] for p, t in zip(prompts, nxt, strict=True)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from raymoe.config import GraphConfig
 from raymoe.models.checkpoint import make_checkpoint
 from raymoe.runner import model_runner
 from raymoe.runner.model_runner import ModelRunner, RunnerConfig
@@ -38,7 +39,7 @@ def _decode(capacity: int) -> ModelWorkerBatch:
 def test_forward_runs_on_the_meta_device(arch_path, monkeypatch):
     monkeypatch.setattr(model_runner, "Sampler", lambda ops, seed, device: None)  # generators cannot live on meta
     cfg = RunnerConfig(model_path=arch_path, dtype="float32", num_kv_slots=64, max_req_rows=4, max_context_len=32,
-                       device="meta", disable_cuda_graph=True)
+                       device="meta", graph=GraphConfig(disable_cuda_graph=True))
     runner = ModelRunner(cfg)
     tensors = [*runner.model.parameters(), *runner.model.buffers(), runner.req_to_token_pool.req_to_token]
     assert {t.device.type for t in tensors} == {"meta"}
@@ -59,6 +60,6 @@ def test_a_tensor_pinned_to_cpu_is_caught(arch_path, monkeypatch):
     monkeypatch.setattr(rotary.RotaryEmbedding, "__init__", pinned)
     monkeypatch.setattr(model_runner, "Sampler", lambda ops, seed, device: None)
     runner = ModelRunner(RunnerConfig(model_path=arch_path, dtype="float32", num_kv_slots=64, max_req_rows=4,
-                                      max_context_len=32, device="meta", disable_cuda_graph=True))
+                                      max_context_len=32, device="meta", graph=GraphConfig(disable_cuda_graph=True)))
     with pytest.raises((RuntimeError, NotImplementedError)):
         runner.forward(runner.prepare(_decode(8)))

@@ -295,7 +295,7 @@ def test_two_hundred_clients_that_hang_up_at_random_points_leak_nothing(engine, 
 
 def test_the_stress_benchmark_command_reports_every_stream(base_url, tmp_path):
     from raymoe.bench.stress import run_stress
-    from raymoe.deploy.cli import build_parser
+    from raymoe.cli import build_parser
 
     args = build_parser().parse_args(["bench", "stress", "--base-url", base_url, "--streams", "60",
                                       "--disconnect-fraction", "0.3", "--output-json", str(tmp_path / "s.json")])

@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from raymoe.config import OverlapConfig, ParallelConfig
+from raymoe.config import GraphConfig, OverlapConfig, ParallelConfig
 from raymoe.runner.graph_buckets import (
     apply_graph_plan,
     capture_sizes,
@@ -62,9 +62,10 @@ def _decode(reqs: list[int], step: int = 0, graph_bs: int | None = None, use_tbo
 TOL = {"float64": 1e-5, "float32": 1e-4}
 
 
-def _runner(path: str, rows: int, groups=None, dtype: str = "float64", **graph_opts) -> ModelRunner:
+def _runner(path: str, rows: int, groups=None, dtype: str = "float64", overlap: OverlapConfig | None = None,
+            **graph_opts) -> ModelRunner:
     cfg = RunnerConfig(path, dtype, num_kv_slots=rows * CTX, max_req_rows=rows, max_context_len=CTX,
-                       **graph_opts)
+                       graph=GraphConfig(**graph_opts), overlap=overlap or OverlapConfig())
     return ModelRunner(cfg, groups)
 
 
@@ -110,7 +111,7 @@ def test_capture_sizes():
     assert plan_graph_bs([ModelWorkerBatch.idle()] * 2, [1, 2, 4, 8]) is None
     assert plan_graph_bs(dec, []) is None
     assert [b.graph_bs for b in apply_graph_plan(dec, [1, 2, 4, 8])] == [4, 4]
-    assert RunnerConfig("m", "float32", 8, 16, 8, disable_cuda_graph=True).graph_capture_sizes == ()
+    assert RunnerConfig("m", "float32", 8, 16, 8, graph=GraphConfig(disable_cuda_graph=True)).graph_capture_sizes == ()
 
 
 @pytest.mark.parametrize("dtype,tbo", [("float64", False), ("float32", False), ("float64", True)])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from raymoe.attention.torch_native import TorchNativeAttnBackend
-from raymoe.config import OverlapConfig
+from raymoe.config import GraphConfig, OverlapConfig
 from raymoe.runner.graph_buckets import kv_width_ladder, select_graph_bs, select_kv_width
 from raymoe.runner.model_runner import ModelRunner, RunnerConfig
 from raymoe.step.forward_mode import ForwardMode
@@ -53,12 +53,13 @@ def test_select_kv_width():
 def test_runner_config_kv_widths():
     cfg = RunnerConfig("m", "float32", 8, 4, 2048)
     assert cfg.graph_kv_widths == (128, 256, 512, 1024, 2048)
-    assert RunnerConfig("m", "float32", 8, 4, 2048, cuda_graph_min_kv_width=512).graph_kv_widths == (512, 1024, 2048)
-    assert RunnerConfig("m", "float32", 8, 4, 2048, cuda_graph_min_kv_width=None).graph_kv_widths == (2048,)
+    widths = {w: RunnerConfig("m", "float32", 8, 4, 2048, graph=GraphConfig(cuda_graph_min_kv_width=w)).graph_kv_widths
+              for w in (512, None)}
+    assert widths == {512: (512, 1024, 2048), None: (2048,)}
     assert RunnerConfig("m", "float32", 8, 4, 64).graph_kv_widths == (64,)
     for bad in (0, -1):
         with pytest.raises(ValueError, match="cuda_graph_min_kv_width"):
-            RunnerConfig("m", "float32", 8, 4, 2048, cuda_graph_min_kv_width=bad)
+            RunnerConfig("m", "float32", 8, 4, 2048, graph=GraphConfig(cuda_graph_min_kv_width=bad))
 
 
 def test_engine_option_reaches_the_rank(tiny_model):
@@ -68,7 +69,7 @@ def test_engine_option_reaches_the_rank(tiny_model):
 
     for value in (64, None):
         cfg = runner_config_for(_split_options(tiny_model, {"cuda_graph_min_kv_width": value}))
-        assert cfg.cuda_graph_min_kv_width == value
+        assert cfg.graph.cuda_graph_min_kv_width == value
     with pytest.raises(InvalidRequestError) as e:
         _split_options(tiny_model, {"cuda_graph_min_kv_width": 0})
     assert e.value.field == "cuda_graph_min_kv_width"
@@ -77,7 +78,7 @@ def test_engine_option_reaches_the_rank(tiny_model):
 def _runner(path: str, tbo: bool) -> ModelRunner:
     rows = 2 * len(PROMPTS)
     cfg = RunnerConfig(path, "float64", num_kv_slots=rows * CTX, max_req_rows=rows, max_context_len=CTX,
-                       cuda_graph_max_bs=4, overlap=OverlapConfig(enable_tbo=tbo))
+                       graph=GraphConfig(cuda_graph_max_bs=4), overlap=OverlapConfig(enable_tbo=tbo))
     return ModelRunner(cfg)
 
 

@@ -52,7 +52,7 @@ def test_raymoe_serve_listens_on_loopback_only(tiny_model):
     ray_tmp = tempfile.mkdtemp(prefix="rml-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {k: v for k, v in os.environ.items() if k not in _SESSION_ENV}
     env["RAY_TMPDIR"] = ray_tmp
-    cmd = [sys.executable, "-m", "raymoe.deploy.cli", "serve", "--model", tiny_model, "--dp", "1", "--port",
+    cmd = [sys.executable, "-m", "raymoe.cli", "serve", "--model", tiny_model, "--dp", "1", "--port",
            str(port), "--max-total-tokens", "1024", "--log-level", "warning"]
     log_path = os.path.join(ray_tmp, "serve.log")  # a file, not a pipe: nobody reads while it serves
     with open(log_path, "w") as log_file:

@@ -44,7 +44,7 @@ def test_chat_and_completions_over_http(ray_cluster, folder):
 
 
 def test_generate_command(folder, capsys):
-    from raymoe.deploy.cli import main
+    from raymoe.cli import main
 
     assert main(["generate", "--model", folder, "--prompt", "import os", "--max-tokens", "6"]) == 0
     captured = capsys.readouterr()

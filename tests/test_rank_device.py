@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from raymoe.actors.rank_worker import RankWorker
-from raymoe.config import ParallelConfig
+from raymoe.config import GraphConfig, ParallelConfig
 from raymoe.runner.device import RankDeviceError, engine_device, rank_device
 from raymoe.runner.model_runner import RunnerConfig
 
@@ -17,7 +17,7 @@ def test_cuda_rank_without_gpu_fails_clearly(tiny_model, monkeypatch):
     with pytest.raises(RankDeviceError, match="configured for CUDA but sees no GPU"):
         rank_device("cuda", rank=3)
     cfg = RunnerConfig(model_path=tiny_model, dtype="float32", num_kv_slots=32, max_req_rows=2, max_context_len=16,
-                       device="cuda", disable_cuda_graph=True)
+                       device="cuda", graph=GraphConfig(disable_cuda_graph=True))
     with pytest.raises(RankDeviceError):
         RankWorker(cfg, ParallelConfig(), rank=0)  # world size 1 loads at construction
     worker = RankWorker(cfg, ParallelConfig(tp_size=1, dp_size=2, ep_size=2), rank=1)

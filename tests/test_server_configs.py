@@ -82,7 +82,7 @@ def _raymoe_commands(script: str) -> list[list[str]]:
 
 
 def test_benchmark_job_runs_existing_commands():
-    from raymoe.deploy.cli import build_parser
+    from raymoe.cli import build_parser
 
     cmds = _raymoe_commands((CONFIGS / "bench_job.sh").read_text())
     assert [c[:2] for c in cmds] == [["serve", "--address"], ["bench", "serve"]]
@@ -133,15 +133,16 @@ def test_clusters_require_the_ray_token_and_keep_the_dashboard_private():
 
 
 def test_serve_limit_flags_reach_server_limits():
-    from raymoe.deploy.cli import _limits, build_parser
+    from raymoe.cli import build_parser
+    from raymoe.deploy.cli import limits_from_args
     from raymoe.errors import InvalidRequestError
 
-    limits = _limits(build_parser().parse_args(["serve", "--max-body-bytes", "4096", "--max-stop-strings", "8",
+    limits = limits_from_args(build_parser().parse_args(["serve", "--max-body-bytes", "4096", "--max-stop-strings", "8",
                                                 "--default-timeout-s", "30"]))
     assert (limits.max_body_bytes, limits.max_stop_strings, limits.default_timeout_s) == (4096, 8, 30.0)
     assert limits.max_timeout_s == 3600.0  # flags not given keep their defaults
     with pytest.raises(InvalidRequestError, match="default_timeout_s"):
-        _limits(build_parser().parse_args(["serve", "--max-timeout-s", "5"]))
+        limits_from_args(build_parser().parse_args(["serve", "--max-timeout-s", "5"]))
 
 
 SITE_ARGS = {"model", "served_model_name", "dtype", "dp_size", "ep_size", "max_running_requests"}

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raymoe.config import OverlapConfig, ParallelConfig
+from raymoe.config import GraphConfig, OverlapConfig, ParallelConfig
 from raymoe.overlap.decision import decide_tbo
 from raymoe.overlap.split import compute_split
 from raymoe.step.forward_mode import ForwardMode
@@ -82,7 +82,7 @@ def _runners(path: str, groups, dtype: str):
 
     def make(overlap: OverlapConfig):
         return ModelRunner(RunnerConfig(path, dtype, num_kv_slots=512, max_req_rows=8, max_context_len=128,
-                                        disable_cuda_graph=True, overlap=overlap), groups)
+                                        graph=GraphConfig(disable_cuda_graph=True), overlap=overlap), groups)
 
     return {"plain": make(OverlapConfig()), "tbo": make(TBO_CFG), "sbo": make(OverlapConfig(enable_sbo=True))}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raymoe.config import ModelConfig
+from raymoe.config import GraphConfig, ModelConfig
 from raymoe.models.checkpoint import make_checkpoint
 from raymoe.runner.model_runner import ModelRunner, RunnerConfig
 from raymoe.step.forward_mode import ForwardMode
@@ -24,7 +24,7 @@ def test_tiny_checkpoint_loads_in_transformers_with_equal_logits(tmp_path, arch)
     path = make_checkpoint(arch, tmp_path / arch, seed=3, **DIMS)
     assert (path / "tokenizer.json").is_file() and (path / "tokenizer_config.json").is_file()
     runner = ModelRunner(RunnerConfig(str(path), "float32", num_kv_slots=128, max_req_rows=2, max_context_len=64,
-                                      disable_cuda_graph=True))
+                                      graph=GraphConfig(disable_cuda_graph=True)))
     ids = [(7 * i + 11) % 500 + 3 for i in range(24)]
     batch = ModelWorkerBatch(ForwardMode.EXTEND, ids, [0], [24], [0], [24], list(range(1, 25)), [],
                              SamplingInputs.greedy(1))

@@ -84,7 +84,7 @@ class Driver:
         vocab_size: token ids must lie in ``[0, vocab_size)`` (None: unchecked); the schedulers check it on
             admission (``raymoe.scheduler.request_rules``) so that no front end can send a rank an id its
             embedding cannot look up.
-        a2a_mode: the MoE all-to-all mode the ranks were built with (``RunnerConfig.a2a_mode``; None: the
+        a2a_mode: the MoE all-to-all mode the ranks were built with (``RunnerConfig.moe_comm.a2a_mode``; None: the
             config's ``moe_comm.a2a_mode``); resolved per step by ``raymoe.comm.a2a_plan``.
     """
 

@@ -21,17 +21,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from raymoe.actors.rank_worker import RankWorker
 from raymoe.actors.step_channel import StepChannelHub
 from raymoe.actors.step_errors import RankFailure, RankStepError, is_collective_error
-from raymoe.config import ParallelConfig
+from raymoe.config import FANOUTS, ParallelConfig
 from raymoe.errors import EngineUnhealthyError
-from raymoe.runner.model_runner import RunnerConfig
+from raymoe.runner.runner_config import RunnerConfig
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
 
 __all__ = ["FANOUTS", "LocalExecutor", "RankFailure", "RankStepError", "RayExecutor"]
 
 log = logging.getLogger(__name__)
-
-FANOUTS = ("channel", "remote", "compiled")
 
 
 class LocalExecutor:

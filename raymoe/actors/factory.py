@@ -2,35 +2,33 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from raymoe.actors.driver import Driver
 from raymoe.actors.executor import LocalExecutor, RayExecutor
 from raymoe.config import EngineConfig, ModelConfig
 from raymoe.platform.selector import select_platform
 from raymoe.runner.device import engine_device
-from raymoe.runner.model_runner import RunnerConfig
+from raymoe.runner.runner_config import RunnerConfig
 from raymoe.tokenizer import eos_token_ids
 
 
 def runner_config_for(config: EngineConfig) -> RunnerConfig:
-    """The per-rank runner settings implied by ``config`` (KV and row sizes are per DP group)."""
-    g = config.graph
+    """The per-rank runner settings implied by ``config`` (KV and row sizes are per DP group; the MoE all-to-all
+    mode as the ranks run it: the platform's ``effective_a2a_mode``). Built once per engine (``build_driver``)."""
+    device = engine_device(config.device)
+    a2a_mode = select_platform(device).effective_a2a_mode(config.moe_comm.a2a_mode, config.parallel.ep_size)
     return RunnerConfig(
         model_path=config.model, dtype=config.dtype, num_kv_slots=config.cache.kv_pool_slots,
         max_req_rows=config.scheduler.req_pool_rows, max_context_len=config.cache.max_context_len,
-        page_size=config.cache.page_tokens,
-        attention_backend=config.attention_backend, seed=config.seed, device=engine_device(config.device),
-        disable_cuda_graph=g.disable_cuda_graph, cuda_graph_max_bs=g.cuda_graph_max_bs, cuda_graph_bs=g.cuda_graph_bs,
-        enable_torch_compile=g.enable_torch_compile, cuda_graph_min_kv_width=g.cuda_graph_min_kv_width,
-        overlap=config.overlap, cpu_threads=config.cpu_threads, cpu_rank_nice=config.cpu_rank_nice,
-        a2a_backend=config.moe_comm.a2a_backend,
-        a2a_mode=select_platform(engine_device(config.device)).effective_a2a_mode(config.moe_comm.a2a_mode,
-                                                                                  config.parallel.ep_size),
-        num_max_dispatch_tokens_per_rank=config.max_dispatch_tokens_per_rank, cpu_comm=config.moe_comm.cpu_comm)
+        page_size=config.cache.page_tokens, attention_backend=config.attention_backend, seed=config.seed,
+        device=device, graph=config.graph, moe_comm=dataclasses.replace(config.moe_comm, a2a_mode=a2a_mode),
+        overlap=config.overlap, cpu_threads=config.cpu_threads, cpu_rank_nice=config.cpu_rank_nice)
 
 
-def build_executor(config: EngineConfig):
-    """In-process rank for world size 1, else rank actors on Ray (joining ``config.ray_address``)."""
-    runner_cfg = runner_config_for(config)
+def build_executor(config: EngineConfig, runner_cfg: RunnerConfig):
+    """In-process rank for world size 1, else rank actors on Ray (joining ``config.ray_address``), each built from
+    ``runner_cfg`` (``runner_config_for(config)``)."""
     if config.parallel.world_size == 1:
         return LocalExecutor(runner_cfg)
     from raymoe.cluster.bootstrap import init_ray
@@ -48,7 +46,7 @@ def build_driver(config: EngineConfig, model_config: ModelConfig, tokenizer) -> 
     def detokenize(ids):
         return tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    return Driver(config, build_executor(config), eos_token_ids(model_config, tokenizer), detokenize,
-                  dp_size=config.parallel.dp_size, graph_capture_sizes=runner_config_for(config).graph_capture_sizes,
-                  a2a_mode=runner_config_for(config).a2a_mode,
-                  vocab_size=model_config.vocab_size)
+    runner_cfg = runner_config_for(config)
+    return Driver(config, build_executor(config, runner_cfg), eos_token_ids(model_config, tokenizer), detokenize,
+                  dp_size=config.parallel.dp_size, graph_capture_sizes=runner_cfg.graph_capture_sizes,
+                  a2a_mode=runner_cfg.moe_comm.a2a_mode, vocab_size=model_config.vocab_size)

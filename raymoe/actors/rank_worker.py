@@ -16,7 +16,8 @@ import os
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ParallelConfig
 from raymoe.platform.interface import Platform
-from raymoe.runner.model_runner import ModelRunner, RunnerConfig
+from raymoe.runner.model_runner import ModelRunner
+from raymoe.runner.runner_config import RunnerConfig
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
 
@@ -63,7 +64,7 @@ class RankWorker:
         self._configure_step_thread()  # the actor thread steps under plain calls
         self.groups = init_parallel_groups(self.rank, self.parallel, init_method, backend, timeout_s,
                                            device_id=device if device.type == "cuda" else None,
-                                           cpu_comm=self.runner_cfg.cpu_comm, platform=self.platform)
+                                           cpu_comm=self.runner_cfg.moe_comm.cpu_comm, platform=self.platform)
         return os.getpid()
 
     @property

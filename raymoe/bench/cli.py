@@ -1,15 +1,45 @@
-"""``raymoe bench ...`` subcommands (benchmarks print figures and write JSON; they are not tests)."""
+"""``raymoe bench ...`` subcommands (benchmarks print figures and write JSON; they are not tests).
+
+Imported by the top-level ``raymoe.cli``; it imports the benchmark modules and the shared ``raymoe.cli_args``, never
+``raymoe.cli`` or ``raymoe.deploy.cli``. Engine option choices come from the declarations (``raymoe.config``).
+"""
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import os
-from collections.abc import Callable
+
+from raymoe.bench.arrivals import add_arrivals_args, run_arrivals
+from raymoe.bench.compare import add_compare_args, run_compare
+from raymoe.bench.fanout import run_fanout
+from raymoe.bench.frontend import add_frontend_args, run_frontend
+from raymoe.bench.graph import run_graph_bench
+from raymoe.bench.offline import run_offline
+from raymoe.bench.overlap import add_overlap_args, run_overlap_bench
+from raymoe.bench.profile_serve import add_profile_args, run_profile
+from raymoe.bench.serve import add_serve_bench_args, run_serve_bench
+from raymoe.bench.stress import add_stress_args, run_stress
+from raymoe.cli_args import model_arg
+from raymoe.config import engine_options
+
+# Commands whose options live in their own module: (name, help, options function, entry point).
+_MODULE_COMMANDS = (
+    ("overlap", "two-batch overlap efficiency on gloo ranks with injected a2a latency", add_overlap_args,
+     run_overlap_bench),
+    ("compare", "raymoe serve vs the vLLM-CPU peer: same model, same client, one run", add_compare_args, run_compare),
+    ("profile-serve", "py-spy breakdown of a served step over every engine process", add_profile_args, run_profile),
+    ("frontend", "the HTTP front end's CPU per streamed token, in process, fed by a synthetic engine",
+     add_frontend_args, run_frontend),
+    ("serve", "streaming load against an OpenAI-compatible server: TTFT, ITL, throughput", add_serve_bench_args,
+     run_serve_bench),
+    ("arrivals", "TTFT/ITL p50/p99 of two-turn chats arriving during decoding, per server config (e.g. mixed "
+                 "chunked prefill off/on), one run", add_arrivals_args, run_arrivals),
+    ("stress", "thousands of concurrent short streams, some hanging up: nothing lost?", add_stress_args, run_stress),
+)
 
 
-def add_bench_parser(sub, model_arg) -> None:
+def add_bench_parser(sub) -> None:
     """Register ``raymoe bench <kind>`` on the top-level subparsers ``sub``."""
+    options = engine_options()
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
 
     p = bench.add_parser("offline", help="offline throughput vs the vLLM-CPU peer and transformers generate")
@@ -34,14 +64,14 @@ def add_bench_parser(sub, model_arg) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (world > 1 runs Ray rank actors)")
     p.add_argument("--dp", type=int, default=1, help="DP-attention groups")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (1 or tp*dp)")
-    p.add_argument("--fanout", default=None, choices=["channel", "remote", "compiled"],
+    p.add_argument("--fanout", default=None, choices=options["fanout"].choices,
                    help="how steps reach the rank actors (default: the step channel on CPU, compiled graph on CUDA)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+    p.add_argument("--device", default="cpu", choices=options["device"].choices,
                    help="where raymoe's ranks and transformers run (the vLLM-CPU peer always runs on CPU)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="raymoe forms each step after the previous one finished (default: overlap scheduling)")
     p.add_argument("--output-json", default="bench_results/offline.json")
-    p.set_defaults(func=_lazy("raymoe.bench.offline", "run_offline"))
+    p.set_defaults(func=run_offline)
 
     p = bench.add_parser("fanout", help="per-step fan-out overhead: step channel, actor calls, Ray Compiled Graph")
     model_arg(p)
@@ -51,7 +81,7 @@ def add_bench_parser(sub, model_arg) -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
     p.add_argument("--output-json", default="bench_results/fanout.json")
-    p.set_defaults(func=_lazy("raymoe.bench.fanout", "run_fanout"))
+    p.set_defaults(func=run_fanout)
 
     p = bench.add_parser("graph", help="decode step time: graph replay vs eager, per bucket")
     model_arg(p)
@@ -63,41 +93,13 @@ def add_bench_parser(sub, model_arg) -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="also time replay through torch.compile")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--a2a-mode", default="auto", choices=["normal", "low_latency", "auto"],
+    p.add_argument("--device", default="cpu", choices=options["device"].choices)
+    p.add_argument("--a2a-mode", default="auto", choices=options["a2a_mode"].choices,
                    help="MoE dispatch mode (auto: low-latency for decode, so CUDA graphs can capture it)")
     p.add_argument("--output-json", default="bench_results/graph.json")
-    p.set_defaults(func=_lazy("raymoe.bench.graph", "run_graph_bench"))
+    p.set_defaults(func=run_graph_bench)
 
-    for name, help_, module, add_args, run in _MODULE_COMMANDS:
+    for name, help_, add_args, run in _MODULE_COMMANDS:
         p = bench.add_parser(name, help=help_)
-        getattr(importlib.import_module(module), add_args)(p)
-        p.set_defaults(func=_lazy(module, run))
-
-
-# Commands whose options live in their own module: (name, help, module, options function, entry point).
-_MODULE_COMMANDS = (
-    ("overlap", "two-batch overlap efficiency on gloo ranks with injected a2a latency",
-     "raymoe.bench.overlap", "add_overlap_args", "run_overlap_bench"),
-    ("compare", "raymoe serve vs the vLLM-CPU peer: same model, same client, one run",
-     "raymoe.bench.compare", "add_compare_args", "run_compare"),
-    ("profile-serve", "py-spy breakdown of a served step over every engine process",
-     "raymoe.bench.profile_serve", "add_profile_args", "run_profile"),
-    ("frontend", "the HTTP front end's CPU per streamed token, in process, fed by a synthetic engine",
-     "raymoe.bench.frontend", "add_frontend_args", "run_frontend"),
-    ("serve", "streaming load against an OpenAI-compatible server: TTFT, ITL, throughput",
-     "raymoe.bench.serve", "add_serve_bench_args", "run_serve_bench"),
-    ("arrivals", "TTFT/ITL p50/p99 of two-turn chats arriving during decoding, per server config (e.g. mixed "
-                 "chunked prefill off/on), one run",
-     "raymoe.bench.arrivals", "add_arrivals_args", "run_arrivals"),
-    ("stress", "thousands of concurrent short streams, some hanging up: nothing lost?",
-     "raymoe.bench.stress", "add_stress_args", "run_stress"),
-)
-
-
-def _lazy(module: str, function: str) -> Callable[[argparse.Namespace], None]:
-    """A command entry point that imports ``module`` only when the command runs."""
-    def run(a: argparse.Namespace) -> None:
-        getattr(importlib.import_module(module), function)(a)
-
-    return run
+        add_args(p)
+        p.set_defaults(func=run)

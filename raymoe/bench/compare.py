@@ -115,7 +115,7 @@ def raymoe_serve_cmd(model: str, port: int, topology: str) -> list[str]:
     default on; ``threads``: intra-op threads per CPU rank; ``comm``: the MoE all-to-all carrier between CPU ranks;
     ``nice``: the CPU ranks' step-thread nice value)."""
     layout = parse_topology(topology)
-    cmd = [sys.executable, "-m", "raymoe.deploy.cli", "serve", "--model", model, "--served-model-name", "tiny",
+    cmd = [sys.executable, "-m", "raymoe.cli", "serve", "--model", model, "--served-model-name", "tiny",
            "--port", str(port)]
     for key in ("dp", "tp", "ep"):
         if key in layout:

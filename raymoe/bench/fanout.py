@@ -36,17 +36,17 @@ def _measure(executor, dp: int, steps: int, warmup: int) -> dict:
 def run_fanout(a: argparse.Namespace) -> dict:
     """Entry point of ``raymoe bench fanout``: prints a table and writes JSON to ``a.output_json``."""
     from raymoe.actors.executor import RayExecutor
+    from raymoe.cli_args import resolve_model
     from raymoe.cluster.bootstrap import init_ray
-    from raymoe.config import ParallelConfig
-    from raymoe.deploy.cli import resolve_model
-    from raymoe.runner.model_runner import RunnerConfig
+    from raymoe.config import FANOUTS, ParallelConfig
+    from raymoe.runner.runner_config import RunnerConfig
 
     model = resolve_model(a.model)
     init_ray(a.address)
     parallel = ParallelConfig(tp_size=a.tp, dp_size=a.dp, ep_size=a.tp * a.dp)
     cfg = RunnerConfig(model_path=model, dtype="float32", num_kv_slots=256, max_req_rows=8, max_context_len=256)
     rows = []
-    for fanout in ("channel", "remote", "compiled"):
+    for fanout in FANOUTS:
         ex = RayExecutor(cfg, parallel, use_gpu=False, fanout=fanout)
         try:
             rows.append({"fanout": ex.fanout, **_measure(ex, a.dp, a.steps, a.warmup)})

@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 
 from raymoe.comm.expert_input import resolve_a2a_mode
-from raymoe.runner.model_runner import ModelRunner, RunnerConfig
+from raymoe.config import GraphConfig, MoeCommConfig
+from raymoe.runner.model_runner import ModelRunner
+from raymoe.runner.runner_config import RunnerConfig
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.sampling_inputs import SamplingInputs
 from raymoe.step.worker_batch import ModelWorkerBatch
@@ -59,7 +61,7 @@ def bench_runner(runner: ModelRunner, sizes: list[int], seq_len: int, iters: int
     rows = []
     for bs in sizes:
         _, decode = _batches(bs, seq_len, width, vocab, seed)
-        if resolve_a2a_mode(runner.cfg.a2a_mode, True) == "low_latency":  # as the driver plans decode steps
+        if resolve_a2a_mode(runner.cfg.moe_comm.a2a_mode, True) == "low_latency":  # as the driver plans decode steps
             decode = replace(decode, dispatch_capacity=bs)
         graph = replace(decode, graph_bs=bs)
         eager_t, graph_t = [], []
@@ -80,7 +82,7 @@ def bench_runner(runner: ModelRunner, sizes: list[int], seq_len: int, iters: int
 
 def run_graph_bench(a: argparse.Namespace) -> dict:
     """Entry point of ``raymoe bench graph``: prints a table and writes JSON to ``a.output_json``."""
-    from raymoe.deploy.cli import resolve_model
+    from raymoe.cli_args import resolve_model
 
     model = resolve_model(a.model)
     sizes = sorted({int(s) for s in a.batch_sizes.split(",")})
@@ -98,8 +100,9 @@ def run_graph_bench(a: argparse.Namespace) -> dict:
     for name, compiled in variants:
         t0 = time.perf_counter()
         cfg = RunnerConfig(model, a.dtype, num_kv_slots=max(sizes) * a.max_context_len, max_req_rows=max(sizes),
-                           max_context_len=a.max_context_len, cuda_graph_bs=tuple(sizes), enable_torch_compile=compiled,
-                           device=a.device, a2a_mode=a.a2a_mode)
+                           max_context_len=a.max_context_len, device=a.device,
+                           moe_comm=MoeCommConfig(a2a_mode=a.a2a_mode),
+                           graph=GraphConfig(cuda_graph_bs=tuple(sizes), enable_torch_compile=compiled))
         runner = ModelRunner(cfg)
         init_s = time.perf_counter() - t0
         rows = bench_runner(runner, sizes, a.seq_len, a.iters, a.warmup, a.seed)

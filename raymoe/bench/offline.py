@@ -139,8 +139,8 @@ def bench_transformers(model: str, prompts: list[list[int]], output_len: int, dt
 def run_offline(a: argparse.Namespace) -> dict:
     """Entry point of ``raymoe bench offline``: prints a table and writes JSON to ``a.output_json``."""
     from raymoe.bench.peer import PeerMode, peer_missing, run_peer
+    from raymoe.cli_args import resolve_model
     from raymoe.config import ModelConfig
-    from raymoe.deploy.cli import resolve_model
 
     model = resolve_model(a.model)
     vocab = ModelConfig.from_hf(model).vocab_size

@@ -18,6 +18,8 @@ import os
 import platform
 from pathlib import Path
 
+from raymoe.config import CPU_COMM_MODES
+
 COLUMNS = [("a2a_mode", "a2a", "{}"), ("batch_size", "bs", "{:d}"), ("latency_ms", "lat ms", "{:.1f}"),
            ("compute_ms", "compute", "{:.2f}"),
            ("comm_ms", "comm", "{:.2f}"), ("serial_ms", "serial", "{:.2f}"), ("tbo_ms", "TBO", "{:.2f}"),
@@ -140,7 +142,7 @@ def add_overlap_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--moe-intermediate-size", type=int, default=512)
     p.add_argument("--threads-per-rank", type=int, default=1)
-    p.add_argument("--cpu-comm", default="auto", choices=["auto", "shm", "gloo"],
+    p.add_argument("--cpu-comm", default="auto", choices=CPU_COMM_MODES,
                    help="what carries the all-to-all between the ranks (auto: shared memory on one node)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)

@@ -36,8 +36,9 @@ from raymoe.comm.all_to_all import DispatchHandle
 from raymoe.comm.expert_input import ExpertRows, GroupedExpertRows, MaskedExpertRows, RoutedTokenRows
 from raymoe.comm.groups import ParallelGroups
 from raymoe.comm.latency import LatencyInjectedAllToAll, wrap_moe_all_to_all
-from raymoe.config import OverlapConfig
-from raymoe.runner.model_runner import ModelRunner, RunnerConfig
+from raymoe.config import GraphConfig, OverlapConfig
+from raymoe.runner.model_runner import ModelRunner
+from raymoe.runner.runner_config import RunnerConfig
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.sampling_inputs import SamplingInputs
 from raymoe.step.worker_batch import ModelWorkerBatch
@@ -179,9 +180,10 @@ def measure_rank(groups: ParallelGroups, model_path: str, batch_sizes: list[int]
     ``a2a_mode``: ``"normal"`` or ``"low_latency"`` (capacity = the batch size, as the driver plans decode)."""
     torch.manual_seed(seed + groups.world_rank)
     max_bs = max(batch_sizes)
-    runner = ModelRunner(RunnerConfig(model_path, "float32", num_kv_slots=max_bs * (context_len + 1),
-                                      max_req_rows=max_bs, max_context_len=context_len + 2, disable_cuda_graph=True,
-                                      overlap=OverlapConfig(enable_tbo=True)), groups)
+    cfg = RunnerConfig(model_path, "float32", num_kv_slots=max_bs * (context_len + 1), max_req_rows=max_bs,
+                       max_context_len=context_len + 2, graph=GraphConfig(disable_cuda_graph=True),
+                       overlap=OverlapConfig(enable_tbo=True))
+    runner = ModelRunner(cfg, groups)
     for k, v in zip(runner.token_to_kv_pool.k_buffer, runner.token_to_kv_pool.v_buffer, strict=True):
         k.normal_(0, 0.5)
         v.normal_(0, 0.5)

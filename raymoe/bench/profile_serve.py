@@ -143,7 +143,7 @@ def run_profile(a) -> dict:
     model = a.model or str(peers / "models/tiny-qwen3moe")
     url = f"http://127.0.0.1:{a.port}"
     layout = dict(kv.split("=") for kv in a.topology.split(","))
-    cmd = [sys.executable, "-m", "raymoe.deploy.cli", "serve", "--model", model, "--served-model-name", "tiny",
+    cmd = [sys.executable, "-m", "raymoe.cli", "serve", "--model", model, "--served-model-name", "tiny",
            "--port", str(a.port)] + [x for k in ("dp", "tp", "ep") if k in layout for x in (f"--{k}", layout[k])]
     env = peer_env(peers)
     with tempfile.TemporaryDirectory(prefix="raymoe-profile-") as work:

@@ -107,12 +107,12 @@ def _local_server(a: argparse.Namespace):
 
     import uvicorn
 
-    from raymoe.deploy.cli import resolve_model
+    from raymoe.cli_args import resolve_model
+    from raymoe.config import engine_config_from_options
     from raymoe.deploy.engine_client import EngineClient
     from raymoe.deploy.openai_api import build_openai_app
-    from raymoe.engine import _split_options
 
-    config = _split_options(resolve_model(a.model), {
+    config = engine_config_from_options(resolve_model(a.model), {
         "dp_size": a.dp, "tp_size": a.tp, "ep_size": a.dp * a.tp, "max_running_requests": a.max_running_requests,
         "max_queued_requests": a.streams})
     engine = EngineClient(config)

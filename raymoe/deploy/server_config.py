@@ -1,19 +1,24 @@
 """Options of a serving deployment, shared by ``raymoe serve`` and the Ray Serve app (``serve_app.build_app``).
 
-:class:`ServeOptions` is a pydantic model so the ``args`` of a Serve config file are validated with clear errors;
-:meth:`ServeOptions.engine_config` turns it into the engine's frozen ``EngineConfig`` (through the same option
-mapping as ``Engine(model, **options)``). Defaults are the main job: two DP-attention groups of one rank each,
-experts sharded over both (``ep_size`` = world size), two-batch overlap on (whenever ``ep_size > 1``).
+:class:`ServerLimits` declares what one HTTP request may ask of the server. :class:`ServeOptions` is a pydantic model
+so the ``args`` of a Serve config file are validated with clear errors: its engine options are generated from the
+engine's option declarations (``raymoe.config.engine_options``: same names, types, choices, help and defaults),
+beside a few serve-only fields (:data:`SERVE_ONLY_FIELDS`) and the serve defaults of :data:`SERVE_DEFAULTS`: two
+DP-attention groups of one rank each, experts sharded over both (``ep_size`` = world size), two-batch overlap on
+for CUDA ranks. :meth:`ServeOptions.engine_config` turns it into the engine's frozen ``EngineConfig`` (through the
+same flat options as ``Engine(model, **options)``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from raymoe.config import EngineConfig
+from raymoe.config.engine_options import OptionDecl, check_options, engine_config_from_options, engine_options
+from raymoe.config.option import option
 from raymoe.errors import InvalidRequestError
 from raymoe.scheduler.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
@@ -23,39 +28,35 @@ MAX_REQUEST_TIMEOUT_S = 86_400.0
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What one HTTP request may ask of the server; README "Limits and failure behaviour" lists what a client
-    sees when each is hit.
-
-    Attributes:
-        max_body_bytes: largest request body, bytes; larger ones get 413 before they are parsed (also chunked
-            bodies without a Content-Length).
-        max_stop_strings: stop strings per request (400 ``param="stop"`` beyond). At most the engine's cap
-            ``MAX_STOP_STRINGS``.
-        max_stop_string_chars: characters per stop string (400 ``param="stop"`` beyond). At most the engine's
-            cap ``MAX_STOP_STRING_CHARS``.
-        default_timeout_s: deadline of a request that sends no ``timeout``, seconds from its arrival.
-        max_timeout_s: largest ``timeout`` a request may send, seconds (400 ``param="timeout"`` beyond).
-        max_stream_backlog_events: SSE events of one stream produced but not yet written to its socket; past it
-            the client is reading too slowly: the request is aborted and the stream ends with an error event.
-        max_stream_backlog_bytes: the same bound in bytes of those events.
-        stream_backlog_grace_s: how long a stream's backlog may stay at its bound before the reader counts as
-            slow, seconds (absorbs scheduling jitter: several engine steps can arrive at once).
-        stream_drain_timeout_s: once a stream's generation has ended (finished, timed out or aborted), how long
-            its remaining events may take to reach a slow reader before the connection is closed, seconds.
+    """What one HTTP request may ask of the server (each field's help says what it bounds); README "Limits and
+    failure behaviour" lists what a client sees when each is hit.
 
     Raises:
         InvalidRequestError: naming the field that is out of range.
     """
 
-    max_body_bytes: int = 16 * 2**20
-    max_stop_strings: int = 64
-    max_stop_string_chars: int = 512
-    default_timeout_s: float = 600.0
-    max_timeout_s: float = 3600.0
-    max_stream_backlog_events: int = 512
-    max_stream_backlog_bytes: int = 2**20
-    stream_backlog_grace_s: float = 1.0
-    stream_drain_timeout_s: float = 30.0
+    max_body_bytes: int = option(
+        16 * 2**20, help="largest request body, bytes; larger ones get 413 before they are parsed (also chunked bodies "
+                         "without a Content-Length).")
+    max_stop_strings: int = option(
+        64, help=f"stop strings per request (400 param=stop beyond); at most the engine's cap, {MAX_STOP_STRINGS}.")
+    max_stop_string_chars: int = option(
+        512, help=f"characters per stop string (400 param=stop beyond); at most the engine's cap, "
+                  f"{MAX_STOP_STRING_CHARS}.")
+    default_timeout_s: float = option(
+        600.0, help="deadline of a request that sends no timeout, seconds from its arrival.")
+    max_timeout_s: float = option(
+        3600.0, help="largest timeout a request may send, seconds (400 param=timeout beyond).")
+    max_stream_backlog_events: int = option(
+        512, help="SSE events of one stream produced but not yet written to its socket; past it the client is "
+                  "reading too slowly: the request is aborted and the stream ends with an error event.")
+    max_stream_backlog_bytes: int = option(2**20, help="the same bound in bytes of those events.")
+    stream_backlog_grace_s: float = option(
+        1.0, help="how long a stream's backlog may stay at its bound before the reader counts as slow, seconds "
+                  "(absorbs scheduling jitter: several engine steps can arrive at once).")
+    stream_drain_timeout_s: float = option(
+        30.0, help="once a stream's generation has ended (finished, timed out or aborted), how long its remaining "
+                   "events may take to reach a slow reader before the connection is closed, seconds.")
 
     def __post_init__(self) -> None:
         for name, low in (("max_body_bytes", 1), ("max_stop_strings", 0), ("max_stop_string_chars", 1),
@@ -76,69 +77,45 @@ class ServerLimits:
             raise InvalidRequestError("default_timeout_s", "must be <= max_timeout_s")
 
 
-class ServeOptions(BaseModel):
-    """A served engine.
-
-    Attributes:
-        model: Hugging Face model folder (None: the demo checkpoint, built on first use).
-        served_model_name: the OpenAI ``model`` id (default: the folder name).
-        tp_size, dp_size, ep_size: parallel layout (``ep_size`` None: the world size ``dp_size * tp_size``).
-        enable_tbo: two-batch overlap of MoE layers (None: on exactly when experts are sharded over CUDA ranks,
-            ``ep_size > 1``; with one EP rank there is no all-to-all to hide, and between CPU ranks, whose
-            shared-memory all-to-all is a copy with no latency to hide, splitting the batch only costs compute:
-            served dp=2 ep=2 on 2 cores ran 30-60 % faster at concurrency 64 without it, docs/performance.md).
-        dtype, seed, device: engine options. max_total_tokens, max_context_len: KV slots and context per group.
-        max_running_requests, max_queued_requests: scheduler limits per DP group (a full queue answers 429).
-        max_in_flight: requests the HTTP front end serves at once before 429 (None: from the scheduler limits).
-        api_key: bearer token required on ``/v1/*`` (None: open); never shown in ``repr`` or logs.
-        limits: per-request limits of the HTTP front end (body size, stop strings, deadline, stream backlog).
-        ray_address: Ray cluster to join (None: a local one on 127.0.0.1, or the Serve cluster).
-        fanout: how steps reach multi-rank worlds, ``"channel"`` | ``"compiled"`` | ``"remote"`` (None: the engine
-            default).
-        a2a_mode: MoE all-to-all mode, ``"normal"`` | ``"low_latency"`` | ``"auto"`` (None: the engine default,
-            ``auto``: low-latency for decode steps).
-        chunked_prefill_size: prompt tokens per step (None: the engine default). enable_mixed_chunk: prefill steps
-            also decode the running requests (None: the engine default, on). disable_overlap_schedule: form each
-            step only after the previous one finished (None: the engine default, overlap on).
-        cpu_threads: intra-op threads of each CPU rank (None: the engine default, ``(cores - 1) // ranks``).
-        cpu_rank_nice: nice value of each CPU rank's step thread in a multi-rank engine (None: the engine default,
-            -10 where permitted; 0: unchanged).
-        cpu_comm: MoE all-to-all carrier between CPU ranks, ``"auto"`` | ``"shm"`` | ``"gloo"`` (None: the engine
-            default, ``auto``: shared memory when every rank is on one node).
-    """
+class _ServeFields(BaseModel):
+    """The serve-only fields of :class:`ServeOptions` and its methods (the engine options are added to it)."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str | None = None
-    served_model_name: str | None = None
-    tp_size: int = Field(1, ge=1)
-    dp_size: int = Field(2, ge=1)
-    ep_size: int | None = Field(None, ge=1)
-    enable_tbo: bool | None = None
-    dtype: str = "float32"
-    seed: int = 0
-    device: str | None = None
-    max_total_tokens: int | None = Field(None, ge=2)
-    max_context_len: int | None = Field(None, ge=2)
-    max_running_requests: int | None = Field(None, ge=1)
-    max_queued_requests: int | None = Field(None, ge=1)
-    max_in_flight: int | None = Field(None, ge=1)
-    api_key: str | None = Field(None, repr=False)
-    limits: ServerLimits = Field(default_factory=ServerLimits)
-    ray_address: str | None = None
-    fanout: str | None = None
-    a2a_mode: str | None = None
-    chunked_prefill_size: int | None = Field(None, ge=1)
-    enable_mixed_chunk: bool | None = None
-    disable_overlap_schedule: bool | None = None
-    cpu_threads: int | None = Field(None, ge=1)
-    cpu_rank_nice: int | None = Field(None, ge=-20, le=19)
-    cpu_comm: str | None = None
+    model: str | None = Field(None, description="Hugging Face model folder (None: the demo checkpoint, built on "
+                                                "first use).")
+    served_model_name: str | None = Field(None, description="the OpenAI model id clients send (None: the folder "
+                                                            "name).")
+    max_in_flight: int | None = Field(None, ge=1, description="HTTP requests served at once before 429 (None: from "
+                                                              "the scheduler limits).")
+    api_key: str | None = Field(None, repr=False, description="bearer token required on /v1/* (None: open); never "
+                                                              "shown in repr or logs.")
+    limits: ServerLimits = Field(default_factory=ServerLimits, description="per-request limits of the HTTP front "
+                                                                           "end (ServerLimits).")
+
+    @model_validator(mode="after")
+    def _check_engine_options(self) -> _ServeFields:
+        """Every engine option checked as the engine will, except what depends on the machine it runs on
+        (``raymoe.config.engine_options.check_options``); a bad one raises ``InvalidRequestError`` (naming it),
+        which pydantic reports as a ``ValidationError`` holding that error."""
+        check_options(self.engine_option_values(resolve_tbo=False))
+        return self
 
     @property
     def world_size(self) -> int:
         """Ranks of the engine: ``dp_size * tp_size``."""
         return self.tp_size * self.dp_size
+
+    def engine_option_values(self, resolve_tbo: bool = True) -> dict[str, Any]:
+        """The flat engine options with the serve rules applied: ``ep_size`` None is the world size, and
+        ``enable_tbo`` None is on exactly when experts are sharded over CUDA ranks (``ep_size > 1``) without
+        single-batch overlap (``resolve_tbo`` False: off, deciding nothing about the device)."""
+        values = {name: getattr(self, name) for name in engine_options()}
+        if values["ep_size"] is None:
+            values["ep_size"] = self.world_size
+        if values["enable_tbo"] is None:
+            values["enable_tbo"] = resolve_tbo and _auto_tbo(values)
+        return values
 
     def resolved_model(self, progress: bool = True) -> str:
         """``model``, or the demo checkpoint (built with progress bars the first time)."""
@@ -152,29 +129,59 @@ class ServeOptions(BaseModel):
         """The engine configuration for the model folder ``model``.
 
         Raises:
-            InvalidRequestError: an option out of range (names it).
+            InvalidRequestError: an option out of range, or a backend this machine cannot run (names it).
         """
-        from raymoe.engine import _split_options
-
-        options = {"tp_size": self.tp_size, "dp_size": self.dp_size,
-                   "ep_size": self.ep_size if self.ep_size is not None else self.world_size,
-                   "dtype": self.dtype, "seed": self.seed, "device": self.device,
-                   "ray_address": self.ray_address}
-        for name in ("max_total_tokens", "max_context_len", "max_running_requests", "max_queued_requests",
-                     "fanout", "a2a_mode", "chunked_prefill_size", "enable_mixed_chunk", "disable_overlap_schedule",
-                     "cpu_threads", "cpu_rank_nice", "cpu_comm"):
-            if getattr(self, name) is not None:
-                options[name] = getattr(self, name)
-        config = _split_options(model, options)
-        tbo = self.enable_tbo
-        if tbo is None:
-            from raymoe.runner.device import engine_device
-
-            tbo = config.parallel.ep_size > 1 and engine_device(config.device) == "cuda"
-        return dataclasses.replace(config, overlap=dataclasses.replace(config.overlap, enable_tbo=tbo))
+        return engine_config_from_options(model, self.engine_option_values())
 
     def engine_client(self, progress: bool = True):
         """Start the engine: a driver actor on Ray (its own process, also for a single rank) and its ranks."""
         from raymoe.deploy.engine_client import EngineClient
 
         return EngineClient(self.engine_config(self.resolved_model(progress)), model_name=self.served_model_name)
+
+
+def _auto_tbo(values: dict[str, Any]) -> bool:
+    """Two-batch overlap's serve default: only with an all-to-all latency to hide (experts sharded, ``ep_size > 1``,
+    over CUDA ranks: between CPU ranks the shared-memory all-to-all is a copy, and splitting the batch only costs
+    compute, docs/performance.md) and never beside single-batch overlap."""
+    from raymoe.runner.device import engine_device
+
+    return values["ep_size"] > 1 and engine_device(values["device"]) == "cuda" and not values["enable_sbo"]
+
+
+SERVE_ONLY_FIELDS = tuple(_ServeFields.model_fields)
+"""ServeOptions fields that are not engine options: model, served_model_name, max_in_flight, api_key, limits."""
+
+SERVE_DEFAULTS: dict[str, tuple[Any, Any]] = {
+    "dp_size": (int, Field(2, description="DP-attention groups (each schedules its own requests).")),
+    "ep_size": (int | None, Field(None, description="expert-parallel ranks: 1 or dp*tp (None: dp*tp, the experts "
+                                                    "sharded over every rank).")),
+    "enable_tbo": (bool | None, Field(None, description="two-batch overlap of MoE layers (None: on exactly when "
+                                                        "ep_size > 1 on CUDA ranks without enable_sbo; off on CPU "
+                                                        "ranks, where the shared-memory all-to-all leaves no latency "
+                                                        "to hide).")),
+}
+"""Engine options whose serve default differs from the engine's: (annotation, pydantic field)."""
+
+
+def _engine_field(decl: OptionDecl) -> tuple[Any, Any]:
+    """The pydantic field of one engine option: its declared type (a ``Literal`` of its choices, where declared),
+    default and help."""
+    annotation = decl.type
+    if decl.choices is not None:
+        annotation = Literal[decl.choices]  # type: ignore[valid-type]
+        if decl.default is None:
+            annotation = annotation | None
+    return annotation, Field(decl.default, description=decl.help)
+
+
+ServeOptions = create_model(
+    "ServeOptions", __base__=_ServeFields, __module__=__name__,
+    __doc__="""A served engine: the serve-only fields (:data:`SERVE_ONLY_FIELDS`) and every engine option
+    (``raymoe.config.engine_options()``), with the serve defaults of :data:`SERVE_DEFAULTS`.
+
+    Raises:
+        pydantic.ValidationError: an unknown field, a value of the wrong type or not among its choices, or an
+            engine option its config refuses (the error holds the ``InvalidRequestError`` naming it).
+    """,
+    **{name: SERVE_DEFAULTS.get(name) or _engine_field(decl) for name, decl in engine_options().items()})

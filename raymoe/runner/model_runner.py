@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -18,7 +17,7 @@ from raymoe.comm.dispatcher import A2ABackendSpec
 from raymoe.comm.expert_input import resolve_a2a_mode
 from raymoe.comm.groups import ParallelGroups
 from raymoe.comm.latency import inject_a2a_latency
-from raymoe.config import ModelConfig, OverlapConfig
+from raymoe.config import ModelConfig
 from raymoe.kvcache.pools import ReqToTokenPool
 from raymoe.models.loader import CheckpointReader
 from raymoe.models.registry import get_model_class
@@ -28,102 +27,10 @@ from raymoe.platform.interface import Platform
 from raymoe.platform.selector import select_platform
 from raymoe.runner.forward_batch import ForwardBatch
 from raymoe.runner.future_tokens import FutureTokenMap
-from raymoe.runner.graph_buckets import DEFAULT_MIN_KV_WIDTH, capture_sizes, kv_width_ladder
+from raymoe.runner.runner_config import DTYPES, RunnerConfig
 from raymoe.runner.sampler import Sampler
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "float64": torch.float64}  # float64: exactness tests (e.g. graph replay vs eager)
-
-
-@dataclass(frozen=True)
-class RunnerConfig:
-    """What a rank needs to build its runner (plain data, sent to each RankWorker).
-
-    Attributes:
-        model_path: Hugging Face folder. dtype: ``"float32"`` | ``"bfloat16"`` | ``"float16"`` (| ``"float64"``,
-            for exactness tests).
-        num_kv_slots: KV slots of the pool (without dummy slot 0), tokens.
-        max_req_rows: rows of the ReqToTokenPool table. max_context_len: tokens per row.
-        page_size: tokens per KV page the driver's allocator hands out (``CacheConfig.page_size``); the pool
-            (``num_kv_slots + 1`` rows) must be a whole number of pages.
-        attention_backend, a2a_backend: backend names (``flash_attn`` is checked here: package, dtype, page size).
-            a2a_mode: the engine's MoE all-to-all mode (decode graphs capture the mode a decode step resolves to).
-            num_max_dispatch_tokens_per_rank: per-rank token bound of low-latency dispatches (sizes DeepEP's
-            buffers). seed: sampler seed. device: ``"cpu"`` or ``"cuda"``.
-        disable_cuda_graph: run every decode eagerly (no capture at start-up). On CPU the "graphs" are
-            static-buffer callables with the same contract (``raymoe.runner.graph_runner``).
-        cuda_graph_max_bs: largest captured batch size (``None``: ``max_req_rows``).
-        cuda_graph_bs: explicit batch sizes to capture (``None``: 1, 2, 4, 8, 16, 24, 32, 48, 64, ... up to the max).
-        cuda_graph_min_kv_width: first KV width, tokens, of the ladder each CUDA decode graph bucket is captured at
-            (doubling up to ``max_context_len``; ``graph_buckets.kv_width_ladder``); a replay attends over the
-            smallest width that holds its longest sequence. Raise it to capture fewer graphs; ``None``: one
-            width (``max_context_len``). CPU ignores it (its replays narrow dynamically).
-        enable_torch_compile: run each captured bucket's forward through ``torch.compile``.
-        overlap: two-batch / single-batch overlap options (the engine's ``OverlapConfig``; same on every rank).
-        inject_a2a_latency_ms: benchmarks only: delay each MoE dispatch/combine completion by this one-way
-            latency, milliseconds (``raymoe.comm.latency``; 0 = off).
-        cpu_threads: intra-op threads of a rank process on CPU (None: derived, see ``EngineConfig.cpu_threads``).
-        cpu_rank_nice: nice value of a multi-rank engine's CPU rank step thread (``EngineConfig.cpu_rank_nice``;
-            None: the default, -10).
-        cpu_comm: EP all-to-all carrier between gloo ranks (``MoeCommConfig.cpu_comm``: auto, shm or gloo).
-    """
-
-    model_path: str
-    dtype: str
-    num_kv_slots: int
-    max_req_rows: int
-    max_context_len: int
-    page_size: int = 1
-    attention_backend: str = "torch_native"
-    a2a_backend: str = "torch"
-    a2a_mode: str = "auto"
-    num_max_dispatch_tokens_per_rank: int = 256
-    seed: int = 0
-    device: str = "cpu"
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int | None = None
-    cuda_graph_bs: tuple[int, ...] | None = None
-    cuda_graph_min_kv_width: int | None = DEFAULT_MIN_KV_WIDTH
-    enable_torch_compile: bool = False
-    overlap: OverlapConfig = field(default_factory=OverlapConfig)
-    inject_a2a_latency_ms: float = 0.0
-    cpu_threads: int | None = None
-    cpu_rank_nice: int | None = None
-    cpu_comm: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.inject_a2a_latency_ms < 0:
-            raise ValueError("inject_a2a_latency_ms must be >= 0")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}")
-        if self.num_kv_slots < 1 or self.max_req_rows < 1 or self.max_context_len < 2:
-            raise ValueError("num_kv_slots, max_req_rows must be >= 1 and max_context_len >= 2")
-        if self.page_size < 1 or (self.num_kv_slots + 1) % self.page_size:
-            raise ValueError(f"num_kv_slots + 1 ({self.num_kv_slots + 1}) must be a multiple of page_size "
-                             f"({self.page_size})")
-        from raymoe.platform.backends import check_attention_backend
-
-        check_attention_backend(self.attention_backend, self.page_size, self.dtype)
-        if self.cuda_graph_min_kv_width is not None and self.cuda_graph_min_kv_width < 1:
-            raise ValueError(f"cuda_graph_min_kv_width must be >= 1 or None, got {self.cuda_graph_min_kv_width}")
-        _ = self.graph_capture_sizes  # validates the graph options
-        resolve_a2a_mode(self.a2a_mode, True)  # validates the mode
-
-    @property
-    def graph_capture_sizes(self) -> tuple[int, ...]:
-        """Decode-graph buckets every rank captures, ascending (empty when disabled); the driver passes them to
-        ``raymoe.runner.graph_buckets.plan_graph_bs``."""
-        if self.disable_cuda_graph:
-            return ()
-        return tuple(capture_sizes(self.max_req_rows, self.cuda_graph_bs, self.cuda_graph_max_bs))
-
-    @property
-    def graph_kv_widths(self) -> tuple[int, ...]:
-        """KV widths (tokens) every CUDA decode-graph bucket is captured at, ascending, ending at
-        ``max_context_len`` (a rank-local choice per replay: only attention depends on it)."""
-        return tuple(kv_width_ladder(self.max_context_len, self.cuda_graph_min_kv_width))
 
 
 class ModelRunner:
@@ -149,7 +56,7 @@ class ModelRunner:
         with CheckpointReader(cfg.model_path) as reader:
             model_cls = get_model_class(self.model_config.model_type)
             with torch.device(self.device):
-                a2a = A2ABackendSpec(cfg.a2a_backend, cfg.a2a_mode, cfg.num_max_dispatch_tokens_per_rank)
+                a2a = A2ABackendSpec(cfg.moe_comm.a2a_backend, cfg.moe_comm.a2a_mode, cfg.max_dispatch_tokens_per_rank)
                 self.model = model_cls(self.model_config, self.groups, self.dtype, self.ops, a2a,
                                        enable_sbo=cfg.overlap.enable_sbo)
             self.model.load_weights(reader)
@@ -194,8 +101,8 @@ class ModelRunner:
         tbo = cfg.overlap.enable_tbo
         return GraphRunner(self.forward, self.attn_backend, cfg.graph_capture_sizes, capture, self.device,
                            max_kv_len=cfg.max_context_len, tbo_modes=(False, True) if tbo else (False,),
-                           tbo_prepare=tbo_prepare if tbo else None, use_compile=cfg.enable_torch_compile,
-                           low_latency=resolve_a2a_mode(cfg.a2a_mode, True) == "low_latency",
+                           tbo_prepare=tbo_prepare if tbo else None, use_compile=cfg.graph.enable_torch_compile,
+                           low_latency=resolve_a2a_mode(cfg.moe_comm.a2a_mode, True) == "low_latency",
                            show_progress=self.groups.world_rank == 0, kv_widths=kv_widths)
 
     def prepare(self, batch: ModelWorkerBatch, for_graph: bool = False) -> ForwardBatch:

@@ -47,6 +47,7 @@ def test_cuda_engine_matches_cpu_engine(tiny_model, cpu_tokens, graphs, tbo, a2a
 def test_cuda_prefill_logits_match_transformers(tiny_model):
     from transformers import AutoModelForCausalLM
 
+    from raymoe.config import GraphConfig
     from raymoe.runner.model_runner import ModelRunner, RunnerConfig
     from raymoe.step.forward_mode import ForwardMode
     from raymoe.step.sampling_inputs import SamplingInputs
@@ -55,7 +56,7 @@ def test_cuda_prefill_logits_match_transformers(tiny_model):
 
     ids = load_tokenizer(tiny_model).encode(PROMPTS[2], add_special_tokens=False)
     runner = ModelRunner(RunnerConfig(model_path=tiny_model, dtype="float32", num_kv_slots=256, max_req_rows=2,
-                                      max_context_len=128, device="cuda", disable_cuda_graph=True))
+                                      max_context_len=128, device="cuda", graph=GraphConfig(disable_cuda_graph=True)))
     batch = ModelWorkerBatch(forward_mode=ForwardMode.EXTEND, input_ids=ids, req_pool_indices=[0],
                              seq_lens=[len(ids)], prefix_lens=[0], extend_lens=[len(ids)],
                              out_cache_loc=list(range(1, len(ids) + 1)), sampling=SamplingInputs.greedy(1))
@@ -102,6 +103,7 @@ def test_cuda_graph_reads_only_its_kv_width(tiny_model):
     """A graph captured at width 16 reads only the first 16 table columns: columns 16.. of every row point at a
     slot whose keys/values are NaN, so a graph attending over more columns (the full-width control, same inputs)
     gives NaN logits (masked NaN keys/values still poison SDPA), while the 16-wide one equals eager."""
+    from raymoe.config import GraphConfig
     from raymoe.runner.model_runner import ModelRunner, RunnerConfig
     from raymoe.step.forward_mode import ForwardMode
     from raymoe.step.sampling_inputs import SamplingInputs
@@ -113,7 +115,8 @@ def test_cuda_graph_reads_only_its_kv_width(tiny_model):
     def logits(min_kv_width):
         runner = ModelRunner(RunnerConfig(model_path=tiny_model, dtype="float32", num_kv_slots=rows * ctx,
                                           max_req_rows=rows, max_context_len=ctx, device="cuda",
-                                          cuda_graph_bs=(1, 2, 4), cuda_graph_min_kv_width=min_kv_width))
+                                          graph=GraphConfig(cuda_graph_bs=(1, 2, 4),
+                                                            cuda_graph_min_kv_width=min_kv_width)))
         ids = [(7 * r + i) % 500 + 10 for r in range(rows) for i in range(prompt)]
         lens = [prompt] * rows
         runner.forward(runner.prepare(ModelWorkerBatch(

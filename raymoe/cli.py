@@ -1,0 +1,113 @@
+"""The ``raymoe`` command line: make-checkpoint, generate and env here; serve from ``raymoe.deploy.cli``; bench from
+``raymoe.bench.cli``.
+
+This module assembles the subcommands; the dependencies run one way (it imports deploy's and bench's parsers, they
+import neither it nor each other's command line; shared pieces live in ``raymoe.cli_args``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from raymoe.bench.cli import add_bench_parser
+from raymoe.cli_args import add_option_flags, given_options, model_arg, resolve_model
+from raymoe.config import engine_options
+from raymoe.deploy.cli import add_serve_parser
+from raymoe.errors import RaymoeError
+
+GENERATE_OWN_FLAGS = ("seed",)
+"""Engine options ``raymoe generate`` does not take as flags: its ``--seed`` seeds the requests' sampling."""
+
+
+def _cmd_make_checkpoint(a: argparse.Namespace) -> None:
+    from raymoe.models.checkpoint import make_checkpoint
+
+    out = make_checkpoint(a.arch, a.out, seed=a.seed, num_layers=a.num_layers, hidden_size=a.hidden_size,
+                          num_experts=a.num_experts, num_experts_per_tok=a.top_k, vocab_size=a.vocab_size,
+                          max_shard_bytes=a.max_shard_bytes, progress=True)
+    print(out)
+
+
+def _generate_options() -> list[str]:
+    return [name for name in engine_options() if name not in GENERATE_OWN_FLAGS]
+
+
+def _cmd_generate(a: argparse.Namespace) -> None:
+    from raymoe import Engine, SamplingParams
+
+    model = resolve_model(a.model)
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
+    with Engine(model, **given_options(a, _generate_options())) as engine:
+        for prompt, out in zip(a.prompt, engine.generate(a.prompt, params), strict=True):
+            print(prompt + out.text)
+            print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
+
+
+def _cmd_env(a: argparse.Namespace) -> None:
+    from raymoe.platform.backends import environment_report
+
+    report = environment_report()
+    width = max(map(len, report))
+    for key, value in report.items():
+        print(f"{key:<{width}}  {value}")
+
+
+def _add_make_checkpoint_parser(sub) -> None:
+    p = sub.add_parser("make-checkpoint", help="write a seeded tiny Hugging Face checkpoint")
+    p.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "deepseek_v3", "deepseek_v2", "mixtral"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--num-experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--max-shard-bytes", type=int, default=None)
+    p.set_defaults(func=_cmd_make_checkpoint)
+
+
+def _add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text offline")
+    model_arg(p)
+    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed of the prompts (default: unseeded)")
+    engine = p.add_argument_group("engine options (raymoe.config; world size tp*dp > 1 runs Ray rank actors)")
+    add_option_flags(engine, (engine_options()[name] for name in _generate_options()))
+    p.set_defaults(func=_cmd_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``raymoe`` argument parser with every subcommand."""
+    parser = argparse.ArgumentParser(prog="raymoe", description="Ray-native MoE serving engine")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _add_make_checkpoint_parser(sub)
+    _add_generate_parser(sub)
+    p = sub.add_parser("env", help="print torch/CUDA/NCCL versions and which GPU backends import")
+    p.set_defaults(func=_cmd_env)
+    add_serve_parser(sub)
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``raymoe`` command; returns the exit status (2 for a raymoe error, printed without traceback)."""
+    args = build_parser().parse_args(argv)
+    if not (getattr(args, "ray_address", None) or getattr(args, "address", None)):
+        # A local Ray cluster must live on loopback; Ray fixes its address when first imported, so set the
+        # environment now, before any command imports ray.
+        from raymoe.cluster.bootstrap import use_loopback_environment
+
+        use_loopback_environment()
+    try:
+        args.func(args)
+    except RaymoeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""``EngineConfig``: everything ``Engine(model, **options)`` accepts: its own options (declared here with
+``raymoe.config.option``) and one record per group of options (cache, scheduler, parallel, overlap, graph, moe_comm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from raymoe.config.graph import GraphConfig
+from raymoe.config.option import check_choice, option
+from raymoe.config.parallel import MoeCommConfig, OverlapConfig, ParallelConfig
+from raymoe.config.scheduling import CacheConfig, SchedulerConfig
+from raymoe.errors import InvalidRequestError
+
+FANOUTS = ("channel", "remote", "compiled")
+"""How a step can reach the ranks (``EngineConfig.fanout``, ``raymoe.actors.executor.RayExecutor``)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything ``Engine(model, **options)`` accepts; each option's help (its declaration) says what it means.
+
+    Attributes:
+        model: path of a Hugging Face model folder.
+        cache, scheduler, parallel, overlap, graph, moe_comm: the option groups (``CacheConfig`` ...).
+    Raises:
+        InvalidRequestError: a bad option (names it), including a GPU backend without CUDA or its package
+            (``raymoe.platform.backends``, ``raymoe.platform.cuda.flash_attn_provider``).
+    """
+
+    model: str
+    dtype: str = option("float32", choices=("float32", "bfloat16", "float16"),
+                        help="weights and activations: float32 (used for parity), bfloat16 or float16.")
+    seed: int = option(0, help="seed of the ranks' default sampling generator (requests without a seed).")
+    device: str | None = option(None, choices=("cpu", "cuda"), help="where the ranks compute; None: cuda when "
+                                                                    "available.")
+    attention_backend: str = option(
+        "torch_native", choices=("torch_native", "flash_attn"),
+        help="torch_native (CPU and GPU) or flash_attn (GPU: vLLM's flash-attention, vllm.vllm_flash_attn, imported "
+             "lazily and checked when the engine is configured, so a missing package or an unsupported dtype or "
+             "page_size fails then; raymoe.platform.cuda.flash_attn_provider).")
+    ray_address: str | None = option(
+        None, flag="address", help="Ray cluster to join for world size > 1, e.g. ray://head:10001 or auto (None: "
+                                   "start a local one on 127.0.0.1).")
+    fanout: str | None = option(
+        None, choices=FANOUTS,
+        help="how a step reaches the ranks: channel (the step channel: one authenticated Unix socket per rank on the "
+             "driver's machine, raymoe.actors.step_channel; a rank that cannot reach it makes the engine use "
+             "remote), compiled (Ray Compiled Graph: shared-memory channels whose readers poll), remote (plain actor "
+             "calls; also the fallback when a compiled graph cannot be built) or None: channel for CPU ranks, "
+             "compiled for CUDA ranks (docs/performance.md).")
+    step_timeout_s: float = option(300.0, help="bound on one step across all ranks, seconds (a hung rank fails the "
+                                               "step).")
+    cpu_threads: int | None = option(
+        None, help="intra-op threads of each rank that computes on CPU in a served or multi-rank engine (None: "
+                   "(cores - 1) // ranks, at least 1, leaving a core to the HTTP front end, the driver and Ray). The "
+                   "offline single-rank Engine keeps torch's default.")
+    cpu_rank_nice: int | None = option(
+        None, help="nice value (-20..19) of the thread that runs each CPU rank's steps in a multi-rank engine "
+                   "(raymoe.actors.process_tuning; the ranks are gang-synchronized by their collectives, so a "
+                   "preempted rank stalls all of them). None: -10 where the process may raise its priority (root or "
+                   "CAP_SYS_NICE), else unchanged with a warning; 0 leaves it. A one-rank engine and CUDA ranks are "
+                   "left alone.")
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    graph: GraphConfig = field(default_factory=GraphConfig)
+    moe_comm: MoeCommConfig = field(default_factory=MoeCommConfig)
+
+    def __post_init__(self) -> None:
+        check_engine_options({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        if self.cache.page_size is None:  # fill in the backend's default page size (a derived value, set once)
+            page = 16 if self.attention_backend == "flash_attn" else 1
+            object.__setattr__(self, "cache", dataclasses.replace(self.cache, page_size=page))
+        from raymoe.platform.backends import check_attention_backend, check_gpu_backends
+
+        check_attention_backend(self.attention_backend, self.cache.page_tokens, self.dtype)
+        check_gpu_backends(self)
+
+    @property
+    def max_dispatch_tokens_per_rank(self) -> int:
+        """Per-rank token bound of eager low-latency steps, tokens (``moe_comm.num_max_dispatch_tokens_per_rank``
+        or ``max_running_requests``); decode-graph steps always fit (``raymoe.comm.a2a_plan``)."""
+        return self.moe_comm.num_max_dispatch_tokens_per_rank or self.scheduler.max_running_requests
+
+
+def check_engine_options(values: Mapping[str, Any]) -> None:
+    """The checks of ``EngineConfig``'s own options that need only their values: the declared choices and the
+    ranges. Names not in ``values`` are not checked; nothing about this machine (CUDA, packages) is looked at.
+
+    Raises:
+        InvalidRequestError: naming the first bad option.
+    """
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in values:
+            check_choice(f, values[f.name])
+    cpu_threads, nice = values.get("cpu_threads"), values.get("cpu_rank_nice")
+    if cpu_threads is not None and cpu_threads < 1:
+        raise InvalidRequestError("cpu_threads", f"must be >= 1, got {cpu_threads!r}")
+    if nice is not None and not -20 <= nice <= 19:
+        raise InvalidRequestError("cpu_rank_nice", f"must be in [-20, 19], got {nice!r}")
+    if values.get("step_timeout_s", 1.0) <= 0:
+        raise InvalidRequestError("step_timeout_s", "must be > 0")

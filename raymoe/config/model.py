@@ -1,0 +1,152 @@
+"""The model's architecture: ``ModelConfig.from_hf`` normalizes Hugging Face ``config.json`` quirks (attribute
+aliases, ``rope_scaling`` vs ``rope_parameters``, missing ``head_dim``) in one place; everything else reads only the
+normalized fields."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from raymoe.config_arch import MLAConfig, RouterConfig, deepseek_fields
+from raymoe.errors import CheckpointError
+
+
+def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for k in keys:
+        if k in d and d[k] is not None:
+            return d[k]
+    return default
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only MoE model, normalized from a Hugging Face ``config.json``.
+
+    Sizes are in elements; ``head_dim`` is per attention head (the rotary part for MLA, as transformers sets it).
+    ``rope_parameters`` always has ``rope_type`` and ``rope_theta``. ``hf_config`` keeps the raw dict (used for RoPE
+    scaling variants). ``mla`` is set for multi-head latent attention (DeepSeek-V2/V3); ``router`` says how experts
+    are chosen; ``n_shared_experts`` shared experts of ``moe_intermediate_size`` each run on every token of a MoE
+    layer. Dense layers are listed in ``mlp_only_layers`` whatever the family's own rule (normalized here).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+    rms_norm_eps: float
+    rope_parameters: dict[str, Any]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    hidden_act: str
+    eos_token_ids: tuple[int, ...]
+    hf_config: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    mla: MLAConfig | None = None
+    router: RouterConfig = field(default_factory=RouterConfig)
+    n_shared_experts: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n_shared_experts < 0:
+            raise ValueError("n_shared_experts must be >= 0")
+        if self.router.topk_method == "group_limited" and self.num_experts % self.router.n_group:
+            raise ValueError("num_experts must be a multiple of n_group")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts):
+            raise ValueError("num_experts_per_tok must be in [1, num_experts]")
+        if self.decoder_sparse_step < 1:
+            raise ValueError("decoder_sparse_step must be >= 1")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether decoder layer ``layer_id`` has a sparse MoE block (else a dense MLP)."""
+        return (
+            self.num_experts > 0
+            and layer_id not in self.mlp_only_layers
+            and (layer_id + 1) % self.decoder_sparse_step == 0
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Normalize a Hugging Face config dict (Qwen3-MoE, Mixtral, DeepSeek-V2/V3 key names)."""
+        hidden = int(d["hidden_size"])
+        heads = int(d["num_attention_heads"])
+        rope = dict(_first(d, "rope_parameters", "rope_scaling", default={}) or {})
+        rope.setdefault("rope_theta", float(_first(d, "rope_theta", default=rope.get("rope_theta", 10000.0))))
+        rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        model_type = str(d.get("model_type", ""))
+        # Qwen3-MoE: softmax top-k, renormalized iff norm_topk_prob; Mixtral always renormalizes.
+        extra: dict[str, Any] = {"router": RouterConfig(
+            norm_topk_prob=model_type == "mixtral" or bool(d.get("norm_topk_prob", False)))}
+        if model_type in ("deepseek_v2", "deepseek_v3"):
+            extra = deepseek_fields(d, rope, heads)
+        return cls(
+            model_type=model_type,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(extra.pop("num_key_value_heads", _first(d, "num_key_value_heads", default=heads))),
+            head_dim=int(extra.pop("head_dim", _first(d, "head_dim", default=hidden // heads))),
+            intermediate_size=int(d.get("intermediate_size", 0)),
+            moe_intermediate_size=int(_first(d, "moe_intermediate_size", default=d.get("intermediate_size", 0))),
+            num_experts=int(_first(d, "num_experts", "num_local_experts", "n_routed_experts", default=0)),
+            num_experts_per_tok=int(_first(d, "num_experts_per_tok", default=1)),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(_first(d, "decoder_sparse_step", default=1)),
+            mlp_only_layers=tuple(int(x) for x in extra.pop("mlp_only_layers", d.get("mlp_only_layers") or ())),
+            rms_norm_eps=float(_first(d, "rms_norm_eps", default=1e-6)),
+            rope_parameters=rope,
+            max_position_embeddings=int(_first(d, "max_position_embeddings", default=4096)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            hidden_act=str(d.get("hidden_act", "silu")),
+            eos_token_ids=eos_ids,
+            hf_config=dict(d),
+            **extra,
+        )
+
+    @classmethod
+    def from_hf(cls, model_path: str | Path) -> "ModelConfig":
+        """Read ``model_path/config.json``.
+
+        Raises:
+            CheckpointError: the folder or its config.json is missing or unreadable.
+        """
+        path = Path(model_path)
+        cfg = path / "config.json"
+        if not path.is_dir():
+            raise CheckpointError(str(path), "model folder does not exist")
+        if not cfg.is_file():
+            raise CheckpointError(str(cfg), "config.json is missing")
+        try:
+            d = json.loads(cfg.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(str(cfg), f"cannot parse config.json: {e}") from e
+        gen = path / "generation_config.json"
+        if gen.is_file():
+            try:
+                g = json.loads(gen.read_text())
+                if g.get("eos_token_id") is not None:
+                    d = {**d, "eos_token_id": g["eos_token_id"]}
+            except (OSError, json.JSONDecodeError):
+                pass
+        try:
+            return cls.from_dict(d)
+        except (KeyError, ValueError, TypeError) as e:
+            raise CheckpointError(str(cfg), f"unsupported or incomplete config: {e}") from e
