@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml
 
 lint: install
 	$(PY) -m ruff check raymoe tests benchmarks
+	$(VENV)/bin/lint-imports
 
 test: install lint
 	$(PY) -m pytest -q

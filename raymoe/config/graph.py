@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from raymoe.config.option import option
 from raymoe.errors import InvalidRequestError
-from raymoe.runner.graph_buckets import DEFAULT_MIN_KV_WIDTH
+
+DEFAULT_MIN_KV_WIDTH = 128  # tokens: first KV width of the decode-graph width ladder (runner.graph_buckets)
 
 
 @dataclass(frozen=True)

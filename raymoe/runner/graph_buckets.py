@@ -20,10 +20,10 @@ import dataclasses
 from bisect import bisect_left
 from collections.abc import Sequence
 
+from raymoe.config.graph import DEFAULT_MIN_KV_WIDTH
 from raymoe.step.forward_mode import ForwardMode
 
 SMALL_SIZES = (1, 2, 4, 8)
-DEFAULT_MIN_KV_WIDTH = 128  # tokens: first KV width of the decode-graph width ladder
 
 
 def default_capture_sizes(max_bs: int) -> list[int]:

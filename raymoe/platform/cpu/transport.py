@@ -23,7 +23,7 @@ import torch.distributed as dist
 from raymoe.comm.ep_transport import DistEpTransport
 from raymoe.comm.groups import ParallelGroups
 from raymoe.comm.transport import Work
-from raymoe.config import CPU_COMM_MODES
+from raymoe.config.parallel import CPU_COMM_MODES
 from raymoe.platform.cpu.shm import ShmAllToAll
 from raymoe.platform.cpu.shm_layout import shm_supported
 
