@@ -1,7 +1,8 @@
 """Summary of a ``raymoe bench compare --rounds N`` run: per-round ratios to the peer, their median and spread.
 
 Why rounds: on a shared or virtual machine, the speed of the same server moves by 15-50 % from one minute to the
-next (docs/performance.md gives runs of the same code at 0.95x and 1.36x of the peer). One peer run followed by
+next (two single runs of nearly the same code put dp=2 ep=2 at c=16 at 1.36x and 0.95x of vLLM-CPU float32). One
+peer run followed by
 one raymoe run compares two moments as much as two servers. With rounds, every round serves the peer and each
 raymoe topology once, with the order flipped every other round (peer first, then raymoe first), and each raymoe
 row is divided by the peer row *of the same round* at the same concurrency. The median of those per-round

@@ -143,7 +143,8 @@ class _ServeFields(BaseModel):
 def _auto_tbo(values: dict[str, Any]) -> bool:
     """Two-batch overlap's serve default: only with an all-to-all latency to hide (experts sharded, ``ep_size > 1``,
     over CUDA ranks: between CPU ranks the shared-memory all-to-all is a copy, and splitting the batch only costs
-    compute, docs/performance.md) and never beside single-batch overlap."""
+    compute: served dp=2 ep=2 at c=64, 1,827 / 2,482 tok/s without it against 1,413 / 1,556 with it, alternating
+    runs) and never beside single-batch overlap."""
     from raymoe.runner.device import engine_device
 
     return values["ep_size"] > 1 and engine_device(values["device"]) == "cuda" and not values["enable_sbo"]

@@ -5,7 +5,8 @@ is a fresh ``mmap`` each time, and the free space at the top of the heap is hand
 exceeds the trim threshold (twice the mmap threshold). A decode step allocates and frees the same few megabyte
 tensors every layer (MoE dispatch buffers, expert activations), so each step touched fresh pages again: about
 5,600 minor faults per step for a bs 64 low-latency decode on two ranks (22 MiB), at about 3.3 us each on the
-CI machine's VM (``raymoe bench overlap``, docs/performance.md). Half-batches (two-batch overlap) stayed under the
+CI machine's VM (minor faults per step counted in ``raymoe bench overlap --batch-sizes 64``; none per step after
+warm-up with these settings). Half-batches (two-batch overlap) stayed under the
 thresholds and did not fault, so the faults also skewed the serial vs TBO comparison.
 
 :func:`tune_host_allocator` raises the mmap threshold to glibc's maximum (32 MiB; larger tensors, the weights,

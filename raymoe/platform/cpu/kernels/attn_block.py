@@ -27,7 +27,7 @@ _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 ATTN_BLOCK_MAX_MACS = 1 << 23
 """Most multiply-accumulates (``T * macs_per_row``: the qkv, o and router projections) one call may take; above
-it the layer runs its ops one by one. Set in the eleventh session, when the kernel's GEMM (a 4 x 16 register tile
+it the layer runs its ops one by one. Set for the block's earlier GEMM (a 4 x 16 register tile
 over transposed weights, about 20 GMAC/s on one core of the benchmark machine) matched torch's at [8, 128] x
 [128, 256] and took 1.5-2x its time from about a million MACs on, while the operator overhead it saves stays about
 constant. Whole decode steps of the peers' tiny model on one rank, block on / off: bs 16 3.9 / 5.1 ms, bs 64 7.1 /

@@ -8,7 +8,7 @@
  * keeps its sums in twelve 8-float vector registers; and while the tiles of one panel are computed, the next panel
  * is prefetched, a slice per tile. Measured on the CI machine's AMD EPYC (one thread, weights cold):
  * [32, 1024] x [1024, 1024] 0.68 ms against MKL's 1.00 ms, [16, 128] x [128, 8192] 0.38 against 1.04 ms
- * (docs/performance.md, thirteenth session). The blocking follows BLIS's register-tile scheme (Van Zee and van de
+ * (24 distinct weights cycled so that each call reads its weight cold). The blocking follows BLIS's register-tile scheme (Van Zee and van de
  * Geijn, 2015), without its cache blocking of K: the panels here are at most a few hundred KB.
  *
  * Sums run over K in index order, one fused multiply-add per term: results match torch's to float32 rounding,
