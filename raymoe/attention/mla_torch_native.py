@@ -49,26 +49,7 @@ class TorchNativeMLABackend(PagedDecodeGraphHooks, AttentionBackend):
         self.scale = softmax_scale
         self.kv_indices: torch.Tensor | None = None
         self.kv_mask: torch.Tensor | None = None
-        self.extend_meta: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
-
-    def init_forward_metadata(self, forward_batch) -> None:
-        fb = forward_batch
-        if fb.forward_mode.is_idle() or fb.batch_size == 0:
-            return
-        if fb.forward_mode.is_decode():
-            self.init_decode_metadata(fb)
-            return
-        meta, start = [], 0
-        for i in range(fb.batch_size):
-            ext, pre, sl = fb.extend_lens_cpu[i], fb.prefix_lens_cpu[i], fb.seq_lens_cpu[i]
-            slots = self.req_to_token[fb.req_pool_indices_cpu[i], :sl]
-            mask = None
-            if ext > 1:
-                q_pos = torch.arange(pre, sl, device=slots.device)[:, None]
-                mask = torch.arange(sl, device=slots.device)[None, :] <= q_pos
-            meta.append((start, ext, slots, mask))
-            start += ext
-        self.extend_meta = meta
+        self.extend_requests = []
 
     def _store(self, layer_id: int, forward_batch, rows: torch.Tensor) -> torch.Tensor:
         self.kv_pool.set_kv_buffer(layer_id, forward_batch.out_cache_loc, rows[:, : self.kv_lora_rank],
@@ -89,7 +70,8 @@ class TorchNativeMLABackend(PagedDecodeGraphHooks, AttentionBackend):
         """
         buf = self._store(layer_id, forward_batch, k)
         out = None
-        for start, ext, slots, mask in self.extend_meta:
+        for req in self.extend_requests:
+            start, ext, slots, mask = req.start, req.ext, req.slots, req.mask
             keys, values = v(buf[slots].to(q.dtype))
             qi = q[start:start + ext].transpose(0, 1).unsqueeze(0)                       # [1, H, ext, Dqk]
             o = F.scaled_dot_product_attention(qi, keys.transpose(0, 1).unsqueeze(0),

@@ -1,4 +1,7 @@
-"""Decode metadata and decode-graph hooks shared by the paged SDPA backends (``torch_native``, ``mla_torch_native``).
+"""Step metadata and decode-graph hooks shared by the paged SDPA backends (``torch_native``, ``mla_torch_native``).
+
+Extend (and MIXED) steps: one :class:`SdpaRequest` per request, its slots and its causal mask shifted by its cached
+prefix.
 
 Eager decode: ``kv_indices`` [bs, L] int64 are the cache slots of each row's first L positions (L the step's
 longest sequence) and ``kv_mask`` [bs, 1, 1, L] bool marks positions below each row's seq_len.
@@ -14,19 +17,67 @@ element of a wider or larger graph is ever read). The cost of the decode kernels
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 _WIDTH_STEP = 16  # tokens: granularity of the attended width of a recorded graph's replay (no fixed width)
 
 
+@dataclass(frozen=True)
+class SdpaRequest:
+    """One extend request computed by SDPA: tokens ``[start, start + ext)``, its slots [seq_len] and its causal
+    mask [ext, seq_len] (None for one token)."""
+
+    start: int
+    ext: int
+    slots: torch.Tensor
+    mask: torch.Tensor | None
+
+
+def token_starts(fb) -> list[int]:
+    """Token offset of each request of an extend batch."""
+    starts, start = [], 0
+    for ext in fb.extend_lens_cpu:
+        starts.append(start)
+        start += ext
+    return starts
+
+
 class PagedDecodeGraphHooks:
-    """Mixin of the eager decode metadata and the graph hooks of ``AttentionBackend``, for a backend holding
-    ``req_to_token`` [rows, max_ctx] int64 and reading ``kv_indices`` / ``kv_mask`` in its decode kernel."""
+    """Mixin of the per-step metadata (extend requests, decode ``kv_indices`` / ``kv_mask``) and the graph hooks of
+    ``AttentionBackend``, for a backend holding ``req_to_token`` [rows, max_ctx] int64."""
 
     supports_graph_kv_widths = True  # decode cost follows the attended width: capture a width ladder
     req_to_token: torch.Tensor
     kv_indices: torch.Tensor | None
     kv_mask: torch.Tensor | None
+    extend_requests: list[SdpaRequest]
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        """Decode metadata for a decode step, :meth:`init_extend_metadata` for an extend or MIXED step, nothing for
+        an IDLE or empty one."""
+        fb = forward_batch
+        if fb.forward_mode.is_idle() or fb.batch_size == 0:
+            return
+        if fb.forward_mode.is_decode():
+            self.init_decode_metadata(fb)
+            return
+        self.init_extend_metadata(fb)
+
+    def init_extend_metadata(self, fb) -> None:
+        """One :class:`SdpaRequest` per request of an EXTEND/MIXED batch."""
+        self.extend_requests = [self.sdpa_request(fb, i, start) for i, start in enumerate(token_starts(fb))]
+
+    def sdpa_request(self, fb, i: int, start: int) -> SdpaRequest:
+        """Request ``i`` of ``fb`` (its tokens from ``start``) as an :class:`SdpaRequest`."""
+        ext, pre, sl = fb.extend_lens_cpu[i], fb.prefix_lens_cpu[i], fb.seq_lens_cpu[i]
+        slots = self.req_to_token[fb.req_pool_indices_cpu[i], :sl]
+        mask = None
+        if ext > 1:  # query at position pre + j attends to positions [0, pre + j]
+            q_pos = torch.arange(pre, sl, device=slots.device)[:, None]
+            mask = torch.arange(sl, device=slots.device)[None, :] <= q_pos
+        return SdpaRequest(start, ext, slots, mask)
 
     def init_decode_metadata(self, forward_batch) -> None:
         """Eager decode: ``kv_indices`` / ``kv_mask`` over the step's longest sequence (see the module docstring)."""

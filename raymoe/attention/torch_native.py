@@ -12,25 +12,12 @@ The CPU platform subclasses it with fused kernels for the store, decode and shor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from raymoe.attention.base import AttentionBackend
-from raymoe.attention.paged_graph_hooks import PagedDecodeGraphHooks
+from raymoe.attention.paged_graph_hooks import PagedDecodeGraphHooks, SdpaRequest
 from raymoe.kvcache.pools import ReqToTokenPool, TokenToKVPool
-
-
-@dataclass(frozen=True)
-class SdpaRequest:
-    """One extend request computed by SDPA: tokens ``[start, start + ext)``, its slots [seq_len] and its causal
-    mask [ext, seq_len] (None for one token)."""
-
-    start: int
-    ext: int
-    slots: torch.Tensor
-    mask: torch.Tensor | None
 
 
 class TorchNativeAttnBackend(PagedDecodeGraphHooks, AttentionBackend):
@@ -54,29 +41,6 @@ class TorchNativeAttnBackend(PagedDecodeGraphHooks, AttentionBackend):
         self.kv_indices: torch.Tensor | None = None
         self.kv_mask: torch.Tensor | None = None
         self.extend_requests: list[SdpaRequest] = []
-
-    def init_forward_metadata(self, forward_batch) -> None:
-        fb = forward_batch
-        if fb.forward_mode.is_idle() or fb.batch_size == 0:
-            return
-        if fb.forward_mode.is_decode():
-            self.init_decode_metadata(fb)
-            return
-        self.init_extend_metadata(fb)
-
-    def init_extend_metadata(self, fb) -> None:
-        """One :class:`SdpaRequest` per request of an EXTEND/MIXED batch."""
-        self.extend_requests = [self.sdpa_request(fb, i, start) for i, start in enumerate(token_starts(fb))]
-
-    def sdpa_request(self, fb, i: int, start: int) -> SdpaRequest:
-        """Request ``i`` of ``fb`` (its tokens from ``start``) as an :class:`SdpaRequest`."""
-        ext, pre, sl = fb.extend_lens_cpu[i], fb.prefix_lens_cpu[i], fb.seq_lens_cpu[i]
-        slots = self.req_to_token[fb.req_pool_indices_cpu[i], :sl]
-        mask = None
-        if ext > 1:  # query at position pre + j attends to positions [0, pre + j]
-            q_pos = torch.arange(pre, sl, device=slots.device)[:, None]
-            mask = torch.arange(sl, device=slots.device)[None, :] <= q_pos
-        return SdpaRequest(start, ext, slots, mask)
 
     def sdpa_extend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, s: SdpaRequest) -> torch.Tensor:
         """Request ``s``'s attention over its gathered keys/values: [ext, Hq, D]."""
@@ -118,11 +82,3 @@ class TorchNativeAttnBackend(PagedDecodeGraphHooks, AttentionBackend):
         must own what it reads, and the caching allocator makes them cheap)."""
         return k_buf.index_select(0, idx), v_buf.index_select(0, idx)
 
-
-def token_starts(fb) -> list[int]:
-    """Token offset of each request of an extend batch."""
-    starts, start = [], 0
-    for ext in fb.extend_lens_cpu:
-        starts.append(start)
-        start += ext
-    return starts

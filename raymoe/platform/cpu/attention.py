@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from raymoe.attention.torch_native import SdpaRequest, TorchNativeAttnBackend, token_starts
+from raymoe.attention.paged_graph_hooks import SdpaRequest, token_starts
+from raymoe.attention.torch_native import TorchNativeAttnBackend
 from raymoe.platform.cpu.kernels import cpu_ops
 from raymoe.platform.cpu.kernels.attn_block import BlockAttentionInputs
 
