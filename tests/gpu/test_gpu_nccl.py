@@ -32,6 +32,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
     from raymoe.cluster.topology import init_parallel_groups
     from raymoe.comm.dispatcher import TorchDispatcher
     from raymoe.config import ParallelConfig
+    from raymoe.platform.selector import select_platform
     from raymoe.runner.device import rank_device
 
     device = rank_device("cuda", rank)
@@ -44,7 +45,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
     ids = torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(n)]).to(device)
     w = torch.softmax(torch.randn(n, k, generator=g), dim=-1).to(device)
     scale = torch.arange(1, num_experts + 1, dtype=torch.float32, device=device)  # expert e multiplies by e + 1
-    a2a = TorchDispatcher(groups, num_experts)
+    a2a = TorchDispatcher(groups, num_experts, select_platform(device))
     results = []
     for capacity in (None, 3 + 2 * (world - 1)):
         handle = a2a.dispatch_a(x, ids, w, capacity)
