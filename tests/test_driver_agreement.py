@@ -29,12 +29,14 @@ GRAPHS = {"off": GraphConfig(disable_cuda_graph=True), "default": GraphConfig(),
 
 class CheckingRanks:
     """A fake executor: checks each step's batches when it is launched, answers one token per row (EOS when
-    ``(step * 7 + row * 3) % eos_every == 0``), and counts what the steps exercised."""
+    ``(step * 7 + row * 3) % eos_every == 0``), and counts what the steps exercised (``seen``); ``log`` keeps every
+    step's batches (for a replay on real ranks)."""
 
     def __init__(self, config: EngineConfig, dp_size: int, sizes: tuple[int, ...], eos_every: int):
         self.config, self.dp_size, self.sizes, self.eos_every = config, dp_size, sizes, eos_every
         self.steps = 0
         self.seen: Counter = Counter()
+        self.log: list[list] = []
 
     def launch(self, batches):
         cfg = self.config
@@ -47,6 +49,7 @@ class CheckingRanks:
                           "low_latency": b.dispatch_capacity is not None, "mixed": ForwardMode.MIXED in modes,
                           "tbo_with_idle": b.use_tbo and idle})
         self.steps += 1
+        self.log.append(list(batches))
         return [StepOutput([EOS if self.eos_every and (self.steps * 7 + i * 3) % self.eos_every == 0
                             else 1 + (self.steps + i) % (VOCAB - 1) for i in range(x.batch_size)]) for x in batches]
 
@@ -61,9 +64,10 @@ class CheckingRanks:
 
 
 @st.composite
-def workloads(draw) -> dict:
-    """An engine configuration, a DP size and a list of events ``(step, kind, ...)``."""
+def workloads(draw, dp: int | None = None) -> dict:
+    """An engine configuration, a DP size (``dp``, else drawn) and a list of events ``(step, kind, ...)``."""
     overlap = OverlapConfig(enable_tbo=draw(st.sampled_from([True, True, False])),
+                            tbo_decode_schedule=draw(st.sampled_from(["auto", "fine", "coarse"])),
                             tbo_min_tokens_decode=draw(st.sampled_from([1, 2, 4])),
                             tbo_min_tokens_extend=draw(st.sampled_from([1, 4, 16])),
                             tbo_token_distribution_threshold=draw(st.sampled_from([0.0, 0.3, 0.48, 0.5])))
@@ -85,7 +89,7 @@ def workloads(draw) -> dict:
         events.append((draw(st.integers(0, 30)), "add", f"r{i}", prefix + suffix, draw(st.integers(1, 40))))
     for _ in range(draw(st.integers(0, 3))):
         events.append((draw(st.integers(0, 40)), "abort", f"r{draw(st.integers(0, 15))}"))
-    return {"config": config, "dp": draw(st.integers(1, 4)), "events": sorted(events, key=lambda e: e[0]),
+    return {"config": config, "dp": dp or draw(st.integers(1, 4)), "events": sorted(events, key=lambda e: e[0]),
             "eos_every": draw(st.sampled_from([0, 5, 13]))}
 
 

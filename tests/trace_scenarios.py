@@ -162,3 +162,27 @@ def disagreeing_ranks(groups, path: str, spec: dict, steps: list[tuple]) -> dict
 
         out["schedule"] = caught(run_steps)
     return out
+
+
+def replayed_driver_steps(groups, config, steps: list[list[ModelWorkerBatch]], timeout_s: float = 60.0) -> list:
+    """Replay batches the real ``Driver`` sent (``steps``: per step one batch per DP group) on a runner built as the
+    engine builds it from ``config`` (an ``EngineConfig`` whose ``model`` is the checkpoint), recording and checking
+    every collective. Returns the construction's trace, then each step's.
+
+    Raises:
+        CollectiveMismatch: the ranks disagree (before the collective runs).
+    """
+    from raymoe.actors.factory import runner_config_for
+    from raymoe.comm.trace import CollectiveRecorder, recording, traced_groups
+    from raymoe.comm.trace_check import StoreCheck, default_store
+    from raymoe.runner.model_runner import ModelRunner
+
+    groups = traced_groups(groups)
+    recorder = CollectiveRecorder(groups, StoreCheck(default_store(), timeout_s=timeout_s))
+    with recording(recorder):
+        runner = ModelRunner(runner_config_for(config), groups)
+        traces = [recorder.finish_step()]
+        for batches in steps:
+            runner.forward_batch_generation(batches[groups.dp_rank])  # placeholders resolve from its own tokens
+            traces.append(recorder.finish_step())
+    return traces
