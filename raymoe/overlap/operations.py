@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from raymoe.comm.trace import active_recorder
+
 
 class YieldOperation:
     """Stage separator (no work)."""
@@ -117,10 +119,16 @@ class ForwardState:
 
 
 def execute_operations(state: Any, operations: Sequence[Operation]) -> ForwardState:
-    """Run ``operations`` on ``state`` in order, skipping yields; returns ``state``."""
+    """Run ``operations`` on ``state`` in order, skipping yields; returns ``state``. A collective recording
+    (``raymoe.comm.trace``) is told which op runs."""
+    recorder = active_recorder()
     for op in operations:
         if not isinstance(op, YieldOperation):
+            if recorder is not None:
+                recorder.where = op
             op(state)
+    if recorder is not None:
+        recorder.where = None
     return state
 
 
@@ -146,12 +154,15 @@ class StageExecutor:
     Args:
         stages: from :func:`split_into_stages`.
         state: the (half-)batch state the ops read and write.
+        child: which two-batch-overlap child this is (0 = A, 1 = B), told to a collective recording
+            (``raymoe.comm.trace``) with each op; None: not a TBO child.
     """
 
-    def __init__(self, stages: list[list[Callable[[Any], None]]], state: ForwardState):
+    def __init__(self, stages: list[list[Callable[[Any], None]]], state: ForwardState, child: int | None = None):
         self.stages = stages
         self.state = state
         self.index = 0
+        self.child = child
 
     @property
     def num_stages(self) -> int:
@@ -169,7 +180,10 @@ class StageExecutor:
         """
         if self.done:
             raise RuntimeError("StageExecutor.next() called after the last stage")
+        recorder = active_recorder()
         for op in self.stages[self.index]:
+            if recorder is not None:
+                recorder.child, recorder.where = self.child, op
             op(self.state)
         self.index += 1
 
@@ -196,8 +210,8 @@ def execute_overlapped_operations(inputs_arr: Sequence[ForwardState], operations
         raise ValueError("two-batch overlap takes exactly two states, two op lists and two deltas")
     if delta_stages[0] != 0 or delta_stages[1] < 0:
         raise ValueError(f"delta_stages must be [0, d >= 0], got {list(delta_stages)}")
-    executor_a = StageExecutor(split_into_stages(operations_arr[0]), inputs_arr[0])
-    executor_b = StageExecutor(split_into_stages(operations_arr[1]), inputs_arr[1])
+    executor_a = StageExecutor(split_into_stages(operations_arr[0]), inputs_arr[0], child=0)
+    executor_b = StageExecutor(split_into_stages(operations_arr[1]), inputs_arr[1], child=1)
     if executor_a.num_stages != executor_b.num_stages:
         raise ValueError(f"children have {executor_a.num_stages} and {executor_b.num_stages} stages")
     delta = min(delta_stages[1], executor_a.num_stages)
@@ -209,4 +223,7 @@ def execute_overlapped_operations(inputs_arr: Sequence[ForwardState], operations
     for _ in range(delta):
         executor_b.next()
     assert executor_a.done and executor_b.done
+    recorder = active_recorder()
+    if recorder is not None:
+        recorder.child = recorder.where = None
     return [executor_a.state, executor_b.state]
