@@ -134,3 +134,25 @@ def test_ranks_that_never_connect_time_out():
     connect_step_channel(hub.path, hub.authkey, 0)
     with pytest.raises(TimeoutError, match="did not all connect"):
         hub.accept(0.5)
+
+
+def test_each_rank_receives_only_its_groups_batch():
+    """A rank's message holds its own DP group's batch: its size does not grow with the number of groups."""
+    sizes = {}
+    for groups in (2, 8):
+        seen: dict[int, list[int]] = {}
+
+        def record(rank: int, seen=seen):
+            def step(batch: ModelWorkerBatch) -> StepOutput:
+                seen.setdefault(rank, []).append(batch.input_ids[0])
+                return StepOutput([rank], [], 0.0)
+            return step
+
+        hub = _start(groups, 1, record)
+        try:
+            hub.gather(hub.send([_batch(g) for g in range(groups)]), 5.0)
+            sizes[groups] = hub.last_bytes_per_rank
+        finally:
+            hub.close()
+        assert seen == {g: [g] for g in range(groups)}
+    assert sizes[2] == sizes[8] > 0

@@ -280,15 +280,17 @@ def test_a_dead_loop_is_reported_its_requests_fail_new_ones_are_refused_and_it_r
     assert_idle(service)
 
 
-def test_an_output_that_cannot_be_built_fails_that_request_only(service):
-    real = service._delta
+def test_an_output_that_cannot_be_built_fails_that_request_only(service, monkeypatch):
+    from raymoe.actors.group_scheduler import GroupScheduler
 
-    def flaky(req):
+    real = GroupScheduler._record
+
+    def flaky(self, req):
         if req.rid == "p1":
             raise KeyError("boom")
-        return real(req)
+        return real(self, req)
 
-    service._delta = flaky
+    monkeypatch.setattr(GroupScheduler, "_record", flaky)
     service.submit(adds("p", 3))
     wait_until(lambda: all(service.out.last(f"p{i}") for i in range(3)))
     assert service.out.last("p1").error.kind == "failed"

@@ -1,14 +1,18 @@
-"""Driver: global scheduling over every DP-attention group.
+"""Driver: the step loop's coordinator over every DP-attention group.
 
-Ownership: the driver owns the requests, and per DP group a ``Scheduler`` (waiting queue, running batch, slot
-allocators, radix cache). Every step it asks each group's scheduler for a batch, gives groups without work an
-IDLE batch (so their ranks still enter every MoE collective), makes the decisions all ranks must agree on, hands
-the batches to an executor that fans them out to the ranks, and feeds the sampled tokens back to the schedulers.
+Ownership: the driver owns the step and nothing per request. Each DP group's requests, scheduler (waiting queue,
+running batch, KV allocators, radix cache), in-flight batches and outputs belong to its
+:class:`~raymoe.actors.group_scheduler.GroupScheduler`. Every step the driver asks each group for its plan (mode,
+tokens, rows, whether it can split for two-batch overlap), makes the decisions all ranks must agree on once from
+those O(dp) records (``raymoe.actors.step_decision``: TBO, the graph bucket, the all-to-all mode and capacity, the
+tokens per group; a group without work runs IDLE so its ranks still enter every MoE collective), has every group
+apply them to its own batch, hands the batches to an executor that sends each rank its group's batch, and gives
+each group its ranks' output.
 
-Written as a plain class: the single-rank engine runs it in-process; the cluster engine wraps it in a Ray actor.
+Written as a plain class: the single-rank engine runs it in-process; the served engine runs it in a driver actor.
 
 Overlap (zero-overhead) scheduling, after SGLang's overlap event loop: each :meth:`Driver.step` forms step N+1 and
-sends it to the ranks *before* it waits for step N and applies its tokens, so the driver's scheduling, batch
+sends it to the ranks *before* it waits for step N and applies its tokens, so the groups' scheduling, batch
 building and output handling run while the ranks compute. Step N+1's decode rows carry placeholders for the tokens
 step N samples (``raymoe.scheduler.req``), which the ranks resolve on the device (``raymoe.runner.future_tokens``).
 A request that step N finishes may have a row in step N+1; that row's token is dropped, so stop conditions and
@@ -24,19 +28,19 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from raymoe.actors.executor import RankFailure, RankStepError
+from raymoe.actors.group_scheduler import GroupScheduler
+from raymoe.actors.output_batch import OutputBatch
+from raymoe.actors.step_decision import StepRules, decide_step
 from raymoe.actors.step_timing import StepTimer, step_mode
-from raymoe.comm.a2a_plan import apply_dispatch_plan
 from raymoe.config import EngineConfig
-from raymoe.overlap.decision import apply_tbo_decision
-from raymoe.runner.graph_buckets import apply_graph_plan
 from raymoe.scheduler.req import Req, RequestFault
 from raymoe.scheduler.sampling_params import SamplingParams
-from raymoe.scheduler.schedule_batch import ScheduleBatch
 from raymoe.scheduler.scheduler import IdleReport, Scheduler
+from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
 
@@ -59,10 +63,9 @@ class StepExecutor(Protocol):
 
 @dataclass
 class _LaunchedStep:
-    """A step sent to the ranks: each DP group's batch (None: the group ran IDLE), the executor's handle, the
-    step's ``step_timing.step_mode`` label and when it was sent (``StepTimer.clock`` seconds)."""
+    """A step sent to the ranks: the executor's handle, the step's ``step_timing.step_mode`` label and when it was
+    sent (``StepTimer.clock`` seconds). Each group keeps its own batch of the step."""
 
-    sched_batches: list[ScheduleBatch | None]
     handle: Any
     mode: str
     launched_at: float
@@ -96,23 +99,40 @@ class Driver:
         self.executor = executor
         self.graph_capture_sizes = tuple(graph_capture_sizes)
         self.vocab_size = vocab_size
-        self.schedulers = [Scheduler(config.scheduler, config.cache, eos_token_ids=eos_token_ids,
-                                     detokenize=detokenize, vocab_size=vocab_size) for _ in range(dp_size)]
-        self.reqs: dict[str, Req] = {}
+        self.rules = StepRules(config.overlap, self.graph_capture_sizes, self.a2a_mode,
+                               config.max_dispatch_tokens_per_rank)
+        self._group_args = (config, tuple(eos_token_ids), detokenize, vocab_size)
+        self.groups = [GroupScheduler(d, *self._group_args) for d in range(dp_size)]
         self.group_of: dict[str, int] = {}
+        self.record_outputs = False  # the serving loop sets it: groups write output rows for the front end
         self._ids = itertools.count()
         self.num_steps = 0
-        self.num_idle_group_steps = 0
         self.num_tbo_steps = 0
         self.num_graph_steps = 0
         self.num_low_latency_steps = 0  # steps whose MoE dispatch ran in low-latency mode
         self.num_mixed_steps = 0  # steps in which some group ran a MIXED batch (prefill chunks + decodes)
         self.num_failed_steps = 0  # steps a rank raised in (their requests failed; ranks kept)
+        self._failed_before_reset = 0
         self._step_errors_in_a_row = 0
         self.last_step_seconds: list[float] = []  # forward+sample seconds of each DP group's tp-rank 0
         self.step_timer = StepTimer()  # period and forward time of collected steps, by mode (for /metrics)
         self.overlap_schedule = not config.scheduler.disable_overlap_schedule
         self._launched: _LaunchedStep | None = None  # overlap scheduling: the step the ranks are computing
+
+    @property
+    def schedulers(self) -> list[Scheduler]:
+        """Each group's scheduler (for stats, tests and audits)."""
+        return [g.scheduler for g in self.groups]
+
+    @property
+    def failed_requests(self) -> int:
+        """Requests that ended with a ``"failed"`` error so far (every group, before and after resets)."""
+        return self._failed_before_reset + sum(g.failed_requests for g in self.groups)
+
+    @property
+    def num_idle_group_steps(self) -> int:
+        """Group-steps run IDLE so far (a group without work while another computed)."""
+        return sum(g.num_idle_steps for g in self.groups)
 
     def new_rid(self) -> str:
         return f"req-{next(self._ids)}"
@@ -130,29 +150,36 @@ class Driver:
                 or outside the vocabulary, too many log-probabilities, the queue is full ...; names the field).
                 ``params`` were checked when they were built (``SamplingParams``).
         """
-        if rid in self.reqs:
+        if rid in self.group_of:
             raise ValueError(f"duplicate request id {rid!r}")
         group = self._route(input_ids)
-        req = Req(rid, list(input_ids), params)
-        self.schedulers[group].add_request(req)
-        self.reqs[rid] = req
+        req = self.groups[group].add(rid, input_ids, params, report=False)
         self.group_of[rid] = group
         return req
 
-    def abort_request(self, rid: str) -> None:
-        """Abort ``rid`` wherever it is; its KV is freed. Unknown ids are ignored."""
+    def submit(self, rid: str, input_ids: list[int], params: SamplingParams) -> bool:
+        """Queue a request for the serving loop: a refusal ends it in its group's output rows instead of raising.
+        Returns whether it was accepted."""
+        if rid in self.group_of:
+            raise ValueError(f"duplicate request id {rid!r}")
+        group = self._route(input_ids)
+        if self.groups[group].add(rid, input_ids, params) is None:
+            return False
+        self.group_of[rid] = group
+        return True
+
+    def abort_request(self, rid: str) -> bool:
+        """Abort ``rid`` wherever it is; its KV is freed (its group ends its output row with ``"abort"``).
+        Returns False for an unknown or finished id."""
         group = self.group_of.pop(rid, None)
-        if group is not None:
-            self.schedulers[group].abort_request(rid)
-        self.reqs.pop(rid, None)
+        return group is not None and self.groups[group].abort(rid)
 
     def reset(self) -> list[Req]:
         """Forget every request and KV mapping (after the rank group was restarted); returns the dropped
         requests (the caller fails them)."""
-        dropped = list(self.reqs.values())
-        self.schedulers = [Scheduler(self.config.scheduler, self.config.cache, eos_token_ids=s.eos_token_ids,
-                                     detokenize=s.detokenize, vocab_size=self.vocab_size) for s in self.schedulers]
-        self.reqs.clear()
+        dropped = [r for g in self.groups for r in g.reqs.values()]
+        self._failed_before_reset += sum(g.failed_requests for g in self.groups)
+        self.groups = [GroupScheduler(d, *self._group_args) for d in range(len(self.groups))]
         self.group_of.clear()
         self._step_errors_in_a_row = 0
         self._launched = None
@@ -160,7 +187,7 @@ class Driver:
 
     def has_unfinished(self) -> bool:
         """Whether a request is unfinished or a step is still in flight (``step`` must be called again)."""
-        return self._launched is not None or any(s.has_unfinished() for s in self.schedulers)
+        return self._launched is not None or any(g.has_work() for g in self.groups)
 
     def step(self) -> list[Req]:
         """Run one global step. Returns requests that got a token or finished (finished ones are forgotten by the
@@ -181,34 +208,30 @@ class Driver:
         return self._forget_finished(updated)
 
     def _launch_next(self, early: list[Req]) -> _LaunchedStep | None:
-        """Form every group's next batch, make the step-wide decisions and send the step; ``None`` when no group
-        has work. Requests the schedulers finished while scheduling (out of KV) are appended to ``early``."""
-        sched_batches = [s.get_next_batch_to_run() for s in self.schedulers]
-        early.extend(r for s in self.schedulers for r in s.drain_finished())
-        if all(b is None for b in sched_batches):
+        """Ask every group for its plan, decide once for every rank and send the step; ``None`` when no group has
+        work. Requests the groups finished while planning (out of KV) are appended to ``early``."""
+        plans = []
+        for g in self.groups:
+            plan, finished = g.plan()
+            plans.append(plan)
+            if self.record_outputs:
+                g.record(finished)
+            early.extend(finished)
+        if all(p.forward_mode == ForwardMode.IDLE for p in plans):
             return None
-        global_tokens = tuple(0 if b is None else len(b.worker_batch.input_ids) for b in sched_batches)
-        worker_batches = [
-            ModelWorkerBatch.idle(global_tokens) if b is None
-            else replace(b.worker_batch, global_num_tokens=global_tokens)
-            for b in sched_batches
-        ]
-        # Decisions every rank must share, made once here: two-batch overlap on/off, the graph bucket, then the
-        # MoE all-to-all mode and its per-rank capacity.
-        worker_batches = apply_tbo_decision(worker_batches, self.config.overlap)
-        worker_batches = apply_graph_plan(worker_batches, self.graph_capture_sizes)
-        worker_batches = apply_dispatch_plan(worker_batches, self.a2a_mode,
-                                             self.config.max_dispatch_tokens_per_rank)
-        self.num_tbo_steps += worker_batches[0].use_tbo
-        self.num_graph_steps += worker_batches[0].graph_bs is not None
-        self.num_low_latency_steps += worker_batches[0].dispatch_capacity is not None
-        mode = step_mode([b.forward_mode for b in worker_batches])  # "mixed" iff some group ran MIXED
+        decision = decide_step(plans, self.rules)
+        batches = [g.batch_for(decision) for g in self.groups]
+        self.num_tbo_steps += decision.use_tbo
+        self.num_graph_steps += decision.graph_bs is not None
+        self.num_low_latency_steps += decision.dispatch_capacity is not None
+        mode = step_mode([p.forward_mode for p in plans])  # "mixed" iff some group ran MIXED
         self.num_mixed_steps += mode == "mixed"
         launched_at = self.step_timer.clock()
-        return _LaunchedStep(sched_batches, self.executor.launch(worker_batches), mode, launched_at)
+        return _LaunchedStep(self.executor.launch(batches), mode, launched_at)
 
     def _finish(self, launched: _LaunchedStep) -> list[Req]:
-        """Wait for a launched step and apply its tokens; a step the ranks raised in fails its requests."""
+        """Wait for a launched step and give each group its ranks' output; a step the ranks raised in fails its
+        requests."""
         try:
             outputs = self.executor.collect(launched.handle)
         except RankStepError as e:
@@ -217,11 +240,12 @@ class Driver:
         self.last_step_seconds = [o.forward_seconds for o in outputs]
         self.step_timer.collected(launched.mode, launched.launched_at, max(self.last_step_seconds, default=0.0))
         self.num_steps += 1
-        self.num_idle_group_steps += sum(b is None for b in launched.sched_batches)
         updated: list[Req] = []
-        for sched, batch, out in zip(self.schedulers, launched.sched_batches, outputs, strict=True):
-            if batch is not None:
-                updated.extend(sched.process_batch_result(batch, out))
+        for g, out in zip(self.groups, outputs, strict=True):
+            done = g.finish(out)
+            if self.record_outputs:
+                g.record(done)
+            updated.extend(done)
         return updated
 
     def _fail_step(self, error: RankStepError) -> list[Req]:
@@ -242,7 +266,12 @@ class Driver:
                 self.executor.collect(following.handle)
             except RankStepError:
                 pass
-        failed = [r for s in self.schedulers for r in s.fail_inflight(fault)]
+        failed: list[Req] = []
+        for g in self.groups:
+            group_failed = g.fail_inflight(fault)
+            if self.record_outputs:
+                g.record(group_failed)
+            failed.extend(group_failed)
         if self._step_errors_in_a_row >= MAX_CONSECUTIVE_STEP_ERRORS or not alive:
             self._forget_finished(failed)
             raise RankFailure(f"{self._step_errors_in_a_row} failed step(s) in a row; restarting the ranks") \
@@ -258,9 +287,15 @@ class Driver:
                           leaked_req_rows=sum(r.leaked_req_rows for r in reports),
                           locked_cache_tokens=sum(r.locked_cache_tokens for r in reports))
 
+    def take_outputs(self) -> OutputBatch:
+        """Every group's output rows since the last call, group after group (``record_outputs``)."""
+        out = OutputBatch()
+        for g in self.groups:
+            out.extend(g.take_outputs())
+        return out
+
     def _forget_finished(self, updated: list[Req]) -> list[Req]:
         for req in updated:
             if req.finished:
-                self.reqs.pop(req.rid, None)
                 self.group_of.pop(req.rid, None)
         return updated

@@ -27,7 +27,8 @@ import threading
 import ray
 
 from raymoe.actors.channel import connect_channel
-from raymoe.actors.driver_service import DriverService, EngineStats, OutputBatch, RequestDelta, RequestError
+from raymoe.actors.driver_service import DriverService, EngineStats, RequestError
+from raymoe.actors.output_batch import OutputBatch, RequestEnd
 from raymoe.config import EngineConfig, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class DriverActor:
             select_platform(engine_device(config.device)).set_rank_threads(config.cpu_threads, ranks_on_node=1)
         self._lock = threading.Lock()
         self._conn = None
-        self._early: OutputBatch = []  # published before the front end connected
+        self._early = OutputBatch()  # published before the front end connected
         model_config = ModelConfig.from_hf(config.model)
         self.service = DriverService(build_driver(config, model_config, load_tokenizer(config.model)),
                                      publish=self._publish)
@@ -91,20 +92,24 @@ class DriverActor:
                 self._conn.send(batch)
             except OSError:  # the front end went away; its requests are aborted by the reader
                 pass
-            except Exception:  # noqa: BLE001 - a delta that cannot be pickled: send the others, fail that one
-                log.exception("an output batch could not be sent; sending its deltas one by one")
+            except Exception:  # noqa: BLE001 - a row that cannot be pickled: send the others, fail that one
+                log.exception("an output batch could not be sent; sending its rows one by one")
                 self._send_one_by_one(batch)
 
     def _send_one_by_one(self, batch: OutputBatch) -> None:
         for delta in batch:
+            row = OutputBatch()
+            row.add(delta.request_id, delta.token_ids, delta.completion_tokens, delta.logprobs)
             try:
-                self._conn.send([delta])
+                self._conn.send(row)
             except OSError:
                 return
             except Exception:  # noqa: BLE001
                 err = RequestError("failed", "the request's output could not be sent to the front end")
                 self.service.submit(aborts=[delta.request_id])
-                self._conn.send([RequestDelta(delta.request_id, [], finished=True, error=err)])
+                failed = OutputBatch()
+                failed.end(delta.request_id, RequestEnd(error=err))
+                self._conn.send(failed)
 
     def connect(self, path: str, authkey: bytes) -> bool:
         """Connect to the front end's channel at ``path`` and start serving it (a second call replaces the first).
@@ -115,9 +120,9 @@ class DriverActor:
         conn = connect_channel(path, authkey)
         with self._lock:
             old, self._conn = self._conn, conn
-            if self._early:
+            if len(self._early):
                 conn.send(self._early)
-                self._early = []
+                self._early = OutputBatch()
         if old is not None:
             old.close()
         threading.Thread(target=self._read, args=(conn,), name="raymoe-channel-reader", daemon=True).start()

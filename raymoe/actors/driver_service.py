@@ -2,9 +2,10 @@
 
 Ownership: the loop thread is the only code that touches the ``Driver`` (schedulers, radix caches, executor).
 Callers hand it work with :meth:`DriverService.submit` (thread-safe, many adds and aborts at once) and receive
-results through the ``publish`` callback: once per loop iteration, with the :class:`RequestDelta` of every request
-that got tokens, finished, was refused or failed in that iteration (an :class:`OutputBatch`). So the cost of
-talking to the front end is one message per step, not one per request and token.
+results through the ``publish`` callback: once per loop iteration, one :class:`OutputBatch` with a row for every
+request that got tokens, finished, was refused or failed in that iteration (written by the DP groups'
+schedulers, in columns). So the cost of talking to the front end is one message per step, not one per request and
+token.
 
 In a server the service lives in the driver's own process (``raymoe.actors.driver_actor.DriverActor``), never in
 the HTTP process: a Python loop doing per-token work next to the engine would take its GIL.
@@ -30,9 +31,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from raymoe.actors.driver import Driver
-from raymoe.actors.records import AddRequest, EngineStats, OutputBatch, RequestDelta, RequestError
-from raymoe.errors import EngineUnhealthyError, InvalidRequestError
-from raymoe.scheduler.req import FinishKind, Req
+from raymoe.actors.output_batch import OutputBatch, RequestEnd
+from raymoe.actors.records import AddRequest, EngineStats, RequestDelta, RequestError
+from raymoe.errors import EngineUnhealthyError
 from raymoe.scheduler.scheduler import IdleReport
 
 __all__ = ["AddRequest", "DriverService", "EngineStats", "OutputBatch", "RequestDelta", "RequestError"]
@@ -79,10 +80,9 @@ class DriverService:
         self.stall_timeout_s = stall_timeout_s if stall_timeout_s is not None else step_timeout + 30.0
         self.rank_restarts = 0
         self.loop_restarts = 0
-        self.failed_requests = 0
+        driver.record_outputs = True  # the groups write output rows, which this loop publishes
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sent: dict[str, int] = {}  # in-flight request id -> output tokens already published
-        self._out: OutputBatch = []
+        self._out = OutputBatch()  # rows the loop itself writes (refusals while unhealthy, failures)
         self._error: str | None = None  # set while unhealthy (rank fault being recovered, or the loop is down)
         self._idle: IdleReport | None = None  # idle invariant, measured while no request is in flight
         self._injected: str | None = None
@@ -93,6 +93,11 @@ class DriverService:
         self._thread = self._start_loop()
         self._supervisor = threading.Thread(target=self._supervise, name="raymoe-driver-supervisor", daemon=True)
         self._supervisor.start()
+
+    @property
+    def failed_requests(self) -> int:
+        """Requests that ended with a ``"failed"`` error so far."""
+        return self.driver.failed_requests
 
     @property
     def num_recoveries(self) -> int:
@@ -165,22 +170,18 @@ class DriverService:
     def _apply(self, adds: list[AddRequest], aborts: list[str]) -> None:
         for a in adds:
             if self._error is not None:
-                self._out.append(RequestDelta(a.request_id, [], finished=True,
-                                              error=RequestError("unhealthy", self._error)))
+                self._out.end(a.request_id, RequestEnd(error=RequestError("unhealthy", self._error)))
                 continue
             try:
-                if a.request_id in self._sent:
-                    raise InvalidRequestError("request_id", f"duplicate request id {a.request_id!r}")
-                self.driver.add_request(a.request_id, a.prompt_token_ids, a.params)
-                self._sent[a.request_id] = 0
+                accepted = self.driver.submit(a.request_id, a.prompt_token_ids, a.params)
+            except ValueError:  # already in flight
+                self._out.end(a.request_id, RequestEnd(error=RequestError(
+                    "invalid", f"duplicate request id {a.request_id!r}", "request_id")))
+                continue
+            if accepted:
                 self._idle = None
-            except InvalidRequestError as e:
-                self._out.append(RequestDelta(a.request_id, [], finished=True,
-                                              error=RequestError("invalid", e.message, e.field)))
         for rid in aborts:
-            if self._sent.pop(rid, None) is not None:
-                self.driver.abort_request(rid)
-                self._out.append(RequestDelta(rid, [], finished=True, finish_reason="abort"))
+            self.driver.abort_request(rid)
 
     def _take_commands(self, block: bool) -> None:
         try:
@@ -194,45 +195,10 @@ class DriverService:
             except queue.Empty:
                 return
 
-    def _delta(self, req: Req) -> RequestDelta | None:
-        sent = self._sent.get(req.rid)
-        if sent is None:  # aborted while its step was in flight
-            return None
-        reason = req.finished_reason
-        if req.finished:
-            del self._sent[req.rid]
-        else:
-            self._sent[req.rid] = len(req.output_ids)
-        if reason is not None and reason.kind == FinishKind.ERROR:
-            fault = reason.fault
-            self.failed_requests += fault is None or fault.kind == "failed"
-            err = (RequestError(fault.kind, fault.message, fault.field) if fault is not None
-                   else RequestError("failed", reason.message or "the request failed"))
-            return RequestDelta(req.rid, [], finished=True, error=err)
-        return RequestDelta(
-            req.rid, req.output_ids[sent:], req.output_logprobs[sent:], finished=req.finished,
-            finish_reason=reason.kind.value if reason else None, matched_stop=reason.matched if reason else None,
-            prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens)
-
-    def _emit(self, updated: list[Req]) -> None:
-        """Queue the deltas of ``updated``; a request whose delta cannot be built fails alone."""
-        for req in updated:
-            try:
-                d = self._delta(req)
-            except Exception as e:  # noqa: BLE001 - this request's output could not be built: fail it only
-                log.exception("building the output of request %s failed", req.rid)
-                self._sent.pop(req.rid, None)
-                self.driver.abort_request(req.rid)
-                self.failed_requests += 1
-                d = RequestDelta(req.rid, [], finished=True, error=RequestError(
-                    "failed", f"building the request's output failed ({type(e).__name__})"))
-            if d is not None:
-                self._out.append(d)
-
     def _flush(self) -> None:
-        if self._out:
-            batch, self._out = self._out, []
+        batch, self._out = self._out, OutputBatch()
+        batch.extend(self.driver.take_outputs())
+        if len(batch):
             self.publish(batch)
 
     def _flush_quietly(self) -> None:
@@ -240,13 +206,13 @@ class DriverService:
             self._flush()
         except Exception:  # noqa: BLE001 - the front end cannot be reached; its reader fails its requests
             log.exception("publishing an output batch failed; dropped it")
-            self._out = []
+            self._out = OutputBatch()
 
     def _fail_all(self, err: RequestError) -> None:
-        """End every in-flight request with ``err`` (queued for the next flush)."""
-        self.failed_requests += len(self._sent) if err.kind == "failed" else 0
-        self._out.extend(RequestDelta(rid, [], finished=True, error=err) for rid in self._sent)
-        self._sent.clear()
+        """End every in-flight request with ``err`` (rows for the next flush); the caller resets the driver."""
+        for g in self.driver.groups:
+            g.end_all(err)
+            self._out.extend(g.take_outputs())
 
     def _recover(self) -> None:
         try:
@@ -279,14 +245,12 @@ class DriverService:
         self._take_commands(block=not self.driver.has_unfinished())
         if self.driver.has_unfinished():
             try:
-                updated = self.driver.step()
+                self.driver.step()
             except EngineUnhealthyError as e:  # a rank fault: fail every request, restart the ranks
                 log.exception("driver step failed")
                 # Clients see the error type only; the details (tracebacks, hosts, actor ids) stay in the log.
                 self._error = f"engine step failed ({type(e).__name__}); the rank group is restarting"
                 self._fail_all(RequestError("unhealthy", self._error))
-            else:
-                self._emit(updated)
         elif self._idle is None:
             self._idle = self.driver.idle_report()
         self._flush()
@@ -322,7 +286,8 @@ class DriverService:
             self._backoff = min(60.0, self._backoff * 2) if now - self._last_death < 60.0 else self.restart_backoff_s
             self._last_death = now
             self._error = "the engine's driver loop died; restarting it"
-            log.error("%s (in %.1f s; %d in-flight requests failed)", self._error, self._backoff, len(self._sent))
+            log.error("%s (in %.1f s; %d in-flight requests failed)", self._error, self._backoff,
+                      len(self.driver.group_of))
             err = RequestError("unhealthy", self._error)
             self._fail_all(err)
             self._reset_driver()
@@ -344,4 +309,5 @@ class DriverService:
                 adds, _aborts = self._commands.get_nowait()
             except queue.Empty:
                 return
-            self._out.extend(RequestDelta(a.request_id, [], finished=True, error=err) for a in adds)
+            for a in adds:
+                self._out.end(a.request_id, RequestEnd(error=err))

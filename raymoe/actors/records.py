@@ -1,6 +1,7 @@
-"""The records that cross the front end <-> driver channel: requests in (``AddRequest``), per-request output out
-(``RequestDelta``, many per ``OutputBatch``), why a request ended without a result (``RequestError``), and the
-engine's counters and health (``EngineStats``).
+"""The records that cross the front end <-> driver channel: requests in (``AddRequest``), per-request output as a
+front end's stream consumes it (``RequestDelta``, made from the rows of an ``raymoe.actors.output_batch.
+OutputBatch``), why a request ended without a result (``RequestError``), and the engine's counters and health
+(``EngineStats``).
 
 Ownership: the ``DriverService`` (driver side) builds deltas and stats; the front end (``EngineClient``) reads them
 and turns a ``RequestError`` into a typed exception. Plain data, picklable, no behaviour beyond that mapping.
@@ -71,10 +72,6 @@ class RequestDelta:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: RequestError | None = None
-
-
-OutputBatch = list[RequestDelta]
-"""One message from the driver to the front end: the deltas of one loop iteration (any number of requests)."""
 
 
 @dataclass(frozen=True)

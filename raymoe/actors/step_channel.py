@@ -12,8 +12,8 @@ actor connects (:func:`connect_step_channel`; a rank that cannot reach the socke
 driver use actor calls) and serves steps in order from a thread of its own (:func:`serve_steps`,
 :meth:`RankWorker.start_step_channel`):
 
-* driver -> every rank: ``(seq, batches)``, the step's number and its batches (one ``ModelWorkerBatch`` per DP
-  group), pickled once;
+* driver -> every rank: ``(seq, batch)``, the step's number and the rank's own DP group's ``ModelWorkerBatch``
+  (pickled once per group: a rank's bytes per step do not grow with the number of groups);
 * rank -> driver: ``(seq, "ok", StepOutput)`` from tp-rank 0 of each DP group (``(seq, "ok", None)`` from the
   others) or ``(seq, "error", type name, message)`` when the rank raised.
 
@@ -58,6 +58,7 @@ class StepChannelHub:
 
     def __init__(self, world_size: int, tp_size: int, grace_s: float = 5.0):
         self.world_size, self.tp_size, self.grace_s = world_size, tp_size, grace_s
+        self.last_bytes_per_rank = 0  # the largest message of the last step, bytes
         self._listener = PrivateListener("raymoe-steps-", "steps.sock")
         self.path, self.authkey = self._listener.path, self._listener.authkey
         self._conns: list[Connection] = []
@@ -94,17 +95,19 @@ class StepChannelHub:
         self.healthy = True
 
     def send(self, batches: list[ModelWorkerBatch]) -> int:
-        """Send one step (one batch per DP group) to every rank; ranks run steps in the order they were sent.
-        Returns the step's number, for :meth:`gather`.
+        """Send one step to every rank: each rank gets its own DP group's batch only (pickled once per group), so
+        the bytes a rank receives do not grow with the number of groups. Ranks run steps in the order they were
+        sent. Returns the step's number, for :meth:`gather`.
 
         Raises:
             RankFailure: a rank's socket is closed (its process died).
         """
         self._seq += 1
-        payload = pickle.dumps((self._seq, batches), protocol=pickle.HIGHEST_PROTOCOL)
+        payloads = [pickle.dumps((self._seq, b), protocol=pickle.HIGHEST_PROTOCOL) for b in batches]
+        self.last_bytes_per_rank = max(map(len, payloads))
         try:
-            for conn in self._conns:
-                conn.send_bytes(payload)
+            for r, conn in enumerate(self._conns):
+                conn.send_bytes(payloads[r // self.tp_size])
         except OSError as e:
             self.healthy = False
             raise RankFailure(f"sending a step to the ranks failed ({type(e).__name__}: a rank died)") from e
@@ -184,15 +187,15 @@ def serve_steps(conn: Connection, rank: int, tp_size: int, step: Callable[[Model
     """Answer every step that arrives on ``conn`` with ``step(batch of this rank's DP group)`` until the driver
     closes the channel. An exception in ``step`` is answered as an error and the loop goes on (the driver decides
     whether the ranks are still usable)."""
-    group, reply_output = rank // tp_size, rank % tp_size == 0
+    reply_output = rank % tp_size == 0
     try:
         while True:
             try:
-                seq, batches = pickle.loads(conn.recv_bytes())
+                seq, batch = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
                 return
             try:
-                out = step(batches[group])
+                out = step(batch)
                 reply = (seq, "ok", out if reply_output else None)
             except Exception as e:  # noqa: BLE001 - reported to the driver, which owns the decision
                 reply = (seq, "error", type(e).__name__, str(e)[:2000])

@@ -37,14 +37,15 @@ VOCAB = 32_000
 
 
 class InstantExecutor:
-    """Ranks that answer every step at once with token 1 per row; records the bytes each rank would receive (the
-    step as the fan-out pickles it for a rank)."""
+    """Ranks that answer every step at once with token 1 per row; records the bytes each rank would receive (its
+    group's batch as the step channel pickles it, ``raymoe.actors.step_channel``)."""
 
     def __init__(self):
         self.bytes_per_rank: list[int] = []
 
     def launch(self, batches):
-        self.bytes_per_rank.append(len(pickle.dumps(batches, protocol=pickle.HIGHEST_PROTOCOL)))
+        payloads = [pickle.dumps((0, b), protocol=pickle.HIGHEST_PROTOCOL) for b in batches]
+        self.bytes_per_rank.append(max(map(len, payloads)))
         return [StepOutput([1] * b.batch_size) for b in batches]
 
     def collect(self, handle):

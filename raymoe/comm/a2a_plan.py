@@ -31,13 +31,18 @@ def plan_dispatch_capacity(batches: Sequence[ModelWorkerBatch], a2a_mode: str, m
         a2a_mode: the engine's ``MoeCommConfig.a2a_mode``.
         max_tokens_per_rank: bound of eager low-latency steps (``EngineConfig.max_dispatch_tokens_per_rank``).
     """
-    is_decode = all(b.forward_mode.is_decode_or_idle() for b in batches)
+    return dispatch_capacity_for(batches, batches[0].graph_bs if batches else None, a2a_mode, max_tokens_per_rank)
+
+
+def dispatch_capacity_for(plans: Sequence, graph_bs: int | None, a2a_mode: str, max_tokens_per_rank: int) -> int | None:
+    """:func:`plan_dispatch_capacity` from each group's ``forward_mode`` and ``num_tokens`` (``GroupPlan`` s or
+    batches) and the step's ``graph_bs``."""
+    is_decode = all(b.forward_mode.is_decode_or_idle() for b in plans)
     if resolve_a2a_mode(a2a_mode, is_decode) != "low_latency":
         return None
-    graph_bs = batches[0].graph_bs
     if graph_bs is not None:
         return graph_bs
-    m = max((b.num_tokens for b in batches), default=0)
+    m = max((b.num_tokens for b in plans), default=0)
     return max(m, 1) if m <= max_tokens_per_rank else None
 
 

@@ -125,8 +125,9 @@ class EngineClient:
             while True:
                 batch: OutputBatch = conn.recv()
                 by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-                for delta in batch:
-                    route = self._streams.get(delta.request_id)
+                streams = self._streams
+                for delta in batch.rows_for(streams):  # the per-request records of this front end's streams only
+                    route = streams.get(delta.request_id)
                     if route is not None:
                         by_loop.setdefault(route[0], []).append((route[1], delta))
                 for loop, items in by_loop.items():

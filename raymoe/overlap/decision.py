@@ -24,19 +24,31 @@ from collections.abc import Sequence
 from raymoe.config import OverlapConfig
 from raymoe.overlap.split import compute_split, split_is_usable
 from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.step_plan import GroupPlan
 from raymoe.step.worker_batch import ModelWorkerBatch
 
 
-def decide_tbo(batches: Sequence[ModelWorkerBatch], cfg: OverlapConfig) -> bool:
+def plan_of(batch: ModelWorkerBatch | None, tbo_threshold: float) -> GroupPlan:
+    """A group's batch as the step's decisions need it (``None``: the group has no work), its TBO split checked
+    with the engine's ``tbo_token_distribution_threshold``."""
+    if batch is None or batch.forward_mode == ForwardMode.IDLE:
+        return GroupPlan.idle()
+    splittable = batch.forward_mode in (ForwardMode.DECODE, ForwardMode.EXTEND) and split_is_usable(
+        compute_split(batch.forward_mode, batch.extend_lens, tbo_threshold), batch.num_tokens)
+    return GroupPlan(batch.forward_mode, batch.num_tokens, batch.batch_size, splittable)
+
+
+def decide_tbo(batches: Sequence[GroupPlan | ModelWorkerBatch], cfg: OverlapConfig) -> bool:
     """Whether this step runs two-batch overlap on every rank (see the module docstring for the rules).
 
     Args:
-        batches: one ``ModelWorkerBatch`` per DP group, IDLE batches included.
+        batches: one ``GroupPlan`` per DP group (or the ``ModelWorkerBatch`` itself, IDLE batches included).
         cfg: the engine's overlap options (the same values the ranks were built with).
     """
     if not cfg.enable_tbo:
         return False
-    active = [b for b in batches if b.forward_mode != ForwardMode.IDLE]
+    plans = [b if isinstance(b, GroupPlan) else plan_of(b, cfg.tbo_token_distribution_threshold) for b in batches]
+    active = [b for b in plans if b.forward_mode != ForwardMode.IDLE]
     if not active:
         return False
     modes = {b.forward_mode for b in active}
@@ -45,15 +57,13 @@ def decide_tbo(batches: Sequence[ModelWorkerBatch], cfg: OverlapConfig) -> bool:
     mode = modes.pop()
     if mode == ForwardMode.DECODE:
         min_tokens = cfg.tbo_min_tokens_decode
-    elif mode == ForwardMode.EXTEND and len(active) == len(batches):
+    elif mode == ForwardMode.EXTEND and len(active) == len(plans):
         min_tokens = cfg.tbo_min_tokens_extend
     else:  # MIXED, or EXTEND next to IDLE groups
         return False
     if max(b.num_tokens for b in active) < min_tokens:
         return False
-    threshold = cfg.tbo_token_distribution_threshold
-    return all(split_is_usable(compute_split(b.forward_mode, b.extend_lens, threshold), b.num_tokens)
-               for b in active)
+    return all(b.tbo_splittable for b in active)
 
 
 def apply_tbo_decision(batches: Sequence[ModelWorkerBatch], cfg: OverlapConfig) -> list[ModelWorkerBatch]:

@@ -1,0 +1,124 @@
+"""OutputBatch: the outputs of one driver-loop iteration, in columns, the one message per step that reaches the
+front end.
+
+A row is one request that advanced, finished, was refused or failed: its id, how many new tokens it got, its output
+length so far, and (for the last row of a request) how it ended. The tokens of every row are one flat list, and so
+are their log-probabilities when any row asked for them. Columns of ints and strings pickle and unpickle many times
+faster than one object per request, and the per-request objects the front end's streams consume
+(:class:`~raymoe.actors.records.RequestDelta`) are made by the front end's reader, for its own streams only
+(:meth:`OutputBatch.__iter__`).
+
+Ownership: a group scheduler fills one per loop iteration (``raymoe.actors.group_scheduler``); the driver loop
+merges the groups' and publishes; the front end iterates it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from raymoe.actors.records import RequestDelta, RequestError
+from raymoe.step.step_output import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class RequestEnd:
+    """How a request ended (the last row of a request).
+
+    Attributes:
+        finish_reason: ``"stop"`` | ``"length"`` | ``"abort"`` (None with ``error``). matched_stop: the stop string or
+            token id that ended it. prompt_tokens, cached_tokens: its usage counts (tokens). error: set when it was
+            refused or failed (the row then carries no tokens).
+    """
+
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: RequestError | None = None
+
+
+@dataclass
+class OutputBatch:
+    """Rows of one loop iteration (module docstring).
+
+    Attributes:
+        rids: the request of each row. counts: new tokens of each row. completion_tokens: each row's request's
+            output tokens so far. token_ids: every row's new tokens, row after row. logprobs: one entry per token of
+            ``token_ids`` (None entries for requests that asked none), or None when no row asked.
+        ends: row -> how its request ended, for the rows that end a request.
+    """
+
+    rids: list[str] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    completion_tokens: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] | None = None
+    ends: dict[int, RequestEnd] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.rids)
+
+    def add(self, rid: str, tokens: list[int], completion_tokens: int,
+            logprobs: list[TokenLogprobs | None] | None = None, end: RequestEnd | None = None) -> None:
+        """Append a row: ``tokens`` new, ``completion_tokens`` so far, ``logprobs`` one per token (None: not
+        asked), ``end`` when it is the request's last row."""
+        if logprobs is not None and self.logprobs is None:
+            self.logprobs = [None] * len(self.token_ids)
+        if self.logprobs is not None:
+            self.logprobs.extend(logprobs if logprobs is not None else [None] * len(tokens))
+        if end is not None:
+            self.ends[len(self.rids)] = end
+        self.rids.append(rid)
+        self.counts.append(len(tokens))
+        self.completion_tokens.append(completion_tokens)
+        self.token_ids.extend(tokens)
+
+    def end(self, rid: str, end: RequestEnd) -> None:
+        """Append a row that ends ``rid`` without tokens (refused, aborted, failed)."""
+        self.add(rid, [], 0, end=end)
+
+    def extend(self, other: OutputBatch) -> None:
+        """Append ``other``'s rows after this batch's."""
+        base = len(self.rids)
+        if other.logprobs is not None and self.logprobs is None:
+            self.logprobs = [None] * len(self.token_ids)
+        if self.logprobs is not None:
+            self.logprobs.extend(other.logprobs if other.logprobs is not None else [None] * len(other.token_ids))
+        self.rids.extend(other.rids)
+        self.counts.extend(other.counts)
+        self.completion_tokens.extend(other.completion_tokens)
+        self.token_ids.extend(other.token_ids)
+        self.ends.update({base + row: e for row, e in other.ends.items()})
+
+    def __iter__(self) -> Iterator[RequestDelta]:
+        """One :class:`RequestDelta` per row, in row order."""
+        pos = 0
+        for row, rid in enumerate(self.rids):
+            n = self.counts[row]
+            yield self.delta(row, rid, pos, n)
+            pos += n
+
+    def delta(self, row: int, rid: str, pos: int, n: int) -> RequestDelta:
+        """Row ``row`` (``rid``, its tokens at ``token_ids[pos:pos + n]``) as a :class:`RequestDelta`."""
+        logprobs = self.logprobs[pos:pos + n] if self.logprobs is not None else [None] * n
+        end = self.ends.get(row)
+        if end is None:
+            return RequestDelta(rid, self.token_ids[pos:pos + n], logprobs,
+                                completion_tokens=self.completion_tokens[row])
+        if end.error is not None:
+            return RequestDelta(rid, [], finished=True, error=end.error)
+        return RequestDelta(rid, self.token_ids[pos:pos + n], logprobs, finished=True,
+                            finish_reason=end.finish_reason, matched_stop=end.matched_stop,
+                            prompt_tokens=end.prompt_tokens, completion_tokens=self.completion_tokens[row],
+                            cached_tokens=end.cached_tokens)
+
+    def rows_for(self, wanted) -> Iterator[RequestDelta]:
+        """The deltas of the rows whose request is in ``wanted`` (a container of ids), in row order: a front end
+        builds objects for its own streams only."""
+        pos = 0
+        for row, rid in enumerate(self.rids):
+            n = self.counts[row]
+            if rid in wanted:
+                yield self.delta(row, rid, pos, n)
+            pos += n

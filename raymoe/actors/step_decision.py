@@ -1,0 +1,43 @@
+"""The driver's decisions for one step, made once from every DP group's :class:`~raymoe.step.step_plan.GroupPlan`
+and shipped to every group as one :class:`~raymoe.step.step_plan.StepDecision`: two-batch overlap on or off
+(``raymoe.overlap.decision``), then the decode-graph bucket (``raymoe.runner.graph_buckets``), then the MoE
+all-to-all mode and its per-rank capacity (``raymoe.comm.a2a_plan``), and every group's token count.
+
+The inputs are O(dp) small records; the rules are documented where they live, with the deadlock each prevents.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from raymoe.comm.a2a_plan import dispatch_capacity_for
+from raymoe.config import OverlapConfig
+from raymoe.overlap.decision import decide_tbo
+from raymoe.runner.graph_buckets import plan_graph_bs
+from raymoe.step.step_plan import GroupPlan, StepDecision
+
+
+@dataclass(frozen=True)
+class StepRules:
+    """What the step's decisions depend on besides the plans (the same values the ranks were built with).
+
+    Attributes:
+        overlap: the engine's overlap options. graph_capture_sizes: the ranks' decode-graph buckets, ascending.
+        a2a_mode: the engine-wide MoE all-to-all mode (``Platform.effective_a2a_mode``).
+        max_dispatch_tokens_per_rank: bound of eager low-latency steps, tokens.
+    """
+
+    overlap: OverlapConfig
+    graph_capture_sizes: tuple[int, ...]
+    a2a_mode: str
+    max_dispatch_tokens_per_rank: int
+
+
+def decide_step(plans: Sequence[GroupPlan], rules: StepRules) -> StepDecision:
+    """The decisions every rank of the step shares (module docstring)."""
+    graph_bs = plan_graph_bs(plans, rules.graph_capture_sizes)
+    return StepDecision(global_num_tokens=tuple(p.num_tokens for p in plans), use_tbo=decide_tbo(plans, rules.overlap),
+                        graph_bs=graph_bs,
+                        dispatch_capacity=dispatch_capacity_for(plans, graph_bs, rules.a2a_mode,
+                                                                rules.max_dispatch_tokens_per_rank))
