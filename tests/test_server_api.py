@@ -175,7 +175,7 @@ def test_64_concurrent_streams_complete_and_release_everything(base_url, model, 
     outs = run_streams(base_url, {i: stream_body(model, i) for i in range(NUM_STREAMS)})
     assert [finishes for _, finishes in outs.values()] == [1] * NUM_STREAMS
     assert_own_outputs({i: text for i, (text, _) in outs.items()}, stream_refs)
-    wait_for(lambda: engine_idle(base_url), timeout_s=10)
+    wait_for(lambda: engine_idle(base_url), timeout_s=30)
     after = metrics(base_url)
     done = after["raymoe:request_success_total{finish_reason=length}"]
     assert done - before["raymoe:request_success_total{finish_reason=length}"] == NUM_STREAMS
@@ -240,9 +240,9 @@ def test_client_disconnect_aborts_the_request(base_url, model, stream):
         received = b""
         while b"data: " not in received:  # the stream started
             received += sock.recv(4096)
-    wait_for(lambda: metrics(base_url)["raymoe:num_requests_running"] == 1, timeout_s=10, interval_s=0.02)
+    wait_for(lambda: metrics(base_url)["raymoe:num_requests_running"] == 1, timeout_s=30, interval_s=0.02)
     sock.close()
-    wait_for(lambda: engine_idle(base_url), timeout_s=10, interval_s=0.05)
+    wait_for(lambda: engine_idle(base_url), timeout_s=30, interval_s=0.05)
     assert metrics(base_url)["raymoe:request_success_total{finish_reason=abort}"] == aborted + 1
 
 
