@@ -308,14 +308,17 @@ def test_an_internal_error_in_the_loop_fails_in_flight_requests_and_the_loop_goe
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the injected death
 def test_a_dead_loop_is_reported_its_requests_fail_new_ones_are_refused_and_it_restarts(service):
+    # The checks below run while the loop is down: keep it down long enough for a loaded machine (the fixture's
+    # 0.5 s left a window that a descheduled test thread could miss).
+    service.restart_backoff_s = 3.0
     service.submit(adds("z", 3, max_tokens=100))
     wait_until(lambda: service.driver.num_steps > 2)
     service.inject_fault("loop_death")
-    wait_until(lambda: all(service.out.last(f"z{i}") for i in range(3)), timeout_s=5)
+    wait_until(lambda: all(service.out.last(f"z{i}") for i in range(3)))
     assert all(isinstance(service.out.last(f"z{i}").error.to_exception(), EngineUnhealthyError) for i in range(3))
     assert not service.healthy() and "died" in service.stats().health_detail
     service.submit(adds("during", 1))
-    wait_until(lambda: service.out.last("during0"), timeout_s=5)
+    wait_until(lambda: service.out.last("during0"))
     assert service.out.last("during0").error.kind == "unhealthy"
     wait_until(service.healthy)
     assert service.stats().loop_restarts == 1
