@@ -16,7 +16,13 @@ opaque handles, and its host-side checks (``EP_HOST_ASSERT`` in ``csrc/deep_ep.c
   / hidden / experts, the layout passed to ``dispatch`` must match ``topk_idx``, the low-latency combine must get
   the ``topk_idx`` of its dispatch, and rows beyond ``recv_count`` are NaN (nobody may read them);
 * the source-rank blocks of each expert's low-latency rows come in a changing order (DeepEP packs them in arrival
-  order).
+  order);
+* the kernels' limits (``deep_ep_double_core``, with where each is in DeepEP's source): top-k <= 11 in the
+  low-latency kernels and <= 32 in the intranode ones, 2, 4 or 8 intranode ranks, <= 128 local experts in the
+  normal mode, contiguous layout and handle tensors (``is_token_in_rank`` included), and expert ids in
+  ``[-1, E)`` (the library would read out of bounds);
+* CUDA graphs (``deep_ep_double_graph``): a normal-mode dispatch cannot be captured, and a replay must make the
+  library calls its capture made, on the same low-latency buffers (a GPU replay runs only the captured kernels).
 
 Not modelled (``NotImplementedError``): FP8 inputs, cached-handle dispatch, ``num_worst_tokens``, bias, internode
 (> 8 ranks), zero-copy/LogFMT combine. Dtype and hidden-size limits of the real kernels are enforced by default
@@ -33,7 +39,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from deep_ep_double_core import ALIGN, INT_MAX, NUM_MAX_NVL_PEERS, SOURCE_META_BYTES, EventHandle, EventOverlap, check
+from deep_ep_double_core import (
+    ALIGN,
+    INT_MAX,
+    NUM_MAX_NVL_PEERS,
+    SOURCE_META_BYTES,
+    EventHandle,
+    EventOverlap,
+    check,
+    check_expert_ids,
+)
+from deep_ep_double_graph import library_call
 from deep_ep_double_ll import LL_HIDDEN_SIZES, LowLatencyMixin
 
 
@@ -107,6 +123,9 @@ class Buffer(LowLatencyMixin):
         self.num_qps_per_rank = num_qps_per_rank
         check(num_nvl_bytes % ALIGN == 0 and (num_nvl_bytes <= INT_MAX or num_rdma_bytes == 0), "num_nvl_bytes")
         check(num_rdma_bytes % ALIGN == 0 and (low_latency_mode or num_rdma_bytes <= INT_MAX), "num_rdma_bytes")
+        check(self.group_size < NUM_MAX_NVL_PEERS or self.group_size % NUM_MAX_NVL_PEERS == 0, "num_ranks")
+        check(num_rdma_bytes == 0 or self.group_size > NUM_MAX_NVL_PEERS or low_latency_mode,
+              "RDMA bytes need internode ranks or the low-latency mode")
         if self.group_size > NUM_MAX_NVL_PEERS:
             raise NotImplementedError("the double models intranode buffers (<= 8 ranks) only")
         if low_latency_mode:
@@ -120,6 +139,7 @@ class Buffer(LowLatencyMixin):
 
     def destroy(self) -> None:
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        check(self.runtime is not None, "not destroyed")
         self.runtime = None
 
     @staticmethod
@@ -159,6 +179,7 @@ class Buffer(LowLatencyMixin):
         handle.current_stream_wait()
         return EventOverlap(None)
 
+    @library_call("get_dispatch_layout")
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """(num_tokens_per_rank [ranks] int32, None, num_tokens_per_expert [E] int32, is_token_in_rank [N, ranks]
@@ -166,6 +187,7 @@ class Buffer(LowLatencyMixin):
         self._stream_args(previous_event, async_finish, allocate_on_comm_stream)
         check(topk_idx.dim() == 2 and topk_idx.is_contiguous() and topk_idx.dtype == torch.int64, "topk_idx")
         check(num_experts > 0 and num_experts % self.group_size == 0, "num_experts")
+        check_expert_ids(topk_idx, num_experts)
         per_expert, in_rank = _layout(topk_idx, num_experts, self.group_size)
         per_rank = in_rank.sum(0, dtype=torch.int32)
         return per_rank, None, per_expert, in_rank, self._event(async_finish)

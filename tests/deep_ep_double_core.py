@@ -6,6 +6,15 @@ import torch
 
 NUM_MAX_NVL_PEERS, NUM_MAX_LOCAL_EXPERTS = 8, 1024
 ALIGN, SOURCE_META_BYTES, INT_MAX = 128, 8, 2**31 - 1
+# Limits of DeepEP v1.2.1's kernels (host asserts unless noted; a device assert traps the kernel, also an error):
+INTRANODE_RANKS = (2, 4, 8)           # csrc/kernels/launch.cuh SWITCH_RANKS (intranode dispatch/combine/notify)
+NOTIFY_MAX_LOCAL_EXPERTS = 128        # csrc/kernels/intranode.cu notify_dispatch: experts / ranks <= kNumThreads
+INTRANODE_MAX_TOPK = 32               # csrc/kernels/intranode.cu dispatch and combine: device assert num_topk <= 32
+DISPATCH_TMA_BYTES_PER_WARP = 8192    # csrc/kernels/intranode.cu dispatch (SM90): hidden_int4 % 2 == 0 and
+                                      # hidden bytes / 2 + 8 <= kNumTMABytesPerWarp (device assert)
+LL_MAX_TOPK = 11                      # csrc/kernels/internode_ll.cu dispatch and combine: kNumMaxTopK = 11
+WORKSPACE_BYTES = 32 << 20            # csrc/kernels/configs.cuh NUM_WORKSPACE_BYTES
+NUM_DEVICE_SMS = 132                  # an H100 SXM / H200 (the low-latency launch shape depends on it)
 
 
 class DoubleMisuse(RuntimeError):
@@ -20,6 +29,11 @@ def check(cond: bool, what: str) -> None:
     """DeepEP's ``EP_HOST_ASSERT`` (a RuntimeError from the C++ runtime)."""
     if not cond:
         raise misuse(f"assertion failed: {what}")
+
+
+def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Every id is an expert or -1 (DeepEP reads out of bounds otherwise: stricter than the library)."""
+    check(bool(((topk_idx >= -1) & (topk_idx < num_experts)).all()), f"topk_idx outside [-1, {num_experts})")
 
 
 _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.is_contiguous, torch.Tensor.element_size,

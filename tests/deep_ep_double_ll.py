@@ -16,7 +16,20 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from deep_ep_double_core import ALIGN, EventHandle, EventOverlap, check, deliver, misuse, pending
+from deep_ep_double_core import (
+    ALIGN,
+    LL_MAX_TOPK,
+    NUM_DEVICE_SMS,
+    WORKSPACE_BYTES,
+    EventHandle,
+    EventOverlap,
+    check,
+    check_expert_ids,
+    deliver,
+    misuse,
+    pending,
+)
+from deep_ep_double_graph import library_call, receive_call
 
 LL_HIDDEN_SIZES = (2048, 2560, 4096, 5120, 6144, 7168, 8192)  # SWITCH_HIDDEN of the low-latency kernels
 
@@ -62,8 +75,10 @@ class LowLatencyMixin:
         n = ll_layout_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
         return (n + ALIGN) // ALIGN * ALIGN
 
+    @library_call("clean_low_latency_buffer")
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Zero the low-latency signals (collective: every rank must call it)."""
+        check(self.runtime is not None, "buffer destroyed")
         check(self.low_latency_mode, "clean_low_latency_buffer needs low_latency_mode")
         check(ll_layout_bytes(num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts)
               <= self.num_rdma_bytes, "num_rdma_bytes too small")
@@ -72,8 +87,14 @@ class LowLatencyMixin:
         dist.barrier(group=self.group)
         self._ll_dirty = False
 
-    def _ll_checks(self, m: int, hidden: int, num_experts: int, dtype: torch.dtype) -> None:
+    def _ll_checks(self, m: int, hidden: int, num_experts: int, dtype: torch.dtype, num_topk: int) -> None:
+        check(self.runtime is not None, "buffer destroyed")
         check(self.low_latency_mode, "low-latency kernels need low_latency_mode=True")
+        check(num_topk <= LL_MAX_TOPK, f"num_topk {num_topk} > kNumMaxTopK {LL_MAX_TOPK} of the low-latency kernels")
+        groups = -(-num_experts // NUM_DEVICE_SMS)
+        warps = 32 // groups
+        check(groups > 0 and warps > 0 and LL_MAX_TOPK + 1 <= groups * warps, "too many experts for the launch")
+        check(num_experts * 4 * 2 <= WORKSPACE_BYTES, "num_experts exceeds the workspace")
         if self._ll_dirty:
             raise misuse("a low-latency kernel after a normal-mode one without clean_low_latency_buffer")
         sizes = self.limits.ll_hidden_sizes
@@ -110,6 +131,7 @@ class LowLatencyMixin:
             deliver(*aliases)
             self._ll_busy[slot] = None
 
+        finish = receive_call(finish)
         if return_recv_hook:
             return EventOverlap(None), finish
         if async_finish:
@@ -117,6 +139,7 @@ class LowLatencyMixin:
         finish()
         return EventOverlap(None), None
 
+    @library_call("low_latency_dispatch", low_latency=True)
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
@@ -127,9 +150,10 @@ class LowLatencyMixin:
         ranks, m = self.group_size, num_max_dispatch_tokens_per_rank
         n, h = x.shape
         el = num_experts // ranks
-        self._ll_checks(m, h, num_experts, x.dtype)
-        check(x.dim() == 2 and x.is_contiguous(), "x: contiguous [N, H]")
         check(topk_idx.dim() == 2 and topk_idx.is_contiguous() and topk_idx.dtype == torch.int64, "topk_idx int64")
+        self._ll_checks(m, h, num_experts, x.dtype, topk_idx.shape[1])
+        check(x.dim() == 2 and x.is_contiguous(), "x: contiguous [N, H]")
+        check_expert_ids(topk_idx, num_experts)
         check(topk_idx.shape[0] == n and n <= m, f"{n} tokens exceed num_max_dispatch_tokens_per_rank {m}")
         stats = cumulative_local_expert_recv_stats
         check(stats is None or (stats.dtype == torch.int32 and tuple(stats.shape) == (el,)), "recv stats")
@@ -180,6 +204,7 @@ class LowLatencyMixin:
         handle = (aliases[2], aliases[3], m, h, num_experts)
         return aliases[0], aliases[1], handle, event, hook
 
+    @library_call("low_latency_combine", low_latency=True)
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
                             out=None, combine_wait_recv_cost_stats=None):
@@ -188,7 +213,7 @@ class LowLatencyMixin:
             raise NotImplementedError("the double models plain BF16 combines without stats")
         src_info, layout_range, m, hidden, num_experts = handle
         ranks, el = self.group_size, num_experts // self.group_size
-        self._ll_checks(m, x.shape[-1], num_experts, x.dtype)
+        self._ll_checks(m, x.shape[-1], num_experts, x.dtype, topk_idx.shape[1] if topk_idx.dim() == 2 else 0)
         check(x.dim() == 3 and x.is_contiguous() and tuple(x.shape) == (el, ranks * m, hidden),
               f"x must be [E_local, M_max * ranks, H] = {(el, ranks * m, hidden)}, got {tuple(x.shape)}")
         check(topk_idx.dim() == 2 and topk_idx.is_contiguous() and topk_idx.dtype == torch.int64, "topk_idx")

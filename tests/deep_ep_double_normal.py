@@ -15,7 +15,18 @@ import math
 
 import torch
 import torch.distributed as dist
-from deep_ep_double_core import NUM_MAX_LOCAL_EXPERTS, check, deliver, pending
+from deep_ep_double_core import (
+    DISPATCH_TMA_BYTES_PER_WARP,
+    INTRANODE_MAX_TOPK,
+    INTRANODE_RANKS,
+    NOTIFY_MAX_LOCAL_EXPERTS,
+    NUM_MAX_LOCAL_EXPERTS,
+    check,
+    check_expert_ids,
+    deliver,
+    pending,
+)
+from deep_ep_double_graph import library_call
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -36,6 +47,7 @@ def _unpack(buf: torch.Tensor, widths: list[tuple[torch.dtype, int]]) -> list[to
 class NormalModeMixin:
     """``Buffer.dispatch`` / ``Buffer.combine`` (intranode, non-cached, BF16-or-``limits`` rows)."""
 
+    @library_call("dispatch", capturable=False)
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config=None, previous_event=None,
@@ -48,13 +60,20 @@ class NormalModeMixin:
         assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
         ranks, me, n = self.group_size, self.rank, x.shape[0]
         h, es = x.shape[1], x.element_size()
+        check(ranks in INTRANODE_RANKS, f"Unsupported ranks {ranks} (intranode kernels: {INTRANODE_RANKS})")
         check(x.dim() == 2 and x.is_contiguous() and h * es % 16 == 0, "x: contiguous [N, H], H * itemsize % 16")
-        check(is_token_in_rank.dtype == torch.bool and tuple(is_token_in_rank.shape) == (n, ranks), "is_token_in_rank")
+        check(h * es % 32 == 0 and h * es // 2 + 8 <= DISPATCH_TMA_BYTES_PER_WARP,
+              f"hidden {h} x {es} bytes: the dispatch's TMA copies halves of 16-byte multiples of at most 8 KiB")
+        check(is_token_in_rank.dtype == torch.bool and is_token_in_rank.dim() == 2 and is_token_in_rank.is_contiguous()
+              and tuple(is_token_in_rank.shape) == (n, ranks), "is_token_in_rank: contiguous bool [N, ranks]")
         e = num_tokens_per_expert.numel()
-        check(num_tokens_per_expert.dtype == torch.int32 and e % ranks == 0 and e // ranks <= NUM_MAX_LOCAL_EXPERTS,
-              "num_tokens_per_expert")
-        check(num_tokens_per_rank.dtype == torch.int32 and tuple(num_tokens_per_rank.shape) == (ranks,),
-              "num_tokens_per_rank")
+        check(num_tokens_per_expert.dtype == torch.int32 and num_tokens_per_expert.dim() == 1
+              and num_tokens_per_expert.is_contiguous() and e % ranks == 0 and e // ranks <= NUM_MAX_LOCAL_EXPERTS,
+              "num_tokens_per_expert: contiguous int32 [E]")
+        check(e // ranks <= NOTIFY_MAX_LOCAL_EXPERTS, f"{e // ranks} local experts > {NOTIFY_MAX_LOCAL_EXPERTS}")
+        check(num_tokens_per_rank.dtype == torch.int32 and num_tokens_per_rank.dim() == 1
+              and num_tokens_per_rank.is_contiguous() and tuple(num_tokens_per_rank.shape) == (ranks,),
+              "num_tokens_per_rank: contiguous int32 [ranks]")
         check((topk_idx is None) == (topk_weights is None), "topk_idx and topk_weights go together")
         el, k = e // ranks, 0
         if topk_idx is not None:
@@ -63,6 +82,8 @@ class NormalModeMixin:
                   and topk_idx.shape[0] == n, "topk_idx")
             check(topk_weights.is_contiguous() and tuple(topk_weights.shape) == (n, k)
                   and topk_weights.dtype == torch.float32, "topk_weights: float32 [N, k]")
+            check(k <= INTRANODE_MAX_TOPK, f"num_topk {k} > {INTRANODE_MAX_TOPK} of the intranode kernels")
+            check_expert_ids(topk_idx, e)
             from deep_ep_double import _layout
 
             per_expert, in_rank = _layout(topk_idx, e, ranks)
@@ -123,6 +144,7 @@ class NormalModeMixin:
                   is_token_in_rank, send_head)
         return recv_x, recv_ids, recv_weights, per_expert_list, handle, event
 
+    @library_call("combine")
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """(combined_x [N, H], combined_topk_weights [N, k] float32 or None, EventOverlap): the sum over ranks
@@ -135,18 +157,24 @@ class NormalModeMixin:
         ranks, me = self.group_size, self.rank
         channels, chunk = config.num_sms // 2, config.num_max_nvl_chunked_recv_tokens
         r, h, es = x.shape[0], x.shape[1], x.element_size()
+        check(ranks in INTRANODE_RANKS, f"Unsupported ranks {ranks} (intranode kernels: {INTRANODE_RANKS})")
         check(x.dim() == 2 and x.is_contiguous() and h * es % 16 == 0, "x: contiguous [R, H]")
         check(x.dtype in self.limits.dtypes, f"Unsupported type {x.dtype} (the combine kernels take bfloat16)")
-        check(src_idx.dtype == torch.int32 and src_idx.dim() == 1 and src_idx.size(0) == r,
+        check(src_idx.dtype == torch.int32 and src_idx.dim() == 1 and src_idx.is_contiguous() and src_idx.size(0) == r,
               "x must have one row per received token of the handle")
-        check(send_head.dtype == torch.int32 and send_head.dim() == 2 and send_head.size(1) == ranks, "send_head")
+        check(send_head.dtype == torch.int32 and send_head.dim() == 2 and send_head.is_contiguous()
+              and send_head.size(1) == ranks, "send_head")
+        check(all(t.dtype == torch.int32 and t.dim() == 2 and t.is_contiguous() for t in (rank_prefix, channel_prefix)),
+              "rank_prefix_matrix / channel_prefix_matrix: contiguous int32")
         check(tuple(rank_prefix.shape) == (ranks, ranks) and tuple(channel_prefix.shape) == (ranks, channels),
               "handle shapes (dispatch and combine configs must have the same num_sms)")
         k = 0
         if topk_weights is not None:
+            check(topk_weights.dim() == 2, "topk_weights: float32 [R, k]")
             k = topk_weights.shape[1]
             check(topk_weights.is_contiguous() and topk_weights.shape[0] == r and topk_weights.dtype == torch.float32,
                   "topk_weights: float32 [R, k]")
+            check(k <= INTRANODE_MAX_TOPK, f"num_topk {k} > {INTRANODE_MAX_TOPK} of the intranode kernels")
         check(channels * ranks * 8 + channels * ranks * chunk * (h * es + 4 + k * 4) <= self.num_nvl_bytes,
               "num_nvl_bytes too small for the combine")
         self._mark_normal_used()

@@ -3,28 +3,36 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from raymoe.cluster.bootstrap import free_port
-
 
 @contextlib.contextmanager
-def uvicorn_server(app, timeout_s: float = 30.0):
-    """Serve ``app`` on 127.0.0.1:<free port> in a thread; yields the base URL; stops the server on exit."""
+def uvicorn_server(app, timeout_s: float = 60.0):
+    """Serve ``app`` on 127.0.0.1 in a thread; yields the base URL; stops the server on exit.
+
+    The listening socket is bound here (port 0: the kernel picks a free one) and handed to uvicorn, so no other
+    process (a second copy of the suite, say) can take the port between choosing and binding it.
+
+    Raises:
+        RuntimeError: uvicorn did not start within ``timeout_s`` seconds.
+    """
     import uvicorn
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="test-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
+            sock.close()
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.02)
     try:
@@ -32,6 +40,7 @@ def uvicorn_server(app, timeout_s: float = 30.0):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+        sock.close()
 
 
 def metrics(base_url: str) -> dict[str, float]:

@@ -1,7 +1,9 @@
 """Faults and load seen from HTTP, on the Ray topology (driver actor + dp=2 x ep=2 rank actors, loopback only).
 
 Each test ends with "nothing lost": every request ended with a result or a clear error (an HTTP error status
-or an SSE error event, never a hang or a traceback), and the idle invariant holds (``assert_idle``). Kills:
+or an SSE error event, never a hang or a traceback), and the idle invariant holds (``assert_idle``); and every
+stream got its own tokens: its text equals (or, cut short by a hang-up or a fault, is a prefix of) the same greedy
+request run undisturbed before the load or the fault (``references``). Kills:
 the driver loop thread (test hook), a rank actor, the driver actor itself; clients see errors, ``/health``
 goes 503 and comes back, and later requests succeed. Load: 1,000 concurrent streams, and 200 clients that
 disconnect at random points. Counts and times are bounded (the whole module takes a few minutes on 2 cores).
@@ -20,6 +22,7 @@ import httpx
 import pytest
 from idle import assert_idle
 from server_harness import uvicorn_server
+from stream_check import assert_distinct, assert_own_outputs
 
 from raymoe.platform.cpu.process import DEFAULT_RANK_NICE
 
@@ -46,6 +49,31 @@ def base_url(engine):
         yield url
 
 
+Spec = tuple[str, int]  # (prompt, max_tokens) of a greedy stream
+
+
+@pytest.fixture(scope="module")
+def references(base_url):
+    """``references(specs)`` -> {spec: text} of each greedy stream run to its end undisturbed. The missing ones
+    are streamed together (greedy decoding gives the same tokens in any batch) and kept for later tests; call it
+    before the load or the fault its texts are compared with."""
+    cache: dict[Spec, str] = {}
+
+    def get(specs: list[Spec]) -> dict[Spec, str]:
+        missing = [spec for spec in dict.fromkeys(specs) if spec not in cache]
+
+        async def main():
+            async with client_for(base_url) as client:
+                return await asyncio.gather(*(stream(client, n, prompt) for prompt, n in missing))
+
+        for spec, out in zip(missing, asyncio.run(main()) if missing else [], strict=True):
+            assert out.finish_reason == "length" and out.error is None, (spec, out)
+            cache[spec] = out.text
+        return {spec: cache[spec] for spec in specs}
+
+    return get
+
+
 def engine_stats(engine):
     import ray
 
@@ -59,6 +87,7 @@ class Outcome:
     chunks: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    text: str = ""
 
     @property
     def ended(self) -> bool:
@@ -86,6 +115,7 @@ async def stream(client: httpx.AsyncClient, max_tokens: int, prompt: str = "def 
             if first is not None:
                 first.set()
             for choice in event.get("choices", []):
+                out.text += choice.get("text") or ""
                 out.finish_reason = choice.get("finish_reason") or out.finish_reason
             if stop_after is not None and out.chunks >= stop_after:
                 return out
@@ -110,15 +140,19 @@ async def watch_health(base_url: str, seen: list[int], stop: asyncio.Event) -> N
             await asyncio.sleep(0.05)
 
 
-async def fault_mid_stream(base_url: str, inject, n: int = 4, recover_s: float = 150.0):
-    """Start ``n`` long streams, call ``inject()`` once each has tokens, wait for all of them to end and for
+MID: list[Spec] = [(f"x = {i}", 200) for i in range(4)]  # the long streams a fault cuts
+
+
+async def fault_mid_stream(base_url: str, inject, recover_s: float = 150.0):
+    """Start the ``MID`` streams, call ``inject()`` once each has tokens, wait for all of them to end and for
     /health to go down and come back; returns (outcomes, health statuses seen)."""
     seen: list[int] = []
     stop = asyncio.Event()
     watcher = asyncio.create_task(watch_health(base_url, seen, stop))
     async with client_for(base_url) as client:
-        firsts = [asyncio.Event() for _ in range(n)]
-        tasks = [asyncio.create_task(stream(client, 200, f"x = {i}", first=f)) for i, f in enumerate(firsts)]
+        firsts = [asyncio.Event() for _ in MID]
+        tasks = [asyncio.create_task(stream(client, n, prompt, first=f)) for (prompt, n), f in zip(MID, firsts,
+                                                                                                    strict=True)]
         await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 120)
         await asyncio.to_thread(inject)
         outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 60)
@@ -131,18 +165,32 @@ async def fault_mid_stream(base_url: str, inject, n: int = 4, recover_s: float =
     return outcomes, seen
 
 
-async def later_requests_succeed(base_url: str, n: int = 3) -> None:
-    async with client_for(base_url) as client:
-        outs = await asyncio.gather(*(stream(client, 4, f"y = {i}") for i in range(n)))
-    assert all(o.finish_reason == "length" and o.error is None for o in outs), outs
+LATER: list[Spec] = [(f"y = {i}", 4) for i in range(3)]
 
 
-def test_streams_work_and_the_engine_starts_idle(engine, base_url):
+def later_requests_succeed(base_url: str, want: dict[Spec, str]) -> None:
+    """The ``LATER`` requests finish, each with the tokens of its undisturbed run (``want``, taken before)."""
     async def main():
         async with client_for(base_url) as client:
-            return await asyncio.gather(*(stream(client, 6, f"z{i}") for i in range(4)))
+            return await asyncio.gather(*(stream(client, n, prompt) for prompt, n in LATER))
 
-    assert all(o.finish_reason == "length" for o in asyncio.run(main()))
+    outs = asyncio.run(main())
+    assert all(o.finish_reason == "length" and o.error is None for o in outs), outs
+    assert_own_outputs({spec: o.text for spec, o in zip(LATER, outs, strict=True)}, want)
+
+
+def test_streams_work_and_the_engine_starts_idle(engine, base_url, references):
+    specs = [(f"z{i}", 6) for i in range(4)]
+    want = references(specs)
+    assert_distinct(want)
+
+    async def main():
+        async with client_for(base_url) as client:
+            return await asyncio.gather(*(stream(client, n, prompt) for prompt, n in specs))
+
+    outs = asyncio.run(main())
+    assert all(o.finish_reason == "length" for o in outs)
+    assert_own_outputs({spec: o.text for spec, o in zip(specs, outs, strict=True)}, want)
     assert httpx.get(f"{base_url}/health").status_code == 200
     assert_idle(engine)
     import ray
@@ -167,11 +215,12 @@ def thread_nices(pid: int) -> dict[int, int]:
     return out
 
 
-def test_the_overflowing_top_k_request_is_a_400_beside_a_long_stream(engine, base_url):
+def test_the_overflowing_top_k_request_is_a_400_beside_a_long_stream(engine, base_url, references):
     """The issue's request (``top_k`` = 2**63) once made a rank raise mid-step, failed every stream and restarted
     the rank group. Now it is refused alone: a 400 naming ``top_k``, the long stream finishes with all its
     tokens, and no rank restarts."""
     before = engine_stats(engine)
+    want = references([("import os\n", 200)])
 
     async def main():
         async with client_for(base_url) as client:
@@ -186,67 +235,85 @@ def test_the_overflowing_top_k_request_is_a_400_beside_a_long_stream(engine, bas
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_k", bad.text
     assert "Traceback" not in bad.text and ".py" not in bad.text
     assert long.finish_reason == "length" and long.error is None, long  # "length": all 200 tokens came
+    assert_own_outputs({("import os\n", 200): long.text}, want)  # and they are the undisturbed run's
     assert engine_stats(engine).rank_restarts == before.rank_restarts
     assert_idle(engine)
 
 
-def test_a_step_every_rank_raises_in_fails_its_requests_and_keeps_the_ranks(engine, base_url):
+def test_a_step_every_rank_raises_in_fails_its_requests_and_keeps_the_ranks(engine, base_url, references):
     import ray
 
     before = engine_stats(engine)
+    specs = [(f"w{i}", 4) for i in range(3)]
+    want = references(specs + LATER)
 
     async def main():
         async with client_for(base_url) as client:
             await asyncio.to_thread(lambda: ray.get(engine.driver.inject_fault.remote("rank_step_error")))
-            return await asyncio.gather(*(stream(client, 4, f"w{i}") for i in range(3)))
+            return await asyncio.gather(*(stream(client, n, prompt) for prompt, n in specs))
 
     outs = asyncio.run(main())
     assert all(o.ended for o in outs) and any(o.error for o in outs), outs
+    # what the requests got before the failed step (all of it, for one that finished) is their own
+    assert_own_outputs({spec: o.text for spec, o in zip(specs, outs, strict=True)}, want, prefix_ok=True)
+    assert_own_outputs({spec: o.text for spec, o in zip(specs, outs, strict=True) if not o.error}, want)
     # the engine's short reason reaches the client (code request_failed), never a traceback or an internal name
     assert all("request failed in the engine" in o.error for o in outs if o.error), outs
     assert not any("Traceback" in o.error or ".py" in o.error for o in outs if o.error)
     after = engine_stats(engine)
     assert after.rank_restarts == before.rank_restarts and after.failed_steps == before.failed_steps + 1
-    asyncio.run(later_requests_succeed(base_url))
+    later_requests_succeed(base_url, want)
     assert_idle(engine)
 
 
-def test_killing_the_driver_loop_fails_streams_then_the_supervisor_restarts_it(engine, base_url):
+def cut_streams_got_their_own(outs: list[Outcome], want: dict[Spec, str]) -> None:
+    """What each ``MID`` stream got before the fault is the start of its undisturbed run."""
+    assert any(o.text for o in outs), outs
+    assert_own_outputs({spec: o.text for spec, o in zip(MID, outs, strict=True)}, want, prefix_ok=True)
+
+
+def test_killing_the_driver_loop_fails_streams_then_the_supervisor_restarts_it(engine, base_url, references):
     import ray
 
     before = engine_stats(engine)
+    want = references(MID + LATER)
     outs, seen = asyncio.run(fault_mid_stream(
         base_url, lambda: ray.get(engine.driver.inject_fault.remote("loop_death"))))
     assert all(o.error and "engine_unhealthy" in o.error for o in outs), outs
+    cut_streams_got_their_own(outs, want)
     assert seen[0] == 200 and 503 in seen and seen[-1] == 200, seen
     assert engine_stats(engine).loop_restarts == before.loop_restarts + 1
-    asyncio.run(later_requests_succeed(base_url))
+    later_requests_succeed(base_url, want)
     assert_idle(engine)
 
 
-def test_killing_a_rank_fails_streams_then_the_rank_group_restarts(engine, base_url):
+def test_killing_a_rank_fails_streams_then_the_rank_group_restarts(engine, base_url, references):
     import ray
 
     before = engine_stats(engine)
+    want = references(MID + LATER)
     ranks = ray.get(engine.driver.rank_actors.remote())
     outs, seen = asyncio.run(fault_mid_stream(base_url, lambda: ray.kill(ranks[1])))
     assert all(o.error and "engine_unhealthy" in o.error for o in outs), outs
+    cut_streams_got_their_own(outs, want)
     assert 503 in seen and seen[-1] == 200, seen
     assert engine_stats(engine).rank_restarts == before.rank_restarts + 1
-    asyncio.run(later_requests_succeed(base_url))
+    later_requests_succeed(base_url, want)
     assert_idle(engine)
 
 
-def test_killing_the_driver_actor_fails_streams_then_ray_restarts_it_and_the_front_end_reconnects(engine,
-                                                                                                  base_url):
+def test_killing_the_driver_actor_fails_streams_then_ray_restarts_it_and_the_front_end_reconnects(
+        engine, base_url, references):
     import ray
 
     reconnects = engine.reconnects
+    want = references(MID + LATER)
     outs, seen = asyncio.run(fault_mid_stream(base_url, lambda: ray.kill(engine.driver, no_restart=False)))
     assert all(o.error and "engine_unhealthy" in o.error for o in outs), outs
+    cut_streams_got_their_own(outs, want)
     assert (0 in seen or 503 in seen) and seen[-1] == 200, seen
     assert engine.reconnects == reconnects + 1
-    asyncio.run(later_requests_succeed(base_url))
+    later_requests_succeed(base_url, want)  # a fresh driver and fresh ranks give the same tokens
     assert_idle(engine)
     # The restarted driver started fresh ranks; the old ones and their placement groups are gone.
     live = [pg for pg in ray.util.placement_group_table().values()
@@ -254,23 +321,30 @@ def test_killing_the_driver_actor_fails_streams_then_ray_restarts_it_and_the_fro
     assert len(live) == 2, [(pg["name"], pg["placement_group_id"][:8]) for pg in live]
 
 
-def test_a_thousand_concurrent_streams_all_end_with_a_result(engine, base_url):
+def test_a_thousand_concurrent_streams_all_end_with_a_result(engine, base_url, references):
     n = 1000
+    specs = [(f"s = {i % 97}", 4) for i in range(n)]
+    want = references(specs[:97])
+    assert_distinct(want, min_fraction=0.85)  # measured: 90 of the 97 4-token answers are unique
 
     async def main():
         async with client_for(base_url, n + 16) as client:
-            return await asyncio.gather(*(stream(client, 4, f"s = {i % 97}") for i in range(n)),
-                                        return_exceptions=True)
+            return await asyncio.gather(*(stream(client, k, prompt) for prompt, k in specs), return_exceptions=True)
 
     outs = asyncio.run(main())
     failed = [o for o in outs if not isinstance(o, Outcome) or o.finish_reason != "length"]
     assert not failed, failed[:5]
+    assert_own_outputs({i: o.text for i, o in enumerate(outs)}, {i: want[spec] for i, spec in enumerate(specs)})
     assert_idle(engine, timeout_s=60)
 
 
-def test_two_hundred_clients_that_hang_up_at_random_points_leak_nothing(engine, base_url):
+def test_two_hundred_clients_that_hang_up_at_random_points_leak_nothing(engine, base_url, references):
     rng = random.Random(0)
     plan = [rng.choice([None, 0, 1, 2, 5, 10]) for _ in range(200)]
+    # None: read to the end (8 tokens); k > 0: hang up after k chunks of 30 tokens; 0: before the answer starts
+    specs = {i: (f"d = {i}", 8 if s is None else 30) for i, s in enumerate(plan) if s != 0}
+    want = references(list(specs.values()) + LATER)
+    assert_distinct(want)
 
     async def one(client, i, stop_after):
         if stop_after == 0:  # hang up before the answer starts
@@ -289,8 +363,13 @@ def test_two_hundred_clients_that_hang_up_at_random_points_leak_nothing(engine, 
     assert not [o for o in outs if isinstance(o, BaseException)], [o for o in outs if isinstance(o, BaseException)]
     finished = [o for o, s in zip(outs, plan, strict=True) if s is None]
     assert finished and all(o.finish_reason == "length" for o in finished)
+    # the streams read to the end got exactly their own tokens, the others a start of them
+    assert_own_outputs({i: outs[i].text for i, s in enumerate(plan) if s is None},
+                       {i: want[specs[i]] for i in specs})
+    assert_own_outputs({i: outs[i].text for i, s in enumerate(plan) if s}, {i: want[specs[i]] for i in specs},
+                       prefix_ok=True)
     assert_idle(engine, timeout_s=60)
-    asyncio.run(later_requests_succeed(base_url))
+    later_requests_succeed(base_url, want)
 
 
 def test_the_stress_benchmark_command_reports_every_stream(base_url, tmp_path):

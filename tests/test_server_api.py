@@ -15,6 +15,7 @@ import httpx
 import pytest
 from openai import OpenAI
 from server_harness import engine_idle, metrics, uvicorn_server, wait_for
+from stream_check import SwapTwoStreams, assert_distinct, assert_own_outputs
 
 KEY = "test-key"
 NO_EOS = {"ignore_eos": True}
@@ -126,32 +127,62 @@ def test_seed_gives_identical_samples(client, model):
     assert any(sample(s) != first for s in (1, 2, 3))
 
 
-def test_64_concurrent_streams_complete_and_release_everything(base_url, model):
-    before = metrics(base_url)
+NUM_STREAMS = 64
 
-    async def one(http: httpx.AsyncClient, i: int):
-        body = {"model": model, "prompt": f"x{i} = [i for i in", "max_tokens": 8 + i % 8, "stream": True,
-                "temperature": 0.7, "seed": i, "ignore_eos": True}
-        async with http.stream("POST", f"{base_url}/v1/completions", json=body) as r:
+
+def stream_body(model: str, i: int) -> dict:
+    """Stream ``i`` of the concurrency test: its own prompt and seed, 8 to 15 tokens."""
+    return {"model": model, "prompt": f"x{i} = [i for i in", "max_tokens": 8 + i % 8, "temperature": 0.7, "seed": i,
+            "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def stream_refs(base_url, model) -> dict[int, str]:
+    """The text of each concurrency-test stream run alone (not streamed, one request after another), before the
+    load: seeded sampling is batch-invariant, so a stream under load must get exactly this text."""
+    with httpx.Client(headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as h:
+        refs = {i: h.post(f"{base_url}/v1/completions", json={**stream_body(model, i), "stream": False}).json()
+                ["choices"][0]["text"] for i in range(NUM_STREAMS)}
+    assert_distinct(refs)
+    return refs
+
+
+def run_streams(base_url: str, bodies: dict[int, dict]) -> dict[int, tuple[str, int]]:
+    """Stream every body at once; per key (text received, chunks with a finish reason). Asserts each stream ends
+    with ``[DONE]`` and carries no error event."""
+
+    async def one(http: httpx.AsyncClient, body: dict) -> tuple[str, int]:
+        async with http.stream("POST", f"{base_url}/v1/completions", json={**body, "stream": True}) as r:
             assert r.status_code == 200
             lines = [line async for line in r.aiter_lines() if line]
         assert lines[-1] == "data: [DONE]"
-        assert not any("error" in json.loads(line[6:]) for line in lines[:-1])
-        return sum(1 for line in lines[:-1] if json.loads(line[6:])["choices"][0]["finish_reason"])
+        events = [json.loads(line[6:]) for line in lines[:-1]]
+        assert not any("error" in e for e in events)
+        return ("".join(e["choices"][0]["text"] for e in events),
+                sum(1 for e in events if e["choices"][0]["finish_reason"]))
 
     async def run():
-        limits = httpx.Limits(max_connections=70)
+        limits = httpx.Limits(max_connections=len(bodies) + 6)
         async with httpx.AsyncClient(headers={"Authorization": f"Bearer {KEY}"}, timeout=120, limits=limits) as h:
-            return await asyncio.gather(*(one(h, i) for i in range(64)))
+            outs = await asyncio.gather(*(one(h, body) for body in bodies.values()))
+        return dict(zip(bodies, outs, strict=True))
 
-    assert asyncio.run(run()) == [1] * 64
-    wait_for(lambda: engine_idle(base_url), timeout_s=10)
+    return asyncio.run(run())
+
+
+def test_64_concurrent_streams_complete_and_release_everything(base_url, model, stream_refs):
+    before = metrics(base_url)
+    outs = run_streams(base_url, {i: stream_body(model, i) for i in range(NUM_STREAMS)})
+    assert [finishes for _, finishes in outs.values()] == [1] * NUM_STREAMS
+    assert_own_outputs({i: text for i, (text, _) in outs.items()}, stream_refs)
+    wait_for(lambda: engine_idle(base_url), timeout_s=30)
     after = metrics(base_url)
     done = after["raymoe:request_success_total{finish_reason=length}"]
-    assert done - before["raymoe:request_success_total{finish_reason=length}"] == 64
-    expected_tokens = sum(8 + i % 8 for i in range(64))
+    assert done - before["raymoe:request_success_total{finish_reason=length}"] == NUM_STREAMS
+    expected_tokens = sum(8 + i % 8 for i in range(NUM_STREAMS))
     assert after["raymoe:generation_tokens_total"] - before["raymoe:generation_tokens_total"] == expected_tokens
-    assert after["raymoe:time_to_first_token_seconds_count"] - before["raymoe:time_to_first_token_seconds_count"] == 64
+    assert after["raymoe:time_to_first_token_seconds_count"] - before["raymoe:time_to_first_token_seconds_count"] == (
+        NUM_STREAMS)
 
     # Every engine step is in the step-time histograms, under exactly one mode, in both of them.
     def steps_by_mode(m: dict, name: str) -> dict[str, float]:
@@ -162,6 +193,32 @@ def test_64_concurrent_streams_complete_and_release_everything(base_url, model):
         grown = {k: v - steps_by_mode(before, name)[k] for k, v in steps_by_mode(after, name).items()}
         assert sum(grown.values()) == steps, (name, grown, steps)
         assert grown["decode"] > 0 and grown["mixed"] + grown["extend"] > 0, grown
+
+
+def test_the_stream_check_catches_two_streams_that_swap_tokens(base_url, model, stream_refs, monkeypatch):
+    """A test of the check above: a front end that hands two requests each other's tokens (the routing step
+    patched, ``stream_check.SwapTwoStreams``) keeps every stream's length and finish reason, so counting passes;
+    comparing each stream with its own reference fails, and passes again without the swap."""
+    from raymoe.deploy import engine_client
+
+    same_length = {i: stream_body(model, i) for i in range(0, NUM_STREAMS, 8)[:4]}  # 8 tokens each
+    refs = {i: stream_refs[i] for i in same_length}
+
+    def texts(outs):
+        return {i: text for i, (text, _) in outs.items()}
+
+    clean = run_streams(base_url, same_length)
+    assert_own_outputs(texts(clean), refs)
+    swap = SwapTwoStreams(engine_client._deliver)
+    monkeypatch.setattr(engine_client, "_deliver", swap)
+    swapped = run_streams(base_url, same_length)
+    monkeypatch.undo()
+    assert swap.swaps > 0, "the two streams never shared a step"
+    assert [finishes for _, finishes in swapped.values()] == [1] * len(same_length)  # counting cannot tell
+    with pytest.raises(AssertionError, match="2 of 4 streams got other tokens than their own"):
+        assert_own_outputs(texts(swapped), refs)
+    assert_own_outputs(texts(run_streams(base_url, same_length)), refs)
+    wait_for(lambda: engine_idle(base_url), timeout_s=30)
 
 
 def _raw_post(base_url: str, path: str, body: dict) -> socket.socket:
@@ -183,9 +240,9 @@ def test_client_disconnect_aborts_the_request(base_url, model, stream):
         received = b""
         while b"data: " not in received:  # the stream started
             received += sock.recv(4096)
-    wait_for(lambda: metrics(base_url)["raymoe:num_requests_running"] == 1, timeout_s=10, interval_s=0.02)
+    wait_for(lambda: metrics(base_url)["raymoe:num_requests_running"] == 1, timeout_s=30, interval_s=0.02)
     sock.close()
-    wait_for(lambda: engine_idle(base_url), timeout_s=10, interval_s=0.05)
+    wait_for(lambda: engine_idle(base_url), timeout_s=30, interval_s=0.05)
     assert metrics(base_url)["raymoe:request_success_total{finish_reason=abort}"] == aborted + 1
 
 

@@ -24,8 +24,25 @@ EOS = 0
 VOCAB = 100
 
 
+def fake_token(last: int, seq_len: int) -> int:
+    """The fake model's next token after token ``last`` at sequence length ``seq_len`` (tokens): never EOS, and
+    different requests get different sequences, so tokens delivered to the wrong request show."""
+    return (31 * last + 7 * seq_len) % (VOCAB - 1) + 1
+
+
+def expected_tokens(prompt: list[int], n: int) -> list[int]:
+    """The ``n`` tokens the fake model generates for ``prompt`` run alone (greedy, no EOS)."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(fake_token(seq[-1], len(seq)))
+    return seq[len(prompt):]
+
+
 class FakeExecutor:
-    """Answers every row with token ``7`` (never EOS); ``fail_next`` makes steps raise; counts restarts."""
+    """Answers each row with ``fake_token`` of its last input token and its sequence length (a function of the
+    request's own tokens and position); resolves overlap scheduling's placeholders ``-(i + 1)`` from the group's
+    previous step, as the ranks do (``raymoe.runner.future_tokens``). ``fail_next`` makes steps raise; counts
+    restarts."""
 
     def __init__(self, delay_s: float = 0.0):
         self.delay_s = delay_s
@@ -33,13 +50,22 @@ class FakeExecutor:
         self.alive = True
         self.restarts = 0
         self.steps = 0
+        self.latest: dict[int, list[int]] = {}  # DP group -> tokens of its latest step, by row
 
     def execute(self, batches):
         self.steps += 1
         time.sleep(self.delay_s)
         if self.fail_next:
             raise self.fail_next.pop(0)
-        return [StepOutput([7] * b.batch_size) for b in batches]
+        outs = []
+        for g, b in enumerate(batches):
+            latest = self.latest.setdefault(g, [0] * 64)  # a row no step sampled reads a stale 0, never raises
+            ends = [sum(b.extend_lens[:j + 1]) - 1 for j in range(b.batch_size)]
+            last = [latest[-t - 1] if t < 0 else t for t in (b.input_ids[e] for e in ends)]
+            tokens = [fake_token(t, n) for t, n in zip(last, b.seq_lens, strict=True)]
+            latest[:len(tokens)] = tokens
+            outs.append(StepOutput(tokens))
+        return outs
 
     def launch(self, batches):  # overlap scheduling: run now, report at collect (errors included)
         try:
@@ -100,8 +126,8 @@ def test_a_request_whose_stop_check_raises_fails_alone_and_frees_its_kv():
     calls.add("poison")  # only the request with stop strings detokenizes
     done = run_all(d)
     assert {r.rid for r in good} <= done.keys() and "bad" in done
-    assert all(done[r.rid].finished_reason.kind == FinishKind.LENGTH and len(done[r.rid].output_ids) == 4
-               for r in good)
+    assert all(done[r.rid].finished_reason.kind == FinishKind.LENGTH for r in good)
+    assert [done[r.rid].output_ids for r in good] == [expected_tokens([1, 2, 3 + i], 4) for i in range(3)]
     reason = done["bad"].finished_reason
     assert reason.kind == FinishKind.ERROR and reason.fault.kind == "failed"
     assert "UnicodeDecodeError" in reason.fault.message and "Traceback" not in reason.fault.message
@@ -114,7 +140,7 @@ def test_a_row_that_cannot_be_built_fails_alone():
     bad = d.add_request("bad", [1, 2, 4], SamplingParams(max_tokens=3, temperature=0))
     object.__setattr__(bad.sampling_params, "top_k", 2**70)  # as if validation had missed it
     done = run_all(d)
-    assert done["ok"] is ok and len(ok.output_ids) == 3
+    assert done["ok"] is ok and ok.output_ids == expected_tokens([1, 2, 3], 3)
     fault = done["bad"].finished_reason.fault
     assert (fault.kind, fault.field) == ("invalid", "top_k")
     assert_idle(d)
@@ -143,6 +169,7 @@ def test_a_step_a_rank_raised_in_fails_its_requests_and_keeps_the_ranks():
     assert_idle(d)
     later = d.add_request("later", [9, 9], SamplingParams(max_tokens=2, temperature=0))
     assert run_all(d)["later"] is later and later.finished_reason.kind == FinishKind.LENGTH
+    assert later.output_ids == expected_tokens([9, 9], 2)  # as if nothing had failed before it
 
 
 def test_a_second_failed_step_in_a_row_or_a_silent_rank_is_a_rank_fault():
@@ -180,6 +207,11 @@ class Collector:
             ds = self.deltas.get(rid)
             return ds[-1] if ds and ds[-1].finished else None
 
+    def tokens(self, rid: str) -> list[int]:
+        """Every token streamed to ``rid``, in order."""
+        with self.lock:
+            return [t for d in self.deltas.get(rid, ()) for t in d.token_ids]
+
 
 def wait_until(pred, timeout_s: float = 20.0):
     deadline = time.monotonic() + timeout_s
@@ -188,9 +220,20 @@ def wait_until(pred, timeout_s: float = 20.0):
         time.sleep(0.01)
 
 
+def prompt_of(i: int) -> list[int]:
+    return [1, 2, i % 50 + 3]
+
+
 def adds(prefix: str, n: int, max_tokens: int = 3, **kw) -> list[AddRequest]:
-    return [AddRequest(f"{prefix}{i}", [1, 2, i % 50 + 3], SamplingParams(max_tokens=max_tokens, temperature=0, **kw))
+    return [AddRequest(f"{prefix}{i}", prompt_of(i), SamplingParams(max_tokens=max_tokens, temperature=0, **kw))
             for i in range(n)]
+
+
+def assert_own_tokens(out: Collector, prefix: str, n: int, max_tokens: int = 3) -> None:
+    """Each of ``prefix0 ..`` got all its tokens and exactly those of its prompt run alone (undisturbed)."""
+    want = [expected_tokens(prompt_of(i), max_tokens) for i in range(n)]
+    assert len({tuple(w) for w in want}) == n  # pairwise different: a mix-up between them would show
+    assert [out.tokens(f"{prefix}{i}") for i in range(n)] == want
 
 
 @pytest.fixture
@@ -213,6 +256,7 @@ def test_rank_fault_restarts_ranks_and_counts_it(service):
     service.submit(adds("after", 2))
     wait_until(lambda: all(service.out.last(f"after{i}") for i in range(2)))
     assert service.out.last("after0").finish_reason == "length"
+    assert_own_tokens(service.out, "after", 2)
 
 
 @pytest.mark.parametrize(("error", "detail"), [
@@ -243,6 +287,7 @@ def test_rank_step_error_fails_the_step_only(service):
     wait_until(lambda: all(service.out.last(f"t{i}") for i in range(2)))
     stats = service.stats()
     assert service.out.last("t1").finish_reason == "length"
+    assert_own_tokens(service.out, "t", 2)
     assert (stats.rank_restarts, stats.failed_steps, stats.failed_requests) == (0, 1, 2) and stats.healthy
 
 
@@ -255,6 +300,7 @@ def test_an_internal_error_in_the_loop_fails_in_flight_requests_and_the_loop_goe
     service.submit(adds("y", 2))
     wait_until(lambda: all(service.out.last(f"y{i}") for i in range(2)))
     assert service.out.last("y0").finish_reason == "length"
+    assert_own_tokens(service.out, "y", 2)
     assert service.stats().loop_restarts == 0
     wait_until(lambda: service.stats().idle_checked)
     assert_idle(service)
@@ -262,20 +308,24 @@ def test_an_internal_error_in_the_loop_fails_in_flight_requests_and_the_loop_goe
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the injected death
 def test_a_dead_loop_is_reported_its_requests_fail_new_ones_are_refused_and_it_restarts(service):
+    # The checks below run while the loop is down: keep it down long enough for a loaded machine (the fixture's
+    # 0.5 s left a window that a descheduled test thread could miss).
+    service.restart_backoff_s = 3.0
     service.submit(adds("z", 3, max_tokens=100))
     wait_until(lambda: service.driver.num_steps > 2)
     service.inject_fault("loop_death")
-    wait_until(lambda: all(service.out.last(f"z{i}") for i in range(3)), timeout_s=5)
+    wait_until(lambda: all(service.out.last(f"z{i}") for i in range(3)))
     assert all(isinstance(service.out.last(f"z{i}").error.to_exception(), EngineUnhealthyError) for i in range(3))
     assert not service.healthy() and "died" in service.stats().health_detail
     service.submit(adds("during", 1))
-    wait_until(lambda: service.out.last("during0"), timeout_s=5)
+    wait_until(lambda: service.out.last("during0"))
     assert service.out.last("during0").error.kind == "unhealthy"
     wait_until(service.healthy)
     assert service.stats().loop_restarts == 1
     service.submit(adds("w", 2))
     wait_until(lambda: all(service.out.last(f"w{i}") for i in range(2)))
     assert service.out.last("w1").finish_reason == "length"
+    assert_own_tokens(service.out, "w", 2)
     wait_until(lambda: service.stats().idle_checked)
     assert_idle(service)
 
@@ -295,6 +345,7 @@ def test_an_output_that_cannot_be_built_fails_that_request_only(service, monkeyp
     wait_until(lambda: all(service.out.last(f"p{i}") for i in range(3)))
     assert service.out.last("p1").error.kind == "failed"
     assert service.out.last("p0").finish_reason == service.out.last("p2").finish_reason == "length"
+    assert [service.out.tokens(f"p{i}") for i in (0, 2)] == [expected_tokens(prompt_of(i), 3) for i in (0, 2)]
     wait_until(lambda: service.stats().idle_checked)
     assert_idle(service)
 

@@ -79,6 +79,9 @@ class GraphRunner:
             as the driver plans decode steps, ``raymoe.comm.a2a_plan``), which must be free of host syncs; False:
             normal mode (recordings only: its shapes depend on the routing, so a CUDA graph cannot hold it).
         show_progress: show a tqdm bar while capturing.
+        before_replay: called on the host before each replay, outside the graph: a replay runs only the captured
+            kernels, so host-side state a captured forward relies on is restored here (the DeepEP dispatcher's
+            low-latency mode, ``DeepEPDispatcher.prepare_graph_replay``).
     Raises:
         NotImplementedError: the attention backend cannot be captured.
         ValueError: ``sizes`` is empty or has a size below 1, a KV width outside ``[1, max_kv_len]``, or TBO
@@ -88,7 +91,8 @@ class GraphRunner:
     def __init__(self, forward_fn: ForwardFn, attn_backend, sizes: Sequence[int], capture: GraphCapture,
                  device: torch.device | str, max_kv_len: int, tbo_modes: Sequence[bool] = (False,),
                  tbo_prepare: Callable[[ForwardBatch], None] | None = None, use_compile: bool = False,
-                 low_latency: bool = False, show_progress: bool = True, kv_widths: Sequence[int] | None = None):
+                 low_latency: bool = False, show_progress: bool = True, kv_widths: Sequence[int] | None = None,
+                 before_replay: Callable[[], None] | None = None):
         if not sizes or min(sizes) < 1:
             raise ValueError(f"graph batch sizes must be a non-empty list of sizes >= 1, got {list(sizes)}")
         if True in tbo_modes and tbo_prepare is None:
@@ -111,6 +115,7 @@ class GraphRunner:
         self.replayed_widths: dict[int, int] = dict.fromkeys(self.kv_widths, 0)  # replays per KV width
         self.use_compile = use_compile
         self.low_latency = low_latency
+        self.before_replay = before_replay
         self.forward_fn = torch.compile(forward_fn, dynamic=False) if use_compile else forward_fn
         attn_backend.init_cuda_graph_state(self.max_bs, max_kv_len)
         self._backends_with_state = {id(attn_backend)}
@@ -236,6 +241,8 @@ class GraphRunner:
             part.attn_backend.init_forward_metadata_replay_cuda_graph(
                 part.batch_size, part.req_pool_indices, part.seq_lens, seq_lens_cpu[r0:r1], ForwardMode.DECODE,
                 kv_width=width if self.fixed_width else None)
+        if self.before_replay is not None:
+            self.before_replay()
         out = self.graphs[(bs, fb.use_tbo, width)].replay()
         self.replayed_widths[width] += 1
         return out[:fb.batch_size]

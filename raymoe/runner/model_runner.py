@@ -99,11 +99,26 @@ class ModelRunner:
         if kv_widths is None and capture.fixed_kv_width:
             kv_widths = cfg.graph_kv_widths
         tbo = cfg.overlap.enable_tbo
+        low_latency = resolve_a2a_mode(cfg.moe_comm.a2a_mode, True) == "low_latency"
         return GraphRunner(self.forward, self.attn_backend, cfg.graph_capture_sizes, capture, self.device,
                            max_kv_len=cfg.max_context_len, tbo_modes=(False, True) if tbo else (False,),
                            tbo_prepare=tbo_prepare if tbo else None, use_compile=cfg.graph.enable_torch_compile,
-                           low_latency=resolve_a2a_mode(cfg.moe_comm.a2a_mode, True) == "low_latency",
-                           show_progress=self.groups.world_rank == 0, kv_widths=kv_widths)
+                           low_latency=low_latency, show_progress=self.groups.world_rank == 0, kv_widths=kv_widths,
+                           before_replay=self._graph_replay_preparation() if low_latency else None)
+
+    def _graph_replay_preparation(self):
+        """A call that readies every MoE dispatcher with host-side state for a replay of a low-latency graph
+        (``prepare_graph_replay``, e.g. DeepEP's mode switch), or None when no dispatcher has any."""
+        hooks = {id(m.a2a): m.a2a.prepare_graph_replay for m in self.model.modules()
+                 if hasattr(getattr(m, "a2a", None), "prepare_graph_replay")}
+        if not hooks:
+            return None
+
+        def prepare() -> None:
+            for hook in hooks.values():
+                hook()
+
+        return prepare
 
     def prepare(self, batch: ModelWorkerBatch, for_graph: bool = False) -> ForwardBatch:
         """Write the slot table for ``batch`` and build its ForwardBatch with attention metadata and TBO children.

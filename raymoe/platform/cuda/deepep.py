@@ -137,6 +137,14 @@ class DeepEPDispatcher:
     def buffer(self) -> Any:
         return self.shared.buffer
 
+    def prepare_graph_replay(self) -> None:
+        """Before a replay of a decode graph captured with low-latency kernels: enter the low-latency mode on the
+        host, cleaning DeepEP's low-latency buffer after a normal-mode step (a collective; every rank replays the
+        same step). The replay runs only the captured kernels, and the capture made no clean; without this a
+        decode replayed after a prefill would run on a dirty buffer."""
+        if self.shared.spec.low_latency:
+            self.shared.enter_mode(LOW_LATENCY)
+
     def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    capacity: int | None = None) -> DeepEPNormalHandle | DeepEPLowLatencyHandle:
         """Start the dispatch of ``hidden`` [N, H] routed by ``topk_ids`` [N, k] int64 with ``topk_weights``
