@@ -5,10 +5,16 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import settings
 
 # Keep every Ray process and gloo socket of the test session on loopback (read by Ray when it is imported).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+# `make mutation` runs the unit tests once per mutant with `--hypothesis-profile=mutation`: every run draws the same
+# examples (derandomized) and no failing example of one mutant is replayed against the next (no database), so a
+# mutant's verdict does not depend on the order the mutants ran in.
+settings.register_profile("mutation", derandomize=True, database=None)
 
 
 

@@ -9,6 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from raymoe.kvcache.allocator import ReqSlotAllocator, TokenSlotAllocator
 from raymoe.kvcache.radix_cache import RadixCache
+from raymoe.kvcache.radix_node import TreeNode
 
 # ------------------------------------------------------------------------------------------------ allocators
 
@@ -171,7 +172,7 @@ def test_insert_splits_and_reports_cached_prefix():
     assert tree_map(c) == {(1,): s1[0], (1, 2): s1[1], (1, 2, 3): s1[2], (1, 2, 3, 4): s1[3], (1, 2, 5): s2[2]}
     assert sorted(c.root_node.children[1].children) == [3, 5]
     assert c.insert([1, 2, 3], s1[:3]) == 3  # the tree's own slots: fully cached, nothing to free or store
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="insert: 2 token ids but 1 slots"):
         c.insert([1, 2], [s1[0]])
     assert a.available_size() + c.total_size() == a.size
     c._check_invariants()
@@ -306,9 +307,9 @@ def test_heap_stays_bounded_and_pretty_prints():
     s = a.alloc(3)
     c.insert([1, 2, 3], s)
     c.insert([1, 2, 4], s[:2] + a.alloc(1))
-    for _ in range(1000):
+    for _ in range(1000):  # every match pushes a fresh entry for the touched leaf; stale ones pile up
         c.match_prefix([1, 2, 3])
-    assert len(c._lru.heap) <= 2 * 4 + 64
+        assert len(c._lru.heap) <= 2 * c._lru.num_nodes + 64
     text = c.pretty()
     assert "[1 2] tokens=2" in text and "[3] tokens=1" in text
     c._check_invariants()
@@ -429,6 +430,28 @@ class RadixCacheMachine(RuleBasedStateMachine):
         m = self.locks.pop(data.draw(st.integers(0, len(self.locks) - 1)))
         self.cache.dec_lock_ref(m.last_node)
 
+    @rule(ids=token_seqs)
+    def peek(self, ids):
+        c = self.cache
+        before = (c.hit_tokens, c.queried_tokens, c._clock, c._lru.num_nodes)  # no counters, LRU refresh, split
+        assert c.peek_prefix_len(ids) == len(self.expected(ids))
+        assert (c.hit_tokens, c.queried_tokens, c._clock, c._lru.num_nodes) == before
+
+    @rule(ids=token_seqs, data=st.data())
+    def cut_and_lock(self, ids, data):
+        """Lock only the first ``n`` tokens of a match (paged KV uses whole pages of it)."""
+        m = self.match(ids)
+        n = data.draw(st.integers(0, len(m.slots)))
+        cut = self.cache.cut_match(m, n)
+        assert cut.slots == m.slots[:n]
+        depth, node = 0, cut.last_node
+        while node is not self.cache.root_node:  # the cut's node ends exactly after its n tokens
+            depth += len(node.key)
+            node = node.parent
+        assert depth == n
+        self.cache.inc_lock_ref(cut.last_node)
+        self.locks.append(cut)
+
     @rule(n=st.integers(0, 16))
     def evict_rule(self, n):
         self.evict(n)
@@ -470,3 +493,84 @@ class RadixCacheMachine(RuleBasedStateMachine):
 
 TestRadixCacheMachine = RadixCacheMachine.TestCase
 TestRadixCacheMachine.settings = settings(max_examples=500, stateful_step_count=50, deadline=None)
+
+
+def test_peek_follows_several_nodes_without_touching_the_tree():
+    a, c = make()
+    c.insert([1, 2, 3, 4], a.alloc(4))
+    c.insert([1, 2, 5, 6], c.match_prefix([1, 2]).slots + a.alloc(2))  # [1 2] | [3 4], [5 6]
+    before = c.pretty()
+    assert c.peek_prefix_len([1, 2, 5, 6]) == 4  # two whole nodes: ends exactly at a leaf
+    assert c.peek_prefix_len([1, 2, 5, 6, 7]) == 4
+    assert c.peek_prefix_len([1, 2, 5, 9]) == 3  # ends inside a node
+    assert c.peek_prefix_len([1, 9]) == 1 and c.peek_prefix_len([9]) == 0 and c.peek_prefix_len([]) == 0
+    assert c.pretty() == before
+
+
+def test_cut_match_inside_a_deeper_node_and_the_clock_of_its_parts():
+    a, c = make()
+    s = a.alloc(10)
+    c.insert(list(range(1, 5)), s[:4])
+    c.insert(list(range(1, 11)), s)  # [1..4] | [5..10]
+    m = c.match_prefix(list(range(1, 11)))
+    cut = c.cut_match(m, 7)  # inside the second node, which starts 4 tokens deep
+    assert cut.slots == s[:7] and cut.last_node.key == [5, 6, 7] and cut.last_node.parent.key == [1, 2, 3, 4]
+    assert cut.last_node.last_access == m.last_node.last_access  # the split keeps the node's LRU stamp
+    c.inc_lock_ref(cut.last_node)
+    assert c.protected_size() == 7 and c.evict(100) == 3  # only the uncut tail [8 9 10] could go
+    c.dec_lock_ref(cut.last_node)
+    c._check_invariants()
+
+
+def test_pretty_prints_every_node_indented_by_depth():
+    a, c = make()
+    c.insert(list(range(1, 12)), a.alloc(11))  # [1 .. 11]
+    c.insert([1, 2, 40, 41, 42, 43, 44, 45, 46, 47], c.match_prefix([1, 2]).slots + a.alloc(8))
+    assert c.pretty() == "\n".join([
+        "root evictable=19 protected=0",
+        "  [1 2] tokens=2 lock=0 t=3",
+        "    [3 4 5 6 7 8 9 10 ...] tokens=9 lock=0 t=1",  # 9 tokens: the first 8, then "..."
+        "    [40 41 42 43 44 45 46 47] tokens=8 lock=0 t=3",  # exactly 8: all of them
+    ])
+
+
+def _two_level_tree() -> RadixCache:
+    """root -> [1 2] -> {[3], [4 5]}, nothing locked."""
+    a, c = make()
+    s = a.alloc(3)
+    c.insert([1, 2, 3], s)
+    c.insert([1, 2, 4, 5], s[:2] + a.alloc(2))
+    c._check_invariants()
+    return c
+
+
+def _corrupt(case: str, c: RadixCache) -> None:
+    upper = c.root_node.children[1]
+    leaf, deep = upper.children[3], upper.children[4]
+    if case == "root_locks":
+        c.root_node.lock_ref = 2
+    elif case == "root_value":
+        c.root_node.value = [7]
+    elif case == "root_parent":
+        c.root_node.parent = TreeNode([], [], None, 0, 0)
+    elif case == "child_parent":
+        deep.parent = c.root_node
+    elif case == "child_key":
+        del upper.children[4]
+        upper.children[9] = deep
+    elif case == "child_locked_more_than_parent":
+        leaf.lock_ref = 1  # counted as protected, the counters agree; only the lock order is broken
+        c._lru.evictable -= 1
+        c._lru.protected += 1
+    elif case == "slot_zero":
+        leaf.value = [0]
+
+
+@pytest.mark.parametrize("case", ["root_locks", "root_value", "root_parent", "child_parent", "child_key",
+                                  "child_locked_more_than_parent", "slot_zero"])
+def test_invariant_check_catches_each_corruption(case):
+    """The tests lean on ``_check_invariants``; each check in it must be able to fail on its own."""
+    c = _two_level_tree()
+    _corrupt(case, c)
+    with pytest.raises(AssertionError):
+        c._check_invariants()

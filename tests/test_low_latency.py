@@ -321,7 +321,7 @@ def test_driver_plans_one_mode_and_capacity_for_every_rank():
     assert plan_dispatch_capacity(extend, "low_latency", 64) == 40
     assert plan_dispatch_capacity(extend, "low_latency", 32) is None  # above the bound: normal mode
     assert plan_dispatch_capacity(decode, "normal", 64) is None
-    graphed = [_batch(ForwardMode.DECODE, 5, graph_bs=8), _batch(ForwardMode.IDLE, 0)]
+    graphed = [_batch(ForwardMode.DECODE, 5, graph_bs=8), dataclasses.replace(_batch(ForwardMode.IDLE, 0), graph_bs=8)]
     assert plan_dispatch_capacity(graphed, "auto", 4) == 8          # the captured bucket, whatever the bound
     assert child_dispatch_capacity(9, ForwardMode.DECODE) == 5 == child_dispatch_capacity(9, ForwardMode.IDLE)
     assert child_dispatch_capacity(9, ForwardMode.EXTEND) == 9

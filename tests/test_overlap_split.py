@@ -2,27 +2,35 @@
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from raymoe.comm.a2a_plan import child_dispatch_capacity
 from raymoe.config import OverlapConfig
 from raymoe.overlap.decision import apply_tbo_decision, decide_tbo
 from raymoe.overlap.forward import merge_states, split_state
 from raymoe.overlap.operations import ForwardState
 from raymoe.overlap.split import (
     TboForwardBatchPreparer,
+    TboSplit,
     balanced_split_index,
     child_lens,
     compute_split,
     split_is_usable,
+    two_chunk_split,
 )
 from raymoe.runner.forward_batch import ForwardBatch
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.sampling_inputs import SamplingInputs
 from raymoe.step.worker_batch import ModelWorkerBatch
 
-thresholds = st.floats(min_value=0.0, max_value=0.5)
+# Fractions a float holds exactly make the share bounds of split_extend meet a boundary (left == threshold * total).
+thresholds = st.one_of(st.sampled_from([0.0, 0.125, 0.25, 0.375, 0.5]), st.floats(min_value=0.0, max_value=0.5))
 extend_lens_st = st.lists(st.integers(1, 60), min_size=1, max_size=12)
 
 
@@ -37,6 +45,12 @@ def worker_batch(mode: ForwardMode, extend_lens: list[int], prefix_lens: list[in
     prefix_slots = list(range(1000, 1000 + sum(prefix_lens))) if mode == ForwardMode.EXTEND else []
     return ModelWorkerBatch(mode, list(range(7, 7 + n)), list(range(bs)), seq_lens, prefix_lens, list(extend_lens),
                             list(range(1, n + 1)), prefix_slots, SamplingInputs.greedy(bs))
+
+
+def brute_force_balanced_index(lens: list[int]) -> int:
+    """The balanced boundary by trying every one: least ``|left - right|``, the first of equals; 0 without one."""
+    gaps = {i: abs(sum(lens[:i]) - sum(lens[i:])) for i in range(1, len(lens))}
+    return min(gaps, key=lambda i: (gaps[i], i), default=0)
 
 
 def positions_of(prefix_lens: list[int], seq_lens: list[int]) -> list[int]:
@@ -56,9 +70,10 @@ def test_extend_split_covers_parent_in_order(lens, threshold):
     assert b.seq_start == (a.seq_end - 1 if split.cut else a.seq_end)
     if split_is_usable(split, total):
         assert a.extend_lens and b.extend_lens and min(a.extend_lens + b.extend_lens) >= 1
-    left_share = sum(lens[:balanced_split_index(lens)]) / total
-    if len(lens) > 1 and threshold <= left_share <= 1 - threshold:
-        assert not split.cut and split.seq_index == balanced_split_index(lens)
+    best = brute_force_balanced_index(lens)
+    left = sum(lens[:best])
+    if len(lens) > 1 and threshold * total <= left <= (1 - threshold) * total:
+        assert not split.cut and split.seq_index == best and split.token_index == left
     else:  # two-chunk: token counts differ by at most one
         assert abs(split.token_index - (total - split.token_index)) <= 1
     if split.cut:
@@ -179,3 +194,118 @@ def test_decide_tbo_examples():
     assert not decide_tbo([ext, dec], cfg)
     assert not decide_tbo([idle, idle], cfg)
     assert not decide_tbo([dec, worker_batch(ForwardMode.MIXED, [1] * 6)], cfg)
+
+
+def reference_extend_split(lens: list[int], threshold: float) -> TboSplit:
+    """The EXTEND split from its definition: the brute-force balanced boundary when its left share is within
+    ``[threshold, 1 - threshold]``, else a cut at token ``T // 2`` located by bisecting the sequence starts."""
+    total = sum(lens)
+    best = brute_force_balanced_index(lens)
+    left = sum(lens[:best])
+    if best > 0 and threshold * total <= left <= (1 - threshold) * total:
+        return TboSplit(best, left)
+    token = total // 2
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    if token in starts:
+        return TboSplit(starts.index(token), token)
+    i = bisect.bisect_right(starts, token) - 1
+    return TboSplit(i, token, cut=True, left_part=token - starts[i])
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=9), thresholds)
+def test_extend_split_equals_the_reference(lens, threshold):
+    assert balanced_split_index(lens) == brute_force_balanced_index(lens)
+    assert compute_split(ForwardMode.EXTEND, lens, threshold) == reference_extend_split(lens, threshold)
+
+
+def test_split_boundaries():
+    # ties go to the first boundary; the worst boundary is never chosen
+    assert balanced_split_index([2, 2, 2, 2]) == 2 and balanced_split_index([1, 1, 1]) == 1
+    assert balanced_split_index([5, 1, 1, 1, 1, 1]) == 1 and balanced_split_index([1, 1, 1, 1, 1, 5]) == 5
+    assert balanced_split_index([7]) == 0 and balanced_split_index([]) == 0
+    # a left share exactly at either bound keeps the balanced split
+    assert compute_split(ForwardMode.EXTEND, [1, 3], 0.25) == TboSplit(1, 1)
+    assert compute_split(ForwardMode.EXTEND, [3, 1], 0.25) == TboSplit(1, 3)
+    assert compute_split(ForwardMode.EXTEND, [1, 3], 0.375) == TboSplit(1, 2, cut=True, left_part=1)
+    # two-chunk: token T // 2 starts a sequence (no cut), lies inside one (cut), or there is nothing to cut
+    assert two_chunk_split([2, 2, 9, 1]) == TboSplit(2, 7, cut=True, left_part=3)
+    assert two_chunk_split([3, 1, 4]) == TboSplit(2, 4)
+    assert two_chunk_split([]) == TboSplit(0, 0)
+    assert compute_split(ForwardMode.IDLE, [], 0.4) == TboSplit(0, 0)
+    with pytest.raises(ValueError, match="cannot split a MIXED batch"):
+        compute_split(ForwardMode.MIXED, [1, 1], 0.4)
+    assert split_is_usable(TboSplit(1, 1), 3) and split_is_usable(TboSplit(0, 0), 0)
+    assert not split_is_usable(TboSplit(0, 0), 3) and not split_is_usable(TboSplit(3, 3), 3)
+
+
+@pytest.mark.parametrize(("mode", "lens", "capacity"), [(ForwardMode.EXTEND, [10, 3], 16),
+                                                        (ForwardMode.DECODE, [1] * 5, 8)])
+def test_children_are_plain_batches_of_the_parents_device_and_dtype(mode, lens, capacity):
+    """Children never inherit the step-wide flags (TBO, graph bucket, sampling, children of their own), carry the
+    child capacity, and build their tensors on the parent's device with its dtype, not torch's defaults."""
+    mb = dataclasses.replace(worker_batch(mode, lens, [2] * len(lens)), use_tbo=True, graph_bs=8,
+                             dispatch_capacity=capacity)
+    fb = ForwardBatch.from_worker_batch(mb, "cpu")
+    fb = dataclasses.replace(fb, seq_lens=fb.seq_lens.to(torch.int32))
+    TboForwardBatchPreparer.prepare(fb, 0.48, ["a", "b"])
+    with torch.device("meta"):  # a default device other than the parent's (a CUDA rank's parent vs torch's CPU)
+        TboForwardBatchPreparer.prepare(fb, 0.48, ["a", "b"])  # preparing again replaces the children
+    assert mode != ForwardMode.EXTEND or compute_split(mode, lens, 0.48).cut  # the cut path builds new seq_lens
+    for child in fb.tbo_children:
+        assert child.use_tbo is False and child.graph_bs is None and child.tbo_children is None
+        assert child.sampling is None
+        assert child.dispatch_capacity == child_dispatch_capacity(capacity, mode)
+        for t in (child.seq_lens, child.sample_indices, child.positions):
+            assert t.device == fb.seq_lens.device
+        assert child.seq_lens.dtype == torch.int32 and child.sample_indices.dtype == torch.int64
+
+
+def test_prepare_refuses_unsplittable_batches_and_a_missing_backend():
+    with pytest.raises(ValueError, match="cannot be split"):
+        _prepare(worker_batch(ForwardMode.EXTEND, [1]), 0.48)
+    fb = ForwardBatch.from_worker_batch(worker_batch(ForwardMode.EXTEND, [4, 4]), "cpu")
+    with pytest.raises(ValueError):
+        TboForwardBatchPreparer.prepare(fb, 0.48, ["only-one"])
+
+
+def reference_decide_tbo(batches: list[ModelWorkerBatch], cfg: OverlapConfig) -> bool:
+    """The decision from the rules in ``raymoe.overlap.decision``'s docstring, with "both children get tokens"
+    stated directly: a group splits when it has at least two tokens (DECODE: two sequences)."""
+    active = [b for b in batches if b.forward_mode != ForwardMode.IDLE]
+    modes = {b.forward_mode for b in active}
+    if not cfg.enable_tbo or len(modes) != 1:
+        return False
+    (mode,) = modes
+    if mode == ForwardMode.DECODE:
+        need = cfg.tbo_min_tokens_decode
+    elif mode == ForwardMode.EXTEND and len(active) == len(batches):
+        need = cfg.tbo_min_tokens_extend
+    else:
+        return False
+    return max(b.num_tokens for b in active) >= need and all(b.num_tokens >= 2 for b in active)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(batch_specs, min_size=1, max_size=4), st.integers(1, 12), st.integers(1, 24), thresholds,
+       st.booleans())
+def test_decide_tbo_equals_the_rules_both_ways(specs, min_decode, min_extend, threshold, enable):
+    """Small batches and minimums, so the busiest group often has exactly the minimum: TBO runs exactly when
+    the rules say so (not only "TBO implies the rules")."""
+    specs = [(m, lens[:12]) for m, lens in specs]
+    batches = [worker_batch(m, lens) for m, lens in specs]
+    cfg = OverlapConfig(enable_tbo=enable, tbo_min_tokens_decode=min_decode, tbo_min_tokens_extend=min_extend,
+                        tbo_token_distribution_threshold=threshold)
+    assert decide_tbo(batches, cfg) == reference_decide_tbo(batches, cfg)
+
+
+def test_decide_tbo_at_the_minimum_and_unchanged_batches_pass_through():
+    cfg = OverlapConfig(enable_tbo=True, tbo_min_tokens_decode=4, tbo_min_tokens_extend=8)
+    assert decide_tbo([worker_batch(ForwardMode.DECODE, [1] * 4)], cfg)  # exactly the minimum runs TBO
+    assert not decide_tbo([worker_batch(ForwardMode.DECODE, [1] * 3)], cfg)
+    assert decide_tbo([worker_batch(ForwardMode.EXTEND, [4, 4])], cfg)
+    assert not decide_tbo([worker_batch(ForwardMode.EXTEND, [4, 3])], cfg)
+    batches = [worker_batch(ForwardMode.DECODE, [1] * 6), ModelWorkerBatch.idle(use_tbo=True)]
+    out = apply_tbo_decision(batches, cfg)
+    assert out[1] is batches[1]  # already carries the answer: no copy
+    assert out[0] is not batches[0] and out[0].use_tbo and not batches[0].use_tbo

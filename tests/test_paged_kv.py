@@ -125,7 +125,7 @@ def test_small_paged_pool_retracts_and_still_matches():
     assert s.num_retractions > 0
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), n=st.integers(1, 8), shared=st.integers(0, 20), page=st.sampled_from([2, 4, 16]),
        pages=st.integers(2, 40), chunk=st.one_of(st.none(), st.integers(1, 16)), radix=st.booleans(),
        spread=st.integers(0, 4), overlap=st.booleans(), mixed=st.booleans())

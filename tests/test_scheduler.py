@@ -333,6 +333,7 @@ def test_sequence_that_outgrows_the_pool_ends_with_length(overlap):
     # The KV of prompt + output minus the last token fills all 10 slots; one more token would need an 11th.
     assert len(r.output_ids) == 3 and r.output_ids == reference(prompt, SamplingParams(max_tokens=3))
     assert r.finished_reason.kind == FinishKind.LENGTH
+    assert r.finished_reason.message == "the sequence outgrew the KV pool"
 
 
 def test_last_request_without_a_slot_is_finished_not_hung():
@@ -346,6 +347,8 @@ def test_last_request_without_a_slot_is_finished_not_hung():
     assert s.get_next_batch_to_run() is None
     (r,) = s.drain_finished()
     assert r.rid == "a" and r.finished_reason.kind == FinishKind.LENGTH and len(r.output_ids) == 1
+    assert r.finished_reason.message == "KV cache exhausted"
+    assert s.tree_cache.total_size() == 6  # its prompt's KV is cached like any finished request's
     assert s.drain_finished() == []
     s.token_allocator.free(stolen)
     assert_clean(s)
@@ -466,7 +469,8 @@ def test_two_batches_in_flight_at_most_and_results_oldest_first():
     b = s.get_next_batch_to_run()
     b2 = s.get_next_batch_to_run()  # overlap: formed before b's token is known, it reads it through a placeholder
     assert b2.worker_batch.input_ids == [-1] and b2.worker_batch.sampling.output_lens == [1]
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="^process_batch_result must be called for the oldest batch in flight "
+                                           "first$"):
         s.get_next_batch_to_run()
     with pytest.raises(ValueError):
         s.process_batch_result(b2, StepOutput(next_token_ids=[4]))  # not the oldest
@@ -480,7 +484,7 @@ def test_two_batches_in_flight_at_most_and_results_oldest_first():
     assert s.running[0].output_ids == [3, 4] and s.running[0].pending_ids == []
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10**6),
     n=st.integers(1, 10),

@@ -30,19 +30,26 @@ def plan_dispatch_capacity(batches: Sequence[ModelWorkerBatch], a2a_mode: str, m
         batches: one ``ModelWorkerBatch`` per DP group, with ``graph_bs`` already planned.
         a2a_mode: the engine's ``MoeCommConfig.a2a_mode``.
         max_tokens_per_rank: bound of eager low-latency steps (``EngineConfig.max_dispatch_tokens_per_rank``).
+
+    Raises:
+        ValueError: the groups disagree on ``graph_bs`` (``apply_graph_plan`` gives every group the same bucket;
+            ranks that replay different buckets would exchange buffers of different shapes).
     """
-    return dispatch_capacity_for(batches, batches[0].graph_bs if batches else None, a2a_mode, max_tokens_per_rank)
+    buckets = [b.graph_bs for b in batches]
+    if len(set(buckets)) > 1:
+        raise ValueError(f"the DP groups disagree on the graph bucket: {buckets}")
+    return dispatch_capacity_for(batches, buckets[0] if batches else None, a2a_mode, max_tokens_per_rank)
 
 
 def dispatch_capacity_for(plans: Sequence, graph_bs: int | None, a2a_mode: str, max_tokens_per_rank: int) -> int | None:
     """:func:`plan_dispatch_capacity` from each group's ``forward_mode`` and ``num_tokens`` (``GroupPlan`` s or
-    batches) and the step's ``graph_bs``."""
+    batches, at least one) and the step's ``graph_bs``."""
     is_decode = all(b.forward_mode.is_decode_or_idle() for b in plans)
     if resolve_a2a_mode(a2a_mode, is_decode) != "low_latency":
         return None
     if graph_bs is not None:
         return graph_bs
-    m = max((b.num_tokens for b in plans), default=0)
+    m = max(b.num_tokens for b in plans)
     return max(m, 1) if m <= max_tokens_per_rank else None
 
 
