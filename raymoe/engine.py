@@ -72,7 +72,7 @@ class Engine:
             self.config = dataclasses.replace(self.config, cache=dataclasses.replace(
                 cache, max_context_len=self.model_config.max_position_embeddings))
         self.tokenizer = load_tokenizer(model)
-        self.driver = build_driver(self.config, self.model_config, self.tokenizer)
+        self.driver = build_driver(self.config, self.model_config, self.tokenizer, allow_hosted=False)
         self._closed = False
         self._unhealthy: str | None = None
 

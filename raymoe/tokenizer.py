@@ -22,6 +22,14 @@ def load_tokenizer(model: str | Path):
         raise CheckpointError(str(model), f"cannot load the tokenizer: {e}") from e
 
 
+def detokenizer(tokenizer):
+    """token ids -> text as the schedulers' stop-string checks read it (special tokens skipped)."""
+    def detokenize(ids) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    return detokenize
+
+
 def eos_token_ids(model_config: ModelConfig, tokenizer) -> tuple[int, ...]:
     """EOS ids from generation_config/config.json, else the tokenizer's eos token."""
     if model_config.eos_token_ids:

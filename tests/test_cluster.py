@@ -147,3 +147,77 @@ def test_overlap_engine_matches_single_rank(ray_cluster, tiny_model, reference, 
     assert staggered == reference
     if overlap.get("enable_tbo"):
         assert tbo_steps > 0 and graph_steps > 0
+
+
+def test_group_scheduler_processes_serve_the_single_rank_tokens_and_survive_faults(ray_cluster, tiny_model,
+                                                                                     reference):
+    """``group_schedulers="actors"`` on dp=2 ep=2, served through the front end's client: one scheduler process per
+    DP group beside its rank sends the rank its batches and the front end its rows. Streams match a single rank; an
+    abort frees its KV; a step the ranks raise in fails only that step's requests; a killed group process is a
+    rank fault (its requests end unhealthy, ranks and groups restart) and the engine serves again."""
+    import asyncio
+
+    import ray
+    from idle import assert_idle
+
+    from raymoe.config import EngineConfig, ParallelConfig
+    from raymoe.deploy.engine_client import EngineClient
+    from raymoe.errors import RequestFailedError
+
+    config = EngineConfig(model=tiny_model, parallel=ParallelConfig(dp_size=2, ep_size=2), group_schedulers="actors",
+                          device="cpu")
+    client = EngineClient(config)
+    long = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
+
+    async def fault_midway(rid, prompt, fault) -> Exception | None:
+        """Start a long request, apply ``fault`` once it streams, and return the error it ended with."""
+        stream = client.generate(rid, client.tokenizer.encode(prompt, add_special_tokens=False), long)
+        await stream.__anext__()
+        await fault()
+        try:
+            async for _ in stream:
+                pass
+        except Exception as e:  # noqa: BLE001 - the test checks its type
+            return e
+        return None
+
+    async def tokens(rid, prompt, params=GREEDY):
+        out = []
+        async for d in client.generate(rid, client.tokenizer.encode(prompt, add_special_tokens=False), params):
+            out += d.token_ids
+        return out
+
+    async def main():
+        got = await asyncio.gather(*(tokens(f"p{i}", p) for i, p in enumerate(PROMPTS)))
+        assert got == [reference[p] for p in PROMPTS]
+        stream = client.generate("cut", client.tokenizer.encode(PROMPTS[0], add_special_tokens=False), long)
+        await stream.__anext__()
+        await stream.aclose()  # the client went away: the request is aborted in its group
+
+        async def step_error():
+            await asyncio.to_thread(ray.get, client.driver.inject_fault.remote("rank_step_error"), timeout=30)
+
+        assert isinstance(await fault_midway("fails", PROMPTS[1], step_error), RequestFailedError)
+        assert await tokens("after-step-error", PROMPTS[2]) == reference[PROMPTS[2]]
+
+        async def kill_group():
+            groups = await asyncio.to_thread(ray.get, client.driver.group_actors.remote(), timeout=30)
+            assert len(groups) == 2
+            ray.kill(groups[1], no_restart=True)
+
+        # Every in-flight request ends: the ranks and the group processes are rebuilt.
+        assert isinstance(await fault_midway("lost", PROMPTS[3], kill_group), EngineUnhealthyError)
+        for _ in range(600):
+            if await client.healthy():
+                break
+            await asyncio.sleep(0.5)
+        assert await tokens("after-restart", PROMPTS[4]) == reference[PROMPTS[4]]
+        stats = await client.stats()
+        assert stats.rank_restarts == 1 and stats.failed_steps >= 1
+
+    try:
+        asyncio.run(main())
+        assert len(ray.get(client.driver.pids.remote(), timeout=30)) == 1 + 2 + 2  # driver, ranks, groups
+        assert_idle(client)
+    finally:
+        client.shutdown()

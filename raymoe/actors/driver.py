@@ -26,16 +26,16 @@ step and keeps the ranks when they all still answer; a second failed step in a r
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from raymoe.actors.executor import RankFailure, RankStepError
+from raymoe.actors.coordinator import StepCoordinator
+from raymoe.actors.group_messages import GroupStats
 from raymoe.actors.group_scheduler import GroupScheduler
 from raymoe.actors.output_batch import OutputBatch
-from raymoe.actors.step_decision import StepRules, decide_step
-from raymoe.actors.step_timing import StepTimer, step_mode
+from raymoe.actors.records import RequestError
+from raymoe.actors.step_errors import RankFailure, RankStepError
 from raymoe.config import EngineConfig
 from raymoe.scheduler.req import Req, RequestFault
 from raymoe.scheduler.sampling_params import SamplingParams
@@ -70,11 +70,8 @@ class _LaunchedStep:
     mode: str
     launched_at: float
 
-# Failed steps in a row (RankStepError) after which the ranks are restarted even though they answer.
-MAX_CONSECUTIVE_STEP_ERRORS = 2
 
-
-class Driver:
+class Driver(StepCoordinator):
     """Schedules requests over ``dp_size`` groups and runs steps through ``executor``.
 
     Args:
@@ -94,29 +91,9 @@ class Driver:
     def __init__(self, config: EngineConfig, executor: StepExecutor, eos_token_ids: Sequence[int],
                  detokenize: Callable[[Sequence[int]], str] | None, dp_size: int = 1,
                  graph_capture_sizes: Sequence[int] = (), vocab_size: int | None = None, a2a_mode: str | None = None):
-        self.config = config
-        self.a2a_mode = a2a_mode or config.moe_comm.a2a_mode
-        self.executor = executor
-        self.graph_capture_sizes = tuple(graph_capture_sizes)
-        self.vocab_size = vocab_size
-        self.rules = StepRules(config.overlap, self.graph_capture_sizes, self.a2a_mode,
-                               config.max_dispatch_tokens_per_rank)
+        super().__init__(config, executor, graph_capture_sizes, vocab_size, a2a_mode)
         self._group_args = (config, tuple(eos_token_ids), detokenize, vocab_size)
         self.groups = [GroupScheduler(d, *self._group_args) for d in range(dp_size)]
-        self.group_of: dict[str, int] = {}
-        self.record_outputs = False  # the serving loop sets it: groups write output rows for the front end
-        self._ids = itertools.count()
-        self.num_steps = 0
-        self.num_tbo_steps = 0
-        self.num_graph_steps = 0
-        self.num_low_latency_steps = 0  # steps whose MoE dispatch ran in low-latency mode
-        self.num_mixed_steps = 0  # steps in which some group ran a MIXED batch (prefill chunks + decodes)
-        self.num_failed_steps = 0  # steps a rank raised in (their requests failed; ranks kept)
-        self._failed_before_reset = 0
-        self._step_errors_in_a_row = 0
-        self.last_step_seconds: list[float] = []  # forward+sample seconds of each DP group's tp-rank 0
-        self.step_timer = StepTimer()  # period and forward time of collected steps, by mode (for /metrics)
-        self.overlap_schedule = not config.scheduler.disable_overlap_schedule
         self._launched: _LaunchedStep | None = None  # overlap scheduling: the step the ranks are computing
 
     @property
@@ -133,9 +110,6 @@ class Driver:
     def num_idle_group_steps(self) -> int:
         """Group-steps run IDLE so far (a group without work while another computed)."""
         return sum(g.num_idle_steps for g in self.groups)
-
-    def new_rid(self) -> str:
-        return f"req-{next(self._ids)}"
 
     def _route(self, input_ids: Sequence[int]) -> int:
         """Pick the DP group: the least loaded one (running + waiting requests), ties to the lowest index."""
@@ -219,13 +193,8 @@ class Driver:
             early.extend(finished)
         if all(p.forward_mode == ForwardMode.IDLE for p in plans):
             return None
-        decision = decide_step(plans, self.rules)
+        decision, mode = self._decide(plans)
         batches = [g.batch_for(decision) for g in self.groups]
-        self.num_tbo_steps += decision.use_tbo
-        self.num_graph_steps += decision.graph_bs is not None
-        self.num_low_latency_steps += decision.dispatch_capacity is not None
-        mode = step_mode([p.forward_mode for p in plans])  # "mixed" iff some group ran MIXED
-        self.num_mixed_steps += mode == "mixed"
         launched_at = self.step_timer.clock()
         return _LaunchedStep(self.executor.launch(batches), mode, launched_at)
 
@@ -236,10 +205,7 @@ class Driver:
             outputs = self.executor.collect(launched.handle)
         except RankStepError as e:
             return self._fail_step(e)
-        self._step_errors_in_a_row = 0
-        self.last_step_seconds = [o.forward_seconds for o in outputs]
-        self.step_timer.collected(launched.mode, launched.launched_at, max(self.last_step_seconds, default=0.0))
-        self.num_steps += 1
+        self._collected(launched.mode, launched.launched_at, [o.forward_seconds for o in outputs])
         updated: list[Req] = []
         for g, out in zip(self.groups, outputs, strict=True):
             done = g.finish(out)
@@ -255,8 +221,7 @@ class Driver:
         Raises:
             RankFailure: the ranks must be restarted (the step's requests are failed already).
         """
-        self.num_failed_steps += 1
-        self._step_errors_in_a_row += 1
+        restart = self._step_failed()
         fault = RequestFault("failed", f"the engine could not compute this request's step ({error}); the "
                                        "other requests go on")
         alive = self.executor.ranks_alive()
@@ -272,7 +237,7 @@ class Driver:
             if self.record_outputs:
                 g.record(group_failed)
             failed.extend(group_failed)
-        if self._step_errors_in_a_row >= MAX_CONSECUTIVE_STEP_ERRORS or not alive:
+        if restart or not alive:
             self._forget_finished(failed)
             raise RankFailure(f"{self._step_errors_in_a_row} failed step(s) in a row; restarting the ranks") \
                 from error
@@ -286,6 +251,18 @@ class Driver:
         return IdleReport(leaked_kv_slots=sum(r.leaked_kv_slots for r in reports),
                           leaked_req_rows=sum(r.leaked_req_rows for r in reports),
                           locked_cache_tokens=sum(r.locked_cache_tokens for r in reports))
+
+    def group_stats(self) -> list[GroupStats]:
+        """Each group's counters (routing, ``/metrics``)."""
+        return [g.stats() for g in self.groups]
+
+    def end_all(self, error: RequestError) -> OutputBatch:
+        """End every unfinished request with ``error``: returns their rows (the caller then resets the driver)."""
+        out = OutputBatch()
+        for g in self.groups:
+            g.end_all(error)
+            out.extend(g.take_outputs())
+        return out
 
     def take_outputs(self) -> OutputBatch:
         """Every group's output rows since the last call, group after group (``record_outputs``)."""

@@ -111,13 +111,17 @@ class DriverActor:
                 failed.end(delta.request_id, RequestEnd(error=err))
                 self._conn.send(failed)
 
-    def connect(self, path: str, authkey: bytes) -> bool:
-        """Connect to the front end's channel at ``path`` and start serving it (a second call replaces the first).
+    def connect(self, path, authkey: bytes) -> bool:
+        """Connect to the front end's channel at ``path`` (a Unix socket path, or ``(host, port)``) and start serving
+        it (a second call replaces the first); DP group processes connect to it too.
 
         Raises:
             OSError: no listener at ``path`` on this node. multiprocessing.AuthenticationError: wrong key.
         """
         conn = connect_channel(path, authkey)
+        connect_outputs = getattr(self.service.driver.executor, "connect_outputs", None)
+        if connect_outputs is not None:  # DP group processes send their rows to the front end themselves
+            connect_outputs(path, authkey)
         with self._lock:
             old, self._conn = self._conn, conn
             if len(self._early):
@@ -181,12 +185,19 @@ class DriverActor:
     @ray.method(concurrency_group=_CONTROL)
     def pids(self) -> list[int]:
         """Process ids of this actor and of its rank actors (memory figures of the benchmarks)."""
-        return [os.getpid(), *ray.get([w.pid.remote() for w in self.rank_actors()], timeout=30)]
+        executor = self.service.driver.executor
+        groups = executor.pids() if hasattr(executor, "pids") else []
+        return [os.getpid(), *ray.get([w.pid.remote() for w in self.rank_actors()], timeout=30), *groups]
 
     @ray.method(concurrency_group=_CONTROL)
     def rank_actors(self) -> list:
         """Handles of the rank actors (empty for a world of one rank, which computes in this process)."""
         return list(getattr(self.service.driver.executor, "workers", []))
+
+    @ray.method(concurrency_group=_CONTROL)
+    def group_actors(self) -> list:
+        """Handles of the DP group scheduler actors (empty when the groups run in this process)."""
+        return list(getattr(self.service.driver.executor, "actors", []))
 
     def shutdown(self) -> None:
         """Stop the step loop and the ranks."""

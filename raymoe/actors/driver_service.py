@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from raymoe.actors.driver import Driver
+from raymoe.actors.hosted_driver import HostedDriver
 from raymoe.actors.output_batch import OutputBatch, RequestEnd
 from raymoe.actors.records import AddRequest, EngineStats, RequestDelta, RequestError
 from raymoe.errors import EngineUnhealthyError
@@ -53,7 +54,8 @@ class DriverService:
     the scheduler state, after which it is healthy again. Requests submitted while unhealthy are refused.
 
     Args:
-        driver: the driver (already connected to its ranks).
+        driver: the driver (already connected to its ranks): a :class:`Driver`, or a :class:`HostedDriver` whose
+            groups publish their rows to the front end themselves (``publish`` then gets the driver's own rows).
         publish: called with each non-empty :data:`OutputBatch` (on the loop thread, or the supervisor's while
             the loop is down); it must not block (hand the batch to another thread or event loop).
         idle_sleep_s: how long the loop waits for new work when there is none, seconds.
@@ -65,8 +67,9 @@ class DriverService:
             (default: the driver's ``step_timeout_s`` plus 30 s).
     """
 
-    def __init__(self, driver: Driver, publish: Callable[[OutputBatch], None], idle_sleep_s: float = 0.005,
-                 auto_recover: bool = True, supervise_interval_s: float = 0.2, restart_backoff_s: float = 2.0,
+    def __init__(self, driver: Driver | HostedDriver, publish: Callable[[OutputBatch], None],
+                 idle_sleep_s: float = 0.005, auto_recover: bool = True, supervise_interval_s: float = 0.2,
+                 restart_backoff_s: float = 2.0,
                  stall_timeout_s: float | None = None):
         if supervise_interval_s <= 0 or restart_backoff_s < 0 or idle_sleep_s <= 0:
             raise ValueError("supervise_interval_s and idle_sleep_s must be > 0, restart_backoff_s >= 0")
@@ -113,11 +116,11 @@ class DriverService:
 
     def stats(self) -> EngineStats:
         """A snapshot of the counters (read without stopping the loop; counts may be one step apart)."""
-        scheds = self.driver.schedulers
+        groups = self.driver.group_stats()
         idle = self._idle
         return EngineStats(
-            num_running=sum(s.num_running for s in scheds), num_waiting=sum(s.num_waiting for s in scheds),
-            kv_usage=max(s.kv_usage() for s in scheds), radix_hit_tokens=sum(s.hit_tokens for s in scheds),
+            num_running=sum(s.num_running for s in groups), num_waiting=sum(s.num_waiting for s in groups),
+            kv_usage=max(s.kv_usage for s in groups), radix_hit_tokens=sum(s.hit_tokens for s in groups),
             num_steps=self.driver.num_steps, num_tbo_steps=self.driver.num_tbo_steps,
             healthy=self.healthy(), step_seconds=list(self.driver.last_step_seconds),
             health_detail=self.health_detail(), rank_restarts=self.rank_restarts, loop_restarts=self.loop_restarts,
@@ -210,9 +213,7 @@ class DriverService:
 
     def _fail_all(self, err: RequestError) -> None:
         """End every in-flight request with ``err`` (rows for the next flush); the caller resets the driver."""
-        for g in self.driver.groups:
-            g.end_all(err)
-            self._out.extend(g.take_outputs())
+        self._out.extend(self.driver.end_all(err))
 
     def _recover(self) -> None:
         try:

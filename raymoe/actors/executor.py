@@ -108,7 +108,9 @@ class RayExecutor:
         runner_cfg: per-rank runner settings (``device="cuda"`` uses GPUs where visible).
         parallel: world layout. use_gpu: bundle GPUs (None: when the cluster declares enough).
         fanout: ``"channel"`` (the step channel; falls back to remote when a rank is on another machine),
-            ``"remote"`` (plain actor calls) or ``"compiled"`` (Ray Compiled Graph, falls back to remote).
+            ``"remote"`` (plain actor calls), ``"compiled"`` (Ray Compiled Graph, falls back to remote) or
+            ``"groups"`` (none of its own: each DP group's process sends its ranks their steps,
+            ``raymoe.actors.group_hosts``).
         init_timeout_s: rendezvous / load timeout, seconds. step_timeout_s: bound on one step, seconds.
         collective_timeout_s: torch.distributed timeout of every collective, seconds.
     Raises:
@@ -118,8 +120,8 @@ class RayExecutor:
     def __init__(self, runner_cfg: RunnerConfig, parallel: ParallelConfig, use_gpu: bool | None = None,
                  fanout: str = "remote", init_timeout_s: float = 180.0, step_timeout_s: float = 300.0,
                  collective_timeout_s: float = 60.0):
-        if fanout not in FANOUTS:
-            raise ValueError(f"fanout must be one of {FANOUTS}, got {fanout!r}")
+        if fanout not in (*FANOUTS, "groups"):
+            raise ValueError(f"fanout must be one of {(*FANOUTS, 'groups')}, got {fanout!r}")
         self.runner_cfg = runner_cfg
         self.parallel = parallel
         self.use_gpu = use_gpu
@@ -218,6 +220,8 @@ class RayExecutor:
         """
         if not self.workers:
             raise RankFailure("rank group is not running")
+        if self.fanout == "groups":
+            raise RankFailure("this rank group's steps are sent by its DP groups' processes")
         if self._hub is not None:
             return self._hub.send(batches)  # raises RankFailure
         tp = self.parallel.tp_size

@@ -6,11 +6,14 @@ import dataclasses
 
 from raymoe.actors.driver import Driver
 from raymoe.actors.executor import LocalExecutor, RayExecutor
+from raymoe.actors.hosted_driver import HostedDriver
 from raymoe.config import EngineConfig, ModelConfig
+from raymoe.config.engine import GROUP_ACTORS_MIN_DP
+from raymoe.errors import InvalidRequestError
 from raymoe.platform.selector import select_platform
 from raymoe.runner.device import engine_device
 from raymoe.runner.runner_config import RunnerConfig
-from raymoe.tokenizer import eos_token_ids
+from raymoe.tokenizer import detokenizer, eos_token_ids
 
 
 def runner_config_for(config: EngineConfig) -> RunnerConfig:
@@ -41,12 +44,42 @@ def build_executor(config: EngineConfig, runner_cfg: RunnerConfig):
                        step_timeout_s=config.step_timeout_s)
 
 
-def build_driver(config: EngineConfig, model_config: ModelConfig, tokenizer) -> Driver:
-    """Driver with ``dp_size`` schedulers over a freshly started executor."""
-    def detokenize(ids):
-        return tokenizer.decode(list(ids), skip_special_tokens=True)
+def hosts_groups(config: EngineConfig) -> bool:
+    """Whether each DP group's scheduler runs in a process of its own (``EngineConfig.group_schedulers``; auto: from
+    ``GROUP_ACTORS_MIN_DP`` CUDA DP groups on; a one-rank world never)."""
+    if config.parallel.world_size == 1 or config.group_schedulers == "driver":
+        return False
+    if config.group_schedulers == "actors":
+        return True
+    return config.parallel.dp_size >= GROUP_ACTORS_MIN_DP and engine_device(config.device) == "cuda"
 
+
+def build_driver(config: EngineConfig, model_config: ModelConfig, tokenizer,
+                 allow_hosted: bool = True) -> Driver | HostedDriver:
+    """The engine's driver over freshly started ranks: a :class:`Driver` holding the ``dp_size`` group schedulers,
+    or a :class:`HostedDriver` over one group process per DP group (:func:`hosts_groups`; only with
+    ``allow_hosted``: its groups send their rows to a front end's channel, which the offline ``Engine`` has not).
+
+    Raises:
+        InvalidRequestError: ``group_schedulers="actors"`` without ``allow_hosted``.
+    """
     runner_cfg = runner_config_for(config)
-    return Driver(config, build_executor(config, runner_cfg), eos_token_ids(model_config, tokenizer), detokenize,
-                  dp_size=config.parallel.dp_size, graph_capture_sizes=runner_cfg.graph_capture_sizes,
-                  a2a_mode=runner_cfg.moe_comm.a2a_mode, vocab_size=model_config.vocab_size)
+    if not allow_hosted and config.group_schedulers == "actors" and config.parallel.world_size > 1:
+        raise InvalidRequestError("group_schedulers", "the offline Engine keeps its DP groups in its own process; "
+                                                      "group scheduler processes serve through `raymoe serve`")
+    if allow_hosted and hosts_groups(config):
+        from raymoe.actors.group_hosts import GroupHosts
+        from raymoe.cluster.bootstrap import init_ray
+
+        init_ray(config.ray_address)
+        use_gpu = runner_cfg.device.startswith("cuda") if config.parallel.bundle_gpus is None \
+            else config.parallel.bundle_gpus
+        ranks = RayExecutor(runner_cfg, config.parallel, use_gpu=use_gpu, fanout="groups",
+                            step_timeout_s=config.step_timeout_s)
+        return HostedDriver(config, GroupHosts(config, ranks), config.parallel.dp_size,
+                            graph_capture_sizes=runner_cfg.graph_capture_sizes, a2a_mode=runner_cfg.moe_comm.a2a_mode,
+                            vocab_size=model_config.vocab_size)
+    return Driver(config, build_executor(config, runner_cfg), eos_token_ids(model_config, tokenizer),
+                  detokenizer(tokenizer), dp_size=config.parallel.dp_size,
+                  graph_capture_sizes=runner_cfg.graph_capture_sizes, a2a_mode=runner_cfg.moe_comm.a2a_mode,
+                  vocab_size=model_config.vocab_size)

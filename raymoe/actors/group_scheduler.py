@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from raymoe.actors.group_messages import GroupStats
 from raymoe.actors.output_batch import OutputBatch, RequestEnd
 from raymoe.actors.records import RequestError
 from raymoe.config import EngineConfig
@@ -121,6 +122,14 @@ class GroupScheduler:
     def has_work(self) -> bool:
         """Whether a request is unfinished or a step sent by this group is still in flight."""
         return bool(self._inflight) or self.scheduler.has_unfinished()
+
+    def stats(self) -> GroupStats:
+        """The group's counters (O(1))."""
+        s = self.scheduler
+        return GroupStats(num_running=s.num_running, num_waiting=s.num_waiting, kv_usage=s.kv_usage(),
+                          hit_tokens=s.hit_tokens, failed_requests=self.failed_requests,
+                          num_idle_steps=self.num_idle_steps, num_retractions=s.num_retractions,
+                          has_work=self.has_work())
 
     def _forget(self, reqs: list[Req]) -> None:
         for req in reqs:

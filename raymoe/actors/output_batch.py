@@ -113,6 +113,10 @@ class OutputBatch:
                             prompt_tokens=end.prompt_tokens, completion_tokens=self.completion_tokens[row],
                             cached_tokens=end.cached_tokens)
 
+    def ended_ids(self) -> list[str]:
+        """The ids of the requests whose last row is in this batch (finished, aborted, refused or failed)."""
+        return [self.rids[row] for row in self.ends]
+
     def rows_for(self, wanted) -> Iterator[RequestDelta]:
         """The deltas of the rows whose request is in ``wanted`` (a container of ids), in row order: a front end
         builds objects for its own streams only."""

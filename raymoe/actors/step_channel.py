@@ -50,14 +50,17 @@ class StepChannelHub:
 
     Args:
         world_size: ranks that will connect. tp_size: ranks per DP group (rank ``r`` serves group ``r // tp``).
+        first_rank: the global rank of the first of them (a DP group's own hub serves ranks ``first_rank`` ..
+            ``first_rank + world_size - 1``; their batches and outputs are indexed from 0).
         grace_s: after one rank reported an error, how long the others may take to answer that step, seconds.
     Attributes:
         path, authkey: what each rank needs to connect (:func:`connect_step_channel`).
         healthy: False once the channel lost a rank or its ranks fell out of step (restart the rank group).
     """
 
-    def __init__(self, world_size: int, tp_size: int, grace_s: float = 5.0):
+    def __init__(self, world_size: int, tp_size: int, grace_s: float = 5.0, first_rank: int = 0):
         self.world_size, self.tp_size, self.grace_s = world_size, tp_size, grace_s
+        self.first_rank = first_rank
         self.last_bytes_per_rank = 0  # the largest message of the last step, bytes
         self._listener = PrivateListener("raymoe-steps-", "steps.sock")
         self.path, self.authkey = self._listener.path, self._listener.authkey
@@ -74,7 +77,7 @@ class StepChannelHub:
         try:
             while len(self._accepted) < self.world_size:
                 conn = self._listener.accept()
-                self._accepted[int(conn.recv())] = conn
+                self._accepted[int(conn.recv()) - self.first_rank] = conn
         except BaseException as e:  # noqa: BLE001 - reported by accept()
             self._accept_error.append(e)
 
@@ -130,18 +133,18 @@ class StepChannelHub:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.healthy = False
+                silent = sorted(self.first_rank + r for r in pending.values())
                 if error is not None:
-                    raise RankFailure(f"rank {error[0]} raised {error[1]} in a step and rank(s) "
-                                      f"{sorted(pending.values())} did not answer within {self.grace_s} s "
-                                      "(stuck in a collective)")
-                raise RankFailure(f"step exceeded {timeout_s} s (rank(s) {sorted(pending.values())} did not answer)")
+                    raise RankFailure(f"rank {self.first_rank + error[0]} raised {error[1]} in a step and rank(s) "
+                                      f"{silent} did not answer within {self.grace_s} s (stuck in a collective)")
+                raise RankFailure(f"step exceeded {timeout_s} s (rank(s) {silent} did not answer)")
             for conn in wait(list(pending), left):
                 r = pending[conn]
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError) as e:
                     self.healthy = False
-                    raise RankFailure(f"rank {r} closed its step channel (its process died)") from e
+                    raise RankFailure(f"rank {self.first_rank + r} closed its step channel (its process died)") from e
                 if msg[0] < seq:  # an abandoned step's reply
                     continue
                 del pending[conn]
@@ -152,6 +155,7 @@ class StepChannelHub:
                     deadline = min(deadline, time.monotonic() + self.grace_s)
         if error is not None:
             r, name, message = error
+            r += self.first_rank
             if is_collective_error(name):
                 self.healthy = False
                 raise RankFailure(f"rank {r}'s collectives failed during a step ({name}: {message})")

@@ -154,7 +154,8 @@ def run_profile(a) -> dict:
             wait_healthy(url, proc, 600)
             _client(a, peers, env, url, model, 4, work)  # warm-up
             procs = {"front end": [proc.pid], "driver actor": _pids("ray::DriverActor"),
-                     "rank actors": _pids("ray::RankWorker")}
+                     "rank actors": _pids("ray::RankWorker"), "group actors": _pids("ray::GroupSchedulerActor")}
+            procs = {name: pids for name, pids in procs.items() if pids}
             load = subprocess.Popen(
                 [str(peers / "vllm/bin/python"), str(peers / "vllm_cli.py"), "bench", "serve", "--backend",
                  "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", "tiny", "--tokenizer",

@@ -18,6 +18,11 @@ from raymoe.errors import InvalidRequestError
 FANOUTS = ("channel", "remote", "compiled")
 """How a step can reach the ranks (``EngineConfig.fanout``, ``raymoe.actors.executor.RayExecutor``)."""
 
+GROUP_ACTORS_MIN_DP = 4
+"""``group_schedulers="auto"`` runs each DP group's scheduler in its own process from this many CUDA DP groups on:
+the driver's CPU per decode step grows with the groups' running requests (``raymoe bench driver-scale``) and must
+fit inside one GPU step (a few ms) for overlap scheduling to hide it."""
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -53,6 +58,13 @@ class EngineConfig:
              "calls; also the fallback when a compiled graph cannot be built) or None: channel for CPU ranks, "
              "compiled for CUDA ranks (on 2 CPU cores an actor call cost the driver and each rank about 1 ms of CPU "
              "per step, and the compiled graph's polling readers took CPU the ranks need).")
+    group_schedulers: str = option(
+        "auto", choices=("auto", "driver", "actors"),
+        help="where each DP group's scheduling, radix cache, KV allocation, result processing and output rows run: "
+             "driver (in the driver's process, one loop for all groups; raymoe.actors.driver), actors (one process per "
+             "DP group beside its ranks, which send the group's batches to its ranks and its rows to the front end; "
+             "the driver only decides what every rank must agree on from one small record per group and step; "
+             "raymoe.actors.hosted_driver) or auto: actors from GROUP_ACTORS_MIN_DP CUDA DP groups on, else driver.")
     step_timeout_s: float = option(300.0, help="bound on one step across all ranks, seconds (a hung rank fails the "
                                                "step).")
     cpu_threads: int | None = option(

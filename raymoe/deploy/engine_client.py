@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
+from multiprocessing.connection import wait
 from pathlib import Path
 
 from raymoe.actors.channel import ChannelListener
@@ -98,7 +99,7 @@ class EngineClient:
         """
         import ray
 
-        channel = ChannelListener()
+        channel = ChannelListener(host=self._channel_host())
         try:
             ray.get(self.driver.connect.remote(channel.path, channel.authkey), timeout=60)
             conn = channel.accept(timeout_s=60)
@@ -110,6 +111,16 @@ class EngineClient:
             old.close()
         return conn
 
+    def _channel_host(self) -> str | None:
+        """TCP on this node's address when group processes may run on other nodes, else None (a Unix socket)."""
+        import ray
+
+        from raymoe.actors.factory import hosts_groups
+
+        if not hosts_groups(self.config) or sum(n["Alive"] for n in ray.nodes()) < 2:
+            return None
+        return ray.util.get_node_ip_address()
+
     def _read_outputs(self) -> None:
         while True:
             reason = self._pump(self._conn)
@@ -120,21 +131,33 @@ class EngineClient:
                 return
 
     def _pump(self, conn) -> str:
-        """Route output batches to their streams until the channel closes; returns why it closed."""
-        try:
-            while True:
-                batch: OutputBatch = conn.recv()
-                by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-                streams = self._streams
-                for delta in batch.rows_for(streams):  # the per-request records of this front end's streams only
-                    route = streams.get(delta.request_id)
-                    if route is not None:
-                        by_loop.setdefault(route[0], []).append((route[1], delta))
-                for loop, items in by_loop.items():
-                    if not loop.is_closed():
-                        loop.call_soon_threadsafe(_deliver, items)
-        except (EOFError, OSError) as e:
-            return f"the engine's driver went away ({type(e).__name__}); reconnecting"
+        """Route output batches from the driver's connection and the groups' to their streams until the driver's
+        closes; returns why it closed. A group connection that closes is dropped (the driver ends its requests)."""
+        channel = self._channel
+        while True:
+            for c in wait([conn, channel.wake, *channel.group_conns.values()]):
+                if c is channel.wake:
+                    c.recv_bytes()
+                    continue
+                try:
+                    batch: OutputBatch = c.recv()
+                except (EOFError, OSError) as e:
+                    if c is conn:
+                        return f"the engine's driver went away ({type(e).__name__}); reconnecting"
+                    channel.drop_group(c)
+                    continue
+                self._route(batch)
+
+    def _route(self, batch: OutputBatch) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        streams = self._streams
+        for delta in batch.rows_for(streams):  # the per-request records of this front end's streams only
+            route = streams.get(delta.request_id)
+            if route is not None:
+                by_loop.setdefault(route[0], []).append((route[1], delta))
+        for loop, items in by_loop.items():
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_deliver, items)
 
     def _channel_lost(self, reason: str) -> None:
         self._dead = reason  # first, so that a request registering from now on is refused by ``generate``

