@@ -42,13 +42,20 @@ class RankWorker:
             self.load()
 
     def get_rendezvous_address(self) -> str:
-        """``tcp://ip:port`` of a free port on this rank's node (called on rank 0)."""
+        """``tcp://ip:port`` of a port on this rank's node (called on rank 0), bound and listening from now on: the
+        rank's store takes that socket over in :meth:`init_distributed`, so no other job can take the port in
+        between (and have this world's ranks join its store)."""
+        import socket
+
         import ray
 
-        from raymoe.cluster.bootstrap import free_port
-
         ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        return f"tcp://{ip}:{free_port(ip)}"
+        family, kind, proto, _, addr = socket.getaddrinfo(ip, 0, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.bind(addr)
+        sock.listen(max(128, self.parallel.world_size))
+        self._rendezvous_sock = sock
+        return f"tcp://{ip}:{sock.getsockname()[1]}"
 
     def init_distributed(self, init_method: str, timeout_s: float = 60.0) -> int:
         """Join the world group and create the TP/EP groups (the EP transport is the rank's platform's); returns
@@ -64,7 +71,9 @@ class RankWorker:
         self._configure_step_thread()  # the actor thread steps under plain calls
         self.groups = init_parallel_groups(self.rank, self.parallel, init_method, backend, timeout_s,
                                            device_id=device if device.type == "cuda" else None,
-                                           cpu_comm=self.runner_cfg.moe_comm.cpu_comm, platform=self.platform)
+                                           cpu_comm=self.runner_cfg.moe_comm.cpu_comm, platform=self.platform,
+                                           listen_sock=getattr(self, "_rendezvous_sock", None))
+        self._rendezvous_sock = None
         return os.getpid()
 
     @property

@@ -9,15 +9,15 @@ module-level function (it is pickled into spawned processes).
 
 from __future__ import annotations
 
+import socket
 import traceback
 
 import torch.multiprocessing as mp
 
-from raymoe.cluster.bootstrap import free_port
 from raymoe.config import ParallelConfig
 
 
-def _entry(rank, parallel, port, threads, cpu_comm, fn, args, queue):
+def _entry(rank, parallel, port, threads, cpu_comm, fn, args, queue, listen_sock=None):
     import os
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -30,7 +30,7 @@ def _entry(rank, parallel, port, threads, cpu_comm, fn, args, queue):
     torch.set_num_threads(threads)
     try:
         groups = init_parallel_groups(rank, parallel, f"tcp://127.0.0.1:{port}", "gloo", timeout_s=300,
-                                      cpu_comm=cpu_comm, platform=select_platform("cpu"))
+                                      cpu_comm=cpu_comm, platform=select_platform("cpu"), listen_sock=listen_sock)
         queue.put((rank, "ok", fn(groups, *args)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, "error", traceback.format_exc()))
@@ -50,11 +50,20 @@ def spawn_ranks(fn, parallel: ParallelConfig, *args, threads_per_rank: int = 1, 
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, parallel, port, threads_per_rank, cpu_comm, fn, args, queue),
-                         daemon=True) for r in range(parallel.world_size)]
-    for p in procs:
-        p.start()
+    # The rendezvous port is bound here and held until rank 0's store takes the socket over: no other job (a second
+    # test session on the machine) can take it in between and have this job's ranks join its store.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(max(128, parallel.world_size))
+    port = sock.getsockname()[1]
+    procs = [ctx.Process(target=_entry, args=(r, parallel, port, threads_per_rank, cpu_comm, fn, args, queue,
+                                              sock if r == 0 else None), daemon=True)
+             for r in range(parallel.world_size)]
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        sock.close()  # rank 0 holds its own duplicate
     results: dict[int, object] = {}
     try:
         for _ in procs:

@@ -17,12 +17,16 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 
 
-def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: timedelta,
+                     listen_sock: socket.socket | None = None) -> dist.TCPStore:
     """The store of a ``tcp://host:port`` rendezvous; rank 0 serves it on ``host`` only.
 
     Args:
         init_method: ``tcp://host:port`` (IPv4 or bracketed IPv6 address, or a host name).
         rank, world_size: this rank and the world's size. timeout: rendezvous and store-operation timeout.
+        listen_sock: rank 0 only: a socket already bound to ``host:port`` and listening (the store takes it
+            over). A launcher that binds the port itself and holds it until rank 0 starts leaves no window in
+            which another job could take the port and have this job's ranks join its store.
     Raises:
         ValueError: ``init_method`` is not ``tcp://host:port``.
         OSError: rank 0 cannot bind ``host:port`` (taken, or not an address of this machine).
@@ -34,6 +38,9 @@ def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: time
     host, port = url.hostname, url.port
     if rank != 0:
         return dist.TCPStore(host, port, world_size, False, timeout)
+    if listen_sock is not None:
+        return dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,
+                             master_listen_fd=listen_sock.detach())
     family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     try:

@@ -45,7 +45,7 @@ def tp_group_ranks(cfg: ParallelConfig) -> list[list[int]]:
 
 def init_parallel_groups(rank: int, cfg: ParallelConfig, init_method: str, backend: str = "gloo",
                          timeout_s: float = 60.0, device_id=None, cpu_comm: str = "auto",
-                         platform: Platform | None = None) -> ParallelGroups:
+                         platform: Platform | None = None, listen_sock=None) -> ParallelGroups:
     """Join the world process group and create the TP and EP groups (every rank must call this).
 
     Args:
@@ -58,6 +58,7 @@ def init_parallel_groups(rank: int, cfg: ParallelConfig, init_method: str, backe
             error) or ``"gloo"``.
         platform: the rank's platform, which makes the EP group's transport
             (:meth:`~raymoe.platform.interface.Platform.create_ep_transport`); None: ``torch.distributed`` only.
+        listen_sock: rank 0's pre-bound rendezvous socket (``raymoe.cluster.rendezvous.rendezvous_store``).
     Returns:
         the rank's ``ParallelGroups`` with explicit group handles.
     Raises:
@@ -71,7 +72,8 @@ def init_parallel_groups(rank: int, cfg: ParallelConfig, init_method: str, backe
         raise ValueError(f"cpu_comm must be one of {CPU_COMM_MODES}, got {cpu_comm!r}")
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        store = rendezvous_store(init_method, rank, cfg.world_size, timeout)  # rank 0 listens on its address only
+        # rank 0 listens on its address only
+        store = rendezvous_store(init_method, rank, cfg.world_size, timeout, listen_sock=listen_sock)
         dist.init_process_group(backend, store=store, rank=rank, world_size=cfg.world_size, timeout=timeout,
                                 **({"device_id": device_id} if device_id is not None else {}))
     coords = rank_coords(rank, cfg)
