@@ -73,6 +73,7 @@ class StreamResult:
         chunks: token chunks received. finish_reason: of the last choice chunk (None: never finished).
         completion_tokens: from the usage chunk (None: no usage chunk). errors: the ``code`` of each error event.
         done: ``data: [DONE]`` was received. failure: the exception that ended the stream (a cut connection).
+        sent, first_token: ``time.monotonic()`` when the request was sent and its first token arrived.
     """
 
     chunks: int = 0
@@ -81,6 +82,8 @@ class StreamResult:
     errors: list[str] = field(default_factory=list)
     done: bool = False
     failure: str | None = None
+    sent: float = 0.0
+    first_token: float | None = None
 
 
 async def stream_completion(client: httpx.AsyncClient, max_tokens: int, result: StreamResult) -> StreamResult:
@@ -88,6 +91,7 @@ async def stream_completion(client: httpx.AsyncClient, max_tokens: int, result: 
     caller can look at it mid-stream); a transport error is recorded in ``failure``, never raised."""
     body = {"model": "tiny", "prompt": "def fib(n):", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "temperature": 0, "stream_options": {"include_usage": True}}
+    result.sent = time.monotonic()
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -106,6 +110,7 @@ async def stream_completion(client: httpx.AsyncClient, max_tokens: int, result: 
                 elif event.get("usage") and not event.get("choices"):
                     result.completion_tokens = event["usage"]["completion_tokens"]
                 else:
+                    result.first_token = result.first_token or time.monotonic()
                     result.chunks += 1
                     result.finish_reason = event["choices"][0]["finish_reason"] or result.finish_reason
     except httpx.HTTPError as e:
