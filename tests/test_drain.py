@@ -163,7 +163,7 @@ async def _unhealthy() -> bool:
     return False
 
 
-def test_first_signal_drains_and_a_second_forces_the_stop():
+def test_first_signal_drains_a_second_cuts_it_short_a_third_drops():
     import uvicorn
 
     from raymoe.deploy.drain import Drain
@@ -180,15 +180,23 @@ def test_first_signal_drains_and_a_second_forces_the_stop():
         assert server.should_exit and not server.force_exit and not server.forced
         assert server.report is not None and server.report.in_flight == 0
 
-        drain = Drain()
+        drain = Drain(DrainConfig(shutdown_timeout_s=60.0, cut_grace_s=0.2))
         server = DrainingServer(uvicorn.Config(app=None), drain)
         server._loop = asyncio.get_running_loop()
-        drain._enter()  # a request in flight keeps the drain going
+        drain._enter()  # a request in flight keeps the drain going (its scope is never entered: it stays)
         server.handle_exit(signal.SIGINT, None)
         await asyncio.sleep(0.05)
         assert drain.draining and not server.should_exit
-        server.handle_exit(signal.SIGINT, None)
-        assert server.force_exit and server.should_exit and server.forced
-        server._drain_task.cancel()
+        server.handle_exit(signal.SIGINT, None)  # second: cut now instead of after 60 s
+        assert server.forced and not server.force_exit
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if server.should_exit:
+                break
+        assert server.should_exit and not server.force_exit and drain.hurried
+        assert (server.report.in_flight, server.report.cut, server.report.hurried) == (1, 1, True)
+        assert "when told to stop at once" in server.report.summary()
+        server.handle_exit(signal.SIGINT, None)  # third: drop
+        assert server.force_exit
 
     asyncio.run(main())

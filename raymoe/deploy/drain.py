@@ -17,6 +17,7 @@ a cancel scope of its own. :meth:`Drain.run` then
    disconnect does) and ends its answer itself: a stream that has started gets one
    ``data: {"error": {..., "code": "server_shutdown"}}`` event and ``data: [DONE]``; a request whose answer has not
    started gets the 503 above. Then it waits up to ``cut_grace_s`` for those last bytes to be written.
+   :meth:`Drain.hurry` (a second signal) ends step 2 at once.
 
 The caller (``raymoe serve``: ``deploy/shutdown.py``) closes the listener and stops the engine afterwards.
 """
@@ -83,6 +84,7 @@ class DrainReport:
         cut: the ones still running at the deadline, ended with the ``server_shutdown`` error.
         refused: new API requests answered 503 during the drain.
         seconds: how long the drain took.
+        hurried: :meth:`Drain.hurry` ended the wait before the deadline.
     """
 
     in_flight: int
@@ -90,11 +92,13 @@ class DrainReport:
     cut: int
     refused: int
     seconds: float
+    hurried: bool = False
 
     def summary(self) -> str:
         """One log line."""
+        when = "when told to stop at once" if self.hurried else "at the deadline"
         return (f"drained in {self.seconds:.1f} s: {self.in_flight} requests in flight, {self.finished} finished, "
-                f"{self.cut} cut at the deadline with a {SHUTDOWN_CODE} error; {self.refused} new requests refused")
+                f"{self.cut} cut {when} with a {SHUTDOWN_CODE} error; {self.refused} new requests refused")
 
 
 def shutdown_error(message: str = "the server is shutting down; retry on another replica or later") -> APIError:
@@ -124,8 +128,9 @@ class Drain:
         self.config = config or DrainConfig()
         self.draining = False
         self.refused = 0
+        self.hurried = False
         self._active: set[_Tracked] = set()
-        self._idle: asyncio.Event | None = None
+        self._wake: asyncio.Event | None = None  # set when the last request leaves, or on hurry()
 
     @property
     def in_flight(self) -> int:
@@ -145,14 +150,22 @@ class Drain:
 
     def _leave(self, t: _Tracked) -> None:
         self._active.discard(t)
-        if not self._active and self._idle is not None:
-            self._idle.set()
+        if not self._active and self._wake is not None:
+            self._wake.set()
 
-    async def _wait_idle(self, timeout_s: float) -> None:
-        self._idle = asyncio.Event()
-        if self._active:
-            with anyio.move_on_after(timeout_s):
-                await self._idle.wait()
+    def hurry(self) -> None:
+        """Stop waiting for the requests in flight: :meth:`run` cuts them now, as at the deadline (on the loop)."""
+        self.hurried = True
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _wait_idle(self, timeout_s: float, until_hurried: bool) -> None:
+        """Wait up to ``timeout_s`` until no request is in flight (or, with ``until_hurried``, :meth:`hurry`)."""
+        self._wake = asyncio.Event()
+        with anyio.move_on_after(timeout_s):
+            while self._active and not (until_hurried and self.hurried):
+                await self._wake.wait()
+                self._wake.clear()
 
     async def run(self) -> DrainReport:
         """Drain: refuse new requests, wait up to ``shutdown_timeout_s`` for those in flight, cut the rest and
@@ -160,16 +173,17 @@ class Drain:
         start = time.monotonic()
         self.draining = True
         in_flight = len(self._active)
-        await self._wait_idle(self.config.shutdown_timeout_s)
+        await self._wait_idle(self.config.shutdown_timeout_s, until_hurried=True)
         left = list(self._active)
         for t in left:
             t.cut = True
             t.scope.cancel()
         if left:
-            log.warning("shutdown deadline (%.0f s) passed: cutting %d requests", self.config.shutdown_timeout_s,
-                        len(left))
-            await self._wait_idle(self.config.cut_grace_s)
-        return DrainReport(in_flight, in_flight - len(left), len(left), self.refused, time.monotonic() - start)
+            log.warning("%s: cutting %d requests", "told to stop at once" if self.hurried else
+                        f"shutdown deadline ({self.config.shutdown_timeout_s:g} s) passed", len(left))
+            await self._wait_idle(self.config.cut_grace_s, until_hurried=False)
+        return DrainReport(in_flight, in_flight - len(left), len(left), self.refused, time.monotonic() - start,
+                           self.hurried)
 
 
 class _Progress:

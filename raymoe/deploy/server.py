@@ -2,7 +2,8 @@
 
 Stopping: the first SIGTERM or Ctrl-C drains (``shutdown.DrainingServer``: new requests 503, those in flight get
 ``shutdown_timeout_s`` to finish, the rest end with a ``server_shutdown`` error event), then the engine (driver,
-ranks) and the local Ray this command started are stopped and it exits 0. A second signal stops at once (exit 1).
+ranks) and the local Ray this command started are stopped and it exits 0. A second signal ends the requests in
+flight at once with that event (exit 1), a third drops them.
 
 Start-up, each step with a progress bar: the demo checkpoint (built on first use), a local Ray on 127.0.0.1 (or
 the cluster at ``--address``), the driver actor and its rank actors (weights, decode graphs), then uvicorn.

@@ -1,4 +1,4 @@
-"""How ``raymoe serve`` stops: the first SIGTERM or SIGINT drains, a second one stops at once.
+"""How ``raymoe serve`` stops: the first SIGTERM or SIGINT drains, a second one stops at once, a third drops.
 
 uvicorn's own answer to a signal is to close the listener and then cancel every response still open after
 ``timeout_graceful_shutdown``: streams are cut, and a load balancer sees refused connections instead of an unready
@@ -7,10 +7,12 @@ on the server's event loop while the listener stays open: new API requests get 5
 ``Retry-After``, ``/health`` and ``/ready`` answer 503 ``draining``, the requests in flight have
 ``shutdown_timeout_s`` to finish, and what is left ends with a ``server_shutdown`` error event and ``[DONE]``.
 Only then does uvicorn close the listener and the connections (all answers are complete by then). A second signal
-sets uvicorn's ``force_exit``: the listener closes and open responses are dropped at once.
+ends the wait at once (``Drain.hurry``): the requests in flight end with the ``server_shutdown`` event right away
+(well under a second, at most ``cut_grace_s`` for a client that does not read). A third sets uvicorn's
+``force_exit``: the listener closes and open responses are dropped.
 
 uvicorn re-raises a signal it caught once it has shut down; this server does not, so ``raymoe serve`` goes on to
-stop its engine and exits 0 after a drain (1 after a forced stop).
+stop its engine and exits 0 after a drain (1 after a stop hurried by a second signal).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class DrainingServer(uvicorn.Server):
 
     Attributes:
         report: the ``DrainReport`` once a drain finished (None before, or after a forced stop).
-        forced: True when a second signal stopped the server before its drain finished.
+        forced: True when a second signal cut the drain short.
     """
 
     def __init__(self, config: uvicorn.Config, drain: Drain):
@@ -54,12 +56,19 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """Signal handler (main thread, between two bytecodes of the event loop's thread): the first signal starts
-        the drain on the loop, a second one forces the stop. Never re-raised after shutdown (unlike uvicorn)."""
+        the drain on the loop, a second one cuts it short, a third forces the stop. Never re-raised after shutdown
+        (unlike uvicorn)."""
         name = signal.Signals(sig).name
+        if self._loop is not None and self.drain.draining and not self.forced and self.report is None:
+            _say(f"{name} again: ending the {self.drain.in_flight} requests in flight now with a server_shutdown "
+                 f"error (a third signal drops them)")
+            self.forced = True
+            self._loop.call_soon_threadsafe(self.drain.hurry)
+            return
         if self.drain.draining or self.should_exit or self._loop is None:
             if not self.force_exit:
                 _say(f"{name} again: stopping at once (open responses are dropped)")
-            self.forced = self.report is None
+            self.forced = self.forced or self.report is None
             self.force_exit = self.should_exit = True
             return
         self.drain.draining = True  # at once: a request arriving before the drain task runs is refused too
