@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import sys
 import threading
@@ -55,12 +54,6 @@ def _raise_system_exit(signum, frame) -> None:
     raise SystemExit(0)  # a requested, graceful stop
 
 
-def _exit_now(signum, frame) -> None:
-    print(f"raymoe serve: {signal.Signals(signum).name} while stopping the engine: exiting at once", file=sys.stderr,
-          flush=True)
-    os._exit(1)  # Ray ends the driver actor (and its ranks) with its owner, this process
-
-
 async def _serve(server, base_url: str, banner: str, on_ready) -> None:
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
@@ -84,7 +77,7 @@ def run_server(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, de
 
     from raymoe.actors.process_tuning import freeze_startup_heap
     from raymoe.deploy.openai_api import build_openai_app
-    from raymoe.deploy.shutdown import DrainingServer
+    from raymoe.deploy.shutdown import DrainingServer, stop_engine
 
     stages = tqdm(total=3, desc="raymoe serve", unit="step", bar_format="{desc}: {n}/{total}{postfix} [{elapsed}]")
     stages.set_postfix_str("demo checkpoint" if opts.model is None else "model folder")
@@ -133,12 +126,6 @@ def run_server(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, de
     except KeyboardInterrupt:
         pass
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, _exit_now)
-        print("raymoe serve: stopping the engine", flush=True)
-        engine.shutdown()
-        if started_ray:
-            ray.shutdown()
-        print("raymoe serve: stopped", flush=True)
+        stop_engine(engine, stop_ray=started_ray)
     if server is not None and server.forced:
         raise SystemExit(1)

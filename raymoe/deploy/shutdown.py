@@ -18,6 +18,7 @@ stop its engine and exits 0 after a drain (1 after a stop hurried by a second si
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from types import FrameType
@@ -29,6 +30,40 @@ from raymoe.deploy.drain import Drain
 
 def _say(line: str) -> None:
     print(f"raymoe serve: {line}", file=sys.stderr, flush=True)
+
+
+class _StopNow(Exception):
+    """A signal arrived while the engine was stopping gracefully."""
+
+
+def _raise_stop_now(signum, frame) -> None:
+    raise _StopNow(signal.Signals(signum).name)
+
+
+def _exit_now(signum, frame) -> None:
+    _say(f"{signal.Signals(signum).name} while stopping Ray: exiting at once")
+    os._exit(1)
+
+
+def stop_engine(engine, stop_ray: bool) -> None:
+    """Stop ``engine`` (its driver actor and ranks, ``EngineClient.shutdown``), then, with ``stop_ray``, the local
+    Ray this process started. A signal meanwhile skips the engine's graceful stop: stopping the local Ray kills the
+    driver and ranks with it, and on a cluster that was not ours Ray ends them with their owner, this process.
+    A signal while Ray stops exits at once."""
+    import ray
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _raise_stop_now)
+    _say("stopping the engine")
+    try:
+        engine.shutdown()
+    except _StopNow as e:
+        _say(f"{e} while stopping the engine: skipping its graceful stop")
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_now)
+    if stop_ray:
+        ray.shutdown()
+    _say("stopped")
 
 
 class DrainingServer(uvicorn.Server):
