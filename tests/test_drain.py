@@ -53,6 +53,17 @@ def test_drain_config_checks_its_fields():
     assert e.value.field == "retry_after_s"
 
 
+def test_stop_flags_reach_the_drain_config():
+    from raymoe.cli import build_parser
+    from raymoe.deploy.cli import drain_from_args
+
+    cfg = drain_from_args(build_parser().parse_args(["serve", "--shutdown-timeout", "2", "--retry-after-s", "1"]))
+    assert (cfg.shutdown_timeout_s, cfg.retry_after_s, cfg.cut_grace_s) == (2.0, 1, DrainConfig().cut_grace_s)
+    assert drain_from_args(build_parser().parse_args(["serve"])) == DrainConfig()
+    with pytest.raises(InvalidRequestError, match="shutdown_timeout_s"):
+        drain_from_args(build_parser().parse_args(["serve", "--shutdown-timeout", "-1"]))
+
+
 def test_streams_that_finish_in_time_end_normally_and_new_requests_are_refused(tokenizer):
     engine = FakeEngine(tokenizer, delay_s=0.01)
     app = _drain_app(engine, shutdown_timeout_s=20.0)
