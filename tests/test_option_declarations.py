@@ -17,6 +17,7 @@ from raymoe.cli import GENERATE_OWN_FLAGS, build_parser
 from raymoe.config import EngineConfig, engine_config_from_options, engine_options
 from raymoe.config.engine_options import declared_options, engine_sections
 from raymoe.config.option import is_option
+from raymoe.deploy.drain import DrainConfig
 from raymoe.deploy.server_config import SERVE_DEFAULTS, SERVE_ONLY_FIELDS, ServeOptions, ServerLimits
 from raymoe.errors import InvalidRequestError
 
@@ -36,7 +37,7 @@ def _actions(name: str) -> dict[str, argparse.Action]:
 
 
 def test_every_option_field_is_declared_with_help():
-    for cls in (EngineConfig, *engine_sections().values(), ServerLimits):
+    for cls in (EngineConfig, *engine_sections().values(), ServerLimits, DrainConfig):
         for f in dataclasses.fields(cls):
             if cls is EngineConfig and (f.name == "model" or f.name in engine_sections()):
                 continue
@@ -46,10 +47,11 @@ def test_every_option_field_is_declared_with_help():
 
 def test_serve_flags_map_to_declarations_and_back():
     actions = _actions("serve")
-    options, limits = engine_options(), declared_options(ServerLimits)
+    options, limits = engine_options(), {**declared_options(ServerLimits), **declared_options(DrainConfig)}
     assert set(actions) <= set(options) | set(limits) | SERVE_ONLY_FLAGS, set(actions) - set(options) - set(limits)
     assert set(options) <= set(actions), set(options) - set(actions)  # every engine option has a flag
-    assert set(limits) <= set(actions), set(limits) - set(actions)
+    assert set(limits) <= set(actions), set(limits) - set(actions)  # every limit and stop setting too
+    assert actions["shutdown_timeout_s"].option_strings[0] == "--shutdown-timeout"
     for name, decl in {**options, **limits}.items():
         action = actions[name]
         negated = tuple(f"--no-{f[2:]}" for f in decl.flags) if decl.type in (bool, bool | None) else ()
@@ -68,7 +70,7 @@ def test_serve_help_comes_from_the_declarations():
         if name not in SERVE_DEFAULTS:
             assert description == decl.help, name
         assert actions[name].help.startswith(description.replace("%", "%%")), name
-    for name, decl in declared_options(ServerLimits).items():
+    for name, decl in {**declared_options(ServerLimits), **declared_options(DrainConfig)}.items():
         assert actions[name].help.startswith(decl.help), name
 
 

@@ -229,3 +229,45 @@ def test_two_batch_overlap_defaults_on_for_cuda_ranks_only():
     assert tbo(dp_size=2, device="cuda") and not tbo(dp_size=2, device="cpu")  # ep = world by default
     assert not tbo(dp_size=1, device="cuda")  # one EP rank: no all-to-all to hide
     assert tbo(dp_size=2, device="cpu", enable_tbo=True) and not tbo(dp_size=2, device="cuda", enable_tbo=False)
+
+
+@pytest.mark.parametrize("source", ["serve.yaml", "kuberay-rayservice.yaml"])
+def test_serve_configs_drain_replicas_for_streams(source):
+    """Both configs carry the deployment's own stop settings (the config's values replace the decorator's): the
+    replacement starts first, and a stopping replica has the same time to finish its streams."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from raymoe.deploy import serve_app
+
+    (deployment,) = ServeDeploySchema(**_serve_configs()[source]).applications[0].deployments
+    assert deployment.max_surge_percent == serve_app.MAX_SURGE_PERCENT == 100
+    assert deployment.graceful_shutdown_timeout_s == serve_app.GRACEFUL_SHUTDOWN_TIMEOUT_S
+    assert deployment.graceful_shutdown_wait_loop_s == serve_app.GRACEFUL_SHUTDOWN_WAIT_LOOP_S
+    config = serve_app.RaymoeDeployment._deployment_config
+    assert config.max_surge_percent == 100
+    assert config.graceful_shutdown_timeout_s == serve_app.GRACEFUL_SHUTDOWN_TIMEOUT_S
+
+
+def test_kuberay_pods_outlive_a_replica_drain_and_probe_readiness():
+    """Every pod's grace period covers Serve's drain of a replica; the serving (GPU worker) pods, which run a Serve
+    proxy each, probe a readiness route the app has, and leave liveness to KubeRay's default (the raylet)."""
+    from raymoe.deploy.serve_app import GRACEFUL_SHUTDOWN_TIMEOUT_S
+
+    spec = yaml.safe_load((CONFIGS / "kuberay-rayservice.yaml").read_text())["spec"]
+    assert yaml.safe_load(spec["serveConfigV2"])["proxy_location"] == "EveryNode"
+    cluster = spec["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in cluster["workerGroupSpecs"]]
+    for pod in pods:
+        assert pod["terminationGracePeriodSeconds"] >= GRACEFUL_SHUTDOWN_TIMEOUT_S + 30
+    worker = cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    probe = worker["readinessProbe"]
+    assert probe["httpGet"] == {"path": "/ready", "port": 8000}
+    from raymoe.deploy.probes import ENGINE_PROBE_TIMEOUT_S
+
+    assert probe["timeoutSeconds"] > ENGINE_PROBE_TIMEOUT_S  # the route answers 503 before the probe gives up
+    assert "livenessProbe" not in worker
+    import inspect
+
+    from raymoe.deploy import openai_api
+
+    assert '@app.get("/ready"' in inspect.getsource(openai_api.build_openai_app)  # answered in test_drain.py

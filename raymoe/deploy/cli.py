@@ -12,6 +12,7 @@ import os
 
 from raymoe.cli_args import add_option_flag, given_options, model_arg
 from raymoe.config.engine_options import declared_options, engine_options
+from raymoe.deploy.drain import DrainConfig
 from raymoe.deploy.server_config import ServeOptions, ServerLimits
 from raymoe.errors import InvalidRequestError
 
@@ -36,6 +37,9 @@ def add_serve_parser(sub) -> None:
     limits = p.add_argument_group("per-request limits (ServerLimits; README: Limits and failure behaviour)")
     for decl in declared_options(ServerLimits).values():
         add_option_flag(limits, decl)
+    stop = p.add_argument_group("stopping (DrainConfig; README: Limits and failure behaviour)")
+    for decl in declared_options(DrainConfig).values():
+        add_option_flag(stop, decl)
     p.set_defaults(func=_cmd_serve)
 
 
@@ -46,6 +50,15 @@ def limits_from_args(a: argparse.Namespace):
         InvalidRequestError: a limit out of range (names it).
     """
     return ServerLimits(**given_options(a, declared_options(ServerLimits)))
+
+
+def drain_from_args(a: argparse.Namespace) -> DrainConfig:
+    """``DrainConfig`` from the stopping flags that were given (the rest keep their defaults).
+
+    Raises:
+        InvalidRequestError: a value out of range (names it).
+    """
+    return DrainConfig(**given_options(a, declared_options(DrainConfig)))
 
 
 def serve_options_from_args(a: argparse.Namespace):
@@ -72,4 +85,4 @@ def _cmd_serve(a: argparse.Namespace) -> None:
     from raymoe.deploy.server import run_server
 
     run_server(serve_options_from_args(a), host=a.host, port=a.port, demo_request=a.demo_request,
-               log_level=a.log_level)
+               log_level=a.log_level, drain=drain_from_args(a))

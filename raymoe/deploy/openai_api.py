@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP API over an :class:`~raymoe.deploy.engine_client.EngineClient` (FastAPI).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stream``), ``GET /v1/models`` (these
-three need ``Authorization: Bearer KEY`` when an API key is set), ``GET /health`` (503 while the engine is
-unhealthy), ``GET /metrics`` (Prometheus text). Flow of a request: ``http_guard`` gives it an id and checks the
+three need ``Authorization: Bearer KEY`` when an API key is set), ``GET /ready`` and ``GET /health`` (readiness: 503
+while the engine is unhealthy or the server drains), ``GET /live`` (liveness; ``probes``), ``GET /metrics``
+(Prometheus text). ``drain.DrainGuard`` follows every ``/v1/*`` request so that a stop can drain them
+(``drain.Drain``, kept in ``app.state.drain``). Flow of a request: ``http_guard`` gives it an id and checks the
 key and the declared body size before anything is read; FastAPI reads the body (413 past ``max_body_bytes``) and
 pydantic validates it (any error: 400); ``request_prep`` tokenizes it (on the loop for a short body, else in a worker
 thread);
@@ -24,11 +26,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from raymoe.deploy.drain import Drain, DrainConfig, DrainGuard
 from raymoe.deploy.engine_client import EngineClient
 from raymoe.deploy.generation import ClientDisconnected, Piece, collect, stream_pieces, until_disconnected
 from raymoe.deploy.http_errors import APIError, from_raymoe_error, install_error_handlers, request_id_of
 from raymoe.deploy.http_guard import RequestGuard
 from raymoe.deploy.metrics import ServerMetrics
+from raymoe.deploy.probes import liveness, readiness
 from raymoe.deploy.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from raymoe.deploy.request_prep import PreparedRequest, prepare
 from raymoe.deploy.responses import ResponseBuilder, TokenTexts
@@ -185,16 +189,6 @@ class OpenAIServing:
         finally:
             await _close(pieces)
 
-    async def health(self) -> Response:
-        """200 while the engine is healthy, else 503."""
-        try:
-            ok = await asyncio.wait_for(self.engine.healthy(), timeout=10.0)
-        except Exception:  # noqa: BLE001 - an unreachable or slow engine is unhealthy
-            ok = False
-        if not ok:
-            raise APIError(503, "the engine is unhealthy (a rank failed; recovering)", code="engine_unhealthy")
-        return JSONResponse({"status": "ok"})
-
     async def metrics_text(self) -> Response:
         """Prometheus exposition with the engine gauges fetched now."""
         try:
@@ -216,12 +210,13 @@ async def _close(pieces) -> None:
 
 
 def build_openai_app(engine: EngineClient, api_key: str | None = None, max_in_flight: int | None = None,
-                     limits: ServerLimits | None = None) -> FastAPI:
+                     limits: ServerLimits | None = None, drain: DrainConfig | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (see the module docstring for routes and status codes).
 
     Args:
         engine: the engine client. api_key: bearer token required on ``/v1/*`` (None: open).
         max_in_flight: see :class:`OpenAIServing`. limits: per-request limits (None: the defaults).
+        drain: how a stop drains the app (None: the ``DrainConfig`` defaults).
     """
     from raymoe import __version__
 
@@ -229,7 +224,9 @@ def build_openai_app(engine: EngineClient, api_key: str | None = None, max_in_fl
     serving = OpenAIServing(engine, max_in_flight=max_in_flight, limits=limits)
     app = FastAPI(title="raymoe", version=__version__, description="OpenAI-compatible API of a raymoe engine")
     app.state.serving = serving
+    app.state.drain = draining = Drain(drain)
     install_error_handlers(app, limits.max_body_bytes)
+    app.add_middleware(DrainGuard, drain=draining)  # added first: inside RequestGuard, so refusals carry the id
     app.add_middleware(RequestGuard, metrics=serving.metrics, api_key=api_key, max_body_bytes=limits.max_body_bytes)
     body_limit = {"max_body_size": limits.max_body_bytes}  # chunked bodies; a declared length is checked earlier
 
@@ -248,10 +245,21 @@ def build_openai_app(engine: EngineClient, api_key: str | None = None, max_in_fl
         """The served model."""
         return serving.models()
 
+    @app.get("/ready", responses={503: {"model": ErrorResponse}})
+    async def ready(request: Request):
+        """Readiness: 200 while the engine serves and the server admits requests; 503 while a failed rank group is
+        being restarted or the server drains for a stop."""
+        return await readiness(engine, draining, request_id_of(request))
+
     @app.get("/health", responses={503: {"model": ErrorResponse}})
-    async def health():
-        """200 while every rank is up; 503 while a failed rank group is being restarted."""
-        return await serving.health()
+    async def health(request: Request):
+        """The same answer as ``/ready``."""
+        return await readiness(engine, draining, request_id_of(request))
+
+    @app.get("/live")
+    async def live():
+        """Liveness: 200 while the server answers (also while it drains or its engine recovers)."""
+        return liveness(draining)
 
     @app.get("/metrics")
     async def metrics():

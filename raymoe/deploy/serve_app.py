@@ -6,6 +6,14 @@
 STRICT_PACK placement group per TP group, GPU bundles when the cluster has GPUs), and serves the FastAPI app of
 ``openai_api`` over it. A replica whose driver actor died fails its health check, and Serve replaces it (which
 starts a fresh driver and ranks); a rank failure alone is recovered by the driver itself.
+
+Stops and rolling updates keep streams whole. A redeploy with changed args (``serve deploy`` of an edited config)
+starts the replacement replica first (``max_surge_percent=100``: Serve holds the old one running until the new one
+is up, so there is no moment without a replica); then Serve stops routing to the old replica and waits until its
+ongoing requests, streams included, have finished (checked every ``graceful_shutdown_wait_loop_s``) before it calls
+``__del__`` (engine shutdown); after ``graceful_shutdown_timeout_s`` it kills the replica whatever is left.
+Serve gives a replica no notice of its drain, so unlike ``raymoe serve`` a stream still running at that point is
+cut, not ended with a ``server_shutdown`` event: the timeout is sized for long streams.
 """
 
 from __future__ import annotations
@@ -17,9 +25,23 @@ from ray.serve import Application
 
 from raymoe.deploy.server_config import ServeOptions
 
+# How long Serve lets a stopping replica finish its streams before it kills it, seconds: a 4096-token answer at
+# 50 ms per token takes 205 s, plus its time in the queue. Pods must outlive it (terminationGracePeriodSeconds of
+# configs/kuberay-rayservice.yaml: this plus 30 s for the engine's own stop).
+GRACEFUL_SHUTDOWN_TIMEOUT_S = 300.0
+# How often a stopping replica counts its ongoing requests, seconds: it stops (and frees its GPUs) at most this long
+# after its last stream ends (Serve's default is 2 s).
+GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 1.0
+# Replacements a rolling update may start before the old replicas stop, percent of the target replica count: 100
+# starts each replacement before its old replica stops (Serve's default, 0, stops first: no replica for as long as
+# an engine takes to load). The price: room for one more engine (its GPUs) during the update.
+MAX_SURGE_PERCENT = 100
+
 
 @serve.deployment(name="raymoe", max_ongoing_requests=512, health_check_period_s=10.0,
-                  health_check_timeout_s=30.0, ray_actor_options={"num_cpus": 1})
+                  health_check_timeout_s=30.0, graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_TIMEOUT_S,
+                  graceful_shutdown_wait_loop_s=GRACEFUL_SHUTDOWN_WAIT_LOOP_S, max_surge_percent=MAX_SURGE_PERCENT,
+                  ray_actor_options={"num_cpus": 1})
 @serve.ingress()
 class RaymoeDeployment:
     """One engine behind the OpenAI API.

@@ -1,5 +1,10 @@
 """``raymoe serve``: start the engine and serve the OpenAI API with uvicorn until Ctrl-C / SIGTERM.
 
+Stopping: the first SIGTERM or Ctrl-C drains (``shutdown.DrainingServer``: new requests 503, those in flight get
+``shutdown_timeout_s`` to finish, the rest end with a ``server_shutdown`` error event), then the engine (driver,
+ranks) and the local Ray this command started are stopped and it exits 0. A second signal ends the requests in
+flight at once with that event (exit 1), a third drops them.
+
 Start-up, each step with a progress bar: the demo checkpoint (built on first use), a local Ray on 127.0.0.1 (or
 the cluster at ``--address``), the driver actor and its rank actors (weights, decode graphs), then uvicorn.
 When the server answers, the URL and a ``curl`` line are printed.
@@ -16,6 +21,7 @@ import urllib.request
 
 from tqdm import tqdm
 
+from raymoe.deploy.drain import DrainConfig
 from raymoe.deploy.server_config import ServeOptions
 
 
@@ -60,12 +66,18 @@ async def _serve(server, base_url: str, banner: str, on_ready) -> None:
 
 
 def run_server(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, demo_request: bool = False,
-               log_level: str = "info") -> None:
-    """Start the engine described by ``opts`` and serve it on ``host:port`` until interrupted."""
+               log_level: str = "info", drain: DrainConfig | None = None) -> None:
+    """Start the engine described by ``opts`` and serve it on ``host:port`` until a signal stops it (``drain``:
+    how; None: the ``DrainConfig`` defaults).
+
+    Raises:
+        SystemExit: 1 when a second signal stopped the server before its drain finished.
+    """
     import uvicorn
 
     from raymoe.actors.process_tuning import freeze_startup_heap
     from raymoe.deploy.openai_api import build_openai_app
+    from raymoe.deploy.shutdown import DrainingServer, stop_engine
 
     stages = tqdm(total=3, desc="raymoe serve", unit="step", bar_format="{desc}: {n}/{total}{postfix} [{elapsed}]")
     stages.set_postfix_str("demo checkpoint" if opts.model is None else "model folder")
@@ -92,8 +104,10 @@ def run_server(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, de
     stages.update()
     stages.set_postfix_str("ready")
     stages.close()
+    server = None
     try:
-        app = build_openai_app(engine, api_key=opts.api_key, max_in_flight=opts.max_in_flight, limits=opts.limits)
+        app = build_openai_app(engine, api_key=opts.api_key, max_in_flight=opts.max_in_flight, limits=opts.limits,
+                               drain=drain)
         freeze_startup_heap()  # tokenizer, app and Ray client are built: no full-heap GC pause under the streams
         base_url = f"http://{host}:{port}"
         cfg = engine.config
@@ -103,16 +117,15 @@ def run_server(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, de
                   f"  try:     {curl_example(base_url, engine.model_name, opts.api_key is not None)}\n"
                   f"  metrics: {base_url}/metrics    health: {base_url}/health    stop: Ctrl-C\n")
         on_ready = (lambda: _demo_request(base_url, engine.model_name, opts.api_key)) if demo_request else None
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                               timeout_graceful_shutdown=5))
-        # uvicorn re-raises the signal that stopped it once it has shut down: make SIGTERM, like Ctrl-C, unwind
-        # through the ``finally`` below so the ranks and the local Ray are stopped too.
+        server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                               timeout_graceful_shutdown=5), app.state.drain)
+        # A signal before uvicorn runs (or one uvicorn re-raises) unwinds through the ``finally`` below, as Ctrl-C
+        # does, so the ranks and the local Ray are stopped too.
         signal.signal(signal.SIGTERM, _raise_system_exit)
         asyncio.run(_serve(server, base_url, banner, on_ready))
     except KeyboardInterrupt:
         pass
     finally:
-        print("raymoe serve: stopping the engine", flush=True)
-        engine.shutdown()
-        if started_ray:
-            ray.shutdown()
+        stop_engine(engine, stop_ray=started_ray)
+    if server is not None and server.forced:
+        raise SystemExit(1)
