@@ -125,6 +125,7 @@ class BatchFormation:
             if req is not chunked:
                 req.admit_seq = next(self._admissions)
                 s.hit_tokens += req.prefix_len
+                req.limits = s.limits_for(req)
             if req is not s.chunked_req:
                 s.running.append(req)
         if decoders:
@@ -133,7 +134,7 @@ class BatchFormation:
 
     def _alloc_decode_slots(self, decoders: list[Req]) -> None:
         s = self.state
-        slots = s.token_allocator.alloc_decode([r.kv_slots[-1] for r in decoders])
+        slots = s.token_allocator.alloc_decode(s.last_slots(decoders))
         assert slots is not None, "decode room was checked"
         for req, slot in zip(decoders, slots, strict=True):
             req.kv_slots.append(slot)
@@ -150,7 +151,7 @@ class BatchFormation:
         if not decoders or len(decoders) >= budget:  # no room left for a prompt token: prefill alone first
             return None
         alloc = s.token_allocator
-        cost = alloc.decode_cost([r.kv_slots[-1] for r in decoders])
+        cost = alloc.decode_cost(s.last_slots(decoders))
         short = cost - alloc.available_size()
         if short > 0:
             if s.tree_cache.evictable_size() < short:
@@ -168,8 +169,7 @@ class BatchFormation:
         s = self.state
         if not s.running:
             return None
-        make_room_for_decode(s)
-        decoders = s.decoders()
+        decoders = make_room_for_decode(s)
         if not decoders:
             return None
         self._alloc_decode_slots(decoders)
