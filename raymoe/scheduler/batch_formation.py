@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from raymoe.scheduler.decode_rows import DecodeRows
 from raymoe.scheduler.group_state import GroupState
 from raymoe.scheduler.policy import order_waiting
 from raymoe.scheduler.prefill_adder import AddResult, PrefillAdder, decode_reservation
@@ -36,6 +37,7 @@ class BatchFormation:
     def __init__(self, state: GroupState):
         self.state = state
         self._admissions = itertools.count()
+        self._decode_rows = DecodeRows(state)
 
     def next_batch(self) -> ScheduleBatch | None:
         """Form the next step: a prefill batch if anything can be admitted (MIXED with the running decodes when
@@ -162,7 +164,7 @@ class BatchFormation:
         self._alloc_decode_slots(decoders)
         batch = self._prefill_batch(decoders)
         if batch is None:
-            return self._build(decoders, ForwardMode.DECODE, [1] * len(decoders))
+            return self._build_decode(decoders)
         return batch
 
     def _decode_batch(self) -> ScheduleBatch | None:
@@ -173,4 +175,9 @@ class BatchFormation:
         if not decoders:
             return None
         self._alloc_decode_slots(decoders)
-        return self._build(decoders, ForwardMode.DECODE, [1] * len(decoders))
+        return self._build_decode(decoders)
+
+    def _build_decode(self, decoders: list[Req]) -> ScheduleBatch | None:
+        """The DECODE batch of ``decoders`` (their slots allocated): ``DecodeRows`` where it can, else ``_build``."""
+        batch = self._decode_rows.build(decoders)
+        return batch if batch is not None else self._build(decoders, ForwardMode.DECODE, [1] * len(decoders))
