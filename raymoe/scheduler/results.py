@@ -69,10 +69,11 @@ def apply_batch_result(state: GroupState, batch: ScheduleBatch, output: StepOutp
             continue
         try:
             req.pending_ids.pop(0)
-            req.append_token(token, lp)
+            outputs, token = req.output_ids, int(token)
+            outputs.append(token)  # Req.append_token, inlined
+            req.output_logprobs.append(lp)
             lim = req.limits  # the common token ends nothing: answered from the limits (``stop_limits``)
-            if lim is None or lim.stop_strings or len(req.output_ids) >= lim.output_cap \
-                    or req.output_ids[-1] in lim.stop_ids:
+            if lim is None or lim.stop_strings or len(outputs) >= lim.output_cap or token in lim.stop_ids:
                 finished = req.check_finished(stop.eos_token_ids, stop.detokenize, ctx, kv_pool_size=pool)
             else:
                 finished = False
