@@ -6,7 +6,8 @@ request, then admit new ones in policy order through a ``PrefillAdder``); otherw
 With ``enable_mixed_chunk`` a prefill step also carries one decode row of every running request
 (``ForwardMode.MIXED``), so arrivals never stall the running streams; the decode rows take their share of the step's
 token budget. A running request whose pending token will end it by length is not scheduled again. Decode needs one
-new slot per request; ``raymoe.scheduler.retraction`` frees it when the pool is short.
+new slot per request; ``raymoe.scheduler.retraction`` frees it when the pool is short (and names the requests that
+decode, so they are listed once per step); ``raymoe.scheduler.decode_rows`` builds the DECODE batch.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ Ownership: built by the ``Scheduler`` after it has allocated the step's KV slots
 each request's ``kv_slots``); read back by ``Scheduler.process_batch_result``. It snapshots every number the
 step needs at build time, so later changes to the requests (an abort, a retraction) cannot alter a batch that is
 in flight. The step's numbers live in one record, the plain-data ``ModelWorkerBatch`` that ranks receive
-(``ScheduleBatch.worker_batch``, built once by :meth:`ScheduleBatch.build`); the ScheduleBatch adds only what
-the scheduler needs to apply the result (the requests, and which rows are unfinished prefill chunks). The set of
-decoding requests itself is a plain list on the scheduler, not a batch object.
+(``ScheduleBatch.worker_batch``, built once by :meth:`ScheduleBatch.build`, or for most DECODE steps by
+``raymoe.scheduler.decode_rows``, which gives the same record); the ScheduleBatch adds only what the scheduler
+needs to apply the result (the requests, and which rows are unfinished prefill chunks). The set of decoding
+requests itself is a plain list on the scheduler, not a batch object.
 """
 
 from __future__ import annotations
