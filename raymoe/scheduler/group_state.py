@@ -70,8 +70,9 @@ class GroupState:
         new_token_ratio: the fraction admission reserves now (see :class:`TokenRatioPolicy`).
         num_retractions: requests pushed back to ``waiting`` by KV exhaustion so far.
         hit_tokens: prompt tokens served from the radix cache at admission so far.
-        kv_epoch: counts the requests that gave their KV back (:meth:`release`); a request's row and sampling
-            numbers stay what they were while it is unchanged (``raymoe.scheduler.decode_rows``).
+        kv_epoch: grows by one each time a request gives its KV back (:meth:`release`); while it stays, every
+            request that holds KV keeps its ReqToTokenPool row and sampling numbers (``raymoe.scheduler.decode_rows``
+            relies on it).
     """
 
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, ratio: TokenRatioPolicy,
