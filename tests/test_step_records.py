@@ -38,6 +38,19 @@ def test_worker_batch_carries_one_sampling_row_per_request():
     assert ModelWorkerBatch.idle().sampling.batch_size == 0
 
 
+def test_step_decisions_copy_equals_a_validated_replace_and_checks_the_capacity():
+    b = _decode([0, 1, 2], [5, 6, 7])
+    decided = b.with_step_decisions((3, 0), True, 4, 8)
+    assert decided == dataclasses.replace(b, global_num_tokens=(3, 0), use_tbo=True, graph_bs=4, dispatch_capacity=8)
+    assert (b.use_tbo, b.graph_bs, b.dispatch_capacity) == (False, None, None)  # the original is unchanged
+    for cap in (0, 2):
+        with pytest.raises(ValueError, match=f"dispatch_capacity {cap} must be >= 1 and hold its 3 tokens"):
+            b.with_step_decisions((3,), False, None, cap)
+    idle = ModelWorkerBatch.idle().with_step_decisions((0, 3), True, None, 1)
+    assert idle == dataclasses.replace(ModelWorkerBatch.idle(), global_num_tokens=(0, 3), use_tbo=True,
+                                       dispatch_capacity=1)
+
+
 def test_step_output_logprobs_are_none_or_one_per_token():
     lp = TokenLogprobs(-0.5, [3], [-0.5])
     assert StepOutput([1, 2], [lp, None]).logprobs[0] is lp

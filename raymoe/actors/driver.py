@@ -273,6 +273,6 @@ class Driver(StepCoordinator):
 
     def _forget_finished(self, updated: list[Req]) -> list[Req]:
         for req in updated:
-            if req.finished:
+            if req.finished_reason is not None:
                 self.group_of.pop(req.rid, None)
         return updated

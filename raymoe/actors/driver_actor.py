@@ -65,7 +65,7 @@ class DriverActor:
 
     def __init__(self, config: EngineConfig):
         from raymoe.actors.factory import build_driver
-        from raymoe.actors.process_tuning import freeze_startup_heap, set_engine_process_nice
+        from raymoe.actors.process_tuning import configure_driver_gc, set_engine_process_nice
         from raymoe.tokenizer import load_tokenizer
 
         set_engine_process_nice()
@@ -81,7 +81,7 @@ class DriverActor:
         model_config = ModelConfig.from_hf(config.model)
         self.service = DriverService(build_driver(config, model_config, load_tokenizer(config.model)),
                                      publish=self._publish)
-        freeze_startup_heap()  # ranks (and a one-rank world's model) are up: no full-heap GC pauses from now on
+        configure_driver_gc()  # ranks (and a one-rank world's model) are up: start-up heap frozen, rarer collections
 
     def _publish(self, batch: OutputBatch) -> None:  # on the step loop thread
         with self._lock:

@@ -91,7 +91,7 @@ class GroupSchedulerActor:
 
         from raymoe.actors.group_scheduler import GroupScheduler
         from raymoe.actors.group_server import GroupServer
-        from raymoe.actors.process_tuning import freeze_startup_heap
+        from raymoe.actors.process_tuning import configure_driver_gc
         from raymoe.config import ModelConfig
         from raymoe.tokenizer import detokenizer, eos_token_ids, load_tokenizer
 
@@ -104,7 +104,7 @@ class GroupSchedulerActor:
         self.outputs = OutputPublisher()
         self.server = GroupServer(make_group(), HubRanks(self.hub, config.step_timeout_s), self.outputs.publish,
                                   make_group)
-        freeze_startup_heap()
+        configure_driver_gc()  # the driver's GC policy: start-up heap frozen, rarer young collections
 
     def rank_channel(self) -> tuple[Address, bytes]:
         """Where the group's ranks connect (``RankWorker.start_step_channel``)."""

@@ -133,23 +133,50 @@ class GroupScheduler:
 
     def _forget(self, reqs: list[Req]) -> None:
         for req in reqs:
-            if req.finished:
+            if req.finished_reason is not None:
                 self.reqs.pop(req.rid, None)
 
     # ------------------------------------------------------------------------------------------------- outputs
     def record(self, reqs: list[Req]) -> None:
-        """Write a row for each of ``reqs`` (new tokens, and how it ended); a request whose row cannot be built
-        fails alone (its KV freed)."""
+        """Write a row for each of ``reqs`` (new tokens, and how it ended), in order; a request whose row cannot
+        be built fails alone (its KV freed).
+
+        The common row, one new token of a request that goes on and asked no log-probabilities, is gathered into
+        columns and appended in runs (``OutputBatch.add_next_tokens``); every other row is built by
+        :meth:`_record_one`."""
+        sent, out = self._sent, self._out
+        rids: list[str] = []
+        tokens: list[int] = []
+        counts: list[int] = []
         for req in reqs:
-            try:
-                self._record(req)
-            except Exception as e:  # noqa: BLE001 - this request's output could not be built: fail it only
-                self._sent.pop(req.rid, None)
-                if self.reqs.pop(req.rid, None) is not None:
-                    self.scheduler.abort_request(req.rid)
-                self.failed_requests += 1
-                self._out.end(req.rid, RequestEnd(error=RequestError(
-                    "failed", f"building the request's output failed ({type(e).__name__})")))
+            rid = req.rid
+            done = sent.get(rid)
+            if done is not None and req.finished_reason is None and req.sampling_params.logprobs is None:
+                outputs = req.output_ids
+                n = len(outputs)
+                if n == done + 1:
+                    sent[rid] = n
+                    rids.append(rid)
+                    tokens.append(outputs[-1])
+                    counts.append(n)
+                    continue
+            if rids:  # keep the rows in order
+                out.add_next_tokens(rids, tokens, counts)
+                rids, tokens, counts = [], [], []
+            self._record_one(req)
+        if rids:
+            out.add_next_tokens(rids, tokens, counts)
+
+    def _record_one(self, req: Req) -> None:
+        try:
+            self._record(req)
+        except Exception as e:  # noqa: BLE001 - this request's output could not be built: fail it only
+            self._sent.pop(req.rid, None)
+            if self.reqs.pop(req.rid, None) is not None:
+                self.scheduler.abort_request(req.rid)
+            self.failed_requests += 1
+            self._out.end(req.rid, RequestEnd(error=RequestError(
+                "failed", f"building the request's output failed ({type(e).__name__})")))
 
     def _record(self, req: Req) -> None:
         sent = self._sent.get(req.rid)

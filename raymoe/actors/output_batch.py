@@ -74,6 +74,17 @@ class OutputBatch:
         self.completion_tokens.append(completion_tokens)
         self.token_ids.extend(tokens)
 
+    def add_next_tokens(self, rids: list[str], tokens: list[int], completion_tokens: list[int]) -> None:
+        """Append one row per request that got exactly one new token and goes on (no end, no log-probabilities
+        asked): ``rids[i]`` got ``tokens[i]`` and has ``completion_tokens[i]`` output tokens so far. The same rows
+        as ``add(rids[i], [tokens[i]], completion_tokens[i])`` for each ``i``, in order."""
+        if self.logprobs is not None:
+            self.logprobs.extend([None] * len(tokens))
+        self.rids.extend(rids)
+        self.counts.extend([1] * len(rids))
+        self.completion_tokens.extend(completion_tokens)
+        self.token_ids.extend(tokens)
+
     def end(self, rid: str, end: RequestEnd) -> None:
         """Append a row that ends ``rid`` without tokens (refused, aborted, failed)."""
         self.add(rid, [], 0, end=end)

@@ -55,3 +55,34 @@ def freeze_startup_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+# Generation-0 threshold of the serving driver's process (CPython's default is 700; see configure_driver_gc).
+DRIVER_GC_GEN0_THRESHOLD = 50_000
+
+
+def configure_driver_gc(gen0_threshold: int = DRIVER_GC_GEN0_THRESHOLD) -> int:
+    """The garbage-collector policy of the serving driver's process: call it once, where the driver has started
+    (ranks up, before the first request; ``raymoe.actors.driver_actor``). Returns the number of objects frozen.
+
+    * The start-up heap is frozen (:func:`freeze_startup_heap`): a full collection then visits only the objects
+      made since (the requests' own), not the million of torch, the tokenizer and the model.
+    * The generation-0 threshold is raised from 700 to ``gen0_threshold``. CPython starts a young collection when
+      its count of tracked allocations minus deallocations passes the threshold, and every step makes and drops
+      hundreds of containers (batches, rows, output columns; more with more DP groups and requests), so at 700 a
+      young collection ran about once a step with 32 groups, every tenth one also walked the middle generation,
+      and the middle ones in turn led to full collections of every request's objects. Requests arriving while
+      others finish hardly move the count (their objects replace freed ones), so what a young collection walks is
+      not bounded by the threshold anyway; a higher one mostly makes collections, of every generation, rarer.
+      The older generations keep CPython's thresholds.
+
+    Measured on the driver with instantly answering ranks (``gc.callbacks``, CPU time in collections; two-core
+    machine): 16 groups x 256 requests that keep finishing and arriving, 600 steps: 1790 collections, longest
+    139 ms, 2.9 s in all with the start-up freeze alone; 3 collections, longest 37 ms, 58 ms in all with this
+    policy. 32 groups x 256 decoding requests, 200 steps: 200 collections (two full ones of 49 ms) before, none
+    after.
+    """
+    frozen = freeze_startup_heap()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(gen0_threshold, gen1, gen2)
+    return frozen

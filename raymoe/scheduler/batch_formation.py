@@ -6,7 +6,8 @@ request, then admit new ones in policy order through a ``PrefillAdder``); otherw
 With ``enable_mixed_chunk`` a prefill step also carries one decode row of every running request
 (``ForwardMode.MIXED``), so arrivals never stall the running streams; the decode rows take their share of the step's
 token budget. A running request whose pending token will end it by length is not scheduled again. Decode needs one
-new slot per request; ``raymoe.scheduler.retraction`` frees it when the pool is short.
+new slot per request; ``raymoe.scheduler.retraction`` frees it when the pool is short (and names the requests that
+decode, so they are listed once per step); ``raymoe.scheduler.decode_rows`` builds the DECODE batch.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from raymoe.scheduler.decode_rows import DecodeRows
 from raymoe.scheduler.group_state import GroupState
 from raymoe.scheduler.policy import order_waiting
 from raymoe.scheduler.prefill_adder import AddResult, PrefillAdder, decode_reservation
@@ -36,6 +38,7 @@ class BatchFormation:
     def __init__(self, state: GroupState):
         self.state = state
         self._admissions = itertools.count()
+        self._decode_rows = DecodeRows(state)
 
     def next_batch(self) -> ScheduleBatch | None:
         """Form the next step: a prefill batch if anything can be admitted (MIXED with the running decodes when
@@ -125,6 +128,7 @@ class BatchFormation:
             if req is not chunked:
                 req.admit_seq = next(self._admissions)
                 s.hit_tokens += req.prefix_len
+                req.limits = s.limits_for(req)
             if req is not s.chunked_req:
                 s.running.append(req)
         if decoders:
@@ -133,7 +137,7 @@ class BatchFormation:
 
     def _alloc_decode_slots(self, decoders: list[Req]) -> None:
         s = self.state
-        slots = s.token_allocator.alloc_decode([r.kv_slots[-1] for r in decoders])
+        slots = s.token_allocator.alloc_decode(s.last_slots(decoders))
         assert slots is not None, "decode room was checked"
         for req, slot in zip(decoders, slots, strict=True):
             req.kv_slots.append(slot)
@@ -150,7 +154,7 @@ class BatchFormation:
         if not decoders or len(decoders) >= budget:  # no room left for a prompt token: prefill alone first
             return None
         alloc = s.token_allocator
-        cost = alloc.decode_cost([r.kv_slots[-1] for r in decoders])
+        cost = alloc.decode_cost(s.last_slots(decoders))
         short = cost - alloc.available_size()
         if short > 0:
             if s.tree_cache.evictable_size() < short:
@@ -161,16 +165,20 @@ class BatchFormation:
         self._alloc_decode_slots(decoders)
         batch = self._prefill_batch(decoders)
         if batch is None:
-            return self._build(decoders, ForwardMode.DECODE, [1] * len(decoders))
+            return self._build_decode(decoders)
         return batch
 
     def _decode_batch(self) -> ScheduleBatch | None:
         s = self.state
         if not s.running:
             return None
-        make_room_for_decode(s)
-        decoders = s.decoders()
+        decoders = make_room_for_decode(s)
         if not decoders:
             return None
         self._alloc_decode_slots(decoders)
-        return self._build(decoders, ForwardMode.DECODE, [1] * len(decoders))
+        return self._build_decode(decoders)
+
+    def _build_decode(self, decoders: list[Req]) -> ScheduleBatch | None:
+        """The DECODE batch of ``decoders`` (their slots allocated): ``DecodeRows`` where it can, else ``_build``."""
+        batch = self._decode_rows.build(decoders)
+        return batch if batch is not None else self._build(decoders, ForwardMode.DECODE, [1] * len(decoders))

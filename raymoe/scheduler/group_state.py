@@ -21,6 +21,7 @@ from raymoe.kvcache.paged_allocator import make_token_allocator
 from raymoe.kvcache.radix_cache import RadixCache
 from raymoe.scheduler.req import Req, RequestFault
 from raymoe.scheduler.schedule_batch import ScheduleBatch
+from raymoe.scheduler.stop_limits import StopLimits, stop_limits
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class GroupState:
     Args:
         config: scheduling limits. cache_config: KV pool size, context length, page size, radix cache on/off.
         ratio: the new-token ratio's start, floor and decay.
+        eos_token_ids: the model's end-of-sequence ids (for :meth:`limits_for`).
 
     Attributes:
         config, cache_config: as given.
@@ -68,9 +70,13 @@ class GroupState:
         new_token_ratio: the fraction admission reserves now (see :class:`TokenRatioPolicy`).
         num_retractions: requests pushed back to ``waiting`` by KV exhaustion so far.
         hit_tokens: prompt tokens served from the radix cache at admission so far.
+        kv_epoch: grows by one each time a request gives its KV back (:meth:`release`); while it stays, every
+            request that holds KV keeps its ReqToTokenPool row and sampling numbers (``raymoe.scheduler.decode_rows``
+            relies on it).
     """
 
-    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, ratio: TokenRatioPolicy):
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, ratio: TokenRatioPolicy,
+                 eos_token_ids: frozenset[int] = frozenset()):
         self.config = config
         self.cache_config = cache_config
         # Token-granular, or pages of cache_config.page_tokens for block-table kernels (raymoe.kvcache.paged_allocator).
@@ -90,21 +96,40 @@ class GroupState:
         self.new_token_ratio = ratio.init
         self.num_retractions = 0
         self.hit_tokens = 0
+        self.kv_epoch = 0
+        self.eos_token_ids = eos_token_ids
 
     @property
     def num_running(self) -> int:
         """Requests holding KV (decoding, or being prefilled chunk by chunk)."""
         return len(self.running) + (self.chunked_req is not None)
 
+    def limits_for(self, req: Req) -> StopLimits:
+        """What ends ``req`` in this group (``raymoe.scheduler.stop_limits``; stored on it at admission)."""
+        return stop_limits(len(req.origin_input_ids), req.sampling_params, self.eos_token_ids,
+                           self.cache_config.max_context_len, self.token_allocator.size)
+
     def decoders(self) -> list[Req]:
-        """Running requests to decode next: all but those whose pending token ends them by length."""
+        """Running requests to decode next: all but those whose pending token ends them by length
+        (``Req.length_capped``, answered from ``Req.limits`` where it is set). O(running)."""
         ctx, pool = self.cache_config.max_context_len, self.token_allocator.size
-        return [r for r in self.running if not r.length_capped(ctx, pool)]
+        return [r for r in self.running
+                if not (pend := r.pending_ids)
+                or ((lim := r.limits) is not None and len(r.output_ids) + len(pend) < lim.output_cap)
+                or (lim is None and not r.length_capped(ctx, pool))]
+
+    def last_slots(self, reqs: list[Req]) -> list[int]:
+        """The last KV slot of each of ``reqs``, as the allocator's ``decode_cost`` and ``alloc_decode`` take them.
+        With one-token pages only their number matters, and zeros stand in for them (O(1) per request in C)."""
+        if self.token_allocator.page_size == 1:
+            return [0] * len(reqs)
+        return [r.kv_slots[-1] for r in reqs]
 
     def release(self, req: Req, *, cache: bool) -> None:
         """Give back the KV, radix lock and row of ``req`` (``cache``: insert its computed KV into the tree)."""
         if req.req_pool_idx is None:
             return
+        self.kv_epoch += 1
         slots = req.kv_slots
         if cache:
             fill = req.fill_ids

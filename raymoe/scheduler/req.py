@@ -23,6 +23,7 @@ from enum import Enum
 from typing import Any
 
 from raymoe.scheduler.sampling_params import SamplingParams
+from raymoe.scheduler.stop_limits import StopLimits
 from raymoe.step.step_output import TokenLogprobs
 
 # A token decodes to at least one byte and a character takes at most four UTF-8 bytes, so the text of a stop
@@ -120,6 +121,10 @@ class Req:
             first (at most one while scheduling; see the module docstring).
         table_len: leading positions of the request's ReqToTokenPool row that the ranks' table already holds
             (their slots are not sent again); 0 after every (re-)admission.
+        limits: what ends the request in its group (``raymoe.scheduler.stop_limits``), set at each admission;
+            ``None`` before the first.
+        sampling_row: its sampling numbers as a step row carries them, ``(temperature, top_p, top_k, min_p, seed,
+            logprobs)``, taken when its parameters were last checked (the first step after each admission).
     """
 
     rid: str
@@ -138,6 +143,8 @@ class Req:
     num_retractions: int = 0
     pending_ids: list[int] = field(default_factory=list)
     table_len: int = 0
+    limits: StopLimits | None = field(default=None, repr=False)
+    sampling_row: tuple[float, float, int, float, int | None, int | None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.origin_input_ids = [int(t) for t in self.origin_input_ids]

@@ -65,12 +65,18 @@ def apply_batch_result(state: GroupState, batch: ScheduleBatch, output: StepOutp
     out: list[Req] = []
     rows = zip(batch.reqs, batch.partial, output.next_token_ids, logprobs, strict=True)
     for req, partial, token, lp in rows:
-        if req.finished or partial:
+        if req.finished_reason is not None or partial:
             continue
         try:
             req.pending_ids.pop(0)
-            req.append_token(token, lp)
-            finished = req.check_finished(stop.eos_token_ids, stop.detokenize, ctx, kv_pool_size=pool)
+            outputs, token = req.output_ids, int(token)
+            outputs.append(token)  # Req.append_token, inlined
+            req.output_logprobs.append(lp)
+            lim = req.limits  # the common token ends nothing: answered from the limits (``stop_limits``)
+            if lim is None or lim.stop_strings or len(outputs) >= lim.output_cap or token in lim.stop_ids:
+                finished = req.check_finished(stop.eos_token_ids, stop.detokenize, ctx, kv_pool_size=pool)
+            else:
+                finished = False
         except Exception as e:  # noqa: BLE001 - this request's own check failed: fail it, keep the others
             log.exception("post-processing request %s failed", req.rid)
             state.fail(req, RequestFault("failed", f"checking the request's stop conditions failed "

@@ -14,14 +14,15 @@ from raymoe.scheduler.group_state import GroupState
 from raymoe.scheduler.req import FinishKind, Req
 
 
-def make_room_for_decode(state: GroupState) -> None:
-    """Free KV until every running request can take one more slot (evict, retract, or finish the last)."""
+def make_room_for_decode(state: GroupState) -> list[Req]:
+    """Free KV until every running request can take one more slot (evict, retract, or finish the last); returns
+    the requests to decode next (``GroupState.decoders`` once the room is made; empty when none runs)."""
     alloc, tree = state.token_allocator, state.tree_cache
     while state.running:
-        need = alloc.decode_cost([r.kv_slots[-1] for r in state.decoders()])
-        short = need - alloc.available_size()
+        decoders = state.decoders()
+        short = alloc.decode_cost(state.last_slots(decoders)) - alloc.available_size()
         if short <= 0:
-            return
+            return decoders
         if tree.evictable_size() > 0 and tree.evict(short) > 0:
             continue
         if len(state.running) > 1:
@@ -37,6 +38,7 @@ def make_room_for_decode(state: GroupState) -> None:
             state.unfinished.pop(last.rid, None)
             state.release(last, cache=True)
             state.finished_outside_step.append(last)
+    return []
 
 
 def retract(state: GroupState, req: Req) -> None:

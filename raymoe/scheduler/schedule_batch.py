@@ -4,9 +4,10 @@ Ownership: built by the ``Scheduler`` after it has allocated the step's KV slots
 each request's ``kv_slots``); read back by ``Scheduler.process_batch_result``. It snapshots every number the
 step needs at build time, so later changes to the requests (an abort, a retraction) cannot alter a batch that is
 in flight. The step's numbers live in one record, the plain-data ``ModelWorkerBatch`` that ranks receive
-(``ScheduleBatch.worker_batch``, built once by :meth:`ScheduleBatch.build`); the ScheduleBatch adds only what
-the scheduler needs to apply the result (the requests, and which rows are unfinished prefill chunks). The set of
-decoding requests itself is a plain list on the scheduler, not a batch object.
+(``ScheduleBatch.worker_batch``, built once by :meth:`ScheduleBatch.build`, or for most DECODE steps by
+``raymoe.scheduler.decode_rows``, which gives the same record); the ScheduleBatch adds only what the scheduler
+needs to apply the result (the requests, and which rows are unfinished prefill chunks). The set of decoding
+requests itself is a plain list on the scheduler, not a batch object.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 from raymoe.errors import InvalidRequestError
 from raymoe.scheduler.req import Req, RequestFault, RequestFaultError
+from raymoe.scheduler.sampling_params import SamplingParams
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.sampling_inputs import SamplingInputs
 from raymoe.step.worker_batch import ModelWorkerBatch
@@ -107,10 +109,12 @@ class ScheduleBatch:
     def mark_scheduled(self) -> None:
         """Record on the requests that this batch is on its way to the ranks: their table rows will hold every
         position up to ``kv_len``, and each row that samples a token gets its placeholder (``-(row + 1)``)."""
-        for i, (req, partial) in enumerate(zip(self.reqs, self.partial, strict=True)):
-            req.table_len = req.kv_len
+        # Every row's sequence ends at its kv_len (``build``), so seq_lens holds the table lengths.
+        rows = zip(self.reqs, self.worker_batch.seq_lens, self.partial, strict=True)
+        for i, (req, kv_len, partial) in enumerate(rows, 1):
+            req.table_len = kv_len
             if not partial:
-                req.pending_ids.append(-(i + 1))
+                req.pending_ids.append(-i)
 
     @property
     def batch_size(self) -> int:
@@ -130,17 +134,26 @@ def _check_sampling_row(req: Req) -> None:
         req.sampling_params.validate()
     except InvalidRequestError as e:
         raise RequestFaultError(req, RequestFault("invalid", e.message, field=e.field)) from None
+    req.sampling_row = sampling_row(req.sampling_params)
+
+
+def sampling_row(p: SamplingParams) -> tuple[float, float, int, float, int | None, int | None]:
+    """``p`` as one row of :class:`SamplingInputs`: ``(temperature, top_p, top_k, min_p, seed, logprobs)``."""
+    return float(p.temperature), float(p.top_p), int(p.top_k), float(p.min_p), p.seed, p.logprobs
+
+
+def sampling_columns(rows: Sequence[tuple]) -> list[list]:
+    """:func:`sampling_row` rows as six columns (temperatures, top_ps, top_ks, min_ps, seeds, logprobs)."""
+    return [list(c) for c in zip(*rows, strict=True)] if rows else [[] for _ in range(6)]
 
 
 def _sampling_inputs(reqs: Sequence[Req]) -> SamplingInputs:
-    """Each request's sampling parameters and the tokens it has generated so far, one row per request."""
-    params = [r.sampling_params for r in reqs]
+    """Each request's sampling numbers (``Req.sampling_row``, taken when its parameters were checked) and the
+    tokens it has generated so far, one row per request."""
+    rows = [r.sampling_row if r.sampling_row is not None else sampling_row(r.sampling_params) for r in reqs]
+    temperatures, top_ps, top_ks, min_ps, seeds, logprobs = sampling_columns(rows)
     return SamplingInputs(
-        temperatures=[float(p.temperature) for p in params],
-        top_ps=[float(p.top_p) for p in params],
-        top_ks=[int(p.top_k) for p in params],
-        min_ps=[float(p.min_p) for p in params],
-        seeds=[p.seed for p in params],
+        temperatures=temperatures, top_ps=top_ps, top_ks=top_ks, min_ps=min_ps, seeds=seeds,
         output_lens=[len(r.output_ids) + len(r.pending_ids) for r in reqs],  # index of the token sampled now
-        logprobs=[p.logprobs for p in params],
+        logprobs=logprobs,
     )

@@ -80,7 +80,7 @@ class Scheduler:
         self.cache_config = cache_config
         self.stop_rules = StopRules(frozenset(int(t) for t in eos_token_ids), detokenize)
         self.eos_token_ids, self.detokenize = self.stop_rules.eos_token_ids, self.stop_rules.detokenize
-        self.state = GroupState(config, cache_config, ratio)
+        self.state = GroupState(config, cache_config, ratio, self.stop_rules.eos_token_ids)
         self.token_allocator = self.state.token_allocator
         self.req_allocator = self.state.req_allocator
         self.tree_cache = self.state.tree_cache

@@ -82,11 +82,11 @@ class StepDecision(PickledAsFields):
     dispatch_capacity: int | None = None
 
     def apply(self, batch: ModelWorkerBatch | None) -> ModelWorkerBatch:
-        """``batch`` with this step's decisions (one copy, validated once); an IDLE batch for a group without one.
+        """``batch`` with this step's decisions (one copy, ``ModelWorkerBatch.with_step_decisions``: the batch's
+        own columns are not checked again); an IDLE batch for a group without one.
 
         Raises:
-            ValueError: the decisions do not fit the batch (e.g. its tokens above ``dispatch_capacity``).
+            ValueError: the decisions do not fit the batch (its tokens above ``dispatch_capacity``).
         """
-        fields = {"global_num_tokens": self.global_num_tokens, "use_tbo": self.use_tbo, "graph_bs": self.graph_bs,
-                  "dispatch_capacity": self.dispatch_capacity}
-        return dataclasses.replace(ModelWorkerBatch.idle() if batch is None else batch, **fields)
+        return (ModelWorkerBatch.idle() if batch is None else batch).with_step_decisions(
+            self.global_num_tokens, self.use_tbo, self.graph_bs, self.dispatch_capacity)

@@ -80,10 +80,24 @@ class ModelWorkerBatch:
             raise ValueError("ModelWorkerBatch.out_cache_loc must have one slot per input token")
         if self.forward_mode == ForwardMode.IDLE and (bs or num_tokens):
             raise ValueError("an IDLE ModelWorkerBatch carries no requests")
-        cap = self.dispatch_capacity
-        if cap is not None and (cap < 1 or num_tokens > cap):
-            raise ValueError(f"ModelWorkerBatch.dispatch_capacity {cap} must be >= 1 and hold its {num_tokens} "
-                             "tokens")
+        _check_capacity(self.dispatch_capacity, num_tokens)
+
+    def with_step_decisions(self, global_num_tokens: tuple[int, ...], use_tbo: bool, graph_bs: int | None,
+                            dispatch_capacity: int | None) -> ModelWorkerBatch:
+        """A copy with the step-wide fields set (the driver's decisions for every rank). The per-request columns
+        were checked when this batch was built and are shared with the copy (no one changes a batch's lists), so
+        only the rule the new fields enter is checked again, once: the dispatch capacity holds the tokens.
+
+        Raises:
+            ValueError: ``dispatch_capacity`` is below 1 or below the batch's tokens.
+        """
+        _check_capacity(dispatch_capacity, len(self.input_ids))
+        copy = object.__new__(ModelWorkerBatch)
+        state = copy.__dict__
+        state.update(self.__dict__)
+        state.update(global_num_tokens=global_num_tokens, use_tbo=use_tbo, graph_bs=graph_bs,
+                     dispatch_capacity=dispatch_capacity)
+        return copy
 
     @property
     def batch_size(self) -> int:
@@ -102,3 +116,9 @@ class ModelWorkerBatch:
             forward_mode=ForwardMode.IDLE, input_ids=[], req_pool_indices=[], seq_lens=[], prefix_lens=[],
             extend_lens=[], out_cache_loc=[], global_num_tokens=global_num_tokens, use_tbo=use_tbo,
         )
+
+
+def _check_capacity(cap: int | None, num_tokens: int) -> None:
+    """A low-latency dispatch capacity (None: normal mode) must be >= 1 and hold the batch's ``num_tokens``."""
+    if cap is not None and (cap < 1 or num_tokens > cap):
+        raise ValueError(f"ModelWorkerBatch.dispatch_capacity {cap} must be >= 1 and hold its {num_tokens} tokens")
