@@ -16,11 +16,12 @@ two-batch overlap on, overlap scheduling on, decode graphs for every batch size 
   socket calls the loopback skips are measured on a real socket pair with the measured message sizes and added
   (the driver sends and receives one message per group, each group one).
 
-Reported per step (median of ``--repeats`` runs): the driver's CPU; each group server's CPU (max and median over
-groups; ``actors`` only) and that per running request; the messaging CPU included in those; the critical path
-(driver + slowest group); the bytes each rank receives (its group's pickled batch) and the output bytes (the
-driver's published batch; with ``actors``, the largest group's). The table goes to stdout and
-``bench_results/driver_scale.json``.
+The benchmark's process takes the GC policy of the served driver and group processes
+(``raymoe.actors.process_tuning.configure_driver_gc``). Reported per step (median of ``--repeats`` runs): the
+driver's CPU; each group server's CPU (max and median over groups; ``actors`` only) and that per running request;
+the messaging CPU included in those; the critical path (driver + slowest group); the bytes each rank receives (its
+group's pickled batch) and the output bytes (the driver's published batch; with ``actors``, the largest group's).
+The table goes to stdout and ``bench_results/driver_scale.json``.
 """
 
 from __future__ import annotations
@@ -197,6 +198,9 @@ COLUMNS = (("driver_ms", "driver ms", ".2f"), ("group_ms_max", "group max ms", "
 
 
 def run_driver_scale(a: argparse.Namespace) -> None:
+    from raymoe.actors.process_tuning import configure_driver_gc
+
+    configure_driver_gc()  # the driver and group processes' GC policy, as in a served engine
     dps = [int(x) for x in a.dp.split(",")]
     runnings = [int(x) for x in a.running.split(",")]
     engines = [e.strip() for e in a.group_schedulers.split(",")]
