@@ -184,6 +184,7 @@ class ParsePool:
             with self._lock:
                 self._workers.remove(worker)
             worker.close()
+            self.start()  # its replacement, for the threads waiting for a worker
             raise
         self._idle.put(worker)
         return result
