@@ -13,18 +13,12 @@ from raymoe.cluster.bootstrap import free_port
 
 
 @contextlib.contextmanager
-def uvicorn_server(app, timeout_s: float = 30.0, http: str = "auto"):
-    """Serve ``app`` on 127.0.0.1:<free port> in a thread, with the HTTP protocol of ``raymoe serve`` (``http``:
-    its parser, see ``guarded_http_protocol``); yields the base URL; stops the server on exit."""
+def uvicorn_server(app, timeout_s: float = 30.0):
+    """Serve ``app`` on 127.0.0.1:<free port> in a thread; yields the base URL; stops the server on exit."""
     import uvicorn
 
-    from raymoe.deploy.http_protocol import guarded_http_protocol
-
-    limits = app.state.serving.limits
-    protocol = guarded_http_protocol(limits.max_header_bytes, limits.max_headers, http=http,
-                                     on_refusal=app.state.serving.metrics.error)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=protocol,
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()

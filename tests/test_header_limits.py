@@ -2,7 +2,7 @@
 refused with 431 within 2 s without growing the server process, more than ``max_headers`` header fields is a 431,
 a CR, LF or NUL inside a header (or, with h11, a bare LF line end) is a 400 with the OpenAI error body and a request
 id, and the same limits hold for a request that reaches the app through another server (``RequestGuard``). The
-server runs in this process (tests/server_harness.py, with the protocols of ``raymoe serve``) over a fake engine.
+server runs in this process (tests/guarded_server.py, with the protocols of ``raymoe serve``) over a fake engine.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import anyio
 import httpx
 import pytest
 from fake_engine import FakeEngine
-from server_harness import metrics, uvicorn_server
+from guarded_server import guarded_server
+from server_harness import metrics
 
 from raymoe.deploy.server_config import ServerLimits
 
@@ -83,7 +84,7 @@ def _json_error(answer: bytes, status: int) -> dict:
 @pytest.mark.parametrize("http", PARSERS)
 def test_a_64_mib_header_is_refused_within_2_s_without_growing_the_process(app, http):
     chunk = b"a" * (1 << 20)  # sent 64 times: the client never holds the 64 MiB either
-    with uvicorn_server(app, http=http) as url:
+    with guarded_server(app, http=http) as url:
         _exchange(url, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n")  # warm the path
         before = _rss_mib()
         try:
@@ -105,7 +106,7 @@ def test_a_64_mib_header_is_refused_within_2_s_without_growing_the_process(app, 
 @pytest.mark.parametrize("http", PARSERS)
 def test_too_many_headers_is_a_431(app, http):
     many = b"".join(b"X-H%d: v\r\n" % i for i in range(25))
-    with uvicorn_server(app, http=http) as url:
+    with guarded_server(app, http=http) as url:
         answer, _ = _exchange(url, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + many)
         ok, _ = _exchange(url, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + many[:100])
     err = _json_error(answer, 431)
@@ -117,7 +118,7 @@ def test_too_many_headers_is_a_431(app, http):
 @pytest.mark.parametrize("bad", [b"X-A: b\rc\r\n", b"X-A: b\x00c\r\n", b"X-\x00A: bc\r\n", b"X-A: b\nX-B: c\r\n",
                                  b"X-A: b\r\n c\r\n"])
 def test_control_characters_in_headers_get_the_json_error_body(app, http, bad):
-    with uvicorn_server(app, http=http) as url:
+    with guarded_server(app, http=http) as url:
         answer, _ = _exchange(url, b"GET /health HTTP/1.1\r\nHost: x\r\n" + bad)
     err = _json_error(answer, 400)
     assert err["code"] == "invalid_http_request"

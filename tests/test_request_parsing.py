@@ -21,7 +21,8 @@ import anyio
 import httpx
 import pytest
 from fake_engine import FakeEngine
-from server_harness import metrics, uvicorn_server, wait_for
+from guarded_server import guarded_server
+from server_harness import metrics, wait_for
 
 from raymoe.deploy.parse_pool import INLINE_PARSE_MAX_BODY_BYTES, POOL
 from raymoe.deploy.server_config import ServerLimits
@@ -189,7 +190,7 @@ async def _drain_chat_default(app, engine):
 
 def test_a_client_hanging_up_mid_body_is_counted_as_499_not_400(tokenizer):
     app = _app(FakeEngine(tokenizer))
-    with uvicorn_server(app) as url:
+    with guarded_server(app) as url:
         host, port = url.removeprefix("http://").split(":")
         for size in (100, 100_000):  # hung up after 4 bytes of a short and of a long declared body
             sock = socket.create_connection((host, int(port)))
@@ -235,7 +236,7 @@ def test_clients_sending_15_mb_bodies_never_stall_a_stream_or_health(tokenizer):
     engine = FakeEngine(tokenizer, delay_s=0.01)
     engine.token_cycle = tokenizer.encode(" the canary sings a word at a time", add_special_tokens=False)
     app = _app(engine)
-    with uvicorn_server(app) as url:
+    with guarded_server(app) as url:
         POOL.start()
         clients = Path(__file__).resolve().parent / "load_clients.py"
         out = subprocess.run([sys.executable, str(clients), url, KEY, "10", "4"], capture_output=True, text=True,
