@@ -20,6 +20,7 @@ from starlette.requests import Request
 
 from raymoe.deploy.detokenizer import IncrementalDetokenizer, StopStringFilter
 from raymoe.deploy.engine_client import EngineClient
+from raymoe.deploy.http_errors import ClientDisconnected
 from raymoe.deploy.metrics import RequestMetrics
 from raymoe.deploy.request_prep import PreparedRequest
 from raymoe.errors import EngineUnhealthyError, InvalidRequestError
@@ -27,10 +28,6 @@ from raymoe.step.step_output import TokenLogprobs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away before the answer was complete."""
 
 
 @dataclass(frozen=True)

@@ -12,15 +12,23 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from raymoe.errors import EngineUnhealthyError, InvalidRequestError, RequestFailedError
+from raymoe.errors import ContextLengthError, EngineUnhealthyError, InvalidRequestError, RequestFailedError
 
 _TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                    405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+                   431: "invalid_request_error",
                    429: "rate_limit_error", 503: "service_unavailable_error"}
 INTERNAL_ERROR_MESSAGE = "internal server error; quote the request id when you report it"
+# Status logged and counted for a request whose client went away before its answer (nginx's convention; nobody
+# receives it).
+CLIENT_CLOSED = 499
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the answer was complete (answered ``CLIENT_CLOSED``)."""
 
 
 class APIError(Exception):
@@ -68,7 +76,7 @@ def from_raymoe_error(e: Exception) -> APIError:
     if isinstance(e, InvalidRequestError):
         if e.field == "queue":
             return APIError(429, f"the server is busy: {e.message}", code="queue_full")
-        code = "context_length_exceeded" if e.field == "prompt" and "context" in e.message else None
+        code = "context_length_exceeded" if isinstance(e, ContextLengthError) else None
         return APIError(400, e.message, param=e.field, code=code)
     if isinstance(e, EngineUnhealthyError):
         return APIError(503, "the engine is unavailable (recovering from a failure); retry later",
@@ -117,6 +125,10 @@ def install_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
         if exc.status_code == 413:  # FastAPI's body limit, hit while reading a chunked body
             return body_too_large(max_body_bytes).response(request_id_of(request))
         return APIError(exc.status_code, str(exc.detail)).response(request_id_of(request))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=CLIENT_CLOSED)  # nobody reads it: logged and counted as a hang-up
 
     @app.exception_handler(InvalidRequestError)
     @app.exception_handler(EngineUnhealthyError)

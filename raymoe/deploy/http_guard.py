@@ -6,11 +6,15 @@ Order matters and is the point of this module:
    ``X-Request-Id`` header and every error body in ``error.request_id``);
 2. on ``/v1/*`` the API key is checked before a single body byte is read or parsed (401), so an
    unauthenticated client cannot make the server buffer or parse anything;
-3. a declared ``Content-Length`` over the limit is refused (413) before the body is read; a chunked body without
-   one is cut off while it is read by FastAPI's per-route ``max_body_size`` (``openai_api``), also a 413;
-4. an exception no handler mapped is logged with its traceback under the request id, and the client gets the
+3. the head is checked: more than ``max_headers`` header fields or more than ``max_header_bytes`` bytes of them is
+   a 431, a CR, LF or NUL inside a header value a 400 (under ``raymoe serve`` the HTTP protocol of
+   ``http_protocol`` already refused such heads while they arrived; this catches them under any server);
+4. a declared ``Content-Length`` over the limit is refused (413) before the body is read; a chunked body without
+   one is cut off while it is read (``request_body``), also a 413;
+5. an exception no handler mapped is logged with its traceback under the request id, and the client gets the
    generic 500 of ``http_errors.internal_error`` (never a traceback, a file path or an exception text).
-Error answers (status >= 400) are counted in ``raymoe:request_errors_total``.
+Error answers (status >= 400) are counted in ``raymoe:request_errors_total`` (a client that hung up before its
+answer is counted as 499, never as a 400).
 """
 
 from __future__ import annotations
@@ -47,21 +51,44 @@ def _declared_length(headers: Headers) -> int | None:
         return None
 
 
+def _head_error(scope: Scope, max_headers: int, max_header_bytes: int) -> APIError | None:
+    """431 for too many or too large headers, 400 for a CR, LF or NUL in one (O(headers))."""
+    raw = scope["headers"]
+    if len(raw) > max_headers:
+        return APIError(431, f"at most {max_headers} header fields are allowed", code="too_many_headers")
+    size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+    for name, value in raw:
+        size += len(name) + len(value) + 4
+        if b"\r" in value or b"\n" in value or b"\0" in value:
+            return APIError(400, f"the header {name.decode('latin-1')[:64]!r} holds a CR, LF or NUL",
+                            code="invalid_header")
+    if size > max_header_bytes:
+        return APIError(431, f"the request head (request line and headers) is larger than {max_header_bytes} bytes",
+                        code="request_header_too_large")
+    return None
+
+
 class RequestGuard:
-    """ASGI middleware: request id, API key, body-size pre-check, error counting, catch-all 500.
+    """ASGI middleware: request id, API key, head limits, body-size pre-check, error counting, catch-all 500.
 
     Args:
         app: the wrapped ASGI app. metrics: where error answers are counted.
         api_key: bearer token required on ``/v1/*`` (None: open). max_body_bytes: largest request body, bytes.
+        max_headers: most header fields. max_header_bytes: largest request head, bytes.
     """
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int,
+                 max_headers: int = 100, max_header_bytes: int = 64 * 1024):
         self.app = app
         self.metrics = metrics
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.max_headers = max_headers
+        self.max_header_bytes = max_header_bytes
 
     def _precheck(self, scope: Scope) -> APIError | None:
+        if (err := _head_error(scope, self.max_headers, self.max_header_bytes)) is not None:
+            return err
         headers = Headers(scope=scope)
         if self.api_key is not None and scope["path"].startswith(_PROTECTED_PREFIX):
             if (err := _auth_error(headers, self.api_key)) is not None:

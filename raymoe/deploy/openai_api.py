@@ -5,9 +5,10 @@ three need ``Authorization: Bearer KEY`` when an API key is set), ``GET /ready``
 while the engine is unhealthy or the server drains), ``GET /live`` (liveness; ``probes``), ``GET /metrics``
 (Prometheus text). ``drain.DrainGuard`` follows every ``/v1/*`` request so that a stop can drain them
 (``drain.Drain``, kept in ``app.state.drain``). Flow of a request: ``http_guard`` gives it an id and checks the
-key and the declared body size before anything is read; FastAPI reads the body (413 past ``max_body_bytes``) and
-pydantic validates it (any error: 400); ``request_prep`` tokenizes it (on the loop for a short body, else in a worker
-thread);
+key, the head and the declared body size before anything is read; ``request_body`` reads the body (413 past
+``max_body_bytes``) and has it parsed and validated under the structural limits, on the loop when it is short, else
+in a parse worker process (any error: 400 naming the field); ``request_prep`` tokenizes it (on the loop for a short
+body, else in a worker thread);
 ``generation.stream_pieces`` runs it in the engine under its deadline (408 when it passes); ``responses`` shapes
 the answer, and a stream goes through ``sse.EventRelay`` (bounded backlog, deadline, error event). A client that
 disconnects aborts its request. At most ``max_in_flight`` generation requests are served at once; more get 429, as
@@ -32,8 +33,10 @@ from raymoe.deploy.generation import ClientDisconnected, Piece, collect, stream_
 from raymoe.deploy.http_errors import APIError, from_raymoe_error, install_error_handlers, request_id_of
 from raymoe.deploy.http_guard import RequestGuard
 from raymoe.deploy.metrics import ServerMetrics
+from raymoe.deploy.parse_pool import POOL
 from raymoe.deploy.probes import liveness, readiness
 from raymoe.deploy.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from raymoe.deploy.request_body import body_schema, document_request_bodies, request_model
 from raymoe.deploy.request_prep import PreparedRequest, prepare
 from raymoe.deploy.responses import ResponseBuilder, TokenTexts
 from raymoe.deploy.server_config import ServerLimits
@@ -48,7 +51,7 @@ INLINE_PREP_MAX_BODY_BYTES = 2048
 
 # Status logged for requests whose client went away before the answer (nginx's convention; never seen by anyone).
 _CLIENT_CLOSED = 499
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 503)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 431, 500, 503)}
 
 
 def _timed_out() -> APIError:
@@ -227,18 +230,24 @@ def build_openai_app(engine: EngineClient, api_key: str | None = None, max_in_fl
     app.state.drain = draining = Drain(drain)
     install_error_handlers(app, limits.max_body_bytes)
     app.add_middleware(DrainGuard, drain=draining)  # added first: inside RequestGuard, so refusals carry the id
-    app.add_middleware(RequestGuard, metrics=serving.metrics, api_key=api_key, max_body_bytes=limits.max_body_bytes)
-    body_limit = {"max_body_size": limits.max_body_bytes}  # chunked bodies; a declared length is checked earlier
+    app.add_middleware(RequestGuard, metrics=serving.metrics, api_key=api_key, max_body_bytes=limits.max_body_bytes,
+                       max_headers=limits.max_headers, max_header_bytes=limits.max_header_bytes)
+    document_request_bodies(app, (CompletionRequest, ChatCompletionRequest))
+    body_limits = limits.body_limits()
+    POOL.start()  # the parse workers import while the server starts
 
-    @app.post("/v1/completions", responses=_ERRORS, **body_limit)
-    async def completions(body: CompletionRequest, request: Request):
+    async def parsed(request: Request, chat: bool) -> CompletionRequest | ChatCompletionRequest:
+        return await request_model(request, chat, limits.max_body_bytes, body_limits)
+
+    @app.post("/v1/completions", responses=_ERRORS, openapi_extra=body_schema(CompletionRequest))
+    async def completions(request: Request):
         """Text completion of one prompt (server-sent events when ``stream``)."""
-        return await serving.generate(request, body)
+        return await serving.generate(request, await parsed(request, chat=False))
 
-    @app.post("/v1/chat/completions", responses=_ERRORS, **body_limit)
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    @app.post("/v1/chat/completions", responses=_ERRORS, openapi_extra=body_schema(ChatCompletionRequest))
+    async def chat_completions(request: Request):
         """Chat completion over the tokenizer's chat template (server-sent events when ``stream``)."""
-        return await serving.generate(request, body)
+        return await serving.generate(request, await parsed(request, chat=True))
 
     @app.get("/v1/models", responses=_ERRORS)
     async def models():

@@ -5,22 +5,29 @@ token ids and ``SamplingParams``. Responses are built as plain dicts in ``respon
 chunk); their shape follows the OpenAI API reference. Fields the engine does not support are accepted only at
 their neutral value, so a client never gets silently different behaviour (``n`` must be 1, penalties 0); the
 schema says so, so generated clients and fuzzers see the same limits.
-Unknown fields are ignored, as OpenAI clients send optional extras.
+Every field of the OpenAI API is honoured, accepted only at its neutral value, or refused with a 400 naming it
+(``openai_fields``, applied by the body parser before these models run); other unknown fields are ignored, as
+OpenAI clients send optional extras.
 
 Every field is bounded here (the OpenAPI schema carries the bounds): numbers have ranges and must be finite
 (``NaN``/``Infinity`` literals are refused), lists and strings have lengths, strings must be valid Unicode (a
-lone surrogate such as ``"\\ud800"`` is refused, it could not be tokenized). Limits an operator configures
-(stop-string count and length, the ``timeout`` ceiling) are checked in ``request_prep`` against
-``ServerLimits``; the bounds here are the engine-wide caps of ``raymoe.scheduler.sampling_params``.
+lone surrogate such as ``"\\ud800"`` is refused, it could not be tokenized), token ids are JSON integers (not
+``true``, not ``1.0``) and an error about one names its position and why. Limits an operator configures are
+checked elsewhere: the structural ones (messages, content parts, token ids, ``logit_bias`` entries, nesting)
+while the body is parsed (``body_parse``), stop strings and the ``timeout`` ceiling in ``request_prep``; the
+bounds here are the caps those limits may not pass (``body_limits``, ``raymoe.scheduler.sampling_params``).
+These models are validated in the body parser, often in a parse worker process: this module imports nothing
+heavy.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, Strict, WithJsonSchema
+from pydantic_core import PydanticCustomError
 
-from raymoe.deploy.server_config import MAX_REQUEST_TIMEOUT_S
+from raymoe.deploy.body_limits import CAP_LOGIT_BIAS, CAP_MESSAGE_PARTS, CAP_MESSAGES, CAP_PROMPT_TOKEN_IDS
 from raymoe.scheduler.sampling_params import (
     MAX_LOGPROBS,
     MAX_SEED,
@@ -34,10 +41,8 @@ from raymoe.scheduler.sampling_params import (
 
 # Longest model id, user tag and message name accepted (characters).
 MAX_NAME_CHARS = 256
-# Most chat messages in one request (the body size bounds their total length).
-MAX_MESSAGES = 4096
-# Most token ids in a token-id prompt (the context length is checked after tokenization).
-MAX_PROMPT_TOKEN_IDS = 1 << 20
+# Longest per-request deadline a client may ask for (``timeout`` field), seconds; also ServerLimits' bound.
+MAX_REQUEST_TIMEOUT_S = 86_400.0
 
 
 def _valid_unicode(s: str) -> str:
@@ -52,8 +57,60 @@ def _valid_unicode(s: str) -> str:
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 """A string of valid Unicode (JSON allows escapes of lone surrogates; tokenizers and UTF-8 do not)."""
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS), AfterValidator(_valid_unicode)]
-TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
-TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)]
+TokenId = Annotated[int, Strict(), Field(ge=0, le=MAX_TOKEN_ID)]
+"""A token id: a JSON integer in [0, ``MAX_TOKEN_ID``] (``true`` and ``1.0`` are refused)."""
+
+
+def _token_id_error(ids: list, where: str) -> PydanticCustomError | None:
+    """The error for the first id of ``ids`` that is not a token id (``None``: all are). O(len(ids))."""
+    if all(type(t) is int for t in ids) and (not ids or 0 <= min(ids) and max(ids) <= MAX_TOKEN_ID):
+        return None
+    for i, t in enumerate(ids):
+        if type(t) is not int:
+            kind = {bool: "a boolean", float: "a number with a fraction or exponent", str: "a string",
+                    list: "a list", dict: "an object"}.get(type(t), "null")
+            return PydanticCustomError("token_id", "{where}[{i}] is {kind}: token ids are JSON integers",
+                                       {"where": where, "i": i, "kind": kind})
+        if not 0 <= t <= MAX_TOKEN_ID:
+            why = "negative" if t < 0 else f"larger than {MAX_TOKEN_ID}"
+            return PydanticCustomError("token_id", "{where}[{i}] is {t}, {why}: token ids are in [0, {max}]",
+                                       {"where": where, "i": i, "t": t, "why": why, "max": MAX_TOKEN_ID})
+    return None
+
+
+def _prompt(value: Any) -> str | list[int]:
+    """A completion prompt: text, token ids, or a list of one of them (unwrapped). Errors name the position of a
+    bad token id and what is wrong with it."""
+    if isinstance(value, str):
+        return _valid_unicode(value)
+    if not isinstance(value, list):
+        raise PydanticCustomError("prompt", "must be a string, a list of token ids, or a list of one of them")
+    if not value:
+        raise PydanticCustomError("prompt", "the prompt is empty")
+    if isinstance(value[0], (str, list)):
+        if len(value) != 1:
+            raise PydanticCustomError("prompt", "batched prompts are not supported; send one prompt per request")
+        inner = value[0]
+        if isinstance(inner, str):
+            return _valid_unicode(inner)
+        if not inner:
+            raise PydanticCustomError("prompt", "the prompt is empty")
+        where, ids = "prompt[0]", inner
+    else:
+        where, ids = "prompt", value
+    if len(ids) > CAP_PROMPT_TOKEN_IDS:
+        raise PydanticCustomError("prompt", "at most {n} token ids per prompt", {"n": CAP_PROMPT_TOKEN_IDS})
+    if (error := _token_id_error(ids, where)) is not None:
+        raise error
+    return ids
+
+
+_TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID},
+                     "minItems": 1, "maxItems": CAP_PROMPT_TOKEN_IDS}
+Prompt = Annotated[str | list[int], PlainValidator(_prompt), WithJsonSchema({"anyOf": [
+    {"type": "string"}, _TOKEN_IDS_SCHEMA, {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+    {"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1, "maxItems": 1}]})]
+"""``prompt`` of a completion: validated to text or token ids (a list of one prompt is unwrapped)."""
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS), AfterValidator(_valid_unicode)]
 _STRICT = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -74,15 +131,16 @@ class _SamplingFields(BaseModel):
     model: Name = Field(description="a model id from /v1/models")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 is greedy; default 1")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=1, description="choices per request; only 1 is supported")
-    stream: bool = False
+    n: int | None = Field(1, ge=1, le=1, description="choices per request; only 1 is supported")
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
         None, description="stop strings (cut from the text); the server may allow fewer (see README)")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="same seed and body give the same output")
     presence_penalty: float | None = Field(None, ge=0.0, le=0.0, description="only 0 is supported")
     frequency_penalty: float | None = Field(None, ge=0.0, le=0.0, description="only 0 is supported")
-    logit_bias: dict[Name, float] | None = Field(None, description="not supported (must be empty)")
+    logit_bias: Annotated[dict[Name, float], Field(max_length=CAP_LOGIT_BIAS)] | None = Field(
+        None, description="not supported (must be empty)")
     user: Name | None = None
     # raymoe extensions (sent by OpenAI clients through ``extra_body``).
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K,
@@ -101,12 +159,10 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """Body of ``POST /v1/completions``."""
 
-    prompt: Text | TokenIds | Annotated[list[Text], Field(max_length=1)] | Annotated[
-        list[TokenIds], Field(max_length=1)] = Field(
-        description="text or token ids; a list of one prompt is accepted, batches are not")
+    prompt: Prompt = Field(description="text or token ids; a list of one prompt is accepted, batches are not")
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description="tokens to generate; default 16")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top log-probabilities per token")
-    echo: bool = Field(False, description="not supported (must be false)")
+    echo: bool | None = Field(False, description="not supported (must be false)")
     best_of: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
     suffix: Text | None = Field(None, description="not supported")
 
@@ -126,7 +182,7 @@ class ChatMessage(BaseModel):
     model_config = _STRICT
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
+    content: Text | Annotated[list[TextPart], Field(max_length=CAP_MESSAGE_PARTS)] | None = None
     name: Name | None = None
 
     def text(self) -> str:
@@ -141,12 +197,12 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     """Body of ``POST /v1/chat/completions``; the prompt is the tokenizer's chat template over ``messages``."""
 
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=CAP_MESSAGES)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS,
                                    description="deprecated alias of max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS,
                                               description="default: the rest of the context")
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = Field(None, description="not supported (must be empty)")
 

@@ -2,9 +2,11 @@
 
 Applies the tokenizer's chat template (control tokens inside messages are encoded as text, so a user cannot
 forge a turn), checks the prompt against the vocabulary and the context length, checks the operator's limits
-(``ServerLimits``: stop strings, ``timeout``), refuses features the engine does not have (``echo``,
-``logit_bias``, tools ...) with a 400 naming the field, and fills the defaults (completions: 16 tokens; chat: the
-rest of the context; the deadline: ``default_timeout_s``).
+(``ServerLimits``: stop strings, ``timeout``) and fills the defaults (completions: 16 tokens; chat: the rest of the
+context; the deadline: ``default_timeout_s``). An explicit ``max_tokens`` (or ``max_completion_tokens``) that does
+not fit beside the prompt is a 400 ``context_length_exceeded`` with both numbers; a default is cut to the room
+left. Fields the engine does not have (``echo``, ``logit_bias``, tools ...) were already refused by the body
+parser (``openai_fields``).
 
 :func:`prepare` is CPU work proportional to the prompt (templating, tokenizing): ``openai_api`` runs it in a
 worker thread, never on the event loop, so a huge prompt does not stall other requests' streams. The cheap
@@ -41,22 +43,12 @@ class PreparedRequest:
     timeout_s: float
 
 
-def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
-    # n, best_of and the penalties are limited to their neutral values by the schema (protocol.py).
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_value")
+def _check_combinations(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """Fields that only make sense together (each field alone was checked by the body parser)."""
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
-    if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            raise APIError(400, "tools are not supported", param="tools", code="unsupported_value")
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    else:
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo", code="unsupported_value")
-        if req.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_value")
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
 
 
 def _check_limits(req: CompletionRequest | ChatCompletionRequest, stop: list[str], limits: ServerLimits,
@@ -76,20 +68,16 @@ def _check_limits(req: CompletionRequest | ChatCompletionRequest, stop: list[str
 
 
 def _completion_prompt(req: CompletionRequest, tokenizer) -> list[int]:
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt, add_special_tokens=False)
-    return [int(t) for t in prompt]
+    if isinstance(req.prompt, str):  # a list of one prompt was unwrapped by the schema
+        return tokenizer.encode(req.prompt, add_special_tokens=False)
+    return list(req.prompt)
 
 
 def _chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
     from jinja2 import TemplateError
 
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
+                for m in req.messages]
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                             return_dict=False, sanitize_control_tokens=True)
@@ -99,11 +87,15 @@ def _chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
     return [int(t) for t in ids]
 
 
-def _check_prompt(ids: list[int], vocab_size: int, max_context_len: int, field: str) -> None:
-    """The engine's prompt rules (``raymoe.scheduler.request_rules``), answered here as a 400 naming ``field``
-    before the request reaches the engine."""
+def _check_prompt(ids: list[int], asked: int | None, vocab_size: int, max_context_len: int, field: str) -> None:
+    """The engine's prompt rules and, when the request named its output length ``asked``, the context rule
+    (``raymoe.scheduler.request_rules``), answered here as a 400 naming ``field`` before the request reaches the
+    engine."""
+    rules = RequestLimits(max_context_len, vocab_size)
     try:
-        RequestLimits(max_context_len, vocab_size).check_prompt(ids, field)
+        rules.check_prompt(ids, field)
+        if asked is not None:
+            rules.check_output_room(len(ids), asked, field)
     except InvalidRequestError as e:
         code = "context_length_exceeded" if isinstance(e, ContextLengthError) else None
         raise APIError(400, e.message, param=e.field, code=code) from None
@@ -114,24 +106,25 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_siz
     """Tokenize and validate ``req`` (blocking CPU work: call it from a worker thread).
 
     Raises:
-        APIError: 400 naming the field (unsupported feature, empty or too long prompt, bad sampling value, a
-            limit of ``limits`` passed).
+        APIError: 400 naming the field (empty or too long prompt, prompt + max_tokens over the context, bad sampling
+            value, a limit of ``limits`` passed, fields that need each other).
     """
-    _refuse_unsupported(req)
+    _check_combinations(req)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     timeout_s = _check_limits(req, stop, limits, vocab_size)
     chat = isinstance(req, ChatCompletionRequest)
-    ids = _chat_prompt(req, tokenizer) if chat else _completion_prompt(req, tokenizer)
-    _check_prompt(ids, vocab_size, max_context_len, "messages" if chat else "prompt")
-    room = max_context_len - len(ids)
     if chat:
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = min(asked, room) if asked is not None else room
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
-        asked = req.max_tokens if req.max_tokens is not None else _COMPLETION_DEFAULT_MAX_TOKENS
-        max_tokens = min(asked, room)
-        logprobs = req.logprobs
+        asked, logprobs = req.max_tokens, req.logprobs
+    ids = _chat_prompt(req, tokenizer) if chat else _completion_prompt(req, tokenizer)
+    _check_prompt(ids, asked, vocab_size, max_context_len, "messages" if chat else "prompt")
+    room = max_context_len - len(ids)
+    if asked is not None:
+        max_tokens = asked  # fits: checked above
+    else:
+        max_tokens = room if chat else min(_COMPLETION_DEFAULT_MAX_TOKENS, room)
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,

@@ -117,10 +117,15 @@ def run_server(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, de
                   f"  try:     {curl_example(base_url, engine.model_name, opts.api_key is not None)}\n"
                   f"  metrics: {base_url}/metrics    health: {base_url}/health    stop: Ctrl-C\n")
         on_ready = (lambda: _demo_request(base_url, engine.model_name, opts.api_key)) if demo_request else None
-        server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+        from raymoe.deploy.http_protocol import guarded_http_protocol
+
+        # The HTTP parser's protocol with a bounded request head (431 while it arrives) and JSON parse errors.
+        http = guarded_http_protocol(opts.limits.max_header_bytes, opts.limits.max_headers,
+                                     on_refusal=app.state.serving.metrics.error)
+        server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, http=http,
                                                timeout_graceful_shutdown=5), app.state.drain)
-        # A signal before uvicorn runs (or one uvicorn re-raises) unwinds through the ``finally`` below, as Ctrl-C
-        # does, so the ranks and the local Ray are stopped too.
+        # uvicorn re-raises the signal that stopped it once it has shut down: make SIGTERM, like Ctrl-C, unwind
+        # through the ``finally`` below so the ranks and the local Ray are stopped too.
         signal.signal(signal.SIGTERM, _raise_system_exit)
         asyncio.run(_serve(server, base_url, banner, on_ready))
     except KeyboardInterrupt:

@@ -19,11 +19,15 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from raymoe.config import EngineConfig
 from raymoe.config.engine_options import OptionDecl, check_options, engine_config_from_options, engine_options
 from raymoe.config.option import option
+from raymoe.deploy.body_limits import CAPS, BodyLimits
+from raymoe.deploy.protocol import MAX_REQUEST_TIMEOUT_S
 from raymoe.errors import InvalidRequestError
 from raymoe.scheduler.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
-# Longest per-request deadline a client may ask for (``timeout`` field), seconds; also the schema's bound.
-MAX_REQUEST_TIMEOUT_S = 86_400.0
+# Most an operator may allow for the request head (request line and headers), bytes, and for its header count.
+CAP_HEADER_BYTES = 1 << 20
+CAP_HEADERS = 1024
+_BODY = BodyLimits()  # the structural limits' defaults, declared once in body_limits
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,28 @@ class ServerLimits:
     max_body_bytes: int = option(
         16 * 2**20, help="largest request body, bytes; larger ones get 413 before they are parsed (also chunked bodies "
                          "without a Content-Length).")
+    max_header_bytes: int = option(
+        64 * 1024, help=f"largest request head (request line and headers), bytes; a longer one gets 431 while it is "
+                        f"still arriving, so the HTTP parser never holds more than this plus one socket read. At most "
+                        f"{CAP_HEADER_BYTES}.")
+    max_headers: int = option(100, help=f"most header fields per request (431 beyond); at most {CAP_HEADERS}.")
+    max_messages: int = option(
+        _BODY.max_messages, help=f"chat messages per request (400 param=messages beyond), counted while the body is "
+                                 f"parsed; at most {CAPS['max_messages']}.")
+    max_message_parts: int = option(
+        _BODY.max_message_parts, help=f"content parts per chat message (400 param=messages beyond), counted while the "
+                                      f"body is parsed; at most {CAPS['max_message_parts']}.")
+    max_logit_bias: int = option(
+        _BODY.max_logit_bias, help=f"logit_bias entries (400 param=logit_bias beyond; logit_bias itself is not "
+                                   f"supported, only an empty one is accepted); at most {CAPS['max_logit_bias']}.")
+    max_prompt_token_ids: int = option(
+        _BODY.max_prompt_token_ids, help=f"token ids in a token-id prompt (400 param=prompt beyond), counted while the "
+                                         f"body is parsed (the context length is checked after); at most "
+                                         f"{CAPS['max_prompt_token_ids']}.")
+    max_json_depth: int = option(
+        _BODY.max_json_depth, help=f"nesting levels of JSON arrays and objects in a body, the body itself being "
+                                   f"level 1 (400 naming the top-level field that nests deeper); at most "
+                                   f"{CAPS['max_json_depth']}.")
     max_stop_strings: int = option(
         64, help=f"stop strings per request (400 param=stop beyond); at most the engine's cap, {MAX_STOP_STRINGS}.")
     max_stop_string_chars: int = option(
@@ -60,10 +86,19 @@ class ServerLimits:
 
     def __post_init__(self) -> None:
         for name, low in (("max_body_bytes", 1), ("max_stop_strings", 0), ("max_stop_string_chars", 1),
-                          ("max_stream_backlog_events", 1), ("max_stream_backlog_bytes", 1)):
+                          ("max_stream_backlog_events", 1), ("max_stream_backlog_bytes", 1),
+                          ("max_header_bytes", 1024), ("max_headers", 8)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise InvalidRequestError(name, f"must be an integer >= {low}, got {v!r}")
+        if self.max_header_bytes > CAP_HEADER_BYTES:
+            raise InvalidRequestError("max_header_bytes", f"must be <= {CAP_HEADER_BYTES}")
+        if self.max_headers > CAP_HEADERS:
+            raise InvalidRequestError("max_headers", f"must be <= {CAP_HEADERS}")
+        for name in CAPS:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= CAPS[name]:
+                raise InvalidRequestError(name, f"must be an integer in [1, {CAPS[name]}], got {v!r}")
         if self.max_stop_strings > MAX_STOP_STRINGS:
             raise InvalidRequestError("max_stop_strings", f"the engine accepts at most {MAX_STOP_STRINGS}")
         if self.max_stop_string_chars > MAX_STOP_STRING_CHARS:
@@ -75,6 +110,10 @@ class ServerLimits:
                                                 f"got {v!r}")
         if self.default_timeout_s > self.max_timeout_s:
             raise InvalidRequestError("default_timeout_s", "must be <= max_timeout_s")
+
+    def body_limits(self) -> BodyLimits:
+        """The structural limits the body parser checks (a light record: the parse workers get it with each body)."""
+        return BodyLimits(**{name: getattr(self, name) for name in CAPS})
 
 
 class _ServeFields(BaseModel):

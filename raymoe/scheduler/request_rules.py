@@ -4,7 +4,9 @@ Ownership: each group's ``Scheduler`` applies :meth:`RequestLimits.check_prompt`
 :meth:`RequestLimits.check_logprobs` when it accepts a request (``raymoe.scheduler.intake``), and every way into the
 engine (the offline ``Engine``, the HTTP front end through the driver actor) goes through that; the driver trusts
 the result. The HTTP front end calls the same prompt check before tokens reach the engine, so that it answers 400
-without a round trip (``raymoe.deploy.request_prep``). The sampling numbers themselves are checked by
+without a round trip (``raymoe.deploy.request_prep``), and :meth:`RequestLimits.check_output_room` on a request
+that names its output length (OpenAI's rule: prompt + ``max_tokens`` must fit the context; the engine itself stops
+a request at the context, ``finish_reason`` "length"). The sampling numbers themselves are checked by
 ``SamplingParams``.
 """
 
@@ -51,13 +53,28 @@ class RequestLimits:
         if n == 0:
             raise InvalidRequestError(field, "the prompt is empty")
         if self.vocab_size is not None and not 0 <= min(ids) <= max(ids) < self.vocab_size:
-            raise InvalidRequestError(field, f"token ids must be in [0, {self.vocab_size})")
+            i = next(i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size)
+            raise InvalidRequestError(field, f"token id {ids[i]} at position {i} is outside the vocabulary: token ids "
+                                             f"must be in [0, {self.vocab_size})")
         if n >= self.max_context_len:
             raise ContextLengthError(field, f"the prompt has {n} tokens; this model's context holds "
                                             f"{self.max_context_len} tokens (prompt + output)")
         if self.kv_pool_tokens is not None and n > self.kv_pool_tokens:
             raise InvalidRequestError(field, f"the prompt has {n} tokens, more than the KV pool "
                                              f"({self.kv_pool_tokens} tokens)")
+
+    def check_output_room(self, prompt_tokens: int, max_tokens: int, field: str = "prompt") -> None:
+        """Refuse a request whose prompt plus the output it asks for (``max_tokens``) is longer than the context.
+
+        Raises:
+            ContextLengthError: naming ``field``, with both numbers (OpenAI's and vLLM's wording).
+        """
+        if prompt_tokens + max_tokens > self.max_context_len:
+            where = "messages" if field == "messages" else "prompt"
+            raise ContextLengthError(
+                field, f"This model's maximum context length is {self.max_context_len} tokens. However, you "
+                       f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {where}, {max_tokens} "
+                       f"in the completion). Please reduce the length of the {where} or completion.")
 
     def check_logprobs(self, logprobs: int | None) -> None:
         """Refuse asking for more top log-probabilities per token than the vocabulary has.

@@ -1,0 +1,238 @@
+"""Every request field of the OpenAI API is honoured or refused, never silently ignored (``openai_fields``).
+
+The classification test walks the request fields of the ``openai`` package's own parameter types (completions, chat
+completions, each chat message type): a field a future ``openai`` release adds fails it until it is classified.
+Each honoured field names a behaviour test here (in :data:`BEHAVIOUR`) that shows the server using it; each neutral
+or refused field is sent with a value the engine cannot honour and must get a 400 naming it, while its neutral
+values are accepted. A fake engine (tests/fake_engine.py) records what reaches the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import typing
+
+import anyio
+import httpx
+import pytest
+from fake_engine import FakeEngine
+from openai.types import completion_create_params
+from openai.types.chat import chat_completion_message_param
+from openai.types.chat import completion_create_params as chat_create_params
+
+from raymoe.deploy.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, MESSAGE_FIELDS
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+USER = {"role": "user", "content": "hi"}
+
+
+def _typed_dict_keys(union) -> set[str]:
+    """Every key of the TypedDicts of ``union`` (a parameter type of the ``openai`` package)."""
+    return {key for t in typing.get_args(union) for key in t.__required_keys__ | t.__optional_keys__}
+
+
+OPENAI_FIELDS = {
+    "completion": (_typed_dict_keys(completion_create_params.CompletionCreateParams), COMPLETION_FIELDS),
+    "chat": (_typed_dict_keys(chat_create_params.CompletionCreateParams), CHAT_FIELDS),
+    "message": (_typed_dict_keys(chat_completion_message_param.ChatCompletionMessageParam), MESSAGE_FIELDS),
+}
+
+# Honoured field -> the test below that shows the server using it.
+BEHAVIOUR = {
+    "model": "test_model_must_name_the_served_model",
+    "prompt": "test_prompt_forms_reach_the_engine",
+    "messages": "test_messages_reach_the_chat_template",
+    "role": "test_messages_reach_the_chat_template",
+    "content": "test_messages_reach_the_chat_template",
+    "name": "test_messages_reach_the_chat_template",
+    "temperature": "test_sampling_fields_reach_the_engine",
+    "top_p": "test_sampling_fields_reach_the_engine",
+    "seed": "test_sampling_fields_reach_the_engine",
+    "stop": "test_sampling_fields_reach_the_engine",
+    "max_tokens": "test_output_length_fields_reach_the_engine",
+    "max_completion_tokens": "test_output_length_fields_reach_the_engine",
+    "logprobs": "test_logprob_fields_shape_the_answer",
+    "top_logprobs": "test_logprob_fields_shape_the_answer",
+    "stream": "test_stream_fields_shape_the_answer",
+    "stream_options": "test_stream_fields_shape_the_answer",
+    "user": "test_identity_fields_change_nothing",
+    "safety_identifier": "test_identity_fields_change_nothing",
+    "prompt_cache_key": "test_identity_fields_change_nothing",
+}
+
+
+class _RecordingTokenizer:
+    """The real tokenizer, recording the messages each chat template call gets."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self.templated: list[list[dict]] = []
+
+    def apply_chat_template(self, messages, **kwargs):
+        self.templated.append(messages)
+        return self._tok.apply_chat_template(messages, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __len__(self):
+        return len(self._tok)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from raymoe.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_model)
+
+
+@pytest.fixture
+def served(tokenizer):
+    """(engine, post): a fresh fake engine behind the app, and ``post(path, fields)`` -> response."""
+    from raymoe.deploy.openai_api import build_openai_app
+
+    engine = FakeEngine(_RecordingTokenizer(tokenizer))
+    app = build_openai_app(engine)
+
+    def post(path: str, fields: dict) -> httpx.Response:
+        async def main():
+            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
+                return await c.post(path, content=json.dumps({"model": "fake", **fields}))
+
+        return anyio.run(main)
+
+    return engine, post
+
+
+def _body(path: str, **fields) -> dict:
+    base = {"prompt": "hi"} if path == COMPLETIONS else {"messages": [USER]}
+    return {**base, "max_tokens": 2, **fields}
+
+
+@pytest.mark.parametrize("kind", OPENAI_FIELDS)
+def test_every_openai_request_field_is_classified(kind):
+    fields, table = OPENAI_FIELDS[kind]
+    unclassified = sorted(fields - set(table))
+    assert not unclassified, f"classify these {kind} fields in raymoe/deploy/openai_fields.py: {unclassified}"
+    stale = sorted(set(table) - fields)
+    assert not stale, f"these {kind} fields are no longer in the openai package: {stale}"
+
+
+def test_every_honoured_field_has_a_behaviour_test():
+    honoured = {name for _, table in OPENAI_FIELDS.values() for name, rule in table.items()
+                if rule.status == "honoured"}
+    assert honoured == set(BEHAVIOUR)
+    assert all(callable(globals().get(test)) for test in BEHAVIOUR.values())
+
+
+NOT_HONOURED = [(path, name) for path, table in ((COMPLETIONS, COMPLETION_FIELDS), (CHAT, CHAT_FIELDS))
+                for name, rule in table.items() if rule.status != "honoured"]
+
+
+@pytest.mark.parametrize(("path", "name"), NOT_HONOURED)
+def test_unsupported_fields_are_refused_naming_them(served, path, name):
+    engine, post = served
+    rule = (COMPLETION_FIELDS if path == COMPLETIONS else CHAT_FIELDS)[name]
+    r = post(path, _body(path, **{name: {"asks_for": "something"}}))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == name and err["code"] == "unsupported_value" and err["message"].startswith(f"{name}: ")
+    assert not engine.seen
+    for value in (None, *rule.neutral):
+        r = post(path, _body(path, **{name: value}))
+        assert r.status_code == 200, (name, value, r.text)
+
+
+@pytest.mark.parametrize("name", [n for n, rule in MESSAGE_FIELDS.items() if rule.status != "honoured"])
+def test_unsupported_message_fields_are_refused_naming_them(served, name):
+    engine, post = served
+    message = {"role": "assistant", "content": "x", name: [{"id": "call_1", "type": "function"}]}
+    r = post(CHAT, _body(CHAT, messages=[USER, message, USER]))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages" and err["message"].startswith(f"messages[1].{name}: ")
+    assert not engine.seen
+    for value in (None, *MESSAGE_FIELDS[name].neutral):
+        assert post(CHAT, _body(CHAT, messages=[USER, {**message, name: value}, USER])).status_code == 200
+
+
+def test_model_must_name_the_served_model(served):
+    _, post = served
+    r = post(COMPLETIONS, {**_body(COMPLETIONS), "model": "another"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert post(COMPLETIONS, _body(COMPLETIONS)).status_code == 200
+
+
+def test_prompt_forms_reach_the_engine(served, tokenizer):
+    engine, post = served
+    ids = tokenizer.encode("hello there", add_special_tokens=False)
+    for prompt in ("hello there", ids, ["hello there"], [ids]):
+        assert post(COMPLETIONS, _body(COMPLETIONS, prompt=prompt)).status_code == 200
+        assert engine.seen[-1][0] == ids
+
+
+def test_messages_reach_the_chat_template(served):
+    engine, post = served
+    tok = engine.tokenizer
+    messages = [{"role": "system", "content": "be brief"}, {"role": "developer", "content": "x"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                 "name": "ann"}, {"role": "assistant", "content": None}, {"role": "tool", "content": "r"}]
+    assert post(CHAT, _body(CHAT, messages=messages)).status_code == 200
+    assert tok.templated[-1] == [{"role": "system", "content": "be brief"}, {"role": "developer", "content": "x"},
+                                 {"role": "user", "content": "ab", "name": "ann"},
+                                 {"role": "assistant", "content": ""}, {"role": "tool", "content": "r"}]
+    assert engine.seen[-1][0] == tok.apply_chat_template(tok.templated[-1], add_generation_prompt=True,
+                                                         tokenize=True, return_dict=False)
+
+
+def test_sampling_fields_reach_the_engine(served):
+    engine, post = served
+    for path in (COMPLETIONS, CHAT):
+        r = post(path, _body(path, temperature=0.3, top_p=0.7, seed=11, stop=["zz", "yy"]))
+        assert r.status_code == 200, r.text
+        params = engine.seen[-1][1]
+        assert (params.temperature, params.top_p, params.seed, params.stop) == (0.3, 0.7, 11, ("zz", "yy"))
+
+
+def test_output_length_fields_reach_the_engine(served):
+    engine, post = served
+    post(COMPLETIONS, _body(COMPLETIONS, max_tokens=5))
+    assert engine.seen[-1][1].max_tokens == 5
+    post(CHAT, {"messages": [USER], "max_completion_tokens": 6, "max_tokens": 9})  # the new name wins
+    assert engine.seen[-1][1].max_tokens == 6
+    r = post(CHAT, {"messages": [USER], "max_tokens": 3})
+    assert engine.seen[-1][1].max_tokens == 3 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_logprob_fields_shape_the_answer(served):
+    _, post = served
+    r = post(COMPLETIONS, _body(COMPLETIONS, logprobs=3)).json()
+    assert all(len(top) == 3 for top in r["choices"][0]["logprobs"]["top_logprobs"])
+    r = post(CHAT, _body(CHAT, logprobs=True, top_logprobs=2)).json()
+    assert all(len(t["top_logprobs"]) == 2 for t in r["choices"][0]["logprobs"]["content"])
+    assert post(CHAT, _body(CHAT)).json()["choices"][0]["logprobs"] is None
+
+
+def test_stream_fields_shape_the_answer(served):
+    _, post = served
+    for path in (COMPLETIONS, CHAT):
+        r = post(path, _body(path, stream=True, stream_options={"include_usage": True}))
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line.removeprefix("data: ") for line in r.text.splitlines() if line]
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2
+
+
+def test_identity_fields_change_nothing(served):
+    engine, post = served
+    post(CHAT, _body(CHAT, seed=1))
+    plain = engine.seen[-1]
+    for name in ("user", "safety_identifier", "prompt_cache_key"):
+        assert post(CHAT, _body(CHAT, seed=1, **{name: "id-7"})).status_code == 200
+        assert engine.seen[-1] == plain
+    post(COMPLETIONS, _body(COMPLETIONS, seed=1))
+    plain = engine.seen[-1]
+    assert post(COMPLETIONS, _body(COMPLETIONS, seed=1, user="id-7")).status_code == 200
+    assert engine.seen[-1] == plain
