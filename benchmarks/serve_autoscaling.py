@@ -35,11 +35,6 @@ Run:  PYTHONPATH=. python benchmarks/serve_autoscaling.py   (exit status 0 when 
 from __future__ import annotations
 
 import json
-import os
-import secrets
-import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -47,17 +42,12 @@ import time
 from pathlib import Path
 
 import yaml
+from ray_head import ROOT, connect, head_env, report, say, start_head, stop_head
 
 from raymoe.cluster.bootstrap import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
-T0 = time.monotonic()
 MAX_TOKENS = 48
 CONCURRENCY = 8
-
-
-def say(msg: str) -> None:
-    print(f"[{time.monotonic() - T0:6.1f} s] {msg}", flush=True)
 
 
 def autoscaling_config(gcs: str) -> dict:
@@ -77,43 +67,6 @@ def autoscaling_config(gcs: str) -> dict:
         "rsync_filter": [], "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
         "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
     }
-
-
-def start_head(work: Path, env: dict) -> tuple[subprocess.Popen, str]:
-    gcs = f"127.0.0.1:{free_port()}"
-    cfg = work / "autoscaling.json"
-    cfg.write_text(json.dumps(autoscaling_config(gcs)))
-    cmd = ["ray", "start", "--head", "--block", f"--autoscaling-config={cfg}", "--node-ip-address=127.0.0.1",
-           f"--port={gcs.split(':')[1]}", f"--temp-dir={work / 'ray'}", "--num-cpus=1", "--num-gpus=0",
-           "--include-dashboard=false", f"--ray-client-server-port={free_port()}",
-           f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-           f"--metrics-export-port={free_port()}", f"--node-manager-port={free_port()}",
-           f"--object-manager-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-           "--disable-usage-stats"]
-    log = open(work / "head.log", "w")  # noqa: SIM115 - lives as long as the head
-    head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    return head, gcs
-
-
-def stop_head(head: subprocess.Popen, work: Path) -> None:
-    """Stop the head by its pid, then any process still running from its temp dir (fake worker nodes), by id."""
-    if head.poll() is None:
-        head.send_signal(signal.SIGTERM)
-        try:
-            head.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            head.kill()
-    # A terminated fake worker node can leave its raylet behind (parent gone); SIGTERM, then SIGKILL.
-    for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGKILL):
-        pids = subprocess.run(["pgrep", "-f", "--", str(work)], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), sig)
-            except ProcessLookupError:
-                pass
-        time.sleep(3 if pids else 0)
-    left = subprocess.run(["pgrep", "-f", "--", str(work)], capture_output=True, text=True).stdout.split()
-    say(f"head stopped; processes of {work} left: {len(left)}")
 
 
 class Load:
@@ -161,14 +114,13 @@ class Load:
 
 def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="rmas.", dir="/tmp"))  # short: Ray's socket paths live under it
-    token = secrets.token_hex(32)
-    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-                       "GLOO_SOCKET_IFNAME": "lo"})
-    env = dict(os.environ, RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    env = head_env(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1")
     passed = False
-    head, gcs = start_head(work, env)
+    gcs = f"127.0.0.1:{free_port()}"
+    config = work / "autoscaling.json"
+    config.write_text(json.dumps(autoscaling_config(gcs)))
+    head = start_head(work, env, gcs, f"--autoscaling-config={config}", "--num-cpus=1", "--num-gpus=0",
+                      "--include-dashboard=false")
     try:
         from raymoe.models.checkpoint import make_checkpoint
 
@@ -179,14 +131,7 @@ def main() -> int:
         from raymoe.deploy.serve_app import RaymoeDeployment
         from raymoe.deploy.server_config import ServeOptions
 
-        for _ in range(60):
-            try:
-                ray.init(address=gcs)
-                break
-            except Exception:  # noqa: BLE001 - the head is still starting
-                if head.poll() is not None:
-                    raise SystemExit(f"FAILED: ray start exited; see {work / 'head.log'}") from None
-                time.sleep(1)
+        connect(head, work, gcs)
         say(f"head up at {gcs} (token auth, temp dir {work}): {ray.cluster_resources()}")
 
         def alive_nodes() -> int:
@@ -253,23 +198,10 @@ def main() -> int:
         say(f"requests: {len(load.results)}, all 200 with {MAX_TOKENS} tokens: {not bad} (bad: {bad[:5]})")
         checks = {"replicas went 1 -> 2 -> 1": True, "autoscaler added a node": peak_nodes > nodes_before,
                   "every request completed": not bad and len(load.results) > 0}
-        for what, ok in checks.items():
-            say(("ok   " if ok else "FAIL ") + what)
-        passed = all(checks.values())
-        say("PASS" if passed else "FAILED")
-        try:
-            serve.shutdown()
-        except Exception:  # noqa: BLE001
-            pass
-        ray.shutdown()
+        passed = report(checks)
         return 0 if passed else 1
     finally:
-        stop_head(head, work)
-        if passed:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            say(f"logs kept in {work}")
-
+        stop_head(head, work, passed, term_rounds=2)
 
 if __name__ == "__main__":
     sys.exit(main())

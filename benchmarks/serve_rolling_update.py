@@ -24,10 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import secrets
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,52 +32,13 @@ import time
 from pathlib import Path
 
 import yaml
+from ray_head import ROOT, connect, head_env, report, say, start_head, stop_head
 
 from raymoe.cluster.bootstrap import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
-T0 = time.monotonic()
 CLIENTS = 32
 MAX_TOKENS = 48
 MAX_TTFT_DURING_UPDATE_S = 6.0
-
-
-def say(msg: str) -> None:
-    print(f"[{time.monotonic() - T0:6.1f} s] {msg}", flush=True)
-
-
-def start_head(work: Path, env: dict) -> tuple[subprocess.Popen, str, str]:
-    """``ray start --head`` on loopback with the dashboard; returns (process, GCS address, dashboard URL)."""
-    gcs, dash = f"127.0.0.1:{free_port()}", free_port()
-    cmd = ["ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs.split(':')[1]}",
-           f"--temp-dir={work / 'ray'}", "--num-cpus=4", "--num-gpus=0", "--include-dashboard=true",
-           "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--ray-client-server-port={free_port()}",
-           f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-           f"--metrics-export-port={free_port()}", f"--node-manager-port={free_port()}",
-           f"--object-manager-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-           "--disable-usage-stats"]
-    log = open(work / "head.log", "w")  # noqa: SIM115 - lives as long as the head
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), gcs, f"http://127.0.0.1:{dash}"
-
-
-def stop_head(head: subprocess.Popen, work: Path) -> None:
-    """Stop the head by its pid, then any process still running from its temp dir, by id."""
-    if head.poll() is None:
-        head.send_signal(signal.SIGTERM)
-        try:
-            head.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            head.kill()
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = subprocess.run(["pgrep", "-f", "--", str(work)], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), sig)
-            except ProcessLookupError:
-                pass
-        time.sleep(3 if pids else 0)
-    left = subprocess.run(["pgrep", "-f", "--", str(work)], capture_output=True, text=True).stdout.split()
-    say(f"head stopped; processes of {work} left: {len(left)}")
 
 
 def write_config(path: Path, model: str, port: int, max_running: int, max_context: int) -> Path:
@@ -160,12 +117,12 @@ class Load:
 
 def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="rmru.", dir="/tmp"))  # short: Ray's socket paths live under it
-    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
-                       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo"})
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    env = head_env()
     passed = False
-    head, gcs, dashboard = start_head(work, env)
+    gcs, dash = f"127.0.0.1:{free_port()}", free_port()
+    dashboard = f"http://127.0.0.1:{dash}"
+    head = start_head(work, env, gcs, "--num-cpus=4", "--num-gpus=0", "--include-dashboard=true",
+                      "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}")
     try:
         from raymoe.models.checkpoint import make_checkpoint
 
@@ -173,14 +130,7 @@ def main() -> int:
         import ray
         from ray import serve
 
-        for _ in range(60):
-            try:
-                ray.init(address=gcs, log_to_driver=False)
-                break
-            except Exception:  # noqa: BLE001 - the head is still starting
-                if head.poll() is not None:
-                    raise SystemExit(f"FAILED: ray start exited; see {work / 'head.log'}") from None
-                time.sleep(1)
+        connect(head, work, gcs, log_to_driver=False)
         say(f"head up at {gcs}, dashboard {dashboard} (token auth, temp dir {work})")
         port = free_port()
         v1 = write_config(work / "serve-v1.yaml", model, port, 16, 1024)
@@ -251,23 +201,10 @@ def main() -> int:
                   "new config in effect (max_model_len 2048)": load.models[-1] == 2048,
                   f"no stream waited over {MAX_TTFT_DURING_UPDATE_S:g} s for its first token":
                       max(during) < MAX_TTFT_DURING_UPDATE_S}
-        for what, ok in checks.items():
-            say(("ok   " if ok else "FAIL ") + what)
-        passed = all(checks.values())
-        say("PASS" if passed else "FAILED")
-        try:
-            serve.shutdown()
-        except Exception:  # noqa: BLE001
-            pass
-        ray.shutdown()
+        passed = report(checks)
         return 0 if passed else 1
     finally:
-        stop_head(head, work)
-        if passed:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            say(f"logs kept in {work}")
-
+        stop_head(head, work, passed)
 
 if __name__ == "__main__":
     sys.exit(main())

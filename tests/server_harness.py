@@ -12,8 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 
 @contextlib.contextmanager
-def uvicorn_server(app, timeout_s: float = 60.0):
-    """Serve ``app`` on 127.0.0.1 in a thread; yields the base URL; stops the server on exit.
+def uvicorn_server(app, timeout_s: float = 60.0, **config):
+    """Serve ``app`` on 127.0.0.1 in a thread; yields the base URL; stops the server on exit. ``config``: more
+    ``uvicorn.Config`` arguments (``http``: the HTTP protocol class).
 
     The listening socket is bound here (port 0: the kernel picks a free one) and handed to uvicorn, so no other
     process (a second copy of the suite, say) can take the port between choosing and binding it.
@@ -26,7 +27,7 @@ def uvicorn_server(app, timeout_s: float = 60.0):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, **config))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="test-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s
