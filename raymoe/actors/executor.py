@@ -114,6 +114,7 @@ class RayExecutor:
         init_timeout_s: rendezvous / load timeout, seconds. step_timeout_s: bound on one step, seconds.
         collective_timeout_s: torch.distributed timeout of every collective, seconds.
     Raises:
+        PlacementError: a GPU world whose cluster does not admit node-ordered ranks (``raymoe.cluster.rank_plan``).
         TimeoutError / EngineUnhealthyError: the ranks could not be placed or started.
     """
 
@@ -144,7 +145,8 @@ class RayExecutor:
 
         t0 = time.perf_counter()
         self._owner = self._owner or pg_owner_tag()
-        self.placements = place_ranks(self.parallel, self.use_gpu, timeout_s=self.init_timeout_s, owner=self._owner)
+        self.placements = place_ranks(self.parallel, self.use_gpu, timeout_s=self.init_timeout_s, owner=self._owner,
+                                      a2a_backend=self.runner_cfg.moe_comm.a2a_backend)
         remote_cls = ray.remote(RankWorker)
         self.workers = [
             remote_cls.options(
