@@ -55,7 +55,7 @@ def check_node_ordered(cfg: ParallelConfig, plan, placements, node_ids: list[str
     # Ray shows a rank only its own GPU; on a fresh node bundle b holds GPU b
     assert [visible for _, _, visible in seen] == [ids[0] for ids in gpu_ids]
     assert gpu_ids == [[str(r % g)] for r in range(cfg.world_size)]
-    devices = rank_cuda_devices(plan, gpu_ids)
+    devices = rank_cuda_devices([p.node_id for p in placements], gpu_ids)
     assert [d.device_index for d in devices] == [r % g for r in range(cfg.world_size)]
     assert [d.visible_devices.split(",")[d.device_index] for d in devices] == [ids[0] for ids in gpu_ids]
     tables = {p.pg.id.hex(): ray.util.placement_group_table(p.pg) for p in placements}

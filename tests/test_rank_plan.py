@@ -25,6 +25,10 @@ def nodes(count: int, gpus: int) -> dict[str, float]:
     return {f"{i:02d}" + "ab" * 27: float(gpus) for i in range(count)}
 
 
+def plan_nodes(plan: RankPlan) -> list[int]:
+    return [s.node for s in plan.slots]
+
+
 def where(plan: RankPlan) -> list[tuple[int, int]]:
     return [(s.node, s.local_rank) for s in plan.slots]
 
@@ -38,7 +42,7 @@ def test_two_nodes_of_eight_dp16_ep16_put_each_deepep_nvlink_domain_on_one_node(
     # DeepEP: rdma_rank = rank // 8 is the node, nvl_rank = rank % 8 the GPU on it
     assert all((s.node, s.local_rank) == divmod(s.rank, 8) for s in plan.slots)
     # Ray hands bundle b of a fresh node GPU b (tests/test_gpu_placement.py): rank r computes on cuda:(r % 8)
-    devices = rank_cuda_devices(plan, [[r % 8] for r in range(16)])
+    devices = rank_cuda_devices(plan_nodes(plan), [[r % 8] for r in range(16)])
     assert devices == [RankDevice("0,1,2,3,4,5,6,7", r % 8) for r in range(16)]
 
 
@@ -98,14 +102,19 @@ def test_check_placed_refuses_a_placement_that_breaks_the_plan():
 def test_cuda_devices_list_the_nodes_gpus_in_local_rank_order():
     plan = plan_gpu_ranks(nodes(2, 2), ParallelConfig(dp_size=4, ep_size=4))
     # Ray's ids need not follow bundle order (another engine holds GPUs 0-1 of the second node)
-    devices = rank_cuda_devices(plan, [[1], [0], ["3"], ["2"]])
+    devices = rank_cuda_devices(plan_nodes(plan), [[1], [0], ["3"], ["2"]])
     assert devices == [RankDevice("1,0", 0), RankDevice("1,0", 1), RankDevice("3,2", 0), RankDevice("3,2", 1)]
     # every rank computes on the GPU Ray reserved for it
     assert [d.visible_devices.split(",")[d.device_index] for d in devices] == ["1", "0", "3", "2"]
     with pytest.raises(PlacementError, match="exactly one"):
-        rank_cuda_devices(plan, [[0, 1], [0], [1], [2]])
+        rank_cuda_devices(plan_nodes(plan), [[0, 1], [0], [1], [2]])
     with pytest.raises(PlacementError, match="one GPU each"):
-        rank_cuda_devices(plan, [[0], [0], [1], [2]])
+        rank_cuda_devices(plan_nodes(plan), [[0], [0], [1], [2]])
+    with pytest.raises(PlacementError, match="GPU ids of 3 ranks for 4"):
+        rank_cuda_devices(plan_nodes(plan), [[0], [1], [2]])
+    # placed node ids in any order: a rank's index is its position among its node's ranks, in rank order
+    assert rank_cuda_devices(["n1", "n2", "n1", "n2"], [[5], [0], [4], [1]]) == [
+        RankDevice("5,4", 0), RankDevice("0,1", 0), RankDevice("5,4", 1), RankDevice("0,1", 1)]
 
 
 def test_plan_record_refuses_slots_off_the_rule():

@@ -141,6 +141,7 @@ class RayExecutor:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from raymoe.actors.rank_devices import bind_cuda_devices
         from raymoe.cluster.placement import pg_owner_tag, place_ranks
 
         t0 = time.perf_counter()
@@ -157,6 +158,8 @@ class RayExecutor:
             for p in self.placements
         ]
         try:
+            if self.placements[0].num_gpus:  # each rank's CUDA device: its node's GPUs visible, its own current
+                bind_cuda_devices(self.workers, [p.node_id for p in self.placements], self.init_timeout_s)
             addr = ray.get(self.workers[0].get_rendezvous_address.remote(), timeout=self.init_timeout_s)
             ray.get([w.init_distributed.remote(addr, self.collective_timeout_s) for w in self.workers],
                     timeout=self.init_timeout_s)

@@ -23,7 +23,7 @@ same with the node's GPU ids sorted).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from raymoe.config import ParallelConfig
@@ -138,22 +138,33 @@ class RankDevice:
     device_index: int
 
 
-def rank_cuda_devices(plan: RankPlan, gpu_ids: Sequence[Sequence[int | str]]) -> list[RankDevice]:
-    """The CUDA device of every rank of ``plan`` from the GPU ids Ray gave each (``gpu_ids[r]``: rank ``r``'s
-    ``ray.get_gpu_ids()``).
+def rank_cuda_devices(nodes: Sequence[Hashable], gpu_ids: Sequence[Sequence[int | str]]) -> list[RankDevice]:
+    """The CUDA device of every rank from the node it runs on and the GPU ids Ray gave it.
 
+    Args:
+        nodes: ``nodes[r]``, the node of rank ``r`` (a plan's ``slot.node`` or a placed node id; any hashable).
+        gpu_ids: ``gpu_ids[r]``, rank ``r``'s ``ray.get_gpu_ids()`` (ints, or strings when the node's own
+            ``CUDA_VISIBLE_DEVICES`` named them).
+    Returns:
+        one :class:`RankDevice` per rank: the GPUs of its node's ranks in rank order, and its position there
+        (``r % G`` under a node-ordered plan).
     Raises:
-        PlacementError: a rank holds other than one GPU, or two ranks of one node hold the same GPU.
+        PlacementError: the lists differ in length, a rank holds other than one GPU, or two ranks of one node hold
+            the same GPU.
     """
-    if len(gpu_ids) != len(plan.slots):
-        raise PlacementError(f"GPU ids of {len(gpu_ids)} ranks for a plan of {len(plan.slots)}")
+    if len(gpu_ids) != len(nodes):
+        raise PlacementError(f"GPU ids of {len(gpu_ids)} ranks for {len(nodes)} placed ranks")
     for r, ids in enumerate(gpu_ids):
         if len(ids) != 1:
             raise PlacementError(f"rank {r} holds GPUs {list(ids)}; each rank computes on exactly one")
-    devices = []
-    for k in range(plan.num_nodes):
-        ids = [str(gpu_ids[r][0]) for r in plan.node_ranks(k)]
+    members: dict[Hashable, list[int]] = {}
+    for r, node in enumerate(nodes):
+        members.setdefault(node, []).append(r)
+    devices: list[RankDevice | None] = [None] * len(nodes)
+    for ranks in members.values():
+        ids = [str(gpu_ids[r][0]) for r in ranks]
         if len(set(ids)) != len(ids):
-            raise PlacementError(f"ranks {plan.node_ranks(k)} of one node hold GPUs {ids}: one GPU each")
-        devices += [RankDevice(",".join(ids), i) for i in range(len(ids))]
+            raise PlacementError(f"ranks {ranks} of one node hold GPUs {ids}: one GPU each")
+        for i, r in enumerate(ranks):
+            devices[r] = RankDevice(",".join(ids), i)
     return devices
