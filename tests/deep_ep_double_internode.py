@@ -19,7 +19,8 @@ the receiving node's ranks the token goes to), the heads are a token's slot in i
 
 Refused as the library refuses (host asserts) or traps (device asserts): RDMA ranks outside ``SWITCH_RDMA_RANKS``,
 a token for more than ``min(nodes, 8)`` nodes, top-k above 32, a token message over the 16 KiB TMA buffer, an NVLink
-buffer below the kernels' clean region, queue pairs neither C nor ``>= num_sms``, configs the combine's forwarders
+buffer below the kernels' clean region, queue pairs neither C nor ``>= num_sms`` (device assert of the dispatch,
+``internode.cu``), configs the combine's forwarders
 cannot use. Stricter than the library (it would read or write out of bounds): an RDMA buffer below
 ``Config.get_rdma_buffer_size_hint`` (the kernels lay out the buffer by the hint), layout tensors that do not
 describe ``topk_idx``, combine rows that are not the dispatch's received rows.
