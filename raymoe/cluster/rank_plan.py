@@ -15,10 +15,10 @@ the groups land on distinct nodes (checked after placement, :func:`check_placed`
 
 The CUDA device of a rank (:func:`rank_cuda_devices`): Ray hands each rank actor the GPU of its bundle
 (``ray.get_gpu_ids()``) and sets ``CUDA_VISIBLE_DEVICES`` to it alone. CUDA IPC between the ranks of a node (DeepEP's
-NVLink buffers) needs the peers' GPUs visible, so a rank may instead see all the GPUs its node's ranks hold, listed
-in local-rank order, and take device ``local_rank`` of them: rank ``r`` then computes on ``cuda:(r % G)``, the GPU
-Ray reserved for it, as an SGLang rank takes ``gpu_id = tp_rank % gpus_per_node`` (vLLM's Ray executor does the
-same with the node's GPU ids sorted).
+NVLink buffers) needs the peers' GPUs visible, so a rank sees all the GPUs its node's ranks hold, listed in rank
+order, and takes device ``local_rank`` of them (``raymoe.actors.rank_devices`` sets both in the rank's process):
+rank ``r`` then computes on ``cuda:(r % G)``, the GPU Ray reserved for it, as an SGLang rank takes
+``gpu_id = tp_rank % gpus_per_node`` (vLLM's Ray executor likewise makes a node's worker GPUs visible to each).
 """
 
 from __future__ import annotations
