@@ -125,6 +125,7 @@ def place_ranks(cfg: ParallelConfig, use_gpu: bool | None = None, cpus_per_rank:
 
 
 def _remove(pgs: list) -> None:
+    """Remove the placement groups ``pgs`` (placed or still pending)."""
     import ray
 
     for pg in pgs:
