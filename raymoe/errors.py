@@ -46,6 +46,11 @@ class EngineUnhealthyError(RaymoeError, RuntimeError):
     """The engine lost a rank or was shut down; in-flight and new requests fail with this error."""
 
 
+class PlacementError(RaymoeError, ValueError):
+    """The engine's ranks cannot be placed on this cluster as they must be (``raymoe.cluster.rank_plan``: GPU nodes
+    of different sizes, a TP group or DeepEP's NVLink domain across nodes, a placement that broke the plan)."""
+
+
 class BackendUnavailableError(InvalidRequestError, ImportError):
     """An option selects an optional backend whose package is not installed (e.g. ``attention_backend="flash_attn"``
     without ``vllm``). Raised at config time; ``field`` names the option, the message names the package."""

@@ -92,3 +92,37 @@ def ray_cluster():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture
+def temporary_nodes(ray_cluster):
+    """A context manager that adds nodes to the session cluster and removes them on exit:
+    ``with temporary_nodes(num_gpus=8, count=2) as node_ids:`` (hex ids, in the order added). Each node declares
+    ``num_gpus`` GPUs and ``num_cpus`` logical CPUs (default 2) on 127.0.0.1; its start is retried
+    (:func:`_start_node`). On exit the nodes' processes are killed and the test waits until the GCS reports them
+    dead, so later tests see the session's three nodes only."""
+    import contextlib
+    import time
+
+    import ray
+
+    from raymoe.cluster.bootstrap import free_port
+
+    @contextlib.contextmanager
+    def add(num_gpus: int, count: int, num_cpus: int = 2):
+        nodes = []
+        try:
+            for i in range(count):
+                nodes.append(_start_node(lambda: ray_cluster.add_node(
+                    num_cpus=num_cpus, num_gpus=num_gpus, dashboard_agent_listen_port=free_port(),
+                    metrics_export_port=free_port()), f"temporary node {i + 1}"))
+            yield [n.node_id for n in nodes]
+        finally:
+            for n in nodes:
+                ray_cluster.remove_node(n)
+            ids = {n.node_id for n in nodes}
+            deadline = time.monotonic() + 60
+            while any(n["Alive"] for n in ray.nodes() if n["NodeID"] in ids) and time.monotonic() < deadline:
+                time.sleep(0.2)
+
+    return add

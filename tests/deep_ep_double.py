@@ -22,10 +22,14 @@ opaque handles, and its host-side checks (``EP_HOST_ASSERT`` in ``csrc/deep_ep.c
   normal mode, contiguous layout and handle tensors (``is_token_in_rank`` included), and expert ids in
   ``[-1, E)`` (the library would read out of bounds);
 * CUDA graphs (``deep_ep_double_graph``): a normal-mode dispatch cannot be captured, and a replay must make the
-  library calls its capture made, on the same low-latency buffers (a GPU replay runs only the captured kernels).
+  library calls its capture made, on the same low-latency buffers (a GPU replay runs only the captured kernels);
+* nodes: DeepEP takes ranks ``[8 r, 8 r + 8)`` as the GPUs of node ``r`` (``NUM_MAX_NVL_PEERS``) and opens their
+  CUDA IPC handles when the buffer is built; ranks of one such NVLink domain on two nodes are refused there (the
+  node of a rank: ``deep_ep_double_core.simulate_node``, else the host name). Above 8 ranks the internode kernels
+  run (``deep_ep_double_internode``: 2 to 20 nodes of 8 ranks, its own limits and handle).
 
-Not modelled (``NotImplementedError``): FP8 inputs, cached-handle dispatch, ``num_worst_tokens``, bias, internode
-(> 8 ranks), zero-copy/LogFMT combine. Dtype and hidden-size limits of the real kernels are enforced by default
+Not modelled (``NotImplementedError``): FP8 inputs, cached-handle dispatch, ``num_worst_tokens``, bias,
+zero-copy/LogFMT combine, MNNVL. Dtype and hidden-size limits of the real kernels are enforced by default
 (:data:`STRICT`); :data:`RELAXED` lets tests run float32 and tiny hidden sizes to compare results exactly.
 The low-latency half is in ``deep_ep_double_ll``.
 """
@@ -43,13 +47,17 @@ from deep_ep_double_core import (
     ALIGN,
     INT_MAX,
     NUM_MAX_NVL_PEERS,
+    NUM_MAX_RDMA_PEERS,
     SOURCE_META_BYTES,
     EventHandle,
     EventOverlap,
     check,
     check_expert_ids,
+    misuse,
+    this_node,
 )
 from deep_ep_double_graph import library_call
+from deep_ep_double_internode import in_node
 from deep_ep_double_ll import LL_HIDDEN_SIZES, LowLatencyMixin
 
 
@@ -100,12 +108,17 @@ class Config:
         return (n + 127) // 128 * 128
 
 
-_DISPATCH = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128)}
-_COMBINE = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128)}
+# Buffer.get_dispatch_config / get_combine_config of deep_ep/buffer.py (v1.2.1)
+_DISPATCH = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
+             24: (8, 288, 32, 128), 32: (32, 288, 32, 128), 64: (20, 288, 28, 128), 128: (20, 560, 32, 128),
+             144: (32, 720, 12, 128), 160: (28, 720, 12, 128)}
+_COMBINE = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
+            24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 64: (1, 288, 20, 128), 128: (1, 560, 12, 128),
+            144: (2, 720, 8, 128), 160: (2, 720, 8, 128)}
 
 
 class Buffer(LowLatencyMixin):
-    """``deep_ep.Buffer`` over gloo, intranode (<= 8 ranks). See the module docstring for what is checked."""
+    """``deep_ep.Buffer`` over gloo. See the module docstring for what is checked."""
 
     num_sms: int = 20
     limits: Limits = STRICT
@@ -123,19 +136,39 @@ class Buffer(LowLatencyMixin):
         self.num_qps_per_rank = num_qps_per_rank
         check(num_nvl_bytes % ALIGN == 0 and (num_nvl_bytes <= INT_MAX or num_rdma_bytes == 0), "num_nvl_bytes")
         check(num_rdma_bytes % ALIGN == 0 and (low_latency_mode or num_rdma_bytes <= INT_MAX), "num_rdma_bytes")
+        check(self.group_size <= NUM_MAX_NVL_PEERS * NUM_MAX_RDMA_PEERS or low_latency_mode, "num_ranks")
         check(self.group_size < NUM_MAX_NVL_PEERS or self.group_size % NUM_MAX_NVL_PEERS == 0, "num_ranks")
         check(num_rdma_bytes == 0 or self.group_size > NUM_MAX_NVL_PEERS or low_latency_mode,
               "RDMA bytes need internode ranks or the low-latency mode")
-        if self.group_size > NUM_MAX_NVL_PEERS:
-            raise NotImplementedError("the double models intranode buffers (<= 8 ranks) only")
+        # deep_ep.cpp Buffer::Buffer: the NVLink domain of a rank is ranks [8 * rdma_rank, 8 * rdma_rank + 8)
+        self.rdma_rank, self.nvl_rank = self.rank // NUM_MAX_NVL_PEERS, self.rank % NUM_MAX_NVL_PEERS
+        self.num_rdma_ranks = max(1, self.group_size // NUM_MAX_NVL_PEERS)
+        self.num_nvl_ranks = min(self.group_size, NUM_MAX_NVL_PEERS)
         if low_latency_mode:
             assert num_qps_per_rank > 0
-        mine = torch.tensor([num_nvl_bytes, num_rdma_bytes, int(low_latency_mode)], dtype=torch.int64)
-        everyone = [torch.empty_like(mine) for _ in range(self.group_size)]
-        dist.all_gather(everyone, mine, group=group)
-        check(all(torch.equal(e, mine) for e in everyone), "buffers must be symmetric (same sizes on every rank)")
+        # One gather stands for the library's device-id and IPC-handle gathers (and the double's symmetry check).
+        mine = (num_nvl_bytes, num_rdma_bytes, bool(low_latency_mode), this_node())
+        everyone = [None] * self.group_size
+        dist.all_gather_object(everyone, mine, group=group)
+        check(all(e[:3] == mine[:3] for e in everyone), "buffers must be symmetric (same sizes on every rank)")
+        self.rank_nodes = [e[3] for e in everyone]
+        if num_nvl_bytes > 0:
+            self._check_nvlink_domains()
         self.runtime = object()
         self._init_low_latency()
+
+    def _check_nvlink_domains(self) -> None:
+        """``Buffer::sync`` opens the CUDA IPC handles of the ranks of its NVLink domain; a handle made on another
+        node cannot be opened there (``cudaIpcOpenMemHandle`` fails). Every rank sees the gathered nodes and
+        raises, where the library would fail on the ranks of a split domain and hang the others in NVSHMEM's
+        initialization."""
+        n = self.num_nvl_ranks
+        for d in range(self.num_rdma_ranks):
+            nodes = self.rank_nodes[d * n:(d + 1) * n]
+            if len(set(nodes)) > 1:
+                raise misuse(f"cudaIpcOpenMemHandle fails: ranks {d * n}-{(d + 1) * n - 1} are one NVLink domain "
+                             f"(DeepEP takes ranks [8 r, 8 r + 8) as the GPUs of node r, NUM_MAX_NVL_PEERS = 8) but "
+                             f"sit on {len(set(nodes))} nodes: {nodes}")
 
     def destroy(self) -> None:
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
@@ -182,15 +215,18 @@ class Buffer(LowLatencyMixin):
     @library_call("get_dispatch_layout")
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """(num_tokens_per_rank [ranks] int32, None, num_tokens_per_expert [E] int32, is_token_in_rank [N, ranks]
-        bool, EventOverlap)."""
+        """(num_tokens_per_rank [ranks] int32, num_tokens_per_rdma_rank [ranks / 8] int32 (None within a node),
+        num_tokens_per_expert [E] int32, is_token_in_rank [N, ranks] bool, EventOverlap)."""
         self._stream_args(previous_event, async_finish, allocate_on_comm_stream)
         check(topk_idx.dim() == 2 and topk_idx.is_contiguous() and topk_idx.dtype == torch.int64, "topk_idx")
         check(num_experts > 0 and num_experts % self.group_size == 0, "num_experts")
         check_expert_ids(topk_idx, num_experts)
         per_expert, in_rank = _layout(topk_idx, num_experts, self.group_size)
         per_rank = in_rank.sum(0, dtype=torch.int32)
-        return per_rank, None, per_expert, in_rank, self._event(async_finish)
+        per_rdma_rank = None
+        if self.group_size > NUM_MAX_NVL_PEERS:
+            per_rdma_rank = in_node(in_rank).sum(0, dtype=torch.int32)
+        return per_rank, per_rdma_rank, per_expert, in_rank, self._event(async_finish)
 
     # The normal-mode dispatch and combine live in deep_ep_double_normal (NormalModeMixin) to keep files small.
 
@@ -209,9 +245,10 @@ def _layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> tuple[t
 @functools.cache
 def buffer_class(limits: Limits = STRICT) -> type:
     """The double's ``Buffer`` enforcing ``limits`` (one class per limits, so layers share it)."""
+    from deep_ep_double_internode import InternodeMixin
     from deep_ep_double_normal import NormalModeMixin
 
-    return type("Buffer", (NormalModeMixin, Buffer), {"limits": limits})
+    return type("Buffer", (NormalModeMixin, InternodeMixin, Buffer), {"limits": limits})
 
 
 def install(limits: Limits = STRICT) -> types.ModuleType:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import socket
+
 import torch
 
 NUM_MAX_NVL_PEERS, NUM_MAX_LOCAL_EXPERTS = 8, 1024
+NUM_MAX_RDMA_PEERS = 20               # csrc/kernels/configs.cuh
 ALIGN, SOURCE_META_BYTES, INT_MAX = 128, 8, 2**31 - 1
 # Limits of DeepEP v1.2.1's kernels (host asserts unless noted; a device assert traps the kernel, also an error):
 INTRANODE_RANKS = (2, 4, 8)           # csrc/kernels/launch.cuh SWITCH_RANKS (intranode dispatch/combine/notify)
@@ -15,6 +18,28 @@ DISPATCH_TMA_BYTES_PER_WARP = 8192    # csrc/kernels/intranode.cu dispatch (SM90
 LL_MAX_TOPK = 11                      # csrc/kernels/internode_ll.cu dispatch and combine: kNumMaxTopK = 11
 WORKSPACE_BYTES = 32 << 20            # csrc/kernels/configs.cuh NUM_WORKSPACE_BYTES
 NUM_DEVICE_SMS = 132                  # an H100 SXM / H200 (the low-latency launch shape depends on it)
+# Internode kernels (csrc/kernels/internode.cu, v1.2.1):
+INTERNODE_RDMA_RANKS = (2, 4, 8, 16, 18, 20)  # launch.cuh SWITCH_RDMA_RANKS (notify_dispatch, dispatch, combine)
+INTERNODE_MAX_TOPK = 32               # dispatch and combine: device assert num_topk <= 32
+INTERNODE_MAX_TOPK_NODES = 8          # get_num_topk_rdma_ranks: a token reaches at most min(rdma ranks, 8) nodes
+INTERNODE_TMA_BYTES_PER_WARP = 16384  # dispatch kNumTMABytesPerWarp, combine kNumTMABytesPerSenderWarp: one
+                                      # token message + 8 bytes must fit (device assert)
+INTERNODE_NOTIFY_THREADS = 512        # notify_dispatch kNumThreads: experts per node and per rank <= it
+INTERNODE_COMBINE_FORWARDER_WARPS = 24  # combine kNumCombineForwarderWarps (host asserts on the config)
+
+_NODE: list[str] = []  # the emulated node of this process's rank (simulate_node), else the host name
+
+
+def simulate_node(name: str | None) -> None:
+    """Name the node this process's rank runs on. Spawned gloo ranks of a test share one machine, where DeepEP
+    would see one node; a test that emulates a cluster gives each rank the node its placement put it on (None:
+    the real host name again)."""
+    _NODE[:] = [] if name is None else [name]
+
+
+def this_node() -> str:
+    """The node of this process's rank: :func:`simulate_node`'s, else ``socket.gethostname()``."""
+    return _NODE[0] if _NODE else socket.gethostname()
 
 
 class DoubleMisuse(RuntimeError):

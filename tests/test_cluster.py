@@ -57,11 +57,18 @@ def test_multi_node_placement(ray_cluster, tiny_model, reference):
     placement group of GPU bundles, so it fills one node's GPUs and the two DP groups land on two different
     nodes; greedy tokens match a single rank.
     ``bundle_gpus=True`` with CPU compute: the emulated nodes have no CUDA, and a rank configured for CUDA
-    without a GPU refuses to start (tests/test_rank_device.py)."""
+    without a GPU refuses to start (tests/test_rank_device.py). Each rank's CUDA device is bound from Ray's
+    assignment (``raymoe.actors.rank_devices``): its node's GPUs visible, its own at index ``LOCAL_RANK``."""
+    import os
+
     import ray
+
+    def cuda_device(_worker) -> tuple[str, str, str]:  # nested: Ray ships it by value (no test module import)
+        return os.environ["CUDA_VISIBLE_DEVICES"], os.environ["LOCAL_RANK"], str(ray.get_gpu_ids()[0])
 
     with Engine(tiny_model, tp_size=2, dp_size=2, ep_size=4, device="cpu", bundle_gpus=True) as e:
         nodes = ray.get([w.node_id.remote() for w in e.driver.executor.workers])
+        devices = ray.get([w.__ray_call__.remote(cuda_device) for w in e.driver.executor.workers])
         pg_ids = {p.pg.id.hex() for p in e.driver.executor.placements}
         table = [t for pid, t in ray.util.placement_group_table().items() if pid in pg_ids]
         outs = e.generate(PROMPTS[:2], GREEDY)
@@ -74,6 +81,11 @@ def test_multi_node_placement(ray_cluster, tiny_model, reference):
         assert t["strategy"] == "STRICT_PACK" and t["state"] == "CREATED"
         assert [b.get("GPU") for b in t["bundles"].values()] == [1.0, 1.0]
         assert len(set(t["bundles_to_node_id"].values())) == 1
+    # each rank sees its node's two GPUs (in rank order) and takes its own: local rank 0, 1 on each node
+    assert [index for _, index, _ in devices] == ["0", "1", "0", "1"], devices
+    assert all(sorted(visible.split(",")) == ["0", "1"] and visible.split(",")[int(index)] == own
+               for visible, index, own in devices), devices
+    assert devices[0][0] == devices[1][0] and devices[2][0] == devices[3][0]
     assert [o.token_ids for o in outs] == [reference[p] for p in PROMPTS[:2]]
 
 

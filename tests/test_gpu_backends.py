@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from raymoe.config import EngineConfig, MoeCommConfig
+from raymoe.config import EngineConfig, MoeCommConfig, ParallelConfig
 from raymoe.errors import InvalidRequestError
 from raymoe.platform.backends import environment_report, module_available
 
@@ -31,6 +31,12 @@ def test_gpu_backend_on_cpu_is_a_config_error(tiny_model, monkeypatch):
         EngineConfig(model=tiny_model, device="cuda", moe_comm=MoeCommConfig(a2a_backend="deepep"))
     assert e.value.field == "dtype"
     EngineConfig(model=tiny_model, device="cuda", dtype="bfloat16", moe_comm=MoeCommConfig(a2a_backend="deepep"))
+    deepep = {"device": "cuda", "dtype": "bfloat16", "moe_comm": MoeCommConfig(a2a_backend="deepep")}
+    for ep in (12, 24):  # DeepEP's kernels: 2, 4, 8 ranks in a node, or 2-20 nodes of 8 (3 nodes: none)
+        with pytest.raises(InvalidRequestError, match="ep_size") as e:
+            EngineConfig(model=tiny_model, parallel=ParallelConfig(dp_size=ep, ep_size=ep), **deepep)
+        assert e.value.field == "ep_size"
+    EngineConfig(model=tiny_model, parallel=ParallelConfig(dp_size=16, ep_size=16), **deepep)
     with pytest.raises(InvalidRequestError, match="a2a_mode"):
         MoeCommConfig(a2a_mode="fastest")
     with pytest.raises(InvalidRequestError, match="num_max_dispatch_tokens_per_rank"):

@@ -114,6 +114,7 @@ class RayExecutor:
         init_timeout_s: rendezvous / load timeout, seconds. step_timeout_s: bound on one step, seconds.
         collective_timeout_s: torch.distributed timeout of every collective, seconds.
     Raises:
+        PlacementError: a GPU world whose cluster does not admit node-ordered ranks (``raymoe.cluster.rank_plan``).
         TimeoutError / EngineUnhealthyError: the ranks could not be placed or started.
     """
 
@@ -140,11 +141,13 @@ class RayExecutor:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from raymoe.actors.rank_devices import bind_cuda_devices
         from raymoe.cluster.placement import pg_owner_tag, place_ranks
 
         t0 = time.perf_counter()
         self._owner = self._owner or pg_owner_tag()
-        self.placements = place_ranks(self.parallel, self.use_gpu, timeout_s=self.init_timeout_s, owner=self._owner)
+        self.placements = place_ranks(self.parallel, self.use_gpu, timeout_s=self.init_timeout_s, owner=self._owner,
+                                      a2a_backend=self.runner_cfg.moe_comm.a2a_backend)
         remote_cls = ray.remote(RankWorker)
         self.workers = [
             remote_cls.options(
@@ -155,6 +158,8 @@ class RayExecutor:
             for p in self.placements
         ]
         try:
+            if self.placements[0].num_gpus:  # each rank's CUDA device: its node's GPUs visible, its own current
+                bind_cuda_devices(self.workers, [p.node_id for p in self.placements], self.init_timeout_s)
             addr = ray.get(self.workers[0].get_rendezvous_address.remote(), timeout=self.init_timeout_s)
             ray.get([w.init_distributed.remote(addr, self.collective_timeout_s) for w in self.workers],
                     timeout=self.init_timeout_s)

@@ -44,12 +44,19 @@ def module_available(name: str) -> bool:
         return False
 
 
+#: Expert-parallel sizes DeepEP v1.2.1 runs: its intranode kernels take 2, 4 or 8 ranks (``SWITCH_RANKS``), its
+#: internode ones 2, 4, 8, 16, 18 or 20 nodes of 8 ranks (``SWITCH_RDMA_RANKS``), and ``Buffer.get_dispatch_config``
+#: has a config for each of them (24 has a config but 3 nodes no internode kernel).
+DEEPEP_EP_SIZES = (2, 4, 8, 16, 32, 64, 128, 144, 160)
+
+
 def check_gpu_backends(config) -> None:
     """Refuse GPU backends that cannot run: on ``device="cpu"``, without their package, or (DeepEP) in a dtype
-    its kernels do not take.
+    or at an expert-parallel size its kernels do not take.
 
     Args:
-        config: an ``EngineConfig`` (reads ``device``, ``attention_backend``, ``moe_comm.a2a_backend``).
+        config: an ``EngineConfig`` (reads ``device``, ``attention_backend``, ``moe_comm.a2a_backend``,
+            ``dtype``, ``parallel.ep_size``).
     Raises:
         InvalidRequestError: naming the option, and the package to install when it is missing.
     """
@@ -67,6 +74,10 @@ def check_gpu_backends(config) -> None:
     if chosen["a2a_backend"] == "deepep" and config.dtype != "bfloat16":
         raise InvalidRequestError("dtype", f"a2a_backend='deepep' moves bfloat16 rows only (its combine and "
                                            f"low-latency kernels), got dtype={config.dtype!r}")
+    ep = config.parallel.ep_size
+    if chosen["a2a_backend"] == "deepep" and ep > 1 and ep not in DEEPEP_EP_SIZES:
+        raise InvalidRequestError("ep_size", f"a2a_backend='deepep' runs ep_size {DEEPEP_EP_SIZES} (its kernels: 2, "
+                                             f"4 or 8 ranks of one node, or nodes of 8 ranks), got {ep}")
 
 
 def environment_report() -> dict[str, str]:
