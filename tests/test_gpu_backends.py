@@ -28,9 +28,11 @@ def test_gpu_backend_on_cpu_is_a_config_error(tiny_model, monkeypatch):
     with pytest.raises(InvalidRequestError, match="CUDA only"):
         EngineConfig(model=tiny_model, device="cpu", moe_comm=MoeCommConfig(a2a_backend="deepep"))
     with pytest.raises(InvalidRequestError, match="bfloat16") as e:
-        EngineConfig(model=tiny_model, device="cuda", moe_comm=MoeCommConfig(a2a_backend="deepep"))
+        EngineConfig(model=tiny_model, device="cuda", dtype="float32", moe_comm=MoeCommConfig(a2a_backend="deepep"))
     assert e.value.field == "dtype"
     EngineConfig(model=tiny_model, device="cuda", dtype="bfloat16", moe_comm=MoeCommConfig(a2a_backend="deepep"))
+    for device in ("cuda", "auto"):  # dtype auto is bfloat16 wherever the ranks may compute on CUDA
+        EngineConfig(model=tiny_model, device=device, moe_comm=MoeCommConfig(a2a_backend="deepep"))
     with pytest.raises(InvalidRequestError, match="a2a_mode"):
         MoeCommConfig(a2a_mode="fastest")
     with pytest.raises(InvalidRequestError, match="num_max_dispatch_tokens_per_rank"):
