@@ -40,6 +40,13 @@ def test_auto_follows_the_gpus_where_the_ranks_run():
     fewer = choose_device("cuda", _evidence("cluster", 4), 8)
     assert fewer.device == "cuda" and "wait" in fewer.reason  # an autoscaler may add the rest
     assert choose_device("cpu", _evidence("cluster", 8), 8).device == "cpu"
+    # no GPU node up yet, but the autoscaler publishes a GPU node group: the ranks' bundles will bring them up
+    scaling = DeviceEvidence("cluster", 0, True, "2.13.0", autoscaler_gpus=32)
+    for requested in ("auto", "cuda"):
+        choice = choose_device(requested, scaling, 16)
+        assert choice.device == "cuda" and "autoscaler may add 32" in choice.reason, choice
+    with pytest.raises(InvalidRequestError, match="declares 0 GPU.*no autoscaler publishes a GPU node group"):
+        choose_device("cuda", DeviceEvidence("cluster", 0, True, "2.13.0", autoscaler_gpus=0), 16)
     with pytest.raises(ValueError):
         choose_device("tpu", _evidence("cluster", 8), 8)
 

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.skipif(torch.backends.cuda.is_built(), reason="needs a 
 def test_auto_on_emulated_gpus_computes_on_cpu_and_says_why(ray_cluster, tiny_model):
     from raymoe.cluster.device_choice import gather_evidence, resolve_engine_config
 
-    assert gather_evidence("cluster").gpus == 6 and gather_evidence("node").gpus == 2
+    cluster = gather_evidence("cluster")
+    assert (cluster.gpus, cluster.autoscaler_gpus, gather_evidence("node").gpus) == (6, 0, 2)  # no autoscaler here
     for world, serving in ((2, False), (1, True)):
         config = EngineConfig(model=tiny_model, parallel=ParallelConfig(dp_size=world, ep_size=world))
         resolved, choice = resolve_engine_config(config, serving=serving)

@@ -7,7 +7,10 @@ actor starts.
 * ``process``: the one rank of an offline ``Engine`` computes in this process: ``torch.cuda`` here.
 * ``node``: the one rank of a served engine computes in the driver actor, which is placed on this node: the GPUs Ray
   declares on this node (this process may itself be a Ray actor that Ray hides the GPUs from, e.g. a Serve replica).
-* ``cluster``: rank actors, anywhere on the Ray cluster: the GPUs the cluster declares.
+* ``cluster``: rank actors, anywhere on the Ray cluster: the GPUs the cluster declares, or, when none is up yet,
+  the GPUs its autoscaler may add, where the platform publishes its node groups to the GCS (the cluster config Ray
+  Data sizes its autoscaling by; the cluster launcher and KubeRay autoscalers of Ray 2.60 publish none, so
+  ``configs/cluster.yaml`` and the KubeRay manifest keep one GPU node up from the start).
 
 ``cuda`` without any GPU there is refused at once (:func:`choose_device` raises ``InvalidRequestError`` naming
 CUDA), never turned into CPU: a user who asked for GPUs and got CPU ranks would only notice from the latency.
@@ -43,16 +46,26 @@ class DeviceEvidence:
             node or of the whole cluster otherwise.
         torch_cuda_built: whether this process's torch is a CUDA build (``torch.backends.cuda.is_built()``).
         torch_version: ``torch.__version__`` (named in messages).
+        autoscaler_gpus: GPUs the cluster's autoscaler may add (its published node groups: ``max_count`` x GPUs
+            per node, ``cluster`` scope only; 0 when it publishes none or has no GPU group).
     """
 
     scope: Scope
     gpus: float
     torch_cuda_built: bool
     torch_version: str = "?"
+    autoscaler_gpus: float = 0.0
 
     @property
     def where(self) -> str:
         return {"process": "this process", "node": "this Ray node", "cluster": "the Ray cluster"}[self.scope]
+
+    def found(self) -> str:
+        """What was found, for the reason and the error ("the Ray cluster declares 0 GPU(s)" ...)."""
+        text = f"{self.where} {'sees' if self.scope == 'process' else 'declares'} {self.gpus:g} GPU(s)"
+        if self.gpus < 1 and self.autoscaler_gpus >= 1:
+            text += f" and its autoscaler may add {self.autoscaler_gpus:g}"
+        return text
 
 
 @dataclass(frozen=True)
@@ -78,12 +91,13 @@ def choose_device(requested: str, evidence: DeviceEvidence, world_size: int = 1)
         return DeviceChoice("cpu", "device cpu (requested)")
     if requested not in ("auto", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda, got {requested!r}")
-    gpus = evidence.gpus
-    found = f"{evidence.where} {'sees' if evidence.scope == 'process' else 'declares'} {gpus:g} GPU(s)"
+    gpus = max(evidence.gpus, evidence.autoscaler_gpus)
+    found = evidence.found()
     if requested == "cuda":
         if gpus < 1:
             hint = ("torch.cuda.is_available() is False" if evidence.scope == "process"
-                    else "Ray's GPU resource is 0: start Ray on GPU nodes, or join a GPU cluster with --address")
+                    else "Ray's GPU resource is 0 and no autoscaler publishes a GPU node group: start Ray on GPU "
+                         "nodes, join a GPU cluster with --address, or keep one GPU node up")
             raise InvalidRequestError("device", f"cuda was requested but {found} ({hint}; torch "
                                                 f"{evidence.torch_version}); use device cpu to compute on CPU")
         short = f"; {world_size} ranks wait for one GPU each" if evidence.scope == "cluster" and gpus < world_size \
@@ -108,10 +122,26 @@ def gather_evidence(scope: Scope) -> DeviceEvidence:
     import ray
 
     if scope == "cluster":
-        return DeviceEvidence("cluster", ray.cluster_resources().get("GPU", 0.0), built, version)
+        return DeviceEvidence("cluster", ray.cluster_resources().get("GPU", 0.0), built, version,
+                              autoscaler_gpus())
     here = ray.get_runtime_context().get_node_id()
     node = next((n for n in ray.nodes() if n["NodeID"] == here and n["Alive"]), None)
     return DeviceEvidence("node", (node or {}).get("Resources", {}).get("GPU", 0.0), built, version)
+
+
+def autoscaler_gpus() -> float:
+    """GPUs the Ray cluster's autoscaler may add: the sum over the node groups it published to the GCS of
+    ``max_count`` x GPUs per node (``ray._private.state.state.get_max_resources_from_cluster_config``, what Ray Data
+    sizes its autoscaling by; unbounded groups count as 2**31). 0 when nothing is published (no autoscaler, or one
+    that publishes nothing, as the cluster launcher's and KubeRay's of Ray 2.60) or that private API is missing."""
+    try:
+        from ray._private.state import state
+
+        published = state.get_max_resources_from_cluster_config()
+    except Exception:  # a Ray without it, or a GCS that refuses the read: no autoscaler evidence
+        log.debug("no autoscaler cluster config", exc_info=True)
+        return 0.0
+    return float(min((published or {}).get("GPU", 0) or 0, 2**31))
 
 
 def resolve_engine_config(config: EngineConfig, serving: bool) -> tuple[EngineConfig, DeviceChoice]:
