@@ -68,16 +68,28 @@ class StartupBudget:
 def checkpoint_bytes(model_path: str | Path) -> tuple[int, int]:
     """``(expert_bytes, other_bytes)`` of the tensors in the folder's ``*.safetensors`` files, from their headers
     (8-byte little-endian header length, then JSON with each tensor's ``data_offsets``; no tensor is read).
-    A file whose header does not parse counts as its size in other bytes (the loader reports it)."""
+    A file whose header does not parse (too short, a length past the file, not JSON, entries without offsets)
+    counts as its size in other bytes (the loader reports it)."""
     expert = other = 0
     for file in sorted(Path(model_path).glob("*.safetensors")):
-        try:
-            with open(file, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
-        except (OSError, ValueError, struct.error):
+        sizes = _header_sizes(file)
+        if sizes is None:
             other += file.stat().st_size if file.exists() else 0
             continue
+        expert += sizes[0]
+        other += sizes[1]
+    return expert, other
+
+
+def _header_sizes(file: Path) -> tuple[int, int] | None:
+    """``(expert_bytes, other_bytes)`` of one safetensors file's header, None when it does not parse."""
+    try:
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > file.stat().st_size - 8:
+                return None
+            header = json.loads(f.read(n))
+        expert = other = 0
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
@@ -86,7 +98,9 @@ def checkpoint_bytes(model_path: str | Path) -> tuple[int, int]:
                 expert += end - begin
             else:
                 other += end - begin
-    return expert, other
+        return expert, other
+    except (OSError, ValueError, struct.error, KeyError, TypeError, AttributeError):
+        return None
 
 
 def weight_bytes_per_rank(model_path: str | Path, parallel: ParallelConfig) -> int:
