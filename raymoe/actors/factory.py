@@ -36,12 +36,27 @@ def build_executor(config: EngineConfig, runner_cfg: RunnerConfig):
     """In-process rank for world size 1, else rank actors on Ray (joining ``config.ray_address``), each built from
     ``runner_cfg`` (``runner_config_for(config)``)."""
     if config.parallel.world_size == 1:
-        return LocalExecutor(runner_cfg)
+        return _local_executor(config, runner_cfg)
     from raymoe.cluster.bootstrap import init_ray
 
     init_ray(config.ray_address)
     return RayExecutor(runner_cfg, config.parallel, use_gpu=config.parallel.bundle_gpus, fanout=config.fanout,
                        step_timeout_s=config.step_timeout_s, **startup_kwargs(config))
+
+
+def _local_executor(config: EngineConfig, runner_cfg: RunnerConfig) -> LocalExecutor:
+    """The one rank, built in this process, with one start-up line (``raymoe.actors.startup_progress``)."""
+    import time
+
+    from raymoe.actors.startup_progress import console_progress
+
+    t0 = time.perf_counter()
+    executor = LocalExecutor(runner_cfg)
+    graphs = executor.worker.runner.graph_runner
+    console_progress(f"1 {config.device} rank ({config.dtype}) in this process: weights loaded and "
+                     f"{len(graphs.graphs) if graphs is not None else 0} decode graphs captured in "
+                     f"{time.perf_counter() - t0:.1f} s")
+    return executor
 
 
 def startup_kwargs(config: EngineConfig) -> dict:
