@@ -53,7 +53,7 @@ class EngineClient:
 
     Args:
         config: engine configuration (ranks and KV sizes); its device is resolved here, after Ray is joined and
-            before the driver actor starts (``raymoe.cluster.device_choice``), unless it already is.
+            before the driver actor starts (``raymoe.cluster.device_choice``; a resolved config comes back unchanged).
         model_name: served model name (default: the folder name).
         start_timeout_s: how long to wait for the driver and its ranks to come up, seconds (None: the engine's
             start-up budget, ``raymoe.actors.startup_budget``).
