@@ -26,7 +26,8 @@ class RankWorker:
     """Owns a ``ModelRunner``.
 
     Args:
-        runner_cfg: model path, dtype, KV sizes, backends (``device`` is resolved per rank: cuda when visible).
+        runner_cfg: model path, dtype, KV sizes, backends; ``device`` is the engine's, decided before any rank
+            started (a CUDA rank takes the GPU Ray assigned its actor: ``raymoe.runner.device.rank_device``).
         parallel: the world layout; ``rank``: this rank's index in it.
     """
 
