@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from raymoe.actors.factory import build_driver
+from raymoe.cluster.device_choice import resolve_engine_config
 from raymoe.config import EngineConfig, ModelConfig, engine_config_from_options
 from raymoe.errors import EngineUnhealthyError, InvalidRequestError
 from raymoe.scheduler.req import FinishKind, Req
@@ -60,17 +61,26 @@ class Engine:
             ``raymoe.config.engine_options()`` lists them and ``raymoe serve --help`` prints them. World size
             ``dp_size * tp_size`` > 1 runs the ranks as Ray actors, on ``ray_address`` or a local cluster.
 
+    Attributes:
+        config: the resolved ``EngineConfig`` (device and per-device defaults decided: ``raymoe.config.
+            device_defaults``). device_choice: the device and why (``raymoe.cluster.device_choice.DeviceChoice``).
+
     Raises:
-        CheckpointError: missing or broken model folder. InvalidRequestError: a bad option (names it).
+        CheckpointError: missing or broken model folder. InvalidRequestError: a bad option (names it), including
+            ``device="cuda"`` where no GPU is (this process for one rank, the Ray cluster for more).
+        EngineUnhealthyError: the ranks did not start (e.g. a rank that sees no GPU: ``RankDeviceError``).
     """
 
     def __init__(self, model: str | Path, **options):
-        self.config = _split_options(str(model), options)
+        config = _split_options(str(model), options)
         self.model_config = ModelConfig.from_hf(model)
-        cache = self.config.cache
+        cache = config.cache
         if cache.max_context_len > self.model_config.max_position_embeddings:
-            self.config = dataclasses.replace(self.config, cache=dataclasses.replace(
+            config = dataclasses.replace(config, cache=dataclasses.replace(
                 cache, max_context_len=self.model_config.max_position_embeddings))
+        # The device, and every default that depends on it, is decided here, once, before any rank starts
+        # (a multi-rank world joins Ray for it: the ranks' GPUs are the cluster's).
+        self.config, self.device_choice = resolve_engine_config(config, serving=False)
         self.tokenizer = load_tokenizer(model)
         self.driver = build_driver(self.config, self.model_config, self.tokenizer, allow_hosted=False)
         self._closed = False

@@ -28,10 +28,12 @@ def test_gpu_backend_on_cpu_is_a_config_error(tiny_model, monkeypatch):
     with pytest.raises(InvalidRequestError, match="CUDA only"):
         EngineConfig(model=tiny_model, device="cpu", moe_comm=MoeCommConfig(a2a_backend="deepep"))
     with pytest.raises(InvalidRequestError, match="bfloat16") as e:
-        EngineConfig(model=tiny_model, device="cuda", moe_comm=MoeCommConfig(a2a_backend="deepep"))
+        EngineConfig(model=tiny_model, device="cuda", dtype="float32", moe_comm=MoeCommConfig(a2a_backend="deepep"))
     assert e.value.field == "dtype"
     EngineConfig(model=tiny_model, device="cuda", dtype="bfloat16", moe_comm=MoeCommConfig(a2a_backend="deepep"))
-    deepep = {"device": "cuda", "dtype": "bfloat16", "moe_comm": MoeCommConfig(a2a_backend="deepep")}
+    for device in ("cuda", "auto"):  # dtype auto is bfloat16 wherever the ranks may compute on CUDA
+        EngineConfig(model=tiny_model, device=device, moe_comm=MoeCommConfig(a2a_backend="deepep"))
+    deepep = {"device": "cuda", "moe_comm": MoeCommConfig(a2a_backend="deepep")}
     for ep in (12, 24):  # DeepEP's kernels: 2, 4, 8 ranks in a node, or 2-20 nodes of 8 (3 nodes: none)
         with pytest.raises(InvalidRequestError, match="ep_size") as e:
             EngineConfig(model=tiny_model, parallel=ParallelConfig(dp_size=ep, ep_size=ep), **deepep)

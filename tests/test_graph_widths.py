@@ -64,11 +64,12 @@ def test_runner_config_kv_widths():
 
 def test_engine_option_reaches_the_rank(tiny_model):
     from raymoe.actors.factory import runner_config_for
+    from raymoe.config.device_defaults import with_device
     from raymoe.engine import _split_options
     from raymoe.errors import InvalidRequestError
 
     for value in (64, None):
-        cfg = runner_config_for(_split_options(tiny_model, {"cuda_graph_min_kv_width": value}))
+        cfg = runner_config_for(with_device(_split_options(tiny_model, {"cuda_graph_min_kv_width": value}), "cpu"))
         assert cfg.graph.cuda_graph_min_kv_width == value
     with pytest.raises(InvalidRequestError) as e:
         _split_options(tiny_model, {"cuda_graph_min_kv_width": 0})

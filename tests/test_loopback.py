@@ -69,6 +69,8 @@ def test_raymoe_serve_listens_on_loopback_only(tiny_model):
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
+        # the driver actor's start-up line reached this console through Ray's log forwarding
+        assert "raymoe start-up: 1 cpu rank (float32) in this process: weights loaded" in open(log_path).read()
         r = httpx.post(f"{url}/v1/completions", timeout=60,
                        json={"model": os.path.basename(tiny_model), "prompt": "def f(x):", "max_tokens": 4})
         assert r.status_code == 200, r.text

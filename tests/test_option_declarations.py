@@ -63,6 +63,19 @@ def test_serve_flags_map_to_declarations_and_back():
                                                    "ray_address": "--address"}[name]
 
 
+def test_serve_help_lists_the_gpu_backend_and_device_options(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = capsys.readouterr().out
+    for flag, choices in (("--attention-backend", "{torch_native,flash_attn}"), ("--a2a-backend", "{torch,deepep}"),
+                          ("--a2a-mode", "{normal,low_latency,auto}"), ("--device", "{auto,cpu,cuda}"),
+                          ("--dtype", "{auto,float32,bfloat16,float16}"),
+                          ("--group-schedulers", "{auto,driver,actors}"),
+                          ("--num-max-dispatch-tokens-per-rank", "N|none"), ("--cuda-graph-bs", "N [N ...]"),
+                          ("--placement-timeout-s", "X"), ("--load-timeout-s", "X|none")):
+        assert f"{flag} {choices}" in text, flag
+
+
 def test_serve_help_comes_from_the_declarations():
     actions = _actions("serve")
     for name, decl in engine_options().items():
@@ -83,16 +96,16 @@ def test_serve_config_keys_map_to_declarations_and_back():
     for name, decl in engine_options().items():  # same defaults as the engine, except the documented serve ones
         if name not in SERVE_DEFAULTS:
             assert ServeOptions.model_fields[name].default == decl.default, name
-    assert {n: ServeOptions.model_fields[n].default for n in SERVE_DEFAULTS} == {"dp_size": 2, "ep_size": None,
-                                                                                 "enable_tbo": None}
+    assert {n: ServeOptions.model_fields[n].default for n in SERVE_DEFAULTS} == {"dp_size": 2, "ep_size": None}
 
 
 def test_serve_defaults_give_the_documented_engine():
     config = ServeOptions(device="cpu").engine_config("/m")
-    assert (config.parallel.dp_size, config.parallel.ep_size, config.overlap.enable_tbo) == (2, 2, False)
+    assert (config.parallel.dp_size, config.parallel.ep_size, config.overlap.enable_tbo) == (2, 2, None)
     defaults = EngineConfig(model="/m", device="cpu")
     assert dataclasses.replace(config, parallel=defaults.parallel) == defaults
-    assert not ServeOptions(device="cuda", enable_sbo=True).engine_option_values()["enable_tbo"]
+    assert (config.device, config.dtype, config.fanout, config.group_schedulers) == ("cpu", "auto", None, "auto")
+    assert not config.resolved  # the per-device defaults are decided once Ray is joined, not in the front end
 
 
 @pytest.mark.parametrize("name", [n for n, d in engine_options().items() if d.choices])

@@ -145,7 +145,7 @@ def test_serve_limit_flags_reach_server_limits():
         limits_from_args(build_parser().parse_args(["serve", "--max-timeout-s", "5"]))
 
 
-SITE_ARGS = {"model", "served_model_name", "dtype", "dp_size", "ep_size", "max_running_requests"}
+SITE_ARGS = {"model", "served_model_name", "device", "dtype", "dp_size", "ep_size", "max_running_requests"}
 """Serve app args that may differ between configs/serve.yaml (local demo) and the KubeRay RayService (a real
 model on GPU nodes); every other arg, and every deployment option, must be the same."""
 
@@ -221,10 +221,11 @@ def test_ray_job_script_submits_bench_job_with_variables_it_reads():
 
 
 def test_two_batch_overlap_defaults_on_for_cuda_ranks_only():
+    from raymoe.config.device_defaults import with_device
     from raymoe.deploy.server_config import ServeOptions
 
-    def tbo(**kw) -> bool:
-        return ServeOptions(**kw).engine_config("/m").overlap.enable_tbo
+    def tbo(device: str, **kw) -> bool:  # as the EngineClient decides it, once the device is known
+        return with_device(ServeOptions(**kw).engine_config("/m"), device).overlap.enable_tbo
 
     assert tbo(dp_size=2, device="cuda") and not tbo(dp_size=2, device="cpu")  # ep = world by default
     assert not tbo(dp_size=1, device="cuda")  # one EP rank: no all-to-all to hide

@@ -175,12 +175,13 @@ def replayed_driver_steps(groups, config, steps: list[list[ModelWorkerBatch]], t
     from raymoe.actors.factory import runner_config_for
     from raymoe.comm.trace import CollectiveRecorder, recording, traced_groups
     from raymoe.comm.trace_check import StoreCheck, default_store
+    from raymoe.config.device_defaults import with_device
     from raymoe.runner.model_runner import ModelRunner
 
     groups = traced_groups(groups)
     recorder = CollectiveRecorder(groups, StoreCheck(default_store(), timeout_s=timeout_s))
     with recording(recorder):
-        runner = ModelRunner(runner_config_for(config), groups)
+        runner = ModelRunner(runner_config_for(with_device(config, "cpu", serving=False)), groups)
         traces = [recorder.finish_step()]
         for batches in steps:
             runner.forward_batch_generation(batches[groups.dp_rank])  # placeholders resolve from its own tokens

@@ -40,17 +40,23 @@ _CONTROL = "control"  # concurrency group of the health, state and test-hook cal
 
 
 def start_driver_actor(config: EngineConfig, max_restarts: int = DRIVER_MAX_RESTARTS):
-    """Create the driver actor for ``config`` on this node (the channel is a local socket; no CPU reservation:
-    its ranks reserve theirs); returns its handle. The caller waits for ``ready`` (loading the ranks may take
-    minutes). Ray restarts the actor up to ``max_restarts`` times (-1: always) when its process dies."""
+    """Create the driver actor for ``config`` (resolved: ``raymoe.cluster.device_choice``) on this node (the channel
+    is a local socket; no CPU reservation: its ranks reserve theirs); returns its handle. The caller waits for
+    ``ready`` (loading the ranks may take minutes). Ray restarts the actor up to ``max_restarts`` times (-1:
+    always) when its process dies.
+
+    Raises:
+        ValueError: ``config`` is not resolved.
+    """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from raymoe.runner.device import engine_device
+    from raymoe.actors.factory import require_resolved
 
+    require_resolved(config)
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     # World size 1: the rank computes in this actor, which then needs the GPU (Ray hides GPUs from actors that
-    # do not ask for one, and the rank would fail with RankDeviceError).
-    gpus = 1 if config.parallel.world_size == 1 and engine_device(config.device) == "cuda" else 0
+    # do not ask for one, and the rank would fail with RankDeviceError). Otherwise its rank actors ask for theirs.
+    gpus = 1 if config.parallel.world_size == 1 and config.device == "cuda" else 0
     cls = ray.remote(concurrency_groups={_CONTROL: 2}, max_concurrency=4)(DriverActor)
     return cls.options(num_cpus=0, num_gpus=gpus, max_restarts=max_restarts, max_task_retries=0,
                        scheduling_strategy=here).remote(config)
@@ -72,9 +78,8 @@ class DriverActor:
 
         if config.parallel.world_size == 1:  # the rank computes in this process
             from raymoe.platform.selector import select_platform
-            from raymoe.runner.device import engine_device
 
-            select_platform(engine_device(config.device)).set_rank_threads(config.cpu_threads, ranks_on_node=1)
+            select_platform(config.device).set_rank_threads(config.cpu_threads, ranks_on_node=1)
         self._lock = threading.Lock()
         self._conn = None
         self._early = OutputBatch()  # published before the front end connected

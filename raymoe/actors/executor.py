@@ -18,7 +18,9 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from raymoe.actors.rank_startup import RankGroupTimeouts, start_rank_group
 from raymoe.actors.rank_worker import RankWorker
+from raymoe.actors.startup_progress import Progress, root_cause
 from raymoe.actors.step_channel import StepChannelHub
 from raymoe.actors.step_errors import RankFailure, RankStepError, is_collective_error
 from raymoe.config import FANOUTS, ParallelConfig
@@ -111,8 +113,12 @@ class RayExecutor:
             ``"remote"`` (plain actor calls), ``"compiled"`` (Ray Compiled Graph, falls back to remote) or
             ``"groups"`` (none of its own: each DP group's process sends its ranks their steps,
             ``raymoe.actors.group_hosts``).
-        init_timeout_s: rendezvous / load timeout, seconds. step_timeout_s: bound on one step, seconds.
+        init_timeout_s: bound on the rendezvous and the step channels, seconds. placement_timeout_s: bound on
+            placing the ranks (None: ``init_timeout_s``). load_timeout_s: bound on loading the weights and
+            capturing the decode graphs (None: ``init_timeout_s``; the factory passes
+            ``raymoe.actors.startup_budget``'s). step_timeout_s: bound on one step, seconds.
         collective_timeout_s: torch.distributed timeout of every collective, seconds.
+        progress: called with one line per start-up stage (``raymoe.actors.startup_progress``; None: silent).
     Raises:
         PlacementError: a GPU world whose cluster does not admit node-ordered ranks (``raymoe.cluster.rank_plan``).
         TimeoutError / EngineUnhealthyError: the ranks could not be placed or started.
@@ -120,7 +126,8 @@ class RayExecutor:
 
     def __init__(self, runner_cfg: RunnerConfig, parallel: ParallelConfig, use_gpu: bool | None = None,
                  fanout: str = "remote", init_timeout_s: float = 180.0, step_timeout_s: float = 300.0,
-                 collective_timeout_s: float = 60.0):
+                 collective_timeout_s: float = 60.0, placement_timeout_s: float | None = None,
+                 load_timeout_s: float | None = None, progress: Progress | None = None):
         if fanout not in (*FANOUTS, "groups"):
             raise ValueError(f"fanout must be one of {(*FANOUTS, 'groups')}, got {fanout!r}")
         self.runner_cfg = runner_cfg
@@ -130,6 +137,9 @@ class RayExecutor:
         self.init_timeout_s = init_timeout_s
         self.step_timeout_s = step_timeout_s
         self.collective_timeout_s = collective_timeout_s
+        self.placement_timeout_s = placement_timeout_s or init_timeout_s
+        self.load_timeout_s = load_timeout_s or init_timeout_s
+        self.progress = progress
         self.workers: list = []
         self.placements: list = []
         self._dag = None
@@ -146,8 +156,11 @@ class RayExecutor:
 
         t0 = time.perf_counter()
         self._owner = self._owner or pg_owner_tag()
-        self.placements = place_ranks(self.parallel, self.use_gpu, timeout_s=self.init_timeout_s, owner=self._owner,
-                                      a2a_backend=self.runner_cfg.moe_comm.a2a_backend)
+        self.placements = place_ranks(self.parallel, self.use_gpu, timeout_s=self.placement_timeout_s,
+                                      owner=self._owner, a2a_backend=self.runner_cfg.moe_comm.a2a_backend)
+        if self.progress is not None:
+            self.progress(f"{len(self.placements)} ranks placed ({'one GPU' if self.use_gpu else 'CPU only'} each) "
+                          f"in {time.perf_counter() - t0:.1f} s")
         remote_cls = ray.remote(RankWorker)
         self.workers = [
             remote_cls.options(
@@ -160,13 +173,11 @@ class RayExecutor:
         try:
             if self.placements[0].num_gpus:  # each rank's CUDA device: its node's GPUs visible, its own current
                 bind_cuda_devices(self.workers, [p.node_id for p in self.placements], self.init_timeout_s)
-            addr = ray.get(self.workers[0].get_rendezvous_address.remote(), timeout=self.init_timeout_s)
-            ray.get([w.init_distributed.remote(addr, self.collective_timeout_s) for w in self.workers],
-                    timeout=self.init_timeout_s)
-            ray.get([w.load.remote(freeze_heap=True) for w in self.workers], timeout=self.init_timeout_s)
+            start_rank_group(self.workers, RankGroupTimeouts(self.init_timeout_s, self.load_timeout_s,
+                                                             self.collective_timeout_s), self.progress)
         except Exception as e:
             self.shutdown()
-            raise EngineUnhealthyError(f"rank group failed to start: {type(e).__name__}: {e}") from e
+            raise EngineUnhealthyError(f"rank group failed to start: {root_cause(e)}") from e
         if self.fanout == "compiled":
             self._dag = self._compile()
         elif self.fanout == "channel":

@@ -8,18 +8,21 @@ from raymoe.actors.driver import Driver
 from raymoe.actors.executor import LocalExecutor, RayExecutor
 from raymoe.actors.hosted_driver import HostedDriver
 from raymoe.config import EngineConfig, ModelConfig
-from raymoe.config.engine import GROUP_ACTORS_MIN_DP
 from raymoe.errors import InvalidRequestError
 from raymoe.platform.selector import select_platform
-from raymoe.runner.device import engine_device
 from raymoe.runner.runner_config import RunnerConfig
 from raymoe.tokenizer import detokenizer, eos_token_ids
 
 
 def runner_config_for(config: EngineConfig) -> RunnerConfig:
     """The per-rank runner settings implied by ``config`` (KV and row sizes are per DP group; the MoE all-to-all
-    mode as the ranks run it: the platform's ``effective_a2a_mode``). Built once per engine (``build_driver``)."""
-    device = engine_device(config.device)
+    mode as the ranks run it: the platform's ``effective_a2a_mode``). Built once per engine (``build_driver``).
+
+    Raises:
+        ValueError: ``config`` is not resolved (``raymoe.cluster.device_choice.resolve_engine_config``).
+    """
+    require_resolved(config)
+    device = config.device
     a2a_mode = select_platform(device).effective_a2a_mode(config.moe_comm.a2a_mode, config.parallel.ep_size)
     return RunnerConfig(
         model_path=config.model, dtype=config.dtype, num_kv_slots=config.cache.kv_pool_slots,
@@ -33,25 +36,59 @@ def build_executor(config: EngineConfig, runner_cfg: RunnerConfig):
     """In-process rank for world size 1, else rank actors on Ray (joining ``config.ray_address``), each built from
     ``runner_cfg`` (``runner_config_for(config)``)."""
     if config.parallel.world_size == 1:
-        return LocalExecutor(runner_cfg)
+        return _local_executor(config, runner_cfg)
     from raymoe.cluster.bootstrap import init_ray
 
     init_ray(config.ray_address)
-    bundle_gpus = config.parallel.bundle_gpus
-    use_gpu = runner_cfg.device.startswith("cuda") if bundle_gpus is None else bundle_gpus
-    fanout = config.fanout or ("compiled" if runner_cfg.device.startswith("cuda") else "channel")
-    return RayExecutor(runner_cfg, config.parallel, use_gpu=use_gpu, fanout=fanout,
-                       step_timeout_s=config.step_timeout_s)
+    return RayExecutor(runner_cfg, config.parallel, use_gpu=config.parallel.bundle_gpus, fanout=config.fanout,
+                       step_timeout_s=config.step_timeout_s, **startup_kwargs(config))
+
+
+def _local_executor(config: EngineConfig, runner_cfg: RunnerConfig) -> LocalExecutor:
+    """The one rank, built in this process, with one start-up line (``raymoe.actors.startup_progress``)."""
+    import time
+
+    from raymoe.actors.startup_progress import console_progress
+
+    t0 = time.perf_counter()
+    executor = LocalExecutor(runner_cfg)
+    graphs = executor.worker.runner.graph_runner
+    console_progress(f"1 {config.device} rank ({config.dtype}) in this process: weights loaded and "
+                     f"{len(graphs.graphs) if graphs is not None else 0} decode graphs captured in "
+                     f"{time.perf_counter() - t0:.1f} s")
+    return executor
+
+
+def startup_kwargs(config: EngineConfig) -> dict:
+    """``RayExecutor``'s start-up bounds (``raymoe.actors.startup_budget``) and its progress lines."""
+    from raymoe.actors.startup_budget import startup_budget
+    from raymoe.actors.startup_progress import console_progress
+
+    budget = startup_budget(config)
+    how = (f"derived: up to {budget.weight_bytes_per_rank / 2**30:.2f} GiB of weights and {budget.decode_graphs} "
+           "decode graphs per rank" if budget.derived else "load_timeout_s")
+    console_progress(f"starting {config.parallel.world_size} {config.device} ranks ({config.dtype}); bounds: placement "
+                     f"{budget.placement_s:.0f} s, weights + graphs {budget.load_s:.0f} s ({how})")
+    return {"placement_timeout_s": budget.placement_s, "load_timeout_s": budget.load_s,
+            "progress": console_progress}
+
+
+def require_resolved(config: EngineConfig) -> None:
+    """Refuse a config whose device or per-device defaults are still undecided.
+
+    Raises:
+        ValueError: naming what to call first.
+    """
+    if not config.resolved:
+        raise ValueError("the engine config's device is not resolved: pass it through "
+                         "raymoe.cluster.device_choice.resolve_engine_config (or raymoe.config.device_defaults."
+                         "with_device) once, before building the driver")
 
 
 def hosts_groups(config: EngineConfig) -> bool:
-    """Whether each DP group's scheduler runs in a process of its own (``EngineConfig.group_schedulers``; auto: from
-    ``GROUP_ACTORS_MIN_DP`` CUDA DP groups on; a one-rank world never)."""
-    if config.parallel.world_size == 1 or config.group_schedulers == "driver":
-        return False
-    if config.group_schedulers == "actors":
-        return True
-    return config.parallel.dp_size >= GROUP_ACTORS_MIN_DP and engine_device(config.device) == "cuda"
+    """Whether each DP group's scheduler runs in a process of its own (``EngineConfig.group_schedulers`` of the
+    resolved config: ``raymoe.config.device_defaults``)."""
+    return config.parallel.world_size > 1 and config.group_schedulers == "actors"
 
 
 def build_driver(config: EngineConfig, model_config: ModelConfig, tokenizer,
@@ -72,10 +109,8 @@ def build_driver(config: EngineConfig, model_config: ModelConfig, tokenizer,
         from raymoe.cluster.bootstrap import init_ray
 
         init_ray(config.ray_address)
-        use_gpu = runner_cfg.device.startswith("cuda") if config.parallel.bundle_gpus is None \
-            else config.parallel.bundle_gpus
-        ranks = RayExecutor(runner_cfg, config.parallel, use_gpu=use_gpu, fanout="groups",
-                            step_timeout_s=config.step_timeout_s)
+        ranks = RayExecutor(runner_cfg, config.parallel, use_gpu=config.parallel.bundle_gpus, fanout="groups",
+                            step_timeout_s=config.step_timeout_s, **startup_kwargs(config))
         return HostedDriver(config, GroupHosts(config, ranks), config.parallel.dp_size,
                             graph_capture_sizes=runner_cfg.graph_capture_sizes, a2a_mode=runner_cfg.moe_comm.a2a_mode,
                             vocab_size=model_config.vocab_size)

@@ -26,7 +26,8 @@ class RankWorker:
     """Owns a ``ModelRunner``.
 
     Args:
-        runner_cfg: model path, dtype, KV sizes, backends (``device`` is resolved per rank: cuda when visible).
+        runner_cfg: model path, dtype, KV sizes, backends; ``device`` is the engine's, decided before any rank
+            started (a CUDA rank takes the GPU Ray assigned its actor: ``raymoe.runner.device.rank_device``).
         parallel: the world layout; ``rank``: this rank's index in it.
     """
 
@@ -98,23 +99,49 @@ class RankWorker:
 
         return rank_device(self.runner_cfg.device, self.rank)
 
-    def load(self, freeze_heap: bool = False) -> bool:
-        """Build the runner (loads this rank's shard, captures its decode graphs) on this rank's device.
+    def load(self, freeze_heap: bool = False, capture_graphs: bool = True) -> float:
+        """Build the runner (loads this rank's shard; with ``capture_graphs`` also captures its decode graphs) on
+        this rank's device; returns the seconds it took.
 
         ``freeze_heap``: this rank owns its process (a Ray actor), so once it is built its start-up heap is frozen
         (``process_tuning.freeze_startup_heap``: no full-heap GC pause inside a step). A rank built inside another
         process (``LocalExecutor``: the offline ``Engine``, a one-rank driver actor) leaves that process's
         collector to its owner.
         """
+        import time
         from dataclasses import replace
 
         from raymoe.actors.process_tuning import freeze_startup_heap
 
+        t0 = time.perf_counter()
         device = self._device()
-        self.runner = ModelRunner(replace(self.runner_cfg, device=str(device)), self.groups, self.platform)
+        self.runner = ModelRunner(replace(self.runner_cfg, device=str(device)), self.groups, self.platform,
+                                  capture_graphs=capture_graphs)
         if freeze_heap:
             freeze_startup_heap()
-        return True
+        return time.perf_counter() - t0
+
+    def capture_graphs(self, freeze_heap: bool = False) -> tuple[int, float]:
+        """Capture the decode graphs of a rank loaded with ``capture_graphs=False``; returns ``(graphs captured,
+        seconds)``. ``freeze_heap`` as in :meth:`load`.
+
+        Raises:
+            RuntimeError: the rank is not loaded.
+        """
+        import time
+
+        from raymoe.actors.process_tuning import freeze_startup_heap
+
+        if self.runner is None:
+            raise RuntimeError("capture_graphs before load")
+        t0 = time.perf_counter()
+        runner = self.runner
+        if runner.cfg.graph_capture_sizes and runner.graph_runner is None:
+            runner.graph_runner = runner.build_graph_runner()
+        if freeze_heap:
+            freeze_startup_heap()
+        graphs = len(runner.graph_runner.graphs) if runner.graph_runner is not None else 0
+        return graphs, time.perf_counter() - t0
 
     def step(self, batch: ModelWorkerBatch) -> StepOutput:
         """Run one step of this rank's DP group (IDLE batches included) and return its sampled tokens.

@@ -3,8 +3,8 @@
 ``model``: ``ModelConfig``, the Hugging Face ``config.json`` normalized. The engine's options, each declared once as
 a field with its help, choices and default (``option``): ``CacheConfig`` sizes the KV cache, ``SchedulerConfig``
 the per-DP-group scheduler, ``ParallelConfig`` / ``OverlapConfig`` / ``MoeCommConfig`` the ranks' layout and MoE
-exchange, ``GraphConfig`` decode graph capture, and ``EngineConfig`` is what ``Engine(model, **options)`` accepts;
-``engine_options`` is the flat namespace of them all.
+exchange, ``GraphConfig`` decode graph capture, ``StartupConfig`` the start-up bounds, and ``EngineConfig`` is
+what ``Engine(model, **options)`` accepts; ``engine_options`` is the flat namespace of them all.
 """
 
 from raymoe.config.engine import FANOUTS, EngineConfig
@@ -13,6 +13,8 @@ from raymoe.config.graph import GraphConfig
 from raymoe.config.model import ModelConfig
 from raymoe.config.parallel import CPU_COMM_MODES, MoeCommConfig, OverlapConfig, ParallelConfig
 from raymoe.config.scheduling import CacheConfig, SchedulerConfig
+from raymoe.config.startup import StartupConfig
 
 __all__ = ["CPU_COMM_MODES", "FANOUTS", "CacheConfig", "EngineConfig", "GraphConfig", "ModelConfig", "MoeCommConfig",
-           "OverlapConfig", "ParallelConfig", "SchedulerConfig", "engine_config_from_options", "engine_options"]
+           "OverlapConfig", "ParallelConfig", "SchedulerConfig", "StartupConfig", "engine_config_from_options",
+           "engine_options"]

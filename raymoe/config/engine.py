@@ -13,7 +13,14 @@ from raymoe.config.graph import GraphConfig
 from raymoe.config.option import check_choice, option
 from raymoe.config.parallel import MoeCommConfig, OverlapConfig, ParallelConfig
 from raymoe.config.scheduling import CacheConfig, SchedulerConfig
+from raymoe.config.startup import StartupConfig
 from raymoe.errors import InvalidRequestError
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+"""Values of ``EngineConfig.device``; a resolved config holds ``"cpu"`` or ``"cuda"`` (``EngineConfig.resolved``)."""
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+"""Values of ``EngineConfig.dtype``; a resolved config never holds ``"auto"``."""
 
 FANOUTS = ("channel", "remote", "compiled")
 """How a step can reach the ranks (``EngineConfig.fanout``, ``raymoe.actors.executor.RayExecutor``)."""
@@ -37,11 +44,17 @@ class EngineConfig:
     """
 
     model: str
-    dtype: str = option("float32", choices=("float32", "bfloat16", "float16"),
-                        help="weights and activations: float32 (used for parity), bfloat16 or float16.")
+    dtype: str = option("auto", choices=DTYPE_CHOICES,
+                        help="weights and activations: float32 (used for parity), bfloat16, float16 or auto: bfloat16 "
+                             "on CUDA, float32 on CPU (decided with the device, raymoe.config.device_defaults).")
     seed: int = option(0, help="seed of the ranks' default sampling generator (requests without a seed).")
-    device: str | None = option(None, choices=("cpu", "cuda"), help="where the ranks compute; None: cuda when "
-                                                                    "available.")
+    device: str = option(
+        "auto", choices=DEVICE_CHOICES,
+        help="where the ranks compute: cuda (one GPU per rank; start-up fails at once, naming CUDA, when the Ray "
+             "cluster, or for a one-rank offline engine this process, has no GPU), cpu, or auto: cuda when the Ray "
+             "cluster declares GPU resources and this process's torch is a CUDA build (a one-rank offline engine: "
+             "when torch.cuda.is_available()), else cpu. Resolved once, in the process that starts the engine, before "
+             "any actor starts (raymoe.cluster.device_choice); every per-device default follows from it.")
     attention_backend: str = option(
         "torch_native", choices=("torch_native", "flash_attn"),
         help="torch_native (CPU and GPU) or flash_attn (GPU: vLLM's flash-attention, vllm.vllm_flash_attn, imported "
@@ -64,7 +77,8 @@ class EngineConfig:
              "driver (in the driver's process, one loop for all groups; raymoe.actors.driver), actors (one process per "
              "DP group beside its ranks, which send the group's batches to its ranks and its rows to the front end; "
              "the driver only decides what every rank must agree on from one small record per group and step; "
-             "raymoe.actors.hosted_driver) or auto: actors from GROUP_ACTORS_MIN_DP CUDA DP groups on, else driver.")
+             "raymoe.actors.hosted_driver) or auto: actors from GROUP_ACTORS_MIN_DP CUDA DP groups on, else driver "
+             "(decided with the device).")
     step_timeout_s: float = option(300.0, help="bound on one step across all ranks, seconds (a hung rank fails the "
                                                "step).")
     cpu_threads: int | None = option(
@@ -83,6 +97,7 @@ class EngineConfig:
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     graph: GraphConfig = field(default_factory=GraphConfig)
     moe_comm: MoeCommConfig = field(default_factory=MoeCommConfig)
+    startup: StartupConfig = field(default_factory=StartupConfig)
 
     def __post_init__(self) -> None:
         check_engine_options({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
@@ -91,8 +106,27 @@ class EngineConfig:
             object.__setattr__(self, "cache", dataclasses.replace(self.cache, page_size=page))
         from raymoe.platform.backends import check_attention_backend, check_gpu_backends
 
-        check_attention_backend(self.attention_backend, self.cache.page_tokens, self.dtype)
+        check_attention_backend(self.attention_backend, self.cache.page_tokens, self.kernel_dtype)
         check_gpu_backends(self)
+        if self.device == "cuda" and self.parallel.bundle_gpus is False:
+            raise InvalidRequestError("bundle_gpus", "ranks that compute on CUDA need a GPU in their placement bundle")
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the device and every per-device default are decided (``raymoe.config.device_defaults``): what
+        the driver and the ranks need; ``raymoe.cluster.device_choice.resolve_engine_config`` makes it so."""
+        return (self.device in ("cpu", "cuda") and self.dtype != "auto" and self.overlap.enable_tbo is not None
+                and self.fanout is not None and self.group_schedulers != "auto"
+                and self.parallel.bundle_gpus is not None)
+
+    @property
+    def kernel_dtype(self) -> str:
+        """The dtype the ranks will compute in as far as the options tell: ``dtype``, or for ``auto`` float32 on
+        CPU and bfloat16 where the device may be CUDA (the only device GPU backends run on: what their checks
+        need before the device is resolved)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"
 
     @property
     def max_dispatch_tokens_per_rank(self) -> int:

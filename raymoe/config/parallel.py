@@ -27,7 +27,8 @@ class ParallelConfig:
     ep_size: int = option(1, flag="ep", help="expert-parallel ranks: the world size dp*tp (experts sharded over every "
                                              "rank) or 1 (experts tensor-parallel inside each TP group).")
     bundle_gpus: bool | None = option(
-        None, help="reserve one GPU per rank in its placement bundle (None: exactly when the ranks compute on CUDA). "
+        None, help="reserve one GPU per rank in its placement bundle (None: exactly when the ranks compute on CUDA, "
+                   "decided with the device). "
                    "True with device cpu places ranks as on a GPU cluster while they compute on CPU (how a cluster "
                    "of emulated GPU nodes is tested).")
 
@@ -53,9 +54,12 @@ class OverlapConfig:
         InvalidRequestError: both overlaps on, a threshold out of range or a schedule not among its choices.
     """
 
-    enable_tbo: bool = option(
-        False, help="two-batch overlap of MoE layers; the driver decides per step whether it runs "
-                    "(raymoe.overlap.decision).")
+    enable_tbo: bool | None = option(
+        None, help="two-batch overlap of MoE layers; the driver decides per step whether it runs "
+                   "(raymoe.overlap.decision). None: on exactly when experts are sharded (ep_size > 1) over CUDA "
+                   "ranks without enable_sbo, decided with the device (raymoe.config.device_defaults); off on CPU "
+                   "ranks, where the shared-memory all-to-all leaves no latency to hide. A config that was never "
+                   "resolved reads None as off.")
     tbo_min_tokens_decode: int = option(
         16, help="a DECODE step runs two-batch overlap only if its busiest DP group has at least this many tokens.")
     tbo_min_tokens_extend: int = option(128, help="the same bound for EXTEND steps, tokens.")

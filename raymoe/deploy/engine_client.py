@@ -35,6 +35,14 @@ log = logging.getLogger(__name__)
 _Route = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestDelta]"]
 
 
+def last_error_line(e: BaseException) -> str:
+    """The last line of a Ray error that names an exception (``"RankDeviceError: rank 0 ..."``: the error the
+    driver actor's constructor raised), else the whole message."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    named = [line for line in lines if line.split(":", 1)[0].rsplit(".", 1)[-1].endswith(("Error", "Exception"))]
+    return named[-1] if named else str(e)
+
+
 def _deliver(items: list[tuple[asyncio.Queue, RequestDelta]]) -> None:
     for q, delta in items:
         q.put_nowait(delta)
@@ -44,41 +52,53 @@ class EngineClient:
     """Starts a ``DriverActor`` on this node and serves requests through it.
 
     Args:
-        config: engine configuration (ranks and KV sizes).
+        config: engine configuration (ranks and KV sizes); its device is resolved here, after Ray is joined and
+            before the driver actor starts (``raymoe.cluster.device_choice``; a resolved config comes back unchanged).
         model_name: served model name (default: the folder name).
-        start_timeout_s: how long to wait for the driver and its ranks to come up, seconds.
+        start_timeout_s: how long to wait for the driver and its ranks to come up, seconds (None: the engine's
+            start-up budget, ``raymoe.actors.startup_budget``).
 
     Attributes:
-        config, model_config (normalized), model_name, tokenizer (the model's Hugging Face tokenizer).
+        config (resolved), device_choice (the device and why), model_config (normalized), model_name, tokenizer
+        (the model's Hugging Face tokenizer).
         driver: the driver actor's handle (replaced when a fresh actor had to be started).
         reconnects: times the channel was re-established after the driver actor died.
 
     Raises:
-        ray.exceptions.GetTimeoutError / RayActorError / TimeoutError: the driver or its ranks did not start.
+        InvalidRequestError: ``device="cuda"`` where Ray declares no GPU (names CUDA), or an option the device
+            refuses.
+        EngineUnhealthyError: the driver or its ranks failed to start (the rank's own error, e.g.
+            ``RankDeviceError``, in the message).
+        ray.exceptions.GetTimeoutError / TimeoutError: the driver or its ranks did not start in time.
     """
 
-    def __init__(self, config: EngineConfig, model_name: str | None = None, start_timeout_s: float = 600.0):
+    def __init__(self, config: EngineConfig, model_name: str | None = None, start_timeout_s: float | None = None):
         import ray
 
         from raymoe.actors.driver_actor import start_driver_actor
+        from raymoe.actors.startup_budget import startup_budget
         from raymoe.cluster.bootstrap import init_ray
+        from raymoe.cluster.device_choice import resolve_engine_config
 
-        self.config = config
         self.model_config = ModelConfig.from_hf(config.model)
         self.model_name = model_name or Path(config.model).name
         self.tokenizer = load_tokenizer(config.model)
-        self.start_timeout_s = start_timeout_s
         self.reconnects = 0
         init_ray(config.ray_address)
-        self.driver = start_driver_actor(config)
+        self.config, self.device_choice = resolve_engine_config(config, serving=True)
+        self.start_timeout_s = start_timeout_s or startup_budget(self.config).engine_s
+        self.driver = start_driver_actor(self.config)
         self._streams: dict[str, _Route] = {}
         self._send_lock = threading.Lock()
         self._dead: str | None = None
         self._closing = False
         self._channel: ChannelListener | None = None
         try:
-            ray.get(self.driver.ready.remote(), timeout=start_timeout_s)
+            ray.get(self.driver.ready.remote(), timeout=self.start_timeout_s)
             self._conn = self._open_channel()
+        except ray.exceptions.ActorDiedError as e:  # its constructor raised: the ranks did not start
+            ray.kill(self.driver)
+            raise EngineUnhealthyError(f"the engine failed to start: {last_error_line(e)}") from None
         except BaseException:
             ray.kill(self.driver)
             raise

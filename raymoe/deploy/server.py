@@ -6,8 +6,10 @@ ranks) and the local Ray this command started are stopped and it exits 0. A seco
 flight at once with that event (exit 1), a third drops them.
 
 Start-up, each step with a progress bar: the demo checkpoint (built on first use), a local Ray on 127.0.0.1 (or
-the cluster at ``--address``), the driver actor and its rank actors (weights, decode graphs), then uvicorn.
-When the server answers, the URL and a ``curl`` line are printed.
+the cluster at ``--address``), the device decision (``--device cuda`` where Ray declares no GPU fails here, before
+any actor starts), the driver actor and its rank actors (their start-up lines, ``raymoe start-up: ...``: ranks
+placed, weights loaded, decode graphs captured, reach this console through Ray's log forwarding), then uvicorn.
+When the server answers, the URL, the device and a ``curl`` line are printed.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def run_server(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, de
     stages.update()
     stages.set_postfix_str(f"driver + {opts.world_size} rank(s): load weights, capture graphs")
     try:
-        engine = opts.engine_client(progress=True)
+        engine = opts.engine_client(progress=True)  # decides the device first: cuda without GPUs fails here
     except BaseException:
         if started_ray:
             ray.shutdown()
@@ -112,8 +114,9 @@ def run_server(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, de
         base_url = f"http://{host}:{port}"
         cfg = engine.config
         banner = (f"\nraymoe is serving {engine.model_name!r} at {base_url}/v1 "
-                  f"(dp={cfg.parallel.dp_size} tp={cfg.parallel.tp_size} ep={cfg.parallel.ep_size}, "
+                  f"(dp={cfg.parallel.dp_size} tp={cfg.parallel.tp_size} ep={cfg.parallel.ep_size}, {cfg.dtype}, "
                   f"two-batch overlap {'on' if cfg.overlap.enable_tbo else 'off'})\n"
+                  f"  {engine.device_choice.reason}\n"
                   f"  try:     {curl_example(base_url, engine.model_name, opts.api_key is not None)}\n"
                   f"  metrics: {base_url}/metrics    health: {base_url}/health    stop: Ctrl-C\n")
         on_ready = (lambda: _demo_request(base_url, engine.model_name, opts.api_key)) if demo_request else None

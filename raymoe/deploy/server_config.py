@@ -4,9 +4,11 @@
 so the ``args`` of a Serve config file are validated with clear errors: its engine options are generated from the
 engine's option declarations (``raymoe.config.engine_options``: same names, types, choices, help and defaults),
 beside a few serve-only fields (:data:`SERVE_ONLY_FIELDS`) and the serve defaults of :data:`SERVE_DEFAULTS`: two
-DP-attention groups of one rank each, experts sharded over both (``ep_size`` = world size), two-batch overlap on
-for CUDA ranks. :meth:`ServeOptions.engine_config` turns it into the engine's frozen ``EngineConfig`` (through the
-same flat options as ``Engine(model, **options)``).
+DP-attention groups of one rank each, experts sharded over both (``ep_size`` = world size).
+:meth:`ServeOptions.engine_config` turns it into the engine's frozen ``EngineConfig`` (through the same flat options
+as ``Engine(model, **options)``); its device and the defaults that follow from it (dtype, two-batch overlap, ...)
+are decided by the ``EngineClient`` once Ray is joined (``raymoe.cluster.device_choice``), never in the front
+end's own process from its own GPUs.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ class _ServeFields(BaseModel):
         """Every engine option checked as the engine will, except what depends on the machine it runs on
         (``raymoe.config.engine_options.check_options``); a bad one raises ``InvalidRequestError`` (naming it),
         which pydantic reports as a ``ValidationError`` holding that error."""
-        check_options(self.engine_option_values(resolve_tbo=False))
+        check_options(self.engine_option_values())
         return self
 
     @property
@@ -145,15 +147,12 @@ class _ServeFields(BaseModel):
         """Ranks of the engine: ``dp_size * tp_size``."""
         return self.tp_size * self.dp_size
 
-    def engine_option_values(self, resolve_tbo: bool = True) -> dict[str, Any]:
-        """The flat engine options with the serve rules applied: ``ep_size`` None is the world size, and
-        ``enable_tbo`` None is on exactly when experts are sharded over CUDA ranks (``ep_size > 1``) without
-        single-batch overlap (``resolve_tbo`` False: off, deciding nothing about the device)."""
+    def engine_option_values(self) -> dict[str, Any]:
+        """The flat engine options with the serve rule applied: ``ep_size`` None is the world size (per-device
+        defaults stay undecided: ``raymoe.config.device_defaults``)."""
         values = {name: getattr(self, name) for name in engine_options()}
         if values["ep_size"] is None:
             values["ep_size"] = self.world_size
-        if values["enable_tbo"] is None:
-            values["enable_tbo"] = resolve_tbo and _auto_tbo(values)
         return values
 
     def resolved_model(self, progress: bool = True) -> str:
@@ -173,20 +172,16 @@ class _ServeFields(BaseModel):
         return engine_config_from_options(model, self.engine_option_values())
 
     def engine_client(self, progress: bool = True):
-        """Start the engine: a driver actor on Ray (its own process, also for a single rank) and its ranks."""
+        """Start the engine: a driver actor on Ray (its own process, also for a single rank) and its ranks; the
+        device is decided there, once Ray is joined.
+
+        Raises:
+            InvalidRequestError: a bad option, or ``device="cuda"`` where Ray declares no GPU (names CUDA).
+            EngineUnhealthyError: the driver or its ranks failed to start.
+        """
         from raymoe.deploy.engine_client import EngineClient
 
         return EngineClient(self.engine_config(self.resolved_model(progress)), model_name=self.served_model_name)
-
-
-def _auto_tbo(values: dict[str, Any]) -> bool:
-    """Two-batch overlap's serve default: only with an all-to-all latency to hide (experts sharded, ``ep_size > 1``,
-    over CUDA ranks: between CPU ranks the shared-memory all-to-all is a copy, and splitting the batch only costs
-    compute: served dp=2 ep=2 at c=64, 1,827 / 2,482 tok/s without it against 1,413 / 1,556 with it, alternating
-    runs) and never beside single-batch overlap."""
-    from raymoe.runner.device import engine_device
-
-    return values["ep_size"] > 1 and engine_device(values["device"]) == "cuda" and not values["enable_sbo"]
 
 
 SERVE_ONLY_FIELDS = tuple(_ServeFields.model_fields)
@@ -196,10 +191,6 @@ SERVE_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "dp_size": (int, Field(2, description="DP-attention groups (each schedules its own requests).")),
     "ep_size": (int | None, Field(None, description="expert-parallel ranks: 1 or dp*tp (None: dp*tp, the experts "
                                                     "sharded over every rank).")),
-    "enable_tbo": (bool | None, Field(None, description="two-batch overlap of MoE layers (None: on exactly when "
-                                                        "ep_size > 1 on CUDA ranks without enable_sbo; off on CPU "
-                                                        "ranks, where the shared-memory all-to-all leaves no latency "
-                                                        "to hide).")),
 }
 """Engine options whose serve default differs from the engine's: (annotation, pydantic field)."""
 

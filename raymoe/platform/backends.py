@@ -55,8 +55,8 @@ def check_gpu_backends(config) -> None:
     or at an expert-parallel size its kernels do not take.
 
     Args:
-        config: an ``EngineConfig`` (reads ``device``, ``attention_backend``, ``moe_comm.a2a_backend``,
-            ``dtype``, ``parallel.ep_size``).
+        config: an ``EngineConfig`` (reads ``device``, ``kernel_dtype``, ``attention_backend``,
+            ``moe_comm.a2a_backend``, ``parallel.ep_size``).
     Raises:
         InvalidRequestError: naming the option, and the package to install when it is missing.
     """
@@ -71,7 +71,7 @@ def check_gpu_backends(config) -> None:
             raise InvalidRequestError(backend.option, f"{backend.value!r} needs the package providing "
                                                       f"{' or '.join(backend.modules)}, which is not installed: "
                                                       f"{backend.install}")
-    if chosen["a2a_backend"] == "deepep" and config.dtype != "bfloat16":
+    if chosen["a2a_backend"] == "deepep" and config.kernel_dtype != "bfloat16":
         raise InvalidRequestError("dtype", f"a2a_backend='deepep' moves bfloat16 rows only (its combine and "
                                            f"low-latency kernels), got dtype={config.dtype!r}")
     ep = config.parallel.ep_size

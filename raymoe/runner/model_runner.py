@@ -41,11 +41,14 @@ class ModelRunner:
         ops: the rank's platform, when its caller already chose it (the rank worker, which made the groups'
             transport with it); None: chosen here from ``cfg.device`` and ``cfg.dtype``
             (``raymoe.platform.selector.select_platform``).
+        capture_graphs: capture the decode graphs now (False: the caller does it later with
+            ``graph_runner = build_graph_runner()``, so a rank's start reports loading and capturing apart).
     Raises:
         CheckpointError: the model folder is missing, truncated or does not match the architecture.
     """
 
-    def __init__(self, cfg: RunnerConfig, groups: ParallelGroups | None = None, ops: Platform | None = None):
+    def __init__(self, cfg: RunnerConfig, groups: ParallelGroups | None = None, ops: Platform | None = None,
+                 capture_graphs: bool = True):
         self.cfg = cfg
         self.groups = groups or ParallelGroups.single()
         self.device = torch.device(cfg.device)
@@ -76,7 +79,7 @@ class ModelRunner:
         self.attn_backend = TboAttnBackend.create(make_backend) if cfg.overlap.enable_tbo else make_backend()
         self.sampler = Sampler(self.ops, cfg.seed, self.device)
         self.future_tokens = FutureTokenMap(cfg.max_req_rows, self.device)
-        self.graph_runner = self.build_graph_runner() if cfg.graph_capture_sizes else None
+        self.graph_runner = self.build_graph_runner() if cfg.graph_capture_sizes and capture_graphs else None
 
     def build_graph_runner(self, kv_widths: Sequence[int] | None = None):
         """Capture the decode graphs of ``cfg.graph_capture_sizes`` (a ``GraphRunner``).

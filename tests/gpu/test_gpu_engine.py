@@ -16,7 +16,8 @@ PROMPTS = ["def fib(n):", "import os\nimport sys\n\n", "class Foo(object):\n    
            "The quick brown fox jumps over the lazy dog. " * 2, "x", "return self._cache[key]",
            "for i in range(10):\n    print(i)\n", "# Licensed under the Apache License, Version 2.0\n"]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
-OPTS = {"max_running_requests": 8, "chunked_prefill_size": 64, "max_context_len": 256, "cuda_graph_max_bs": 8}
+OPTS = {"dtype": "float32", "max_running_requests": 8, "chunked_prefill_size": 64, "max_context_len": 256,
+        "cuda_graph_max_bs": 8}  # float32 on both devices: dtype auto would be bfloat16 on CUDA
 TBO = {"enable_tbo": True, "tbo_min_tokens_decode": 2, "tbo_min_tokens_extend": 4}
 
 
