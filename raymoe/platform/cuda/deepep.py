@@ -137,6 +137,11 @@ class DeepEPDispatcher:
     def buffer(self) -> Any:
         return self.shared.buffer
 
+    def receives_through_hooks(self, capacity: int | None) -> bool:
+        """True for low-latency steps (``capacity`` set): their receives are DeepEP hooks, called in launch order
+        on one stream."""
+        return capacity is not None
+
     def prepare_graph_replay(self) -> None:
         """Before a replay of a decode graph captured with low-latency kernels: enter the low-latency mode on the
         host, cleaning DeepEP's low-latency buffer after a normal-mode step (a collective; every rank replays the
