@@ -255,8 +255,9 @@ class Platform(ExpertCompute, LowLatencyOps, ABC):
         answered (``raymoe.runner.step_result``)."""
 
     def stream_scope(self) -> Hashable:
-        """The scope of device constants cached for later steps (``LowLatencyOps.stream_scope``): None, one
-        stream (the default; CUDA: the current stream)."""
+        """The scope in which a device constant cached for later steps is valid (part of its cache key,
+        ``LowLatencyOps.stream_scope``): None where the device has one stream (the default); CUDA answers the
+        current stream."""
         return None
 
     def tbo_streams(self) -> TboStreams | None:

@@ -38,7 +38,7 @@ class SamplingBatchInfo(SamplingRows[torch.Tensor, torch.Tensor]):
     DTYPES: ClassVar[dict[str, torch.dtype]] = {"FloatRows": torch.float32, "IntRows": torch.int64}
 
     all_greedy: bool
-    needs_filter: bool = False
+    needs_filter: bool
 
     @classmethod
     def from_inputs(cls, s: SamplingInputs, device: torch.device | str) -> SamplingBatchInfo:
