@@ -318,8 +318,8 @@ def _decode_logits(model_path: str, graphs: bool) -> torch.Tensor:
                                       max_context_len=32,
                                       graph=GraphConfig(disable_cuda_graph=not graphs, cuda_graph_bs=(4,))))
     logits = []
-    sample = runner.sampler
-    runner.sampler = lambda lg, sampling: (logits.append(lg.clone()), sample(lg, sampling))[1]
+    sample = runner.sampler.sample
+    runner.sampler.sample = lambda lg, sampling: (logits.append(lg.clone()), sample(lg, sampling))[1]
     ids = torch.randint(1, 100, (bs * prompt,), generator=_gen(6)).tolist()
     runner.forward_batch_generation(ModelWorkerBatch(
         ForwardMode.EXTEND, ids, list(range(bs)), [prompt] * bs, [0] * bs, [prompt] * bs,

@@ -3,14 +3,16 @@ package; ``raymoe env`` reports what is there; importing raymoe never needs CUDA
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from raymoe.config import EngineConfig, MoeCommConfig, ParallelConfig
 from raymoe.errors import InvalidRequestError
-from raymoe.platform.backends import environment_report, module_available
+from raymoe.platform.backends import REPORTED_DISTRIBUTIONS, environment_report, module_available
 
 
 def test_gpu_backend_without_its_package_is_a_config_error(tiny_model, monkeypatch):
@@ -49,6 +51,9 @@ def test_env_report_and_imports_without_gpu_packages():
     report = environment_report()
     assert report["torch"] and report["cuda.is_available"] in ("True", "False")
     assert report["a2a_backend=deepep"].startswith("ok" if module_available("deep_ep") else "missing")
+    assert report["pip torch"] == torch.__version__  # the installed distribution's metadata, not an import
+    assert report["pip vllm"] == (importlib.metadata.version("vllm") if module_available("vllm") else "not installed")
+    assert set(REPORTED_DISTRIBUTIONS) >= {"vllm", "sgl-deep-ep", "torch"}
     # importing raymoe (engine, models, GPU adapters' modules) must not import CUDA-only packages
     code = ("import sys, raymoe, raymoe.engine, raymoe.comm.dispatcher, raymoe.platform.backends; "
             "bad = [m for m in ('deep_ep', 'vllm', 'flash_attn') if m in sys.modules]; print(bad); "

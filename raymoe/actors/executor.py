@@ -26,6 +26,7 @@ from raymoe.actors.step_errors import RankFailure, RankStepError, is_collective_
 from raymoe.config import FANOUTS, ParallelConfig
 from raymoe.errors import EngineUnhealthyError
 from raymoe.runner.runner_config import RunnerConfig
+from raymoe.runner.step_result import PendingStep
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
 
@@ -43,6 +44,8 @@ class LocalExecutor:
     decode step at 64 rows went from 6.4 to 11 ms, measured). The rank thread starts with the creating thread's
     ``torch.get_num_threads()``. :meth:`launch` queues a step without waiting (overlap scheduling: the driver
     forms the next step meanwhile, torch releasing the GIL inside its kernels); :meth:`execute` waits for it.
+    The rank thread only launches each step (``RankWorker.launch_step``); :meth:`collect` waits for its tokens on
+    the caller's thread, so on a GPU the rank thread prepares the next step while the device runs this one.
     """
 
     def __init__(self, runner_cfg: RunnerConfig):
@@ -61,10 +64,10 @@ class LocalExecutor:
         """
         return self.collect(self.launch(batches))
 
-    def _step(self, batches: list[ModelWorkerBatch]) -> list[StepOutput]:
+    def _step(self, batches: list[ModelWorkerBatch]) -> PendingStep:
         if self.worker is None:
             raise RankFailure("engine is shut down")
-        return [self.worker.step(batches[0])]
+        return self.worker.launch_step(batches[0])
 
     def launch(self, batches: list[ModelWorkerBatch]) -> Future:
         """Queue the step on the rank thread (steps run in launch order); :meth:`collect` waits for it.
@@ -83,7 +86,7 @@ class LocalExecutor:
             RankFailure: the engine is shut down. RankStepError: the rank raised (it stays usable).
         """
         try:
-            return handle.result()
+            return [handle.result().result()]
         except RankFailure:
             raise
         except Exception as e:

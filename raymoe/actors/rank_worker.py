@@ -18,6 +18,7 @@ from raymoe.config import ParallelConfig
 from raymoe.platform.interface import Platform
 from raymoe.runner.model_runner import ModelRunner
 from raymoe.runner.runner_config import RunnerConfig
+from raymoe.runner.step_result import PendingStep
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
 
@@ -143,8 +144,9 @@ class RankWorker:
         graphs = len(runner.graph_runner.graphs) if runner.graph_runner is not None else 0
         return graphs, time.perf_counter() - t0
 
-    def step(self, batch: ModelWorkerBatch) -> StepOutput:
-        """Run one step of this rank's DP group (IDLE batches included) and return its sampled tokens.
+    def launch_step(self, batch: ModelWorkerBatch) -> PendingStep:
+        """Launch one step of this rank's DP group (IDLE batches included) without waiting for its tokens
+        (``ModelRunner.launch_step``); ``.result()`` of the answer waits for them.
 
         Raises:
             RuntimeError: an error injected by :meth:`inject_step_errors`; otherwise whatever the runner raises.
@@ -152,7 +154,16 @@ class RankWorker:
         if self._injected_step_errors > 0:
             self._injected_step_errors -= 1
             raise RuntimeError("injected step error (fault-injection test hook)")
-        return self.runner.forward_batch_generation(batch)
+        return self.runner.launch_step(batch)
+
+    def step(self, batch: ModelWorkerBatch) -> StepOutput:
+        """Run one step of this rank's DP group and return its sampled tokens (:meth:`launch_step`, then its
+        result: the answer of an actor call or a compiled-graph execution, which must hold the tokens).
+
+        Raises:
+            RuntimeError: as :meth:`launch_step`.
+        """
+        return self.launch_step(batch).result()
 
     def start_step_channel(self, path: str, authkey: bytes) -> bool:
         """Connect to the driver's step channel (``raymoe.actors.step_channel``) and serve its steps on a thread of
@@ -160,7 +171,9 @@ class RankWorker:
 
         The thread keeps this thread's intra-op thread count (``torch.set_num_threads``), and from then on it alone
         runs the rank's torch work: torch's CPU thread pools belong to OS threads, and a second thread stepping
-        the same rank would start another pool.
+        the same rank would start another pool. On a platform whose host copies complete later (CUDA,
+        ``Platform.async_host_copy``) a second thread answers the steps (it only waits for each step's token copy
+        and sends), so the serving thread launches the next step while the device still runs this one.
         """
         import threading
 
@@ -176,7 +189,10 @@ class RankWorker:
         def serve() -> None:
             self._configure_step_thread()
             torch.set_num_threads(threads)
-            serve_steps(conn, self.rank, self.parallel.tp_size, self.step)
+            if self.platform.async_host_copy:
+                serve_steps(conn, self.rank, self.parallel.tp_size, self.launch_step, deferred=True)
+            else:
+                serve_steps(conn, self.rank, self.parallel.tp_size, self.step)
 
         threading.Thread(target=serve, name="raymoe-step-channel", daemon=True).start()
         return True

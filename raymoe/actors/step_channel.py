@@ -10,7 +10,8 @@ Ranks on the driver's node can do without either: the driver listens on a privat
 authenticated socket as the front end's channel, ``raymoe.actors.private_socket``), each rank
 actor connects (:func:`connect_step_channel`; a rank that cannot reach the socket, on another machine, makes the
 driver use actor calls) and serves steps in order from a thread of its own (:func:`serve_steps`,
-:meth:`RankWorker.start_step_channel`):
+:meth:`RankWorker.start_step_channel`; a GPU rank answers from a second thread, so that it launches the next step
+before this one's tokens reached the host):
 
 * driver -> every rank: ``(seq, batch)``, the step's number and the rank's own DP group's ``ModelWorkerBatch``
   (pickled once per group: a rank's bytes per step do not grow with the number of groups);
@@ -34,10 +35,12 @@ ranks (placement, start-up, restarts, kill) and every other call. Faults, as the
 from __future__ import annotations
 
 import pickle
+import queue
 import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
+from typing import Any
 
 from raymoe.actors.private_socket import PrivateListener, connect_private
 from raymoe.actors.step_errors import RankFailure, RankStepError, is_collective_error
@@ -187,11 +190,26 @@ def connect_step_channel(path: str, authkey: bytes, rank: int) -> Connection | N
     return conn
 
 
-def serve_steps(conn: Connection, rank: int, tp_size: int, step: Callable[[ModelWorkerBatch], StepOutput]) -> None:
+def serve_steps(conn: Connection, rank: int, tp_size: int, step: Callable[[ModelWorkerBatch], Any],
+                deferred: bool = False) -> None:
     """Answer every step that arrives on ``conn`` with ``step(batch of this rank's DP group)`` until the driver
     closes the channel. An exception in ``step`` is answered as an error and the loop goes on (the driver decides
-    whether the ranks are still usable)."""
+    whether the ranks are still usable).
+
+    Args:
+        step: returns the ``StepOutput``, or with ``deferred`` a launched step whose ``result()`` returns it.
+        deferred: answer from a second thread, in order: this thread launches step N+1 while the replier waits
+            for step N's tokens (``raymoe.runner.step_result``; a GPU rank's token copy lands while its host
+            prepares the next step). The replier only waits and sends; every launch stays on this thread.
+    """
     reply_output = rank % tp_size == 0
+    replies: queue.SimpleQueue | None = None
+    replier: threading.Thread | None = None
+    if deferred:
+        replies = queue.SimpleQueue()
+        replier = threading.Thread(target=_send_replies, args=(conn, replies, reply_output),
+                                   name="raymoe-step-replies", daemon=True)
+        replier.start()
     try:
         while True:
             try:
@@ -200,12 +218,38 @@ def serve_steps(conn: Connection, rank: int, tp_size: int, step: Callable[[Model
                 return
             try:
                 out = step(batch)
-                reply = (seq, "ok", out if reply_output else None)
+                reply = (seq, "ok", out if reply_output or deferred else None)
             except Exception as e:  # noqa: BLE001 - reported to the driver, which owns the decision
                 reply = (seq, "error", type(e).__name__, str(e)[:2000])
+            if replies is not None:
+                replies.put(reply)
+                continue
             try:
                 conn.send(reply)
             except OSError:
                 return
     finally:
+        if replies is not None:
+            replies.put(None)
+            replier.join()
         conn.close()
+
+
+def _send_replies(conn: Connection, replies: queue.SimpleQueue, reply_output: bool) -> None:
+    """The replier of :func:`serve_steps` with ``deferred``: resolve each launched step in launch order (a
+    ``result()`` that raises is answered as the step's error) and send it; ends at ``None`` or a closed socket."""
+    while True:
+        reply = replies.get()
+        if reply is None:
+            return
+        if reply[1] == "ok":
+            seq, _, pending = reply
+            try:
+                out = pending.result()
+                reply = (seq, "ok", out if reply_output else None)
+            except Exception as e:  # noqa: BLE001 - reported to the driver, which owns the decision
+                reply = (seq, "error", type(e).__name__, str(e)[:2000])
+        try:
+            conn.send(reply)
+        except OSError:
+            return

@@ -50,6 +50,12 @@ class MoeDispatcher(Protocol):
 
     def combine_b(self, handle: Any) -> torch.Tensor: ...
 
+    def receives_through_hooks(self, capacity: int | None) -> bool:
+        """Whether a step with this dispatch ``capacity`` (None: normal mode) receives through hooks that must run
+        on one stream in launch order (DeepEP's low-latency kernels); such a step keeps both two-batch-overlap
+        children on one stream (``raymoe.overlap.streams``)."""
+        ...
+
 
 class TorchDispatcher:
     """Normal (:class:`~raymoe.comm.all_to_all.TorchAllToAll`) and low-latency
@@ -67,6 +73,10 @@ class TorchDispatcher:
         self.low_latency = TorchLowLatencyAllToAll(groups, num_experts, ops, expert_row_macs)
         self.ep_size = groups.ep_size
         self.num_local_experts = num_experts // groups.ep_size
+
+    def receives_through_hooks(self, capacity: int | None) -> bool:
+        """False: ``torch.distributed`` works are waited for on the current stream, in any order."""
+        return False
 
     def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    capacity: int | None = None) -> DispatchHandle | LowLatencyHandle | LocalDenseHandle:

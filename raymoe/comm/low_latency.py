@@ -33,6 +33,7 @@ where ``k`` or ``E_local`` is 1.
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -51,6 +52,12 @@ class LowLatencyOps(Protocol):
                        hidden: torch.Tensor) -> bool: ...
 
     def write_bytes(self, dst: torch.Tensor, offset: int, src: torch.Tensor) -> None: ...
+
+    def stream_scope(self) -> Hashable:
+        """What a device constant cached by the exchange is valid in (part of its cache key): the current stream
+        where the device has several (a constant made by one stream's kernel is not ordered before another
+        stream's kernels: a two-batch-overlap child on a second stream builds its own), else None."""
+        ...
 
 
 @dataclass
@@ -136,10 +143,10 @@ class TorchLowLatencyAllToAll:
         # global expert id (E: an unused row) -> local expert, E_local for every expert of another rank
         remap = torch.full((num_experts + 1,), self.num_local_experts, dtype=torch.int64)
         remap[start:start + self.num_local_experts] = torch.arange(self.num_local_experts)
-        self._remap = {torch.device("cpu"): remap}
+        self._remap = {(torch.device("cpu"), None): remap}  # device caches: keyed by (device, ops.stream_scope())
         self._geometries: dict[tuple, _Geometry] = {}
         self.expert_row_macs = expert_row_macs
-        self._pad_ids: dict[torch.device, torch.Tensor] = {}  # E, E, ...: the ids of unused message rows
+        self._pad_ids: dict[tuple, torch.Tensor] = {}  # E, E, ...: the ids of unused message rows
 
     def uses_token_rows(self, capacity: int, top_k: int, hidden: torch.Tensor) -> bool:
         """Whether a step of per-rank capacity ``capacity`` (tokens like ``hidden``, top-``top_k`` routing) answers
@@ -148,15 +155,16 @@ class TorchLowLatencyAllToAll:
 
     def remap(self, device: torch.device) -> torch.Tensor:
         """[E + 1] int64: global expert id -> local expert id, ``E_local`` where another rank owns it."""
-        table = self._remap.get(device)
+        key = (device, self.ops.stream_scope())
+        table = self._remap.get(key)
         if table is None:
-            table = self._remap[device] = self._remap[torch.device("cpu")].to(device)
+            table = self._remap[key] = self._remap[(torch.device("cpu"), None)].to(device, non_blocking=True)
         return table
 
     def geometry(self, capacity: int, top_k: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device) -> _Geometry:
-        """The message layout and constant index tensors of one capacity (cached)."""
-        key = (capacity, top_k, hidden_size, dtype, device)
+        """The message layout and constant index tensors of one capacity (cached per device and stream scope)."""
+        key = (capacity, top_k, hidden_size, dtype, device, self.ops.stream_scope())
         geo = self._geometries.get(key)
         if geo is None:
             m, k, ep = capacity, top_k, self.ep_size
@@ -214,10 +222,12 @@ class TorchLowLatencyAllToAll:
         write(message, geo.weights_offset, topk_weights.to(hidden.dtype))
 
     def _pad_ids_for(self, count: int, device: torch.device) -> torch.Tensor:
-        """``count`` copies of ``E`` (an expert nobody owns), int64 on ``device``, from a buffer kept per device."""
-        pad = self._pad_ids.get(device)
+        """``count`` copies of ``E`` (an expert nobody owns), int64 on ``device``, from a buffer kept per device and
+        stream scope."""
+        key = (device, self.ops.stream_scope())
+        pad = self._pad_ids.get(key)
         if pad is None or pad.numel() < count:
-            pad = self._pad_ids[device] = torch.full((count,), self.num_experts, dtype=torch.int64, device=device)
+            pad = self._pad_ids[key] = torch.full((count,), self.num_experts, dtype=torch.int64, device=device)
         return pad[:count]
 
     def dispatch_b(self, handle: LowLatencyHandle) -> GroupedExpertRows | RoutedTokenRows:

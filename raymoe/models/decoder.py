@@ -161,8 +161,22 @@ class MoeCausalLM(nn.Module):
 
     def forward(self, forward_batch) -> torch.Tensor:
         """All layers (two-batch overlapped when ``forward_batch.tbo_children`` is set) -> final-normed [T, H]."""
-        state = self.schedules.run(self.embed(forward_batch), self.enable_sbo, self.tbo_decode_schedule)
+        state = self.schedules.run(self.embed(forward_batch), self.enable_sbo, self.tbo_decode_schedule,
+                                   self._tbo_streams(forward_batch))
         return self.norm(state.hidden_states)
+
+    def _tbo_streams(self, forward_batch):
+        """The platform's streams for a TBO step's children (``raymoe.overlap.streams``), or None: not a TBO step,
+        a platform without streams, or a step whose MoE exchange receives through hooks (DeepEP low-latency)."""
+        if forward_batch.tbo_children is None:
+            return None
+        streams = self.ops.tbo_streams()
+        if streams is None:
+            return None
+        moe = next((layer.mlp for layer in self.layers if layer.is_moe), None)
+        if moe is not None and moe.a2a.receives_through_hooks(forward_batch.dispatch_capacity):
+            return None
+        return streams
 
     def compute_logits(self, hidden: torch.Tensor, rows_per_rank: int | None = None) -> torch.Tensor:
         """LM head: [N, H] -> float32 logits [N, vocab]. ``rows_per_rank``: a bound of N shared by every rank of

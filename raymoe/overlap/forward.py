@@ -16,6 +16,7 @@ import torch
 from raymoe.overlap.fusion import Fusion
 from raymoe.overlap.operations import ForwardState, execute_operations, execute_overlapped_operations
 from raymoe.overlap.strategy import OperationsStrategy
+from raymoe.overlap.streams import TboStreams
 from raymoe.step.forward_mode import ForwardMode
 
 
@@ -78,13 +79,15 @@ class LayerSchedules:
             self._tbo[key] = OperationsStrategy.tbo(self.layers, forward_mode, decode_schedule)
         return self._tbo[key]
 
-    def run(self, state: ForwardState, enable_sbo: bool = False, tbo_decode_schedule: str = "fine") -> ForwardState:
+    def run(self, state: ForwardState, enable_sbo: bool = False, tbo_decode_schedule: str = "fine",
+            streams: TboStreams | None = None) -> ForwardState:
         """Run the layers on ``state`` (hidden_states [T, H] in and out).
 
         Args:
             state: from the model's embedding; ``state.forward_batch.tbo_children`` selects two-batch overlap.
             enable_sbo: single-batch overlap inside MoE layers (a per-engine setting; ignored for TBO steps).
             tbo_decode_schedule: ``"fine"`` or ``"coarse"`` stage boundaries of DECODE TBO steps (per engine).
+            streams: where a TBO step's children run (``raymoe.overlap.streams``; None: the current stream).
         Returns:
             ``state`` with the last layer's hidden states.
         """
@@ -94,5 +97,5 @@ class LayerSchedules:
             return execute_operations(state, strategy.operations)
         strategy = self.tbo(fb.forward_mode, tbo_decode_schedule)
         children = execute_overlapped_operations(split_state(state), [strategy.operations] * 2,
-                                                 [0, strategy.tbo_delta_stages])
+                                                 [0, strategy.tbo_delta_stages], streams)
         return merge_states(state, children)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from raymoe.comm.trace import active_recorder
+from raymoe.overlap.streams import TboStreams
 
 
 class YieldOperation:
@@ -189,7 +190,7 @@ class StageExecutor:
 
 
 def execute_overlapped_operations(inputs_arr: Sequence[ForwardState], operations_arr: Sequence[Sequence[Operation]],
-                                  delta_stages: Sequence[int]) -> list[ForwardState]:
+                                  delta_stages: Sequence[int], streams: TboStreams | None = None) -> list[ForwardState]:
     """Two-batch overlap: run two states through their op lists, interleaved stage by stage.
 
     Child A runs ``delta`` stages on its own, then A and B alternate (A's stage ``i + delta``, then B's stage ``i``),
@@ -201,6 +202,8 @@ def execute_overlapped_operations(inputs_arr: Sequence[ForwardState], operations
         inputs_arr: ``[state_a, state_b]``.
         operations_arr: ``[ops_a, ops_b]``; both must split into the same number of stages.
         delta_stages: ``[0, delta]``: child B starts ``delta`` stages after child A (clamped to the stage count).
+        streams: the platform's streams (``raymoe.overlap.streams``): child B's stages run on a second stream,
+            forked from and joined back into the current one; None: both children on the current stream.
     Returns:
         ``[state_a, state_b]`` after every stage ran.
     Raises:
@@ -215,13 +218,18 @@ def execute_overlapped_operations(inputs_arr: Sequence[ForwardState], operations
     if executor_a.num_stages != executor_b.num_stages:
         raise ValueError(f"children have {executor_a.num_stages} and {executor_b.num_stages} stages")
     delta = min(delta_stages[1], executor_a.num_stages)
-    for _ in range(delta):
-        executor_a.next()
-    for _ in range(executor_a.num_stages - delta):
-        executor_a.next()
-        executor_b.next()
-    for _ in range(delta):
-        executor_b.next()
+    order = [0] * delta + [0, 1] * (executor_a.num_stages - delta) + [1] * delta
+    executors = (executor_a, executor_b)
+    if streams is None:
+        for child in order:
+            executors[child].next()
+    else:
+        streams.fork()
+        for child in order:
+            with streams.child(child):
+                executors[child].next()
+        state_b = executor_b.state
+        streams.join([t for t in (state_b.hidden_states, state_b.residual) if t is not None])
     assert executor_a.done and executor_b.done
     recorder = active_recorder()
     if recorder is not None:

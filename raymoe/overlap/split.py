@@ -25,6 +25,7 @@ import torch
 
 from raymoe.comm.a2a_plan import child_dispatch_capacity
 from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.host_transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -164,8 +165,8 @@ class TboForwardBatchPreparer:
         s0, s1 = lens.seq_start, lens.seq_end
         seq_lens = parent.seq_lens[s0:s1]
         if lens.seq_lens != parent.seq_lens_cpu[s0:s1]:  # a cut sequence: child A's part ends early
-            seq_lens = torch.tensor(lens.seq_lens, dtype=seq_lens.dtype, device=seq_lens.device)
-        ext = torch.tensor(lens.extend_lens, dtype=torch.int64, device=parent.input_ids.device)
+            seq_lens = to_device(lens.seq_lens, seq_lens.dtype, seq_lens.device)
+        ext = to_device(lens.extend_lens, torch.int64, parent.input_ids.device)
         return parent.narrow(
             (t0, t1), (s0, s1), seq_lens=seq_lens, sample_indices=torch.cumsum(ext, 0) - 1,
             seq_lens_cpu=lens.seq_lens, prefix_lens_cpu=lens.prefix_lens, extend_lens_cpu=lens.extend_lens,

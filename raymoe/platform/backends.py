@@ -30,7 +30,8 @@ class GpuBackend:
 
 GPU_BACKENDS: tuple[GpuBackend, ...] = (
     GpuBackend("a2a_backend", "deepep", ("deep_ep",),
-               "build DeepEP from source (see README, 'GPU backends'): it needs CUDA and NVSHMEM"),
+               "pip install 'raymoe[deepep]' (SGLang's sgl-deep-ep wheel, a CUDA 13 build that pins one torch "
+               "version), or build DeepEP from source against your torch (README, 'GPU backends')"),
     GpuBackend("attention_backend", "flash_attn", ("vllm",),
                "pip install vllm (its vllm.vllm_flash_attn provides flash_attn_varlen_func)", check_package=False),
 )
@@ -82,8 +83,9 @@ def check_gpu_backends(config) -> None:
 
 def environment_report() -> dict[str, str]:
     """Versions and capabilities relevant to raymoe on this machine (``raymoe env``), as printable strings:
-    python, torch, CUDA (compiled / driver-visible devices), NCCL, gloo, and whether each GPU backend's package
-    imports (an import is attempted here, so a broken install shows up)."""
+    python, torch, CUDA (compiled / driver-visible devices), NCCL, gloo, whether each GPU backend's package
+    imports (an import is attempted here, so a broken install shows up), and the installed versions of the
+    distributions that pin torch or provide a backend (``pip <name>``)."""
     import torch
     import torch.distributed as dist
 
@@ -100,9 +102,29 @@ def environment_report() -> dict[str, str]:
             report["nccl.version"] = f"unavailable ({type(e).__name__})"
     for backend in GPU_BACKENDS:
         report[f"{backend.option}={backend.value}"] = _import_status(backend.modules)
+    if module_available("vllm"):  # the flash-attention backend calls vllm's own build of the kernels
+        report["vllm.vllm_flash_attn"] = _import_status(("vllm.vllm_flash_attn",))
     for name in ("ray", "transformers"):
         report[name] = _import_status((name,))
+    for name in REPORTED_DISTRIBUTIONS:
+        report[f"pip {name}"] = _distribution_version(name)
     return report
+
+
+REPORTED_DISTRIBUTIONS = ("torch", "vllm", "sgl-deep-ep", "deep-ep", "ray", "transformers")
+"""Installed distributions ``raymoe env`` lists by version: the GPU extras' packages (``pip install
+'raymoe[gpu]'``: vLLM; ``'raymoe[deepep]'``: sgl-deep-ep; a source build of DeepEP installs ``deep_ep``, found
+as ``deep-ep``), and what pins torch."""
+
+
+def _distribution_version(name: str) -> str:
+    """The installed version of distribution ``name`` (package metadata only: nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
 
 
 def _import_status(modules: tuple[str, ...]) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar, Protocol
@@ -31,6 +31,7 @@ from raymoe.comm.groups import ParallelGroups
 from raymoe.comm.low_latency import LowLatencyOps
 from raymoe.comm.transport import EpTransport
 from raymoe.overlap.fusion import Fusion
+from raymoe.overlap.streams import TboStreams
 
 
 class WeightKind(Enum):
@@ -51,6 +52,23 @@ class Rotary(Protocol):
     interleaved: bool
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class HostCopy(Protocol):
+    """Tensors on their way from the rank's device to the host (:meth:`Platform.copy_to_host`).
+
+    Attributes:
+        tensors: host tensors, one per source tensor in the same order; their values are valid once
+            :meth:`wait` returned (or :meth:`ready` said True).
+    """
+
+    tensors: list[torch.Tensor]
+
+    def ready(self) -> bool:
+        """Whether the copies are complete (never blocks)."""
+
+    def wait(self) -> None:
+        """Block until the copies are complete (a host sync with the work queued before the copy, and only it)."""
 
 
 class GraphStep(Protocol):
@@ -112,11 +130,14 @@ class Platform(ExpertCompute, LowLatencyOps, ABC):
             ``"fine"`` (SGLang's five stages) elsewhere.
         fixed_shape_decode: decode graphs freeze every shape (CUDA graphs), so decode steps keep the low-latency
             dispatch's fixed shapes even on one rank.
+        async_host_copy: :meth:`copy_to_host` returns before the copy is done (a GPU's queued work), so a rank
+            can prepare its next step before it answers this one (``raymoe.actors.step_channel``).
     """
 
     name: ClassVar[str]
     default_tbo_decode_schedule: ClassVar[str] = "fine"
     fixed_shape_decode: ClassVar[bool] = False
+    async_host_copy: ClassVar[bool] = False
 
     def effective_a2a_mode(self, mode: str, ep_size: int) -> str:
         """The engine-wide MoE all-to-all mode the driver and the ranks use for option ``mode``: ``auto`` becomes
@@ -225,6 +246,25 @@ class Platform(ExpertCompute, LowLatencyOps, ABC):
         Raises:
             ValueError: an unknown backend name. ImportError: a backend whose package is missing.
         """
+
+    # ---- the step's results and streams ----
+    @abstractmethod
+    def copy_to_host(self, tensors: Sequence[torch.Tensor]) -> HostCopy:
+        """Start copying ``tensors`` (any shapes and dtypes, on the rank's device) to the host, behind the work
+        already queued, without blocking the host: a step's sampled ids and log-probs, read when the step is
+        answered (``raymoe.runner.step_result``)."""
+
+    def stream_scope(self) -> Hashable:
+        """The scope in which a device constant cached for later steps is valid (part of its cache key,
+        ``LowLatencyOps.stream_scope``): None where the device has one stream (the default); CUDA answers the
+        current stream."""
+        return None
+
+    def tbo_streams(self) -> TboStreams | None:
+        """The streams a two-batch-overlap forward runs its children on (``raymoe.overlap.streams``), or None to
+        run both on the current stream (the default: CPU and the reference have no streams). The model drops
+        them for steps whose MoE exchange receives through hooks (``MoeDispatcher.receives_through_hooks``)."""
+        return None
 
     # ---- the forward ----
     def fusions(self) -> Sequence[Fusion]:

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.host_transfer import to_device
 from raymoe.step.sampling_inputs import SamplingInputs, SamplingRows
 from raymoe.step.worker_batch import ModelWorkerBatch
 
@@ -28,24 +29,26 @@ class SamplingBatchInfo(SamplingRows[torch.Tensor, torch.Tensor]):
     """Per-row sampling parameters on the rank's device, ``bs`` rows (fields declared by :class:`SamplingRows`).
 
     ``temperatures``/``top_ps``/``min_ps`` [bs] float32, ``top_ks`` [bs] int64 (<= 0: off); ``seeds``,
-    ``output_lens`` and ``logprobs`` stay Python lists (used to build per-row generators and log-prob answers);
-    ``all_greedy`` skips sampling.
+    ``output_lens`` and ``logprobs`` stay Python lists (the seeded rows' draws and the log-prob answers are made
+    from them on the host); ``all_greedy`` skips sampling and ``needs_filter`` says whether any row filters its
+    candidates (both host booleans: the sampler never reads a tensor back to decide).
     """
 
     # The tensor dtype of each generic column of SamplingRows; the other fields are host lists.
     DTYPES: ClassVar[dict[str, torch.dtype]] = {"FloatRows": torch.float32, "IntRows": torch.int64}
 
     all_greedy: bool
+    needs_filter: bool
 
     @classmethod
     def from_inputs(cls, s: SamplingInputs, device: torch.device | str) -> SamplingBatchInfo:
-        """Tensorize the driver's per-row sampling record on ``device``."""
+        """Tensorize the driver's per-row sampling record on ``device`` (copies without a host sync)."""
         columns: dict[str, Any] = {}
         for f in dataclasses.fields(SamplingRows):
             value = getattr(s, f.name)
             dtype = cls.DTYPES.get(f.type)
-            columns[f.name] = list(value) if dtype is None else torch.tensor(value, dtype=dtype, device=device)
-        return cls(**columns, all_greedy=s.all_greedy)
+            columns[f.name] = list(value) if dtype is None else to_device(value, dtype, device)
+        return cls(**columns, all_greedy=s.all_greedy, needs_filter=s.needs_filter)
 
 
 _untyped = [f.name for f in dataclasses.fields(SamplingRows)
@@ -130,9 +133,10 @@ class ForwardBatch:
 
     @classmethod
     def from_worker_batch(cls, b: ModelWorkerBatch, device: torch.device | str) -> ForwardBatch:
-        """Tensorize ``b``; positions are ``[prefix_len, seq_len)`` per request."""
+        """Tensorize ``b`` (copies to ``device`` without a host sync, ``raymoe.step.host_transfer``); positions
+        are ``[prefix_len, seq_len)`` per request."""
         def t(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64, device=device)
+            return to_device(x, torch.int64, device)
 
         seq_lens = t(b.seq_lens)
         if b.forward_mode.is_decode():

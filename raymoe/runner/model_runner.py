@@ -2,7 +2,8 @@
 
 Ownership: the runner is the only code that touches model tensors. It takes the driver's plain-data
 ``ModelWorkerBatch``, writes the request -> slot table, builds the ``ForwardBatch``, runs the model (eager or a
-captured graph) and samples, answering with a ``StepOutput``.
+captured graph) and samples, answering with a ``StepOutput``. A step is launched without any host sync
+(:meth:`ModelRunner.launch_step`) and answered once its tokens reached the host (``raymoe.runner.step_result``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from raymoe.runner.forward_batch import ForwardBatch
 from raymoe.runner.future_tokens import FutureTokenMap
 from raymoe.runner.runner_config import DTYPES, RunnerConfig
 from raymoe.runner.sampler import Sampler
+from raymoe.runner.step_result import PendingStep
+from raymoe.step.host_transfer import to_device
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
 
@@ -131,7 +134,7 @@ class ModelRunner:
         if batch.input_ids and min(batch.input_ids) < 0:  # overlap scheduling: tokens of the previous step
             fb.input_ids = self.future_tokens.resolve(fb.input_ids)
         if batch.forward_mode.is_extend():
-            prefix_slots = torch.tensor(batch.prefix_slots, dtype=torch.int64, device=self.device)
+            prefix_slots = to_device(batch.prefix_slots, torch.int64, self.device)
             self.req_to_token_pool.write_extend(batch.req_pool_indices, batch.prefix_lens, batch.seq_lens,
                                                 prefix_slots, fb.out_cache_loc, batch.table_lens)
         elif batch.forward_mode.is_decode():
@@ -158,10 +161,13 @@ class ModelRunner:
         return self.model.compute_logits(hidden, fb.dispatch_capacity)
 
     @torch.inference_mode()
-    def forward_batch_generation(self, batch: ModelWorkerBatch) -> StepOutput:
-        """One step: prepare, forward, sample. An IDLE batch runs the layers on zero tokens (so collectives
-        match) and answers with no tokens. With ``batch.graph_bs`` set and a matching capture, the forward is a
-        graph replay of that bucket (an IDLE batch then replays it with padding rows only).
+    def launch_step(self, batch: ModelWorkerBatch) -> PendingStep:
+        """One step up to its tokens' copy to the host: prepare, forward, sample, keep the ids for the next step's
+        placeholders and start the copy; returns without waiting for the device (no host sync: a decode step is
+        proven free of them on CPU, ``tests/test_decode_host_sync.py``). An IDLE batch runs the layers on zero
+        tokens (so collectives match) and answers with no tokens. With ``batch.graph_bs`` set and a matching
+        capture, the forward is a graph replay of that bucket (an IDLE batch then replays it with padding rows
+        only).
 
         Runs under ``torch.inference_mode`` (no version counters or view tracking: about 5-8 % less CPU per
         decode step than ``no_grad`` on the CI machine). Tensors a step creates and keeps (gather buffers) are
@@ -171,7 +177,11 @@ class ModelRunner:
         fb = self.prepare(batch, for_graph=use_graph)
         logits = self.graph_runner.replay(fb) if use_graph else self.forward(fb)
         if fb.batch_size == 0:
-            return StepOutput([], [], time.perf_counter() - t0)
-        next_ids, logprobs = self.sampler(logits, fb.sampling)
-        self.future_tokens.store(next_ids)
-        return StepOutput(next_ids.tolist(), logprobs, time.perf_counter() - t0)
+            return PendingStep(None, None, t0)
+        sampled = self.sampler.sample(logits, fb.sampling)
+        self.future_tokens.store(sampled.next_ids)
+        return PendingStep(sampled, self.ops.copy_to_host(sampled.device_tensors()), t0)
+
+    def forward_batch_generation(self, batch: ModelWorkerBatch) -> StepOutput:
+        """One step, answered: :meth:`launch_step`, then wait for its tokens (``PendingStep.result``)."""
+        return self.launch_step(batch).result()

@@ -67,6 +67,12 @@ class SamplingInputs(SamplingRows[list[float], list[int]]):
         """Every row takes the most likely token (temperature 0 or top-k 1), so the sampler can skip sampling."""
         return all(t == 0.0 or k == 1 for t, k in zip(self.temperatures, self.top_ks, strict=True))
 
+    @property
+    def needs_filter(self) -> bool:
+        """Some row restricts its candidates (top-k > 0, top-p < 1 or min-p > 0), so the sampler sorts the
+        vocabulary; decided here, on the host, so the rank never reads its tensors back to ask."""
+        return any(k > 0 for k in self.top_ks) or any(p < 1.0 for p in self.top_ps) or any(m > 0.0 for m in self.min_ps)
+
     @classmethod
     def greedy(cls, bs: int = 0) -> SamplingInputs:
         """``bs`` greedy rows without seeds or log-probs (``bs = 0``: the empty record of an IDLE batch)."""

@@ -60,7 +60,8 @@ class DeepEPNormalHandle:
     Attributes:
         num_tokens: N of this rank. deepep_handle: DeepEP's opaque dispatch handle (for ``combine``).
         event: the pending ``EventOverlap`` (dispatch, then combine). recv_x [R_tok, H], recv_topk_idx [R_tok, k]
-            int64 local ids or -1, recv_topk_weights [R_tok, k] float32: DeepEP's received tokens.
+            int64 local ids or -1, recv_topk_weights [R_tok, k] float32: DeepEP's received tokens. num_pairs: R,
+            the received (token, local expert) pairs (the sum of DeepEP's ``num_recv_tokens_per_expert_list``).
         pair_token, pair_weight: [R] int64 received-token row and float32 weight of each expert row (built by
             ``dispatch_b``). recv_counts: ``[R]``, the single chunk single-batch-overlap parts slice
             (``raymoe.comm.all_to_all.part_row_index``). parts: expert outputs of the parts received so far.
@@ -73,6 +74,7 @@ class DeepEPNormalHandle:
     recv_x: torch.Tensor
     recv_topk_idx: torch.Tensor
     recv_topk_weights: torch.Tensor
+    num_pairs: int = 0
     pair_token: torch.Tensor | None = None
     pair_weight: torch.Tensor | None = None
     recv_counts: list[int] = field(default_factory=list)
@@ -137,6 +139,11 @@ class DeepEPDispatcher:
     def buffer(self) -> Any:
         return self.shared.buffer
 
+    def receives_through_hooks(self, capacity: int | None) -> bool:
+        """True for low-latency steps (``capacity`` set): their receives are DeepEP hooks, called in launch order
+        on one stream."""
+        return capacity is not None
+
     def prepare_graph_replay(self) -> None:
         """Before a replay of a decode graph captured with low-latency kernels: enter the low-latency mode on the
         host, cleaning DeepEP's low-latency buffer after a normal-mode step (a collective; every rank replays the
@@ -191,11 +198,14 @@ class DeepEPDispatcher:
         self.shared.enter_mode(NORMAL)
         per_rank, per_rdma_rank, per_expert, in_rank, layout_event = self.buffer.get_dispatch_layout(
             ids, self.num_experts, previous_event=None, async_finish=True, allocate_on_comm_stream=False)
-        recv_x, recv_ids, recv_weights, _, deepep_handle, event = self.buffer.dispatch(
+        recv_x, recv_ids, recv_weights, per_expert, deepep_handle, event = self.buffer.dispatch(
             hidden, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
             num_tokens_per_expert=per_expert, topk_idx=ids, topk_weights=weights, previous_event=layout_event,
             async_finish=True, allocate_on_comm_stream=True)
-        return DeepEPNormalHandle(hidden.shape[0], deepep_handle, event, recv_x, recv_ids, recv_weights)
+        # DeepEP counts the received (token, local expert) pairs on the host (its CPU wait for the receive
+        # counts; expert_alignment 1): dispatch_b selects them without another sync
+        return DeepEPNormalHandle(hidden.shape[0], deepep_handle, event, recv_x, recv_ids, recv_weights,
+                                  num_pairs=sum(per_expert))
 
     def dispatch_b(self, handle: DeepEPNormalHandle | DeepEPLowLatencyHandle) -> ExpertRows | MaskedExpertRows:
         """Wait for the dispatch: :class:`ExpertRows` (normal; rows ordered by received token, then top-k slot) or
@@ -205,10 +215,15 @@ class DeepEPDispatcher:
             return handle.result
         handle.event.current_stream_wait()
         handle.event = None
-        tok, slot = (handle.recv_topk_idx >= 0).nonzero(as_tuple=True)    # [R] each, token-major
+        k = handle.recv_topk_idx.shape[1]
+        # the R valid pairs in token-major order: a stable sort puts them first, and R is the host count DeepEP
+        # returned (a nonzero() would read R back from the device, a host sync per layer)
+        invalid = (handle.recv_topk_idx < 0).reshape(-1).to(torch.uint8)
+        pair = torch.argsort(invalid, stable=True)[:handle.num_pairs]     # [R] flat (token, slot) index
+        tok, slot = pair // k, pair % k
         handle.pair_token = tok
         handle.pair_weight = handle.recv_topk_weights[tok, slot]
-        handle.recv_counts = [int(tok.shape[0])]
+        handle.recv_counts = [handle.num_pairs]
         return ExpertRows(handle.recv_x.index_select(0, tok), handle.recv_topk_idx[tok, slot])
 
     def combine_a(self, handle: DeepEPNormalHandle | DeepEPLowLatencyHandle, expert_out: torch.Tensor,

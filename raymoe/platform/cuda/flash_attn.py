@@ -38,6 +38,7 @@ import torch
 from raymoe.attention.base import AttentionBackend
 from raymoe.kvcache.pools import ReqToTokenPool, TokenToKVPool
 from raymoe.platform.cuda.flash_attn_provider import MIN_PAGE_MULTIPLE, FlashAttnProvider
+from raymoe.step.host_transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class FlashAttnBackend(AttentionBackend):
         max_k = max(fb.seq_lens_cpu)
         dev = fb.seq_lens.device
         self.meta = FlashAttnMetadata(
-            cu_seqlens_q=torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=dev),
+            cu_seqlens_q=to_device([0, *accumulate(q_lens)], torch.int32, dev),
             seqused_k=fb.seq_lens.to(torch.int32),
             block_table=self._block_table(fb.req_pool_indices, -(-max_k // self.page_size)),
             max_seqlen_q=max(q_lens), max_seqlen_k=max_k)

@@ -1,27 +1,57 @@
 """CudaPlatform: the :class:`~raymoe.platform.interface.Platform` of a rank that computes on a CUDA GPU.
 
 The reference operations run as CUDA kernels through torch; this platform adds decode capture as CUDA graphs
-(``graphs.py``) and SGLang's fine-grained DECODE two-batch-overlap schedule. The GPU libraries' adapters,
-flash-attention (``flash_attn.py``, ``flash_attn_provider.py``) and DeepEP (``deepep.py``, ``deepep_buffer.py``),
-are registered by the selector (``raymoe.platform.selector``) for every platform, since CPU tests run them through
-conformance doubles of their libraries. A GPU kernel touches only this package.
+(``graphs.py``), SGLang's fine-grained DECODE two-batch-overlap schedule, the step's token copy to the host behind
+an event and the second stream of two-batch overlap (``streams.py``). The GPU libraries' adapters, flash-attention
+(``flash_attn.py``, ``flash_attn_provider.py``) and DeepEP (``deepep.py``, ``deepep_buffer.py``), are registered
+by the selector (``raymoe.platform.selector``) for every platform, since CPU tests run them through conformance
+doubles of their libraries. A GPU kernel touches only this package.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 from raymoe.platform.cuda.graphs import CudaGraphCapture
-from raymoe.platform.interface import GraphCapture
+from raymoe.platform.cuda.streams import CudaHostCopy, CudaTboStreams, default_cuda_api
+from raymoe.platform.interface import BackendRegistry, GraphCapture, HostCopy
 from raymoe.platform.reference.platform import TorchPlatform
 
 
 class CudaPlatform(TorchPlatform):
-    """The CUDA platform (module docstring); arguments as :class:`~raymoe.platform.reference.platform.TorchPlatform`."""
+    """The CUDA platform (module docstring).
+
+    Args:
+        backends: as :class:`~raymoe.platform.reference.platform.TorchPlatform`.
+        cuda_api: the CUDA stream/event API (``torch.cuda``, the default; tests pass a strict double).
+    """
 
     name = "cuda"
     default_tbo_decode_schedule = "fine"
     fixed_shape_decode = True
+    async_host_copy = True
+
+    def __init__(self, backends: BackendRegistry | None = None, cuda_api: Any = None):
+        super().__init__(backends)
+        self.cuda = cuda_api if cuda_api is not None else default_cuda_api()
+        self._tbo_streams: CudaTboStreams | None = None
 
     def graph_capture(self, device: torch.device) -> GraphCapture:
         return CudaGraphCapture(device)
+
+    def copy_to_host(self, tensors: Sequence[torch.Tensor]) -> HostCopy:
+        """Non-blocking copies into pinned memory behind the current stream, and an event after them."""
+        return CudaHostCopy(tensors, self.cuda)
+
+    def stream_scope(self) -> Any:
+        """The current stream: a constant a second stream's kernels read must have been made on that stream."""
+        return self.cuda.current_stream()
+
+    def tbo_streams(self) -> CudaTboStreams:
+        """The rank's second stream for two-batch overlap, made on first use on the current device."""
+        if self._tbo_streams is None:
+            self._tbo_streams = CudaTboStreams(self.cuda)
+        return self._tbo_streams

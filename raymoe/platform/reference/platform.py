@@ -12,7 +12,7 @@ from raymoe.attention.base import AttentionBackend
 from raymoe.comm.dispatcher import A2ABackendSpec, MoeDispatcher, TorchDispatcher
 from raymoe.comm.groups import ParallelGroups
 from raymoe.comm.transport import EpTransport
-from raymoe.platform.interface import BackendRegistry, GraphCapture, Platform
+from raymoe.platform.interface import BackendRegistry, GraphCapture, HostCopy, Platform
 from raymoe.platform.reference.dense import DenseOps
 from raymoe.platform.reference.experts import ExpertOps
 from raymoe.platform.reference.graphs import RecordingCapture
@@ -68,3 +68,20 @@ class TorchPlatform(DenseOps, ExpertOps, SamplingOps, Platform):
 
     def graph_capture(self, device: torch.device) -> GraphCapture:
         return RecordingCapture()
+
+    def copy_to_host(self, tensors) -> HostCopy:
+        """Host tensors as they are (no copy: the step computed them synchronously); others copied now."""
+        return DoneHostCopy([t if t.device.type == "cpu" else t.to("cpu") for t in tensors])
+
+
+class DoneHostCopy:
+    """A :class:`~raymoe.platform.interface.HostCopy` that is complete when made (synchronous devices)."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        """Nothing to wait for."""

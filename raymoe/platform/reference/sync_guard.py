@@ -9,6 +9,12 @@ CPU graph runner wraps its capture run in this guard, which raises :class:`HostS
 Two PyTorch extension points see these calls: a ``TorchFunctionMode`` sees Python-level tensor methods (``tolist``
 never reaches the dispatcher on CPU), and a ``TorchDispatchMode`` sees the ATen ops the rest lower to
 (``_local_scalar_dense`` is what ``item``/``bool``/``int`` run; the data-dependent-shape ops by name).
+
+Given the rank's ``device``, the guard also holds a whole step to what a GPU rank needs to launch it without
+waiting for the device (``tests/test_decode_host_sync.py``): no ``torch.tensor``/``torch.as_tensor`` of host data
+made directly on that device (a blocking host-to-device copy, which ends in ``cudaStreamSynchronize``; use
+``raymoe.step.host_transfer.to_device``), and no blocking device-to-host copy (``Tensor.cpu()``, or ``Tensor.to``
+the CPU without ``non_blocking=True``). On a CPU rank these calls cost nothing, so only the rule catches them.
 """
 
 from __future__ import annotations
@@ -42,15 +48,60 @@ _SYNC_OPS = {
 }
 
 
+_FACTORIES_FROM_DATA = {torch.tensor: "torch.tensor", torch.as_tensor: "torch.as_tensor"}
+
+
+def _where(device: torch.device | None) -> str:
+    return "a graph-captured forward" if device is None else f"a step launched on {device.type}"
+
+
+def _is_host(device) -> bool:
+    return device is not None and torch.device(device).type == "cpu"
+
+
+def _to_host_blocking(args: tuple, kwargs: dict) -> bool:
+    """Whether ``Tensor.to(*args, **kwargs)`` copies to the CPU without ``non_blocking=True``."""
+    targets = [a for a in args[1:] if isinstance(a, (str, torch.device))]
+    if "device" in kwargs:
+        targets.append(kwargs["device"])
+    non_blocking = kwargs.get("non_blocking", any(a is True for a in args[1:] if isinstance(a, bool)))
+    return any(_is_host(t) for t in targets) and not non_blocking
+
+
 class _SyncFunctionMode(TorchFunctionMode):
+    def __init__(self, device: torch.device | None):
+        super().__init__()
+        self.device = device
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         what = _SYNC_METHODS.get(func)
+        if what is None and self.device is not None:
+            what = self._step_rule(func, args, kwargs)
         if what is not None:
-            raise HostSyncError(f"host sync in a graph-captured forward: {what}")
-        return func(*args, **(kwargs or {}))
+            raise HostSyncError(f"host sync in {_where(self.device)}: {what}")
+        return func(*args, **kwargs)
+
+    def _step_rule(self, func, args: tuple, kwargs: dict) -> str | None:
+        """A call that makes a GPU rank wait for its device (module docstring), or None."""
+        factory = _FACTORIES_FROM_DATA.get(func)
+        if factory is not None:
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type == self.device.type and not (
+                    args and isinstance(args[0], torch.Tensor)):
+                return f"{factory}(host data, device={device!r}): a blocking host-to-device copy (use to_device)"
+        if func is torch.Tensor.cpu:
+            return "Tensor.cpu(): a blocking device-to-host copy"
+        if func is torch.Tensor.to and _to_host_blocking(args, kwargs):
+            return "Tensor.to(cpu) without non_blocking=True: a blocking device-to-host copy"
+        return None
 
 
 class _SyncDispatchMode(TorchDispatchMode):
+    def __init__(self, device: torch.device | None):
+        super().__init__()
+        self.device = device
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         what = _SYNC_OPS.get(func)
@@ -60,12 +111,16 @@ class _SyncDispatchMode(TorchDispatchMode):
                 isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())):
             what = "boolean-mask indexing (data-dependent shape)"
         if what is not None:
-            raise HostSyncError(f"host sync in a graph-captured forward: {what} ({func})")
+            raise HostSyncError(f"host sync in {_where(self.device)}: {what} ({func})")
         return func(*args, **kwargs)
 
 
 class HostSyncGuard:
     """Context manager raising :class:`HostSyncError` on any host sync or data-dependent shape inside it.
+
+    Args:
+        device: the rank's device: also refuse the blocking host<->device copies of a step (module docstring);
+            None: only the reads and shapes a CUDA graph cannot hold.
 
     Example::
 
@@ -73,8 +128,11 @@ class HostSyncGuard:
             logits = forward(static_batch)   # raises if the forward could not be a CUDA graph
     """
 
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = None if device is None else torch.device(device)
+
     def __enter__(self) -> HostSyncGuard:
-        self._modes = [_SyncFunctionMode(), _SyncDispatchMode()]
+        self._modes = [_SyncFunctionMode(self.device), _SyncDispatchMode(self.device)]
         for mode in self._modes:
             mode.__enter__()
         return self

@@ -1,0 +1,61 @@
+"""PendingStep: a step the rank has launched but not answered yet (the rank-side half of "no host sync in a step").
+
+``ModelRunner.launch_step`` prepares the step, runs the forward and the sampler and starts copying the sampled ids
+(and any log-probs) to the host through the platform (``Platform.copy_to_host``: on CUDA a non-blocking copy into
+pinned memory and an event behind it), then returns at once. Nothing in that path reads a device value on the
+host (``tests/test_decode_host_sync.py`` proves it under ``HostSyncGuard``), so on a GPU the host can go on to
+prepare and launch the next step while this one still runs; the next step's placeholder tokens resolve on the
+device (``raymoe.runner.future_tokens``). :meth:`PendingStep.result` waits for the copy's event and builds the
+``StepOutput``: SGLang's overlap scheduler does the same with its ``copy_done`` event.
+
+Ownership: the runner makes it; whoever answers the driver (the rank worker's step call, the step channel's reply
+thread, the in-process executor's ``collect``) calls :meth:`PendingStep.result` once, in launch order.
+"""
+
+from __future__ import annotations
+
+import time
+
+from raymoe.platform.interface import HostCopy
+from raymoe.runner.sampler import SampledTokens
+from raymoe.step.step_output import StepOutput
+
+
+class PendingStep:
+    """A launched step whose tokens are on their way to the host.
+
+    Args:
+        sampled: the step's device results (None: a step without rows, IDLE).
+        copy: their host copy (None with ``sampled``).
+        started: ``time.perf_counter()`` when the step began on the rank, seconds.
+    """
+
+    def __init__(self, sampled: SampledTokens | None, copy: HostCopy | None, started: float):
+        self.sampled = sampled
+        self.copy = copy
+        self.started = started
+        # a copy that is complete at launch (a CPU rank) ends the step's time here, not when it is collected
+        self._done_at = time.perf_counter() if copy is None or copy.ready() else None
+        self._output: StepOutput | None = None
+
+    def ready(self) -> bool:
+        """Whether :meth:`result` would return without waiting for the device."""
+        return self._output is not None or self.copy is None or self.copy.ready()
+
+    def result(self) -> StepOutput:
+        """The step's answer: waits for the token copy (the only host sync of the step), then converts it.
+
+        ``forward_seconds`` runs from the step's start on the rank to when its tokens were known on the host: at
+        launch on a synchronous device, else when this call saw the copy complete.
+        """
+        if self._output is not None:
+            return self._output
+        if self.sampled is None:
+            ids, logprobs = [], []
+        else:
+            self.copy.wait()
+            ids, logprobs = self.sampled.answer(self.copy.tensors)
+        done_at = self._done_at if self._done_at is not None else time.perf_counter()
+        self._output = StepOutput(ids, logprobs, done_at - self.started)
+        self.sampled = self.copy = None
+        return self._output
