@@ -2,7 +2,8 @@
 
 The reference operations run as CUDA kernels through torch; this platform adds decode capture as CUDA graphs
 (``graphs.py``) and SGLang's fine-grained DECODE two-batch-overlap schedule. The GPU libraries' adapters,
-flash-attention (``flash_attn.py``, ``flash_attn_provider.py``) and DeepEP (``deepep.py``, ``deepep_buffer.py``),
+flash-attention (``flash_attn.py``, ``flash_attn_provider.py``), FlashInfer's paged MLA (``flashinfer_mla.py``,
+``flashinfer_mla_provider.py``) and DeepEP (``deepep.py``, ``deepep_buffer.py``),
 are registered by the selector (``raymoe.platform.selector``) for every platform, since CPU tests run them through
 conformance doubles of their libraries. A GPU kernel touches only this package.
 """
