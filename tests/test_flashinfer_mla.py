@@ -40,9 +40,9 @@ def _provider(cls: type, dtypes=("float16", "bfloat16")) -> FlashInferMLAProvide
 
 
 # ------------------------------------------------------------------------------- backend against torch-native
-def _case(seq_lens, ext_lens, page, dtype, seed=0):
+def _case(seq_lens, ext_lens, page, dtype, seed=0, device="cpu"):
     """A latent cache of shuffled pages holding each request's cached rows, the table, absorbed weights and the
-    step's inputs: full queries, their absorbed form and the new rows."""
+    step's inputs: full queries, their absorbed form and the new rows (on ``device``; also used by the GPU suite)."""
     g = torch.Generator().manual_seed(seed)
     n_pages = sum(-(-s // page) for s in seq_lens) + 3
     pool = MLATokenToKVPool(n_pages * page - 1, 1, LORA, ROPE, dtype)
@@ -64,12 +64,19 @@ def _case(seq_lens, ext_lens, page, dtype, seed=0):
     absorbed = torch.cat((torch.einsum("thd,hdl->thl", q[..., :NOPE], w_uk), q[..., NOPE:]), dim=-1)
     loc = torch.cat([table.req_to_token[r, sl - e:sl] for r, (sl, e) in enumerate(zip(seq_lens, ext_lens,
                                                                                        strict=True))])
-    return pool, table, w_uk, w_uv, q.to(dtype), absorbed.to(dtype), rows.to(dtype), loc
+    if device != "cpu":
+        pool.kv_buffer = [b.to(device) for b in pool.kv_buffer]
+        table.req_to_token = table.req_to_token.to(device)
+    return (pool, table, w_uk.to(device), w_uv.to(device), q.to(device, dtype), absorbed.to(device, dtype),
+            rows.to(device, dtype), loc.to(device))
 
 
 def _batch(seq_lens, ext_lens, loc, mode):
-    return SimpleNamespace(forward_mode=mode, batch_size=len(seq_lens), req_pool_indices=torch.arange(len(seq_lens)),
-                           req_pool_indices_cpu=list(range(len(seq_lens))), seq_lens=torch.tensor(seq_lens),
+    """The fields of a ForwardBatch the MLA backends read (on ``loc``'s device)."""
+    dev = loc.device
+    return SimpleNamespace(forward_mode=mode, batch_size=len(seq_lens),
+                           req_pool_indices=torch.arange(len(seq_lens), device=dev),
+                           req_pool_indices_cpu=list(range(len(seq_lens))), seq_lens=torch.tensor(seq_lens, device=dev),
                            seq_lens_cpu=list(seq_lens), extend_lens_cpu=list(ext_lens),
                            prefix_lens_cpu=[s - e for s, e in zip(seq_lens, ext_lens, strict=True)],
                            out_cache_loc=loc)
