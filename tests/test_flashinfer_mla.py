@@ -319,3 +319,20 @@ def test_flashinfer_mla_dtype_is_checked_at_config_time(v3_kernel_dims, monkeypa
         EngineConfig(model=v3_kernel_dims, attention_backend="flashinfer_mla")
     assert err.value.field == "dtype"
     assert EngineConfig(model=v3_kernel_dims, attention_backend="flashinfer_mla", dtype="bfloat16").cache.page_size == 1
+
+
+def test_flashinfer_mla_on_a_cpu_device_is_a_config_error_and_imports_stay_lazy(v3_kernel_dims, monkeypatch):
+    import subprocess
+    import sys
+
+    from raymoe.platform.backends import environment_report
+
+    monkeypatch.setattr(flashinfer_mla_provider, "find_flashinfer_mla", lambda: _provider(_double()))
+    with pytest.raises(InvalidRequestError, match="CUDA only") as err:
+        EngineConfig(model=v3_kernel_dims, device="cpu", dtype="bfloat16", attention_backend="flashinfer_mla")
+    assert err.value.field == "attention_backend"
+    assert environment_report()["attention_backend=flashinfer_mla"].startswith(
+        "ok" if importlib.util.find_spec("flashinfer") else "missing")
+    code = ("import sys, raymoe.platform.cuda.flashinfer_mla, raymoe.platform.selector; "
+            "sys.exit(1 if 'flashinfer' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0

@@ -11,7 +11,10 @@ requests.
 
 Tiles are cut so that ``queries x keys`` of a tile stays within ``max_tile_elems`` (the attention scores are
 ``heads x`` that many floats); a request larger than the budget alone is one tile (the per-request cost of a
-plain SDPA call). All masks and slots are built once per step, with tensor ops, and shared by every layer.
+plain SDPA call). The dense mask also scores a tile's queries against the other requests' keys (masked out): the
+budget bounds that waste to ``heads x max_tile_elems`` scores per tile, while the up-projection of the tile's keys,
+which every formulation pays, costs ``kv_lora_rank x heads x (qk_nope + v_head_dim)`` multiply-adds per key. All
+masks and slots are built once per step, with tensor ops and no device-to-host copy, and shared by every layer.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_TILE_ELEMS = 1 << 18
+MAX_TILE_ELEMS = 1 << 16
 """Default budget of one tile: query tokens x key tokens (the scores are ``heads x`` this many values)."""
 
 
@@ -89,15 +92,15 @@ def build_tiles(req_to_token: torch.Tensor, rows: list[int], ext_lens: list[int]
     for group in pack_tiles(ext_lens, seq_lens, max_tile_elems):
         ext = torch.tensor([ext_lens[i] for i in group], device=dev)
         sl = torch.tensor([seq_lens[i] for i in group], device=dev)
-        n, tq, tk = len(group), int(ext.sum()), int(sl.sum())
+        n, tq, tk = len(group), sum(ext_lens[i] for i in group), sum(seq_lens[i] for i in group)
         seg = torch.arange(n, device=dev)
-        k_seg = seg.repeat_interleave(sl)                                              # [S]
+        k_seg = seg.repeat_interleave(sl, output_size=tk)                             # [S]
         k_pos = torch.arange(tk, device=dev) - (torch.cumsum(sl, 0) - sl)[k_seg]     # position in its sequence
         row = torch.tensor([rows[i] for i in group], device=dev)
         slots = req_to_token[row[k_seg], k_pos]
         mask = None
         if tq > 1 or n > 1:
-            q_seg = seg.repeat_interleave(ext)                                         # [Tq]
+            q_seg = seg.repeat_interleave(ext, output_size=tq)                        # [Tq]
             q_pos = (torch.arange(tq, device=dev) - (torch.cumsum(ext, 0) - ext)[q_seg]) + (sl - ext)[q_seg]
             mask = (q_seg[:, None] == k_seg[None, :]) & (k_pos[None, :] <= q_pos[:, None])
         tiles.append(ExtendTile(q_start, q_start + tq, slots, mask))
