@@ -80,7 +80,8 @@ class TorchNativeMLABackend(PagedDecodeGraphHooks, AttentionBackend):
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: ExpandKV, layer_id: int,
                        forward_batch) -> torch.Tensor:
-        """Non-absorbed causal attention over each request's prefix and new tokens.
+        """Non-absorbed causal attention over each request's prefix and new tokens, one SDPA call per tile of
+        requests (each tile's cached rows gathered and up-projected once).
 
         Args:
             q: [T, H, qk_nope + qk_rope] full queries (rotary part already rotated).
@@ -105,7 +106,8 @@ class TorchNativeMLABackend(PagedDecodeGraphHooks, AttentionBackend):
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: object, layer_id: int,
                        forward_batch) -> torch.Tensor:
-        """Weight-absorbed decode: one query per request over its cache rows as a single shared key head.
+        """Weight-absorbed decode: one query per request over its cache rows as a single shared key head, over
+        ``kv_indices`` [bs, L]: one gather and SDPA call when L <= ``kv_chunk``, else :meth:`decode_chunked`.
 
         Args:
             q: [bs, H, kv_lora_rank + qk_rope] absorbed queries ``[q_nope W_UK | q_pe]``.
