@@ -24,14 +24,14 @@ the same output layout and the same state semantics, computed in plain torch:
 Deliberate differences, all stricter than the library where it would compute garbage silently: ``run`` before
 ``plan`` raises ``AttributeError`` as the library does (its ``_cached_module`` is missing); shapes the C++ side reads
 without checking (``n`` against ``qo_indptr[-1]``, heads against the planned ``num_heads``, head dims against the
-planned ones, page counts against ``ceil(kv_len / page_size)``, page ids within ``num_pages``, ``q_len <= kv_len``
-for causal, which the library's tests skip as unsupported) raise ``RuntimeError``; index arrays must be int32 (the
-kernels the library builds ahead of time use int32 indices); ``(head_dim_ckv, head_dim_kpe)`` must be one of the
-pairs the library builds ahead of time and tests, ``(512, 64)`` and ``(512, 0)`` (the JIT would compile others,
-untested); q and kv share one 16-bit dtype (the ahead-of-time modules). ``allow_float32=True`` (a class attribute)
-also accepts float32, so engine parity can run in fp32. The ``cutlass`` backend (another ``run`` layout) and the
-profiler are not modelled (``NotImplementedError``). Tensors must share the workspace's device instead of being
-CUDA.
+planned ones, ``kv_len >= 1``, page counts against ``ceil(kv_len / page_size)``, page ids within ``num_pages``,
+``q_len <= kv_len`` for causal, which the library's tests skip as unsupported) raise ``RuntimeError``; index arrays
+must be int32 (the kernels the library builds ahead of time use int32 indices); ``(head_dim_ckv, head_dim_kpe)``
+must be one of the pairs the library builds ahead of time and tests, ``(512, 64)`` and ``(512, 0)`` (the JIT would
+compile others, untested); q and kv share one 16-bit dtype (the ahead-of-time modules). ``allow_float32=True`` (a
+class attribute) also accepts float32, so engine parity can run in fp32. The ``cutlass`` backend (another ``run``
+layout) and the profiler are not modelled (``NotImplementedError``). Tensors must share the workspace's device
+instead of being CUDA.
 """
 
 from __future__ import annotations
