@@ -68,12 +68,13 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen))
 
 
-def build(name: str, out: Path, seed: int = 0) -> str:
-    """Build ``CONFIGS[name]`` with transformers into ``out`` (weights re-drawn from ``seed``); returns the path."""
+def build(name: str, out: Path, seed: int = 0, overrides: dict | None = None) -> str:
+    """Build ``CONFIGS[name]`` (with ``overrides`` of its config fields) with transformers into ``out`` (weights
+    re-drawn from ``seed``); returns the path."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, kwargs = CONFIGS[name]
-    cfg = AutoConfig.for_model(model_type, **{**_COMMON, **kwargs})
+    cfg = AutoConfig.for_model(model_type, **{**_COMMON, **kwargs, **(overrides or {})})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _redraw(model, seed)

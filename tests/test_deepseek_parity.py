@@ -109,23 +109,28 @@ def test_mla_cache_holds_latent_and_rope_key_only(tmp_path):
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2_yarn_grouped"])
 def test_absorbed_decode_matches_non_absorbed_extend(tmp_path, name):
-    """The same token as a DECODE step (weight-absorbed MQA over the latent cache) and as a one-token EXTEND step
-    over the cached prefix (keys/values up-projected): equal logits (float64: to rounding)."""
+    """The same token as a DECODE step (weight-absorbed MQA over the latent cache; in one gather, and in chunks of
+    2 tokens with the online softmax) and as a one-token EXTEND step over the cached prefix (keys/values
+    up-projected; both requests in one tile, and one tile each): equal logits (float64: to rounding)."""
     path = build(name, tmp_path / name)
     prompts = [[5, 9, 33, 7, 100, 41], [300, 2, 77]]
     nxt = [17, 401]
     logits = {}
-    for form in ("decode", "extend"):
+    for form in ("decode", "decode_chunked", "extend", "extend_tiled"):
         runner = ModelRunner(RunnerConfig(path, "float64", num_kv_slots=64, max_req_rows=2, max_context_len=64,
                                           graph=GraphConfig(disable_cuda_graph=True)))
+        runner.attn_backend.kv_chunk = 2 if form == "decode_chunked" else runner.attn_backend.kv_chunk
+        runner.attn_backend.max_tile_elems = 1 if form == "extend_tiled" else runner.attn_backend.max_tile_elems
         runner.forward(runner.prepare(_extend_batch(prompts)))
         slots = [10, 11]
         full = [p + [t] for p, t in zip(prompts, nxt, strict=True)]
-        if form == "decode":
+        if form.startswith("decode"):
             batch = ModelWorkerBatch(ForwardMode.DECODE, nxt, [0, 1], [len(f) for f in full], [len(p) for p in prompts],
                                      [1, 1], slots, [], SamplingInputs.greedy(2))
         else:
             prefix_slots = list(range(1, 7)) + list(range(7, 10))
             batch = _extend_batch(full, [len(p) for p in prompts], first_slot=10, prefix_slots=prefix_slots)
         logits[form] = runner.forward(runner.prepare(batch))
-    assert (logits["decode"] - logits["extend"]).abs().max().item() < 1e-9
+    assert len(runner.attn_backend.extend_tiles) == 2  # extend_tiled: one tile per request
+    for form in ("decode_chunked", "extend", "extend_tiled"):
+        assert (logits["decode"] - logits[form]).abs().max().item() < 1e-9, form

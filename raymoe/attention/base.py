@@ -41,6 +41,11 @@ class AttentionBackend(ABC):
             return self.forward_decode(q, k, v, layer_id, forward_batch)
         return self.forward_extend(q, k, v, layer_id, forward_batch)
 
+    mla_absorbed_extend = False
+    """MLA backends only: True when extend and MIXED steps, like decode, take the weight-absorbed queries
+    ``[q_nope W_UK | q_pe]`` and return latent-space outputs (``raymoe.layers.mla``); False: extend takes full
+    queries and the layer's ``expand_kv``."""
+
     # ---- decode graph hooks (raymoe.runner.graph_runner); backends without graph support keep these ----
     supports_graph_kv_widths = False  # True: decode cost follows the graph's KV width (CUDA captures a width ladder)
 

@@ -33,6 +33,11 @@ class TboAttnBackend(AttentionBackend):
         self.primary = primary
         self.children = list(children)
 
+    @property
+    def mla_absorbed_extend(self) -> bool:
+        """The children's (and primary's) form of MLA extend steps (``AttentionBackend.mla_absorbed_extend``)."""
+        return self.primary.mla_absorbed_extend
+
     @classmethod
     def create(cls, factory: Callable[[], AttentionBackend]) -> TboAttnBackend:
         """Three independent backends from ``factory`` (they share the KV pools, not their metadata)."""

@@ -56,10 +56,12 @@ class EngineConfig:
              "when torch.cuda.is_available()), else cpu. Resolved once, in the process that starts the engine, before "
              "any actor starts (raymoe.cluster.device_choice); every per-device default follows from it.")
     attention_backend: str = option(
-        "torch_native", choices=("torch_native", "flash_attn"),
-        help="torch_native (CPU and GPU) or flash_attn (GPU: vLLM's flash-attention, vllm.vllm_flash_attn, imported "
-             "lazily and checked when the engine is configured, so a missing package or an unsupported dtype or "
-             "page_size fails then; raymoe.platform.cuda.flash_attn_provider).")
+        "torch_native", choices=("torch_native", "flash_attn", "flashinfer_mla"),
+        help="torch_native (CPU and GPU, every model), flash_attn (GPU, grouped-query models: vLLM's "
+             "flash-attention, vllm.vllm_flash_attn) or flashinfer_mla (GPU, DeepSeek MLA models: FlashInfer's "
+             "BatchMLAPagedAttentionWrapper, from flashinfer-python). The GPU ones are imported lazily and checked "
+             "when the engine is configured, so a missing package or an unsupported dtype or page_size fails then "
+             "(raymoe.platform.cuda.flash_attn_provider, flashinfer_mla_provider).")
     ray_address: str | None = option(
         None, flag="address", help="Ray cluster to join for world size > 1, e.g. ray://head:10001 or auto (None: "
                                    "start a local one on 127.0.0.1).")

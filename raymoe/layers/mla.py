@@ -5,10 +5,12 @@ Per token: queries ``q = W_UQ RMSNorm(W_DQ x)`` (or ``W_Q x`` when ``q_lora_rank
 (one head, shared). The cache keeps ``[c_KV | k_pe]`` only (``raymoe.kvcache.mla_pool``). Keys/values are
 ``W_UK c_KV`` / ``W_UV c_KV`` per head (``kv_b_proj`` holds ``[W_UK; W_UV]`` per head).
 
-Extend and MIXED steps use the non-absorbed form (the backend expands cached rows with :meth:`MLAAttention.expand_kv`);
-decode uses the weight-absorbed form: ``q_nope W_UK`` is attended against ``c_KV`` directly and ``W_UV`` is applied
-to the latent-space output. TP: ``q``/``kv_b``/``o`` projections are split by heads; ``q_a``/``kv_a`` and the cache
-are replicated. Ops: ``op_prepare`` (projections, norms, RoPE), ``op_core`` (attention, value up-projection, o_proj).
+Extend and MIXED steps use the non-absorbed form (the backend expands cached rows with :meth:`MLAAttention.expand_kv`)
+unless the step's backend takes absorbed queries for them too (``AttentionBackend.mla_absorbed_extend``: the paged
+MLA GPU kernel); decode always uses the weight-absorbed form: ``q_nope W_UK`` is attended against ``c_KV`` directly
+and ``W_UV`` is applied to the latent-space output. TP: ``q``/``kv_b``/``o`` projections are split by heads;
+``q_a``/``kv_a`` and the cache are replicated. Ops: ``op_prepare`` (projections, norms, RoPE), ``op_core``
+(attention, value up-projection, o_proj).
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ from raymoe.overlap.operations import OpRole, stage_op
 from raymoe.platform.interface import Platform
 
 _LORA_NORM_EPS = 1e-6  # DeepSeek's q_a/kv_a RMSNorms use the default eps, not rms_norm_eps
+
+
+def _absorbed(fb) -> bool:
+    """Whether this step's queries are weight-absorbed: decode, or a backend that takes them for extend too."""
+    return fb.forward_mode.is_decode() or getattr(fb.attn_backend, "mla_absorbed_extend", False)
 
 
 def _load_norm(norm: RMSNorm, reader, name: str) -> None:
@@ -90,7 +97,8 @@ class MLAAttention(nn.Module):
     def op_prepare(self, state) -> None:
         """Queries and this step's cache rows: ``state.q`` ([T, H_local, qk_head_dim], or absorbed
         [T, H_local, kv_lora_rank + qk_rope] for decode), ``state.k`` = rows [T, kv_lora_rank + qk_rope],
-        ``state.v`` = :meth:`expand_kv` (extend) or None (decode)."""
+        ``state.v`` = :meth:`expand_kv` (extend) or None (decode, or any step of a backend with
+        ``mla_absorbed_extend``)."""
         m, x = self.mla, state.hidden_states
         t = x.shape[0]
         q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -98,7 +106,7 @@ class MLAAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         q_pe, k_pe = self.rotary(state.forward_batch.positions, q_pe, k_pe.unsqueeze(1))
         state.k = torch.cat((self.kv_a_layernorm(latent), k_pe.squeeze(1)), dim=-1)
-        if state.forward_batch.forward_mode.is_decode():
+        if _absorbed(state.forward_batch):
             w_uk, _ = self._w_kv()
             state.q = torch.cat((torch.einsum("thd,hdl->thl", q_nope, w_uk), q_pe), dim=-1)
             state.v = None
@@ -111,7 +119,7 @@ class MLAAttention(nn.Module):
         fb = state.forward_batch
         o = fb.attn_backend.forward(state.q, state.k, state.v, self.layer_id, fb)
         t = o.shape[0]
-        if t and fb.forward_mode.is_decode():
+        if t and _absorbed(fb):
             _, w_uv = self._w_kv()
             o = torch.einsum("thl,hvl->thv", o, w_uv)                     # latent -> per-head values
         o = o.reshape(t, self.num_heads * self.mla.v_head_dim) if t else o.new_empty((0, self.o_proj.in_local))

@@ -63,7 +63,8 @@ class DeepseekV2ForCausalLM(MoeCausalLM):
         """The platform's MLA backend ``name`` over the latent cache.
 
         Raises:
-            ValueError: ``name`` has no MLA implementation (only ``"torch_native"``).
+            ValueError: ``name`` has no MLA implementation (``"torch_native"``, or ``"flashinfer_mla"`` on the
+                model's head dims), e.g. ``"flash_attn"``.
         """
         return self.ops.mla_attention_backend(name, req_to_token_pool=req_to_token_pool,
                                               token_to_kv_pool=token_to_kv_pool, num_heads=self.num_local_heads,

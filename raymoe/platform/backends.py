@@ -34,6 +34,9 @@ GPU_BACKENDS: tuple[GpuBackend, ...] = (
                "version), or build DeepEP from source against your torch (README, 'GPU backends')"),
     GpuBackend("attention_backend", "flash_attn", ("vllm",),
                "pip install vllm (its vllm.vllm_flash_attn provides flash_attn_varlen_func)", check_package=False),
+    GpuBackend("attention_backend", "flashinfer_mla", ("flashinfer",),
+               "pip install flashinfer-python (its flashinfer.mla provides BatchMLAPagedAttentionWrapper)",
+               check_package=False),
 )
 
 
@@ -141,7 +144,8 @@ def _import_status(modules: tuple[str, ...]) -> str:
 
 def check_attention_backend(name: str, page_size: int, dtype: str) -> None:
     """Config-time check of attention backend ``name`` for ``page_size`` tokens per KV page and ``dtype`` (the
-    flash-attention adapter checks its package, page size and dtype; ``torch_native`` takes any).
+    flash-attention adapter checks its package, page size and dtype, FlashInfer's MLA its package and dtype;
+    ``torch_native`` takes any).
 
     Raises:
         InvalidRequestError: naming ``attention_backend``, ``page_size`` or ``dtype``.
@@ -150,3 +154,7 @@ def check_attention_backend(name: str, page_size: int, dtype: str) -> None:
         from raymoe.platform.cuda.flash_attn_provider import check_flash_attn_config
 
         check_flash_attn_config(page_size, dtype)
+    elif name == "flashinfer_mla":
+        from raymoe.platform.cuda.flashinfer_mla_provider import check_flashinfer_mla_config
+
+        check_flashinfer_mla_config(dtype)

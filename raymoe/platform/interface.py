@@ -110,10 +110,13 @@ class BackendRegistry:
         attention: backend name -> ``factory(req_to_token_pool=, token_to_kv_pool=, num_heads=, num_kv_heads=,
             head_dim=)`` for grouped-query attention.
         dispatchers: backend name -> ``factory(groups, num_experts, spec, hidden_size, dtype)``.
+        mla_attention: backend name -> ``factory(req_to_token_pool=, token_to_kv_pool=, num_heads=,
+            softmax_scale=)`` for multi-head latent attention over the latent cache.
     """
 
     attention: Mapping[str, Callable[..., AttentionBackend]] = field(default_factory=dict)
     dispatchers: Mapping[str, Callable[..., MoeDispatcher]] = field(default_factory=dict)
+    mla_attention: Mapping[str, Callable[..., AttentionBackend]] = field(default_factory=dict)
 
 
 class Platform(ExpertCompute, LowLatencyOps, ABC):

@@ -2,9 +2,9 @@
 implementations (``raymoe.platform.reference``, ``.cpu``, ``.cuda``; the import contract in ``pyproject.toml``
 enforces it).
 
-It also registers the GPU libraries' adapters (flash-attention, DeepEP) with every platform it builds, as lazy
-factories: they are selected by name (``attention_backend``, ``a2a_backend``), import their package only when built,
-and run on CPU through conformance doubles of their libraries in tests.
+It also registers the GPU libraries' adapters (flash-attention, FlashInfer's MLA, DeepEP) with every platform it
+builds, as lazy factories: they are selected by name (``attention_backend``, ``a2a_backend``), import their package
+only when built, and run on CPU through conformance doubles of their libraries in tests.
 """
 
 from __future__ import annotations
@@ -24,6 +24,12 @@ def _flash_attn(**kwargs: Any):
     return FlashAttnBackend(**kwargs)
 
 
+def _flashinfer_mla(**kwargs: Any):
+    from raymoe.platform.cuda.flashinfer_mla import FlashInferMLABackend
+
+    return FlashInferMLABackend(**kwargs)
+
+
 def _deepep(groups: ParallelGroups, num_experts: int, spec: A2ABackendSpec, hidden_size: int,
             dtype: torch.dtype, buffer_factory: Any = None) -> MoeDispatcher:
     from raymoe.platform.cuda.deepep import DeepEPDispatcher
@@ -33,7 +39,8 @@ def _deepep(groups: ParallelGroups, num_experts: int, spec: A2ABackendSpec, hidd
                             low_latency=spec.mode != "normal", buffer_factory=buffer_factory)
 
 
-GPU_LIBRARY_BACKENDS = BackendRegistry(attention={"flash_attn": _flash_attn}, dispatchers={"deepep": _deepep})
+GPU_LIBRARY_BACKENDS = BackendRegistry(attention={"flash_attn": _flash_attn}, dispatchers={"deepep": _deepep},
+                                       mla_attention={"flashinfer_mla": _flashinfer_mla})
 """The adapters of the GPU libraries every platform builds by name."""
 
 

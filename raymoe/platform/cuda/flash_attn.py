@@ -25,7 +25,8 @@ Decode graphs (``raymoe.runner.graph_runner``): fixed-address buffers of ``max_b
 in place before each replay; ``max_seqlen_k`` is then the graph width W (tokens), since a captured graph cannot
 follow the step's longest sequence. Padding rows attend to one slot (fill value 1).
 
-Not supported: MLA models (DeepSeek; their ``create_attn_backend`` refuses this backend).
+Not supported: MLA models (DeepSeek; their ``create_attn_backend`` refuses this backend: they take
+``flashinfer_mla``, ``raymoe.platform.cuda.flashinfer_mla``).
 """
 
 from __future__ import annotations

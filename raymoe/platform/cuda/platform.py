@@ -3,9 +3,10 @@
 The reference operations run as CUDA kernels through torch; this platform adds decode capture as CUDA graphs
 (``graphs.py``), SGLang's fine-grained DECODE two-batch-overlap schedule, the step's token copy to the host behind
 an event and the second stream of two-batch overlap (``streams.py``). The GPU libraries' adapters, flash-attention
-(``flash_attn.py``, ``flash_attn_provider.py``) and DeepEP (``deepep.py``, ``deepep_buffer.py``), are registered
-by the selector (``raymoe.platform.selector``) for every platform, since CPU tests run them through conformance
-doubles of their libraries. A GPU kernel touches only this package.
+(``flash_attn.py``, ``flash_attn_provider.py``), FlashInfer's paged MLA (``flashinfer_mla.py``,
+``flashinfer_mla_provider.py``) and DeepEP (``deepep.py``, ``deepep_buffer.py``), are registered by the selector
+(``raymoe.platform.selector``) for every platform, since CPU tests run them through conformance doubles of their
+libraries. A GPU kernel touches only this package.
 """
 
 from __future__ import annotations

@@ -43,11 +43,15 @@ class TorchPlatform(DenseOps, ExpertOps, SamplingOps, Platform):
         return factory(**kwargs)
 
     def mla_attention_backend(self, name: str, **kwargs: Any) -> AttentionBackend:
-        if name != "torch_native":
-            raise ValueError(f"attention backend {name!r} has no MLA implementation; use 'torch_native'")
-        from raymoe.attention.mla_torch_native import TorchNativeMLABackend
+        if name == "torch_native":
+            from raymoe.attention.mla_torch_native import TorchNativeMLABackend
 
-        return TorchNativeMLABackend(**kwargs)
+            return TorchNativeMLABackend(**kwargs)
+        factory = self.backends.mla_attention.get(name)
+        if factory is None:
+            raise ValueError(f"attention backend {name!r} has no MLA implementation; use 'torch_native' or one of "
+                             f"{sorted(self.backends.mla_attention)}")
+        return factory(**kwargs)
 
     def create_ep_transport(self, groups: ParallelGroups, cpu_comm: str, timeout_s: float) -> EpTransport | None:
         return None
