@@ -62,7 +62,9 @@ class CudaExpertOps(ExpertOps):
         packed_rows = min(rows.max_rows, el * c)
         if packed_rows == 0 or not self.grouped_ok(x.view(el * c, h), experts):
             return super().expert_masked(rows, experts)
-        ends = counts.cumsum(0, dtype=torch.int32)                                   # [E_local] packed segment ends
+        # [E_local] packed segment ends; the clamp keeps the kernel inside the packed rows should counts ever pass
+        # the bound (the kernel does not check its offsets)
+        ends = counts.cumsum(0, dtype=torch.int32).clamp_(max=packed_rows)
         j = self._packed_positions(packed_rows, x.device)                            # [R] int32
         expert = torch.searchsorted(ends, j, right=True)                            # [R]; E_local: past the last
         owner = expert.clamp(max=el - 1)
