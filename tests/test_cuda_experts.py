@@ -114,6 +114,22 @@ def test_cuda_expert_path_reads_nothing_on_the_host():
     assert double.calls == 6
 
 
+def test_masked_counts_past_the_row_bound_stay_inside_the_packed_rows():
+    """Counts that break the step's bound (ranks that disagreed on the capacity) must not make the kernel read past
+    the packed rows (it does not check its offsets; the double asserts them): the rows within the bound are still
+    the oracle's, in expert order."""
+    cuda, double = _cuda()
+    experts = _experts()
+    counts = torch.tensor([3, 2, 4, 1], dtype=torch.int32)
+    x = torch.randn(EL, 4, H, generator=torch.Generator().manual_seed(2)).bfloat16()
+    y = MaskedExpertRows(x, counts, max_rows=6).compute(cuda, experts)                  # 10 valid rows, bound 6
+    ref = MaskedExpertRows(x, counts, max_rows=6).compute(REF, experts)
+    _assert_bf16_close(torch.cat([y[0, :3], y[1, :2], y[2, :1]]),
+                       _oracle(torch.cat([x[0, :3], x[1, :2], x[2, :1]]), [0, 0, 0, 1, 1, 2], experts),
+                       torch.cat([ref[0, :3], ref[1, :2], ref[2, :1]]))
+    assert int(double.flops) == 6 * (2 * H * 2 * INTER + 2 * INTER * H)
+
+
 def test_cuda_experts_fall_back_where_the_grouped_gemm_does_not_take_the_rows():
     """float32 rows (the real op would sync on its offsets) and a hidden size off the 16-byte rule run the
     reference operations, and the double is never called."""

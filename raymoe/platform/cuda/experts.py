@@ -60,15 +60,16 @@ class CudaExpertOps(ExpertOps):
         x, counts = rows.x, rows.counts
         el, c, h = x.shape
         packed_rows = min(rows.max_rows, el * c)
-        if packed_rows == 0 or not self.grouped_ok(x.view(el * c, h), experts):
+        if packed_rows == 0 or not x.is_contiguous() or not self.grouped_ok(x.view(el * c, h), experts):
             return super().expert_masked(rows, experts)
-        # [E_local] packed segment ends; the clamp keeps the kernel inside the packed rows should counts ever pass
-        # the bound (the kernel does not check its offsets)
-        ends = counts.cumsum(0, dtype=torch.int32).clamp_(max=packed_rows)
+        full_ends = counts.cumsum(0, dtype=torch.int32)                              # [E_local] packed segment ends
+        starts = full_ends - counts
+        # the kernel does not check its offsets: should counts ever pass the bound, it stops at the packed rows
+        ends = full_ends.clamp(max=packed_rows)
         j = self._packed_positions(packed_rows, x.device)                            # [R] int32
         expert = torch.searchsorted(ends, j, right=True)                            # [R]; E_local: past the last
         owner = expert.clamp(max=el - 1)
-        slot = owner * c + (j - (ends - counts).index_select(0, owner))             # row j's slot in [E_local * C]
+        slot = owner * c + (j - starts.index_select(0, owner))                      # row j's slot in [E_local * C]
         valid = expert < el
         packed = x.view(el * c, h).index_select(0, torch.where(valid, slot, 0))     # rows past the last: not read
         y = self.grouped_mlp(packed, ends, experts)
