@@ -119,6 +119,7 @@ def _misuse(groups) -> dict:
     import deep_ep_double as dd
     from deep_ep_double_core import DoubleMisuse
 
+    from raymoe.comm.expert_input import MaskedExpertRows
     from raymoe.platform.cuda.deepep import DeepEPDispatcher
     from raymoe.platform.cuda.deepep_buffer import DeepEPInFlightError
 
@@ -153,7 +154,7 @@ def _misuse(groups) -> dict:
     hook()
     found["hook_twice"] = _raises(hook, DoubleMisuse, "twice")
     d2[4]()
-    y = experts.ops.expert_masked(recv_x, experts)
+    y = MaskedExpertRows(recv_x, count, recv_x.shape[0] * recv_x.shape[1]).compute(experts.ops, experts)
     found["combine_other_topk"] = _raises(lambda: buf.low_latency_combine(y, ids.flip(1).contiguous(), w, handle),
                                           DoubleMisuse, "not the one of this dispatch")
     found["ll_rows_beyond_count_are_nan"] = bool(torch.isnan(recv_x[0, int(count[0]):]).all())

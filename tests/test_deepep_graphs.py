@@ -62,6 +62,25 @@ def _logits(runner, batch) -> torch.Tensor:
     return (graph.replay(fb) if use_graph else runner.forward(fb)).float().clone()
 
 
+def _count_received_pairs(runner) -> list[torch.Tensor]:
+    """Wraps the dispatchers of ``runner``'s MoE layers: the list gets the ``counts`` [E_local] of every
+    low-latency dispatch's answer (``MaskedExpertRows``), as they run (a CPU graph replay re-runs them)."""
+    from raymoe.comm.expert_input import MaskedExpertRows
+    from raymoe.layers.moe import SparseMoeBlock
+
+    received: list[torch.Tensor] = []
+    dispatchers = {id(m.a2a): m.a2a for m in runner.model.modules() if isinstance(m, SparseMoeBlock)}
+    for a2a in dispatchers.values():
+        def dispatch_b(handle, inner=a2a.dispatch_b):
+            rows = inner(handle)
+            if isinstance(rows, MaskedExpertRows):
+                received.append(rows.counts.clone())
+            return rows
+
+        a2a.dispatch_b = dispatch_b
+    return received
+
+
 def _strict_graph_runs(groups, path: str) -> dict:
     """On each rank of ep=2 dp=2: a bfloat16 "torch" runner (eager) and a "deepep" runner over the strict double
     with decode graphs; a prefill (normal mode), then decode steps replayed from the graphs (low-latency mode, the
@@ -96,18 +115,20 @@ def _strict_graph_runs(groups, path: str) -> dict:
         return replay(fb)
 
     runners["deepep"].graph_runner.replay = counted
+    received = _count_received_pairs(runners["deepep"])
     tokens = {0: [[5, 6, 7, 8, 9], [300, 301, 302]], 1: [[42] * 9, [7, 8], [11, 12, 13, 14]]}
     steps = []
     for step in range(5):
         plans = apply_dispatch_plan(apply_graph_plan(_batches(step, tokens), sizes), "auto", MAX_ROWS)
         mine = plans[groups.dp_rank]
-        before = replays[0]
+        before, seen = replays[0], len(received)
         logits = {"torch": _logits(runners["torch"], dataclasses.replace(mine, graph_bs=None)),
                   "deepep": _logits(runners["deepep"], mine)}
         same = torch.equal(logits["torch"].argmax(-1), logits["deepep"].argmax(-1))
         diff = (logits["torch"] - logits["deepep"]).abs().max().item()
         scale = logits["torch"].abs().max().item()
-        steps.append((mine.graph_bs, mine.dispatch_capacity, replays[0] - before, same, diff, scale))
+        pairs = int(sum(int(c.sum()) for c in received[seen:]))  # low-latency pairs this rank's experts got
+        steps.append((mine.graph_bs, mine.dispatch_capacity, replays[0] - before, same, diff, scale, pairs))
         for g, seqs in tokens.items():  # every group's requests grow; only this group's tokens are real
             for s, t in zip(seqs, logits["torch"].argmax(-1).tolist() if g == groups.dp_rank else [0] * len(seqs),
                             strict=True):
@@ -129,9 +150,13 @@ def test_strict_double_with_decode_graphs_matches_torch_ep2(model_2048):
         prefill, *decodes = out["steps"]
         assert prefill[:3] == (None, None, 0)  # normal mode, eager
         assert all(graph_bs == capacity == 4 and replayed == 1 for graph_bs, capacity, replayed, *_ in decodes)
-        for *_, same, diff, _ in out["steps"]:
+        for *_, same, diff, _, _ in out["steps"]:
             assert same, out["steps"]
             assert diff <= LOGIT_TOL, out["steps"]
+    # a decode replay of bucket 4 holds 2 real rows on DP group 0 and 3 on group 1: the padding rows go out with
+    # no expert, so both ranks' experts together get the 5 real tokens' top-2 pairs in each of the 2 layers
+    for step in range(1, 5):
+        assert sum(out["steps"][step][-1] for out in per_rank) == 5 * 2 * 2, [o["steps"] for o in per_rank]
 
 
 #: Max |logit diff| of the deepep runner (graph replays over the double) vs the torch runner (eager), both bfloat16.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raymoe.comm.expert_input import RoutedTokenRows
+from raymoe.comm.expert_input import MaskedExpertRows, RoutedTokenRows
 from raymoe.comm.groups import ParallelGroups
 from raymoe.layers.moe import LocalExperts
 from raymoe.overlap.fusion import Fusion, apply_fusions
@@ -85,7 +85,8 @@ def test_expert_operations_equal_the_reference():
     x, ids = torch.randn(13, 32, generator=g), torch.randint(0, 4, (13,), generator=g)
     ends = torch.tensor([3, 3, 8, 13], dtype=torch.int32)
     for op, args in (("expert_rows", (x, ids)), ("expert_segments", (x, ends, 5)),
-                     ("expert_masked", (torch.randn(4, 5, 32, generator=g),)),
+                     ("expert_masked", (MaskedExpertRows(torch.randn(4, 5, 32, generator=g),
+                                                         torch.tensor([5, 0, 2, 4], dtype=torch.int32), 11),)),
                      ("expert_dense", (x, torch.rand(13, 4, generator=g)))):
         torch.testing.assert_close(getattr(CPU, op)(*args, cpu), getattr(REF, op)(*args, ref), rtol=1e-5, atol=1e-5)
     rows = RoutedTokenRows(torch.randn(2, 3, 32, generator=g), torch.randint(0, 6, (2, 3, 2), generator=g),

@@ -74,6 +74,7 @@ def test_every_tensor_and_host_list_field_is_declared_once():
     host_lists = {n for n in by_type if n.endswith("_cpu")}
     declared = ForwardBatch.TOKEN_TENSORS + ForwardBatch.ROW_TENSORS
     assert set(declared) == tensors and len(declared) == len(tensors)
+    assert set(ForwardBatch.OPTIONAL_TOKEN_TENSORS) == {n for n, t in by_type.items() if t == "torch.Tensor | None"}
     assert set(ForwardBatch.ROW_LISTS) == host_lists
     assert set(PADDING) == tensors
 
@@ -113,3 +114,8 @@ def test_graph_buffers_copy_every_declared_field_and_pad_by_the_table():
         assert got[:3] == getattr(fb, name).tolist(), name
         assert got[3] == (1 if pad is Pad.SEQ_LEN_FILL else pad), name
     assert static.out_cache_loc[3].item() == DUMMY_SLOT
+    assert static.padding_mask.tolist() == [False, False, False, True]  # the MoE layers give row 3 no expert
+    assert static.narrow((2, 4), (2, 4)).padding_mask.tolist() == [False, True]
+    bufs.populate(ForwardBatch.from_worker_batch(_decode([3], [7]), "cpu"), 2)
+    assert bufs.forward_batch(2, attn_backend=None, use_tbo=False).padding_mask.tolist() == [False, True]
+    assert fb.padding_mask is None  # an eager batch: every row is real

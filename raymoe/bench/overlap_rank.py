@@ -103,7 +103,7 @@ class BenchAllToAll:
                 return GroupedExpertRows(x, rec.ends, rec.expert_capacity)
             if isinstance(rec, RoutedTokenRows):
                 return RoutedTokenRows(x.view_as(rec.x), rec.topk_ids, rec.topk_weights, rec.first_expert)
-            return MaskedExpertRows(x.view_as(rec.x), rec.counts)
+            return MaskedExpertRows(x.view_as(rec.x), rec.counts, rec.max_rows)
         if self.mode == "loopback":
             return ExpertRows(handle.recv_hidden, handle.recv_expert_ids)
         rows = self.real.dispatch_b(handle)
@@ -111,7 +111,7 @@ class BenchAllToAll:
             if isinstance(rows, GroupedExpertRows):
                 self.tape.append(GroupedExpertRows(torch.empty_like(rows.x), rows.ends.clone(), rows.expert_capacity))
             elif isinstance(rows, MaskedExpertRows):
-                self.tape.append(MaskedExpertRows(torch.empty_like(rows.x), rows.counts.clone()))
+                self.tape.append(MaskedExpertRows(torch.empty_like(rows.x), rows.counts.clone(), rows.max_rows))
             elif isinstance(rows, RoutedTokenRows):  # the routing is the work: keep it, not the rows
                 self.tape.append(RoutedTokenRows(torch.empty_like(rows.x), rows.topk_ids.clone(),
                                                  rows.topk_weights.clone(), rows.first_expert))

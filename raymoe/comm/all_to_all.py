@@ -10,7 +10,9 @@ The combine can also be sent in ``num_parts`` parts (single-batch overlap, ``ray
 holds, of every peer's chunk of received rows, the slice ``[c * p // n, c * (p + 1) // n)`` (``c`` the chunk's
 row count, :func:`part_row_index`), so both sides know each part's counts without another exchange.
 
-The combine applies the top-k weights and returns one row per token. The low-latency (fixed-shape) mode is
+The combine applies the top-k weights and returns one row per token. Pairs whose id is ``NO_EXPERT`` (-1: a
+decode graph's padding rows) are sent to no rank; with ``ep_size == 1`` they reach the experts, which multiply
+them by nothing (:class:`~raymoe.comm.expert_input.ExpertRows`). The low-latency (fixed-shape) mode is
 ``raymoe.comm.low_latency``; ``raymoe.comm.dispatcher`` picks between them per step.
 """
 
@@ -30,8 +32,8 @@ from raymoe.comm.groups import ParallelGroups
 class DispatchHandle:
     """State of a dispatch between ``dispatch_a`` and ``combine_b`` (owned by one MoE layer call).
 
-    ``topk_weights`` [N, k] are applied by the combine. ``order`` [P] int64 sorts the P = N * k routing pairs by
-    destination rank; ``send_counts`` /
+    ``topk_weights`` [N, k] are applied by the combine. ``order`` [P] int64 holds the sent pairs (of the N * k,
+    those with an expert) sorted by destination rank; ``send_counts`` /
     ``recv_counts`` are pairs per peer rank; ``recv_hidden`` [R, H] and ``recv_expert_ids`` [R] (local expert
     ids) are filled when the transfer completes; ``works`` are pending async collective handles;
     ``combine_parts`` are (part, num_parts, receive buffer) of a combine sent in parts; ``max_pair_rows`` is the
@@ -74,7 +76,8 @@ class TorchAllToAll:
 
         Args:
             hidden: [N, H] tokens of this rank.
-            topk_ids: [N, k] int64 global expert ids. topk_weights: [N, k] hidden dtype, used by the combine.
+            topk_ids: [N, k] int64 global expert ids, or ``NO_EXPERT`` for a pair sent nowhere. topk_weights:
+                [N, k] hidden dtype, used by the combine.
         Returns:
             a handle whose ``recv_*`` tensors are valid after :meth:`dispatch_b`.
         """
@@ -84,10 +87,13 @@ class TorchAllToAll:
             order = torch.arange(n * k, device=hidden.device)
             recv = hidden.repeat_interleave(k, dim=0) if k > 1 else hidden
             return DispatchHandle(n, k, topk_weights, order, [n * k], [n * k], recv, flat_ids, [])
-        dest = torch.div(flat_ids, self.num_local_experts, rounding_mode="floor")
+        # destination rank of each pair; NO_EXPERT -> ep_size, sorted after every rank's pairs and never sent
+        dest = torch.div(flat_ids, self.num_local_experts, rounding_mode="floor").remainder_(self.ep_size + 1)
         order = torch.argsort(dest, stable=True)
         send_counts, recv_counts, max_pair = self.transport.exchange_counts(
-            torch.bincount(dest, minlength=self.ep_size))
+            torch.bincount(dest, minlength=self.ep_size + 1)[:self.ep_size])
+        if sum(send_counts) < n * k:
+            order = order[:sum(send_counts)]  # NO_EXPERT pairs stay home
         token_of_pair = torch.div(order, k, rounding_mode="floor")
         send_hidden = hidden[token_of_pair]
         send_ids = flat_ids[order]
@@ -148,7 +154,9 @@ class TorchAllToAll:
         out = handle.combined
         assert out is not None, "combine_a must run before combine_b"
         if self.ep_size > 1:
-            unsorted = torch.empty_like(out)
+            num_pairs = handle.num_tokens * handle.top_k
+            make = out.new_empty if out.shape[0] == num_pairs else out.new_zeros  # pairs sent nowhere add 0
+            unsorted = make((num_pairs, out.shape[1]))
             unsorted[handle.order] = out
             out = unsorted
         pairs = out.view(handle.num_tokens, handle.top_k, out.shape[-1])  # num_tokens may be 0 (IDLE)

@@ -33,6 +33,9 @@ from typing import Any, Protocol
 import torch
 
 A2A_MODES: tuple[str, ...] = ("normal", "low_latency", "auto")
+NO_EXPERT = -1
+"""The top-k id of a pair that goes to no expert (DeepEP's convention): the MoE layer gives it to every pair of a
+decode graph's padding rows (with weight 0), and no dispatch sends or computes such a pair."""
 A2A_BACKENDS: tuple[str, ...] = ("torch", "deepep")
 
 
@@ -59,7 +62,8 @@ class ExpertCompute(ABC):
 
     @abstractmethod
     def expert_rows(self, x: torch.Tensor, local_ids: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
-        """Expert ``local_ids[i]`` on row ``x[i]``: ``x`` [R, H], ``local_ids`` [R] int64 -> [R, H] (R may be 0)."""
+        """Expert ``local_ids[i]`` on row ``x[i]``: ``x`` [R, H], ``local_ids`` [R] int64 -> [R, H] (R may be 0). A
+        row whose id is :data:`NO_EXPERT` is multiplied by no expert and answers 0."""
 
     @abstractmethod
     def expert_segments(self, x: torch.Tensor, ends: torch.Tensor, expert_capacity: int,
@@ -69,8 +73,10 @@ class ExpertCompute(ABC):
         padding in and out. Must not read device values on the host (decode graphs hold it)."""
 
     @abstractmethod
-    def expert_masked(self, x: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
-        """Every row of the masked layout through its expert: ``x`` [E_local, C, H] -> [E_local, C, H]."""
+    def expert_masked(self, rows: MaskedExpertRows, experts: ExpertWeights) -> torch.Tensor:
+        """The valid rows of the masked layout through their expert: ``rows.x`` [E_local, C, H] -> [E_local, C, H];
+        slots past ``rows.counts[e]`` hold anything in and out. Must not read ``counts`` on the host (decode graphs
+        hold it)."""
 
     @abstractmethod
     def expert_dense(self, x: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
@@ -84,7 +90,9 @@ class ExpertCompute(ABC):
 
 @dataclass
 class ExpertRows:
-    """Received pairs, one row each: ``x`` [R, H] (hidden dtype), ``local_ids`` [R] int64 in ``[0, E_local)``."""
+    """Received pairs, one row each: ``x`` [R, H] (hidden dtype), ``local_ids`` [R] int64 in ``[0, E_local)``, or
+    :data:`NO_EXPERT` for a pair nobody computes (its answer row is 0: at ``ep == 1`` the normal mode hands the
+    experts every pair of the step, a graph's padding rows' too)."""
 
     x: torch.Tensor
     local_ids: torch.Tensor
@@ -96,14 +104,18 @@ class ExpertRows:
 
 @dataclass
 class MaskedExpertRows:
-    """Received pairs packed per local expert: ``x`` [E_local, C, H], ``counts`` [E_local] int32 valid rows each."""
+    """Received pairs packed per local expert: ``x`` [E_local, C, H], ``counts`` [E_local] int32 valid rows each
+    (on the device), ``max_rows`` the most valid rows all experts together can hold in this step (a host bound,
+    ``min(ep * M * min(k, E_local), E_local * C)`` for a step of per-rank capacity M and top-k k: each of the
+    ``ep * M`` tokens sends at most one row to each of its distinct experts here)."""
 
     x: torch.Tensor
     counts: torch.Tensor
+    max_rows: int
 
     def compute(self, ops: ExpertCompute, experts: ExpertWeights) -> torch.Tensor:
-        """The experts' answer [E_local, C, H] (every slot, valid or not)."""
-        return ops.expert_masked(self.x, experts)
+        """The experts' answer [E_local, C, H] (slots past ``counts[e]`` hold anything)."""
+        return ops.expert_masked(self, experts)
 
 
 @dataclass

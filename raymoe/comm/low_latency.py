@@ -9,8 +9,9 @@ those properties with the all-gather / reduce-scatter exchange SGLang's DP atten
 
 * dispatch (an all-gather over the EP transport): each rank sends the same message to every peer: its ``M``
   token rows [M, H] (rows ``N..M-1`` unused), then its routing, ``topk_ids`` [M, k] int64 (unused rows hold
-  ``E``, an expert nobody owns) and ``topk_weights`` [M, k] in the hidden dtype. The receiver maps each of the
-  ``P = ep * M * k`` received pairs to its local expert (``E_local`` for another rank's expert), sorts the pairs
+  ``E``, an expert nobody owns; a graph's padding rows hold ``NO_EXPERT``, -1, nobody's either) and
+  ``topk_weights`` [M, k] in the hidden dtype. The receiver maps each of the ``P = ep * M * k`` received pairs to
+  its local expert (``E_local`` for another rank's expert or no expert), sorts the pairs
   by it on the device, and hands the experts the token rows in that order
   (:class:`~raymoe.comm.expert_input.GroupedExpertRows`, segment ends [E_local] int32 on the device), so one
   grouped GEMM per projection runs over this rank's pairs only.
@@ -154,7 +155,8 @@ class TorchLowLatencyAllToAll:
         return self.ops.use_token_rows(self.ep_size, capacity, top_k, self.num_experts, self.expert_row_macs, hidden)
 
     def remap(self, device: torch.device) -> torch.Tensor:
-        """[E + 1] int64: global expert id -> local expert id, ``E_local`` where another rank owns it."""
+        """[E + 1] int64: global expert id -> local expert id, ``E_local`` where another rank owns it. Indexed by
+        ``NO_EXPERT`` (-1) it gives its last entry, that of id ``E`` (no rank's): ``E_local``."""
         key = (device, self.ops.stream_scope())
         table = self._remap.get(key)
         if table is None:
@@ -188,7 +190,8 @@ class TorchLowLatencyAllToAll:
 
         Args:
             hidden: [N, H] this rank's tokens (N <= ``capacity``; N may be 0).
-            topk_ids: [N, k] int64 global expert ids. topk_weights: [N, k] hidden dtype.
+            topk_ids: [N, k] int64 global expert ids, or ``NO_EXPERT`` for a pair of no expert. topk_weights:
+                [N, k] hidden dtype.
             capacity: M, tokens per rank; the same on every rank of the step.
         Raises:
             ValueError: N > capacity.
@@ -248,7 +251,7 @@ class TorchLowLatencyAllToAll:
             x = rows.view(self.ep_size, geo.message_rows, h)[:, :m]
             return RoutedTokenRows(x, ids.view(self.ep_size, m, k), weights.view(self.ep_size, m, k),
                                    self.first_expert)
-        local = self.remap(payload.device)[ids]                                           # E_local = not ours
+        local = self.remap(payload.device)[ids]                     # E_local = not ours (NO_EXPERT included)
         local = local.view(-1)                                                            # [P]
         handle.mine = (local < self.num_local_experts).view(-1, m, k, 1)
         handle.weights = weights.view(-1, m, k, 1)

@@ -7,7 +7,9 @@ Each op reads ``state.<attr>`` written by the previous one:
 ``op_gate`` (hidden_states -> router_logits) -> ``op_select_experts`` (-> topk_weights, topk_ids) ->
 ``op_dispatch_a`` / ``op_dispatch_b`` (-> expert inputs) -> ``op_experts`` -> ``op_combine_a`` /
 ``op_combine_b`` (-> the top-k weighted sum [T, H]) -> ``op_output`` (-> moe_output [T, H]). The dispatch runs
-in normal or low-latency mode as the step says (``ForwardBatch.dispatch_capacity``, ``raymoe.comm.dispatcher``).
+in normal or low-latency mode as the step says (``ForwardBatch.dispatch_capacity``, ``raymoe.comm.dispatcher``);
+the padding rows of a decode graph's bucket (``ForwardBatch.padding_mask``) go to it with no expert
+(``NO_EXPERT`` ids, weight 0), so no dispatch sends them and no expert computes them.
 A block with shared experts (DeepSeek) also has
 ``op_shared_experts`` (hidden_states -> shared_output), which only needs the block's input, so overlap strategies
 may place it anywhere between ``op_gate`` and ``op_output``; ``op_output`` adds it to the routed sum.
@@ -22,7 +24,7 @@ import torch
 from torch import nn
 
 from raymoe.comm.dispatcher import A2ABackendSpec
-from raymoe.comm.expert_input import ExpertInput
+from raymoe.comm.expert_input import NO_EXPERT, ExpertInput
 from raymoe.comm.groups import ParallelGroups, divide, tp_all_reduce
 from raymoe.config_arch import RouterConfig
 from raymoe.errors import CheckpointError
@@ -160,10 +162,16 @@ class SparseMoeBlock(nn.Module):
 
     @stage_op(OpRole.DISPATCH_A)
     def op_dispatch_a(self, state) -> None:
-        """Start the dispatch; low-latency when the step's ``forward_batch.dispatch_capacity`` is set."""
+        """Start the dispatch; low-latency when the step's ``forward_batch.dispatch_capacity`` is set. Rows of
+        ``forward_batch.padding_mask`` (a graph bucket's padding) are dispatched with ``NO_EXPERT`` ids and
+        weight 0."""
         capacity = getattr(state.forward_batch, "dispatch_capacity", None)
-        state.dispatch_handle = self.a2a.dispatch_a(state.hidden_states, state.topk_ids, state.topk_weights,
-                                                    capacity)
+        padding = getattr(state.forward_batch, "padding_mask", None)
+        ids, weights = state.topk_ids, state.topk_weights
+        if padding is not None:
+            ids = ids.masked_fill(padding.unsqueeze(1), NO_EXPERT)
+            weights = weights.masked_fill(padding.unsqueeze(1), 0)
+        state.dispatch_handle = self.a2a.dispatch_a(state.hidden_states, ids, weights, capacity)
 
     @stage_op(OpRole.DISPATCH_B)
     def op_dispatch_b(self, state) -> None:

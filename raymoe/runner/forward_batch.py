@@ -7,7 +7,9 @@ The per-token and per-row fields are declared once, in :attr:`ForwardBatch.TOKEN
 :attr:`ForwardBatch.ROW_TENSORS` and :attr:`ForwardBatch.ROW_LISTS`: the decode-graph buffers
 (``raymoe.runner.graph_buffers``) allocate, pad and copy by these names, and :meth:`ForwardBatch.narrow` (the
 two-batch-overlap children, ``raymoe.overlap.split``) slices by them. A new per-token or per-row field is one
-edit here (plus its padding value in ``graph_buffers.PADDING``, which is checked at import).
+edit here (plus its padding value in ``graph_buffers.PADDING``, which is checked at import). Per-token tensors
+only some batches have (:attr:`ForwardBatch.OPTIONAL_TOKEN_TENSORS`: a graph bucket's ``padding_mask``) are
+sliced with the others where present.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class ForwardBatch:
     (``raymoe.overlap.split``): ``tbo_children`` are the two halves of a TBO step; a child's
     ``tbo_parent_token_range`` (start, end) are the parent rows it covers. ``dispatch_capacity``: per-rank token
     capacity of this (child) batch's low-latency MoE dispatch (None: normal mode; ``raymoe.comm.a2a_plan``).
+    ``padding_mask``: [T] bool, True on the padding rows of a decode graph's bucket (``raymoe.runner.graph_buffers``),
+    whose MoE pairs go to no expert; None (eager batches): every token is real.
 
     Raises:
         ValueError: a token tensor does not have as many rows as ``input_ids``, or a row tensor or host list
@@ -81,6 +85,8 @@ class ForwardBatch:
     ROW_LISTS: ClassVar[tuple[str, ...]] = ("req_pool_indices_cpu", "seq_lens_cpu", "prefix_lens_cpu",
                                             "extend_lens_cpu")
     """Host lists with one entry per request (``bs``)."""
+    OPTIONAL_TOKEN_TENSORS: ClassVar[tuple[str, ...]] = ("padding_mask",)
+    """Device tensors with one entry per token, [T], or None."""
 
     forward_mode: ForwardMode
     batch_size: int
@@ -101,10 +107,11 @@ class ForwardBatch:
     tbo_children: list[ForwardBatch] | None = None
     tbo_parent_token_range: tuple[int, int] | None = None
     dispatch_capacity: int | None = None
+    padding_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         num_tokens = self.num_tokens
-        for name in self.TOKEN_TENSORS:
+        for name in self.token_tensor_names():
             if getattr(self, name).shape[0] != num_tokens:
                 raise ValueError(f"ForwardBatch.{name} has {getattr(self, name).shape[0]} rows, expected {num_tokens}")
         for name in self.ROW_TENSORS + self.ROW_LISTS:
@@ -117,17 +124,22 @@ class ForwardBatch:
         """Tokens computed this step (T)."""
         return int(self.input_ids.shape[0])
 
+    def token_tensor_names(self) -> tuple[str, ...]:
+        """The names of this batch's per-token tensors: :attr:`TOKEN_TENSORS` and the optional ones it has."""
+        return self.TOKEN_TENSORS + tuple(n for n in self.OPTIONAL_TOKEN_TENSORS if getattr(self, n) is not None)
+
     def narrow(self, token_range: tuple[int, int], row_range: tuple[int, int], **changes: Any) -> ForwardBatch:
         """A batch over tokens ``[t0, t1)`` and requests ``[s0, s1)`` of this one.
 
-        Token and row tensors are views (no copy); host lists are sliced; other fields are shared, then
-        ``changes`` replaces any field (e.g. a child's own ``seq_lens`` or ``attn_backend``).
+        Token and row tensors (optional ones too, where set) are views (no copy); host lists are sliced; other
+        fields are shared, then ``changes`` replaces any field (e.g. a child's own ``seq_lens`` or
+        ``attn_backend``).
 
         Raises:
             ValueError: the result breaks the shape invariants (ranges that do not match, or bad ``changes``).
         """
         (t0, t1), (s0, s1) = token_range, row_range
-        sliced: dict[str, Any] = {name: getattr(self, name)[t0:t1] for name in self.TOKEN_TENSORS}
+        sliced: dict[str, Any] = {name: getattr(self, name)[t0:t1] for name in self.token_tensor_names()}
         sliced.update({name: getattr(self, name)[s0:s1] for name in self.ROW_TENSORS + self.ROW_LISTS})
         return dataclasses.replace(self, batch_size=s1 - s0, **{**sliced, **changes})
 

@@ -7,6 +7,8 @@ batch into rows ``[0, n)`` and writes padding into rows ``[n, bs)``.
 There is one buffer per device tensor of ``ForwardBatch`` (``TOKEN_TENSORS + ROW_TENSORS``; a decode step has
 one token per row, so both kinds are [max_bs]); :data:`PADDING` is the one table of their padding values.
 Rows past ``bs`` are never read by bucket ``bs``, so they may hold anything (e.g. a larger earlier batch).
+``ForwardBatch.padding_mask`` has its own bool buffer, True on rows ``[n, bs)``: the MoE layers give those rows
+no expert, so the dispatch sends exactly the real rows' pairs (``raymoe.layers.moe``).
 """
 
 from __future__ import annotations
@@ -50,17 +52,20 @@ class GraphInputBuffers:
     Attributes:
         tensors: one [max_bs] int64 buffer per name in :data:`PADDING`.
         seq_len_fill_value: sequence length of padding rows, tokens.
+        padding_mask: [max_bs] bool, True on padding rows (``ForwardBatch.padding_mask``).
     """
 
     tensors: dict[str, torch.Tensor]
     seq_len_fill_value: int
+    padding_mask: torch.Tensor
 
     @classmethod
     def create(cls, max_bs: int, device: torch.device | str, seq_len_fill_value: int) -> GraphInputBuffers:
         """Allocate buffers for ``max_bs`` rows on ``device``, all rows set to padding."""
         tensors = {name: torch.zeros(max_bs, dtype=torch.int64, device=device) for name in _FIELDS}
         tensors["sample_indices"].copy_(torch.arange(max_bs, dtype=torch.int64, device=device))
-        bufs = cls(tensors=tensors, seq_len_fill_value=seq_len_fill_value)
+        bufs = cls(tensors=tensors, seq_len_fill_value=seq_len_fill_value,
+                   padding_mask=torch.ones(max_bs, dtype=torch.bool, device=device))
         bufs.pad(0, max_bs)
         return bufs
 
@@ -69,9 +74,11 @@ class GraphInputBuffers:
         return int(self.tensors["input_ids"].shape[0])
 
     def pad(self, start: int, end: int) -> None:
-        """Write padding values into rows ``[start, end)`` (constant buffers are left as they are)."""
+        """Write padding values into rows ``[start, end)`` (constant buffers are left as they are) and mark them as
+        padding."""
         if end <= start:
             return
+        self.padding_mask[start:end].fill_(True)
         for name, buf in self.tensors.items():
             value = PADDING[name]
             if value is Pad.CONSTANT:
@@ -96,6 +103,7 @@ class GraphInputBuffers:
             for name, buf in self.tensors.items():
                 if PADDING[name] is not Pad.CONSTANT:
                     buf[:n].copy_(getattr(fb, name))
+            self.padding_mask[:n].fill_(False)
         self.pad(n, bs)
         return list(fb.seq_lens_cpu) + [self.seq_len_fill_value] * (bs - n)
 
@@ -110,5 +118,5 @@ class GraphInputBuffers:
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE, batch_size=bs, **views, req_pool_indices_cpu=[0] * bs,
             seq_lens_cpu=[fill] * bs, prefix_lens_cpu=[fill - 1] * bs, extend_lens_cpu=[1] * bs, sampling=None,
-            attn_backend=attn_backend, use_tbo=use_tbo, graph_bs=bs,
+            attn_backend=attn_backend, use_tbo=use_tbo, graph_bs=bs, padding_mask=self.padding_mask[:bs],
         )

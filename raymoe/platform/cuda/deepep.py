@@ -19,9 +19,10 @@ Normal mode (``capacity`` None; data-dependent shapes, the host waits for the re
 Low-latency mode (``capacity`` M; fixed shapes, DeepEP's hook-based receive, no SM spent waiting):
 
 * ``dispatch_a``: ``low_latency_dispatch(use_fp8=False, return_recv_hook=True)`` (only the send is issued).
-* ``dispatch_b``: call the hook, return ``MaskedExpertRows(recv_x, recv_count)``; ``recv_x`` is
+* ``dispatch_b``: call the hook, return ``MaskedExpertRows(recv_x, recv_count, max_rows)``; ``recv_x`` is
   [E_local, M_max * ep, H]: DeepEP sizes it by the buffer's ``num_max_dispatch_tokens_per_rank`` M_max, not by
-  the step's capacity (M <= M_max is checked).
+  the step's capacity (M <= M_max is checked); ``max_rows = ep * M * min(k, E_local)`` bounds the valid rows of
+  the step, so the experts can run over them alone (``raymoe.platform.cuda.experts``).
 * ``combine_a`` / ``combine_b``: ``low_latency_combine(return_recv_hook=True)`` (it applies the top-k weights),
   then its hook.
 
@@ -180,7 +181,8 @@ class DeepEPDispatcher:
             recv_x, recv_count, handle.deepep_handle, _, handle.hook = self.buffer.low_latency_dispatch(
                 hidden.contiguous(), ids, self.num_max_dispatch_tokens_per_rank, self.num_experts, use_fp8=False,
                 async_finish=False, return_recv_hook=True)
-        handle.result = MaskedExpertRows(recv_x, recv_count)
+        max_rows = self.ep_size * capacity * min(ids.shape[1], self.num_local_experts)
+        handle.result = MaskedExpertRows(recv_x, recv_count, max_rows)
         return handle
 
     @contextmanager

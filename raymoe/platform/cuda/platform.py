@@ -1,9 +1,10 @@
 """CudaPlatform: the :class:`~raymoe.platform.interface.Platform` of a rank that computes on a CUDA GPU.
 
-The reference operations run as CUDA kernels through torch; this platform adds decode capture as CUDA graphs
-(``graphs.py``), SGLang's fine-grained DECODE two-batch-overlap schedule, the step's token copy to the host behind
-an event and the second stream of two-batch overlap (``streams.py``). The GPU libraries' adapters, flash-attention
-(``flash_attn.py``, ``flash_attn_provider.py``), FlashInfer's paged MLA (``flashinfer_mla.py``,
+The reference operations run as CUDA kernels through torch; this platform adds expert GEMMs over the routed rows
+only, in fixed shapes (``experts.py`` over ``grouped_mm.py``: ``torch._grouped_mm``'s CUTLASS path), decode capture
+as CUDA graphs (``graphs.py``), SGLang's fine-grained DECODE two-batch-overlap schedule, the step's token copy to the
+host behind an event and the second stream of two-batch overlap (``streams.py``). The GPU libraries' adapters,
+flash-attention (``flash_attn.py``, ``flash_attn_provider.py``), FlashInfer's paged MLA (``flashinfer_mla.py``,
 ``flashinfer_mla_provider.py``) and DeepEP (``deepep.py``, ``deepep_buffer.py``), are registered by the selector
 (``raymoe.platform.selector``) for every platform, since CPU tests run them through conformance doubles of their
 libraries. A GPU kernel touches only this package.
@@ -16,18 +17,22 @@ from typing import Any
 
 import torch
 
+from raymoe.platform.cuda.experts import CudaExpertOps
 from raymoe.platform.cuda.graphs import CudaGraphCapture
+from raymoe.platform.cuda.grouped_mm import GroupedGemm, TorchGroupedMm
 from raymoe.platform.cuda.streams import CudaHostCopy, CudaTboStreams, default_cuda_api
 from raymoe.platform.interface import BackendRegistry, GraphCapture, HostCopy
 from raymoe.platform.reference.platform import TorchPlatform
 
 
-class CudaPlatform(TorchPlatform):
+class CudaPlatform(CudaExpertOps, TorchPlatform):
     """The CUDA platform (module docstring).
 
     Args:
         backends: as :class:`~raymoe.platform.reference.platform.TorchPlatform`.
         cuda_api: the CUDA stream/event API (``torch.cuda``, the default; tests pass a strict double).
+        grouped_gemm: the experts' grouped GEMM (default :class:`~raymoe.platform.cuda.grouped_mm.TorchGroupedMm`;
+            CPU tests pass a strict double of it).
     """
 
     name = "cuda"
@@ -35,9 +40,11 @@ class CudaPlatform(TorchPlatform):
     fixed_shape_decode = True
     async_host_copy = True
 
-    def __init__(self, backends: BackendRegistry | None = None, cuda_api: Any = None):
+    def __init__(self, backends: BackendRegistry | None = None, cuda_api: Any = None,
+                 grouped_gemm: GroupedGemm | None = None):
         super().__init__(backends)
         self.cuda = cuda_api if cuda_api is not None else default_cuda_api()
+        self.grouped_gemm = grouped_gemm if grouped_gemm is not None else TorchGroupedMm()
         self._tbo_streams: CudaTboStreams | None = None
 
     def graph_capture(self, device: torch.device) -> GraphCapture:

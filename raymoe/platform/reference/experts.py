@@ -2,11 +2,11 @@
 (``raymoe.comm.expert_input``), in torch operators. The methods of :class:`ExpertOps` implement the expert part of
 :class:`~raymoe.platform.interface.Platform`; shapes are in its docstrings.
 
-Grouped GEMMs (``torch._grouped_mm``) run over expert-sorted rows where torch has them for the device and dtype (CPU:
-float32, bfloat16, float16; not under ``torch.compile``, whose shape rule takes bfloat16 only): one GEMM per
-projection whatever the number of experts with rows, shapes that depend on the row count only, no host sync.
-Elsewhere rows run one GEMM pair per non-empty expert (a host sync for the counts), and fixed-shape segments are
-spread into the masked layout.
+Grouped GEMMs run over expert-sorted rows where the platform has them for the rows (:meth:`ExpertOps.grouped_ok`;
+here ``torch._grouped_mm`` on CPU: float32, bfloat16, float16; not under ``torch.compile``, whose shape rule takes
+bfloat16 only): one GEMM per projection whatever the number of experts with rows, shapes that depend on the row
+count only, no host sync. Elsewhere rows run one GEMM pair per non-empty expert (a host sync for the counts), and
+fixed-shape segments are spread into the masked layout, whose batched GEMMs multiply every slot.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from raymoe.comm.expert_input import ExpertWeights, RoutedTokenRows
+from raymoe.comm.expert_input import ExpertWeights, MaskedExpertRows, RoutedTokenRows
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm takes on CPU
 
@@ -28,32 +28,51 @@ def grouped_mm_ok(x: torch.Tensor) -> bool:
 class ExpertOps:
     """Torch implementations of the platform's expert operations."""
 
+    def grouped_ok(self, x: torch.Tensor, experts: ExpertWeights) -> bool:
+        """Whether :meth:`grouped_mlp` takes rows like ``x`` [R, H] with these experts here (without a host sync):
+        :func:`grouped_mm_ok`. Platforms with their own grouped GEMM override both."""
+        return grouped_mm_ok(x)
+
     def grouped_mlp(self, x: torch.Tensor, ends: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
         """Both projections over expert segments (``ends`` [E_local] int32): ``x`` [R, H] -> [R, H] with
-        ``torch._grouped_mm`` (callers check :func:`grouped_mm_ok`). Platforms with a faster grouped GEMM override
-        it."""
+        ``torch._grouped_mm`` (callers check :meth:`grouped_ok`); rows from ``ends[-1]`` on are not multiplied and
+        answer anything. Platforms with a faster grouped GEMM override it."""
         h = self.silu_and_mul(torch._grouped_mm(x, experts.w13.transpose(1, 2), offs=ends))    # [R, I_local]
         return torch._grouped_mm(h, experts.w2.transpose(1, 2), offs=ends)
 
     def expert_rows(self, x: torch.Tensor, local_ids: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
         """Rows sorted by expert into segments, then :meth:`grouped_mlp` (no Python loop over experts, no host
-        sync); without grouped GEMMs one pair of GEMMs per non-empty expert. Both give the same rows."""
+        sync); without grouped GEMMs one pair of GEMMs per non-empty expert. Both give the same rows. Rows of
+        ``NO_EXPERT`` (-1) sort after every segment, are never multiplied, and answer 0."""
         if x.shape[0] == 0:
             return torch.empty_like(x)
-        if not grouped_mm_ok(x):
+        if not self.grouped_ok(x, experts):
             return self._expert_loop(x, local_ids, experts)
-        order = torch.argsort(local_ids, stable=True)
-        counts = torch.zeros(experts.num_local, dtype=torch.int64, device=x.device)
-        counts.index_add_(0, local_ids, torch.ones_like(local_ids))
-        ends = counts.cumsum(0).to(torch.int32)
+        el = experts.num_local
+        key, order = torch.sort(local_ids.remainder(el + 1), stable=True)                 # NO_EXPERT -> E_local
+        ends = torch.searchsorted(key, self._expert_ids(el, key.device), right=True, out_int32=True)
         y = self.grouped_mlp(x.index_select(0, order), ends, experts)                     # [R, H] by expert
-        return torch.empty_like(x).index_copy_(0, order, y)
+        out = torch.empty_like(x).index_copy_(0, order, y)
+        return out.masked_fill_(local_ids.unsqueeze(1) < 0, 0)
+
+    def _expert_ids(self, num_local: int, device: torch.device) -> torch.Tensor:
+        """``arange(num_local)`` [E_local] int64 on ``device`` (kept per device: a graph holds its address)."""
+        cache = vars(self).setdefault("_expert_id_cache", {})
+        ids = cache.get((num_local, device))
+        if ids is None:
+            ids = cache[(num_local, device)] = torch.arange(num_local, device=device)
+        return ids
 
     def _expert_loop(self, x: torch.Tensor, local_ids: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
         """:meth:`expert_rows` with one pair of GEMMs per non-empty expert (any dtype; syncs for the row counts)."""
-        out = torch.empty_like(x)
-        order = torch.argsort(local_ids, stable=True)
-        counts = torch.bincount(local_ids, minlength=experts.num_local).tolist()
+        el = experts.num_local
+        key = local_ids.remainder(el + 1)                                                  # NO_EXPERT -> E_local
+        order = torch.argsort(key, stable=True)
+        counts = torch.bincount(key, minlength=el + 1).tolist()[:el]
+        valid = sum(counts)
+        out = torch.empty_like(x) if valid == x.shape[0] else torch.zeros_like(x)
+        if not valid:
+            return out
         xs = x[order]
         outs = []
         start = 0
@@ -62,7 +81,7 @@ class ExpertOps:
                 h = self.silu_and_mul(F.linear(xs[start:start + c], experts.w13[e]))
                 outs.append(F.linear(h, experts.w2[e]))
                 start += c
-        out[order] = torch.cat(outs) if len(outs) > 1 else outs[0]
+        out[order[:start]] = torch.cat(outs) if len(outs) > 1 else outs[0]
         return out
 
     def expert_segments(self, x: torch.Tensor, ends: torch.Tensor, expert_capacity: int,
@@ -72,24 +91,27 @@ class ExpertOps:
         (:meth:`expert_masked`) and gathered back, all on the device."""
         if x.shape[0] == 0:
             return torch.empty_like(x)
-        if grouped_mm_ok(x):
+        if self.grouped_ok(x, experts):
             return self.grouped_mlp(x, ends, experts)                                     # [R_max, H]
         r, el, c = x.shape[0], experts.num_local, expert_capacity
         ends = ends.to(torch.int64)
-        starts = ends - torch.diff(ends, prepend=ends.new_zeros(1))                      # [E_local]
+        counts = torch.diff(ends, prepend=ends.new_zeros(1))
+        starts = ends - counts                                                            # [E_local]
         slot = torch.arange(c, device=x.device)
         spread = (starts.view(el, 1) + slot.view(1, c)).clamp_(max=r - 1)               # [E_local, C]
-        y = self.expert_masked(x.index_select(0, spread.view(-1)).view(el, c, -1), experts)
+        masked = MaskedExpertRows(x.index_select(0, spread.view(-1)).view(el, c, -1), counts.to(torch.int32),
+                                  max_rows=min(r, el * c))
+        y = self.expert_masked(masked, experts)
         pos = torch.arange(r, device=x.device)
         expert = torch.searchsorted(ends, pos, right=True).clamp_(max=el - 1)            # [R_max]
         return y.view(el * c, -1).index_select(0, expert * c + (pos - starts[expert]).clamp_(0, c - 1))
 
-    def expert_masked(self, x: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
+    def expert_masked(self, rows: MaskedExpertRows, experts: ExpertWeights) -> torch.Tensor:
         """Two batched GEMMs over all ``C`` rows of every expert, valid or not (a row's output depends on that
         row only, so invalid rows, which the combine never reads, cannot disturb valid ones); shapes depend on
-        ``C`` only."""
-        h = self.silu_and_mul(torch.bmm(x, experts.w13.transpose(1, 2)))    # [E_local, C, I_local]
-        return torch.bmm(h, experts.w2.transpose(1, 2))                 # [E_local, C, H]
+        ``C`` only, and the work on the slots, not on ``counts``."""
+        h = self.silu_and_mul(torch.bmm(rows.x, experts.w13.transpose(1, 2)))   # [E_local, C, I_local]
+        return torch.bmm(h, experts.w2.transpose(1, 2))                      # [E_local, C, H]
 
     def expert_dense(self, x: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
         """Two batched GEMMs ([E_local, R, 2 I] then [E_local, R, H]) and one weighted reduction over the experts
