@@ -17,6 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from cuda_stream_double import CudaStreamDouble  # noqa: E402
 from grouped_mm_double import GroupedMmRefused, StrictGroupedMm  # noqa: E402
 
 from raymoe.comm.expert_input import NO_EXPERT, ExpertRows, GroupedExpertRows, MaskedExpertRows  # noqa: E402
@@ -59,7 +60,7 @@ def _assert_bf16_close(y: torch.Tensor, oracle: torch.Tensor, reference: torch.T
 
 def _cuda() -> tuple[CudaPlatform, StrictGroupedMm]:
     double = StrictGroupedMm()
-    return CudaPlatform(grouped_gemm=double), double
+    return CudaPlatform(grouped_gemm=double, cuda_api=CudaStreamDouble()), double
 
 
 def test_cuda_expert_layouts_equal_the_oracle_over_routed_rows_only():

@@ -27,6 +27,7 @@ from cuda_stream_double import CudaStreamDouble  # noqa: E402
 from raymoe.comm.a2a_plan import apply_dispatch_plan  # noqa: E402
 from raymoe.config import GraphConfig, OverlapConfig  # noqa: E402
 from raymoe.platform.cuda.platform import CudaPlatform  # noqa: E402
+from raymoe.platform.reference.experts import ExpertOps  # noqa: E402
 from raymoe.platform.reference.graphs import RecordingCapture  # noqa: E402
 from raymoe.platform.reference.sync_guard import HostSyncError, HostSyncGuard  # noqa: E402
 from raymoe.platform.selector import reference_platform  # noqa: E402
@@ -48,6 +49,11 @@ class CudaOnCpu(CudaPlatform):
 
     def graph_capture(self, device: torch.device):
         return RecordingCapture()
+
+    # The experts' grouped GEMM as on a GPU whose CUTLASS path takes the rows (torch's own grouped GEMM on CPU; the
+    # CUDA platform's grouped GEMM refuses CPU tensors and would send the rows to the per-slot fallback).
+    grouped_ok = ExpertOps.grouped_ok
+    grouped_mlp = ExpertOps.grouped_mlp
 
 
 def _sampling(rows: list[int], step: int) -> SamplingInputs:

@@ -116,7 +116,8 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
 def fa_double(monkeypatch):
     """The double as the flash_attn provider (float32 allowed, so parity runs in fp32 like the oracle tests)."""
     double = FlashAttnDouble(allow_float32=True)
-    provider = FlashAttnProvider("conformance double", double, ("float32", "bfloat16", "float16"), fa_version=2)
+    provider = FlashAttnProvider("conformance double", double, ("float32", "bfloat16", "float16"), fa_version=2,
+                                 devices=("cpu", "cuda"))
     monkeypatch.setattr(flash_attn_provider, "find_flash_attn", lambda: provider)
     return double
 
@@ -187,7 +188,7 @@ def test_flash_attn_options_are_checked_at_config_time(tiny_model, fa_double, mo
     strict = FlashAttnProvider("strict double", FlashAttnDouble(), ("float16", "bfloat16"), fa_version=2)
     monkeypatch.setattr(flash_attn_provider, "find_flash_attn", lambda: strict)
     with pytest.raises(InvalidRequestError, match="float32") as err:
-        EngineConfig(model=tiny_model, attention_backend="flash_attn")
+        EngineConfig(model=tiny_model, attention_backend="flash_attn", dtype="float32")
     assert err.value.field == "dtype"
     assert EngineConfig(model=tiny_model, attention_backend="flash_attn", dtype="bfloat16").cache.page_size == 16
     assert EngineConfig(model=tiny_model).cache.page_size == 1

@@ -35,8 +35,9 @@ def _double(allow_float32: bool = False) -> type:
     return type("Wrapper", (BatchMLAPagedAttentionWrapperDouble,), {"allow_float32": allow_float32, "runs": 0})
 
 
-def _provider(cls: type, dtypes=("float16", "bfloat16")) -> FlashInferMLAProvider:
-    return FlashInferMLAProvider("conformance double", cls, dtypes, workspace_bytes=1024)
+def _provider(cls: type, dtypes=("float16", "bfloat16"), devices=("cpu", "cuda")) -> FlashInferMLAProvider:
+    """The double as a provider; it computes on CPU too unless ``devices`` says otherwise (the real kernels)."""
+    return FlashInferMLAProvider("conformance double", cls, dtypes, workspace_bytes=1024, devices=devices)
 
 
 # ------------------------------------------------------------------------------- backend against torch-native
@@ -316,7 +317,7 @@ def test_flashinfer_mla_without_the_package_fails_at_config_time(v3_kernel_dims)
 def test_flashinfer_mla_dtype_is_checked_at_config_time(v3_kernel_dims, monkeypatch):
     monkeypatch.setattr(flashinfer_mla_provider, "find_flashinfer_mla", lambda: _provider(_double()))
     with pytest.raises(InvalidRequestError, match="float32") as err:
-        EngineConfig(model=v3_kernel_dims, attention_backend="flashinfer_mla")
+        EngineConfig(model=v3_kernel_dims, attention_backend="flashinfer_mla", dtype="float32")
     assert err.value.field == "dtype"
     assert EngineConfig(model=v3_kernel_dims, attention_backend="flashinfer_mla", dtype="bfloat16").cache.page_size == 1
 
@@ -327,7 +328,7 @@ def test_flashinfer_mla_on_a_cpu_device_is_a_config_error_and_imports_stay_lazy(
 
     from raymoe.platform.backends import environment_report
 
-    monkeypatch.setattr(flashinfer_mla_provider, "find_flashinfer_mla", lambda: _provider(_double()))
+    monkeypatch.setattr(flashinfer_mla_provider, "find_flashinfer_mla", lambda: _provider(_double(), devices=("cuda",)))
     with pytest.raises(InvalidRequestError, match="CUDA only") as err:
         EngineConfig(model=v3_kernel_dims, device="cpu", dtype="bfloat16", attention_backend="flashinfer_mla")
     assert err.value.field == "attention_backend"

@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from cuda_stream_double import CudaStreamDouble  # noqa: E402
 from grouped_mm_double import StrictGroupedMm  # noqa: E402
 
 from raymoe.comm.expert_input import (  # noqa: E402
@@ -107,7 +108,8 @@ MODES = {  # name: (platform, dtype, capacity, layout the experts get)
     "normal": (reference_platform(), torch.float32, None, "ExpertRows"),
     "low_latency": (reference_platform(), torch.float32, 4, "GroupedExpertRows"),
     "cpu_token_rows": (select_platform("cpu"), torch.float32, 4, "RoutedTokenRows"),
-    "cuda_low_latency": (CudaPlatform(grouped_gemm=StrictGroupedMm()), torch.bfloat16, 4, "GroupedExpertRows"),
+    "cuda_low_latency": (CudaPlatform(grouped_gemm=StrictGroupedMm(), cuda_api=CudaStreamDouble()), torch.bfloat16,
+                         4, "GroupedExpertRows"),
 }
 
 

@@ -40,6 +40,26 @@ GPU_BACKENDS: tuple[GpuBackend, ...] = (
 )
 
 
+def backend_devices(backend: GpuBackend) -> tuple[str, ...]:
+    """Where ``backend`` computes: ``("cuda",)``, or what its provider declares for the attention backends whose
+    provider the config check finds (a CPU conformance double declares ``"cpu"`` too, so tests run the engine
+    through it on CPU; a missing package answers ``("cuda",)``)."""
+    from raymoe.errors import BackendUnavailableError
+
+    try:
+        if backend.value == "flash_attn":
+            from raymoe.platform.cuda import flash_attn_provider
+
+            return flash_attn_provider.find_flash_attn().devices
+        if backend.value == "flashinfer_mla":
+            from raymoe.platform.cuda import flashinfer_mla_provider
+
+            return flashinfer_mla_provider.find_flashinfer_mla().devices
+    except BackendUnavailableError:
+        pass
+    return ("cuda",)
+
+
 def module_available(name: str) -> bool:
     """Whether top-level module ``name`` can be imported (found on the path; not imported)."""
     try:
@@ -68,7 +88,7 @@ def check_gpu_backends(config) -> None:
     for backend in GPU_BACKENDS:
         if chosen[backend.option] != backend.value:
             continue
-        if config.device == "cpu":
+        if config.device == "cpu" and "cpu" not in backend_devices(backend):
             raise InvalidRequestError(backend.option, f"{backend.value!r} runs on CUDA only; use device='cuda' "
                                                       f"or the CPU backend")
         if backend.check_package and not any(module_available(m) for m in backend.modules):

@@ -78,9 +78,10 @@ class CudaExpertOps(ExpertOps):
         return out[:el * c].view(el, c, h)
 
     def _packed_positions(self, rows: int, device: torch.device) -> torch.Tensor:
-        """``arange(rows)`` int32 on ``device``, made once per size."""
+        """``arange(rows)`` int32 on ``device``, made once per size and stream scope (``Platform.stream_scope``)."""
         cache = vars(self).setdefault("_packed_position_cache", {})
-        pos = cache.get((rows, device))
+        key = (rows, device, self.stream_scope())
+        pos = cache.get(key)
         if pos is None:
-            pos = cache[(rows, device)] = torch.arange(rows, dtype=torch.int32, device=device)
+            pos = cache[key] = torch.arange(rows, dtype=torch.int32, device=device)
         return pos

@@ -31,12 +31,15 @@ class FlashAttnProvider:
             seqused_k, softmax_scale, causal, block_table, out, fa_version).
         dtypes: activation dtypes it accepts, as ``EngineConfig.dtype`` names (the kernels: fp16 and bf16).
         fa_version: the ``fa_version`` argument to pass (2, or 3 where the FA3 kernels run).
+        devices: where it computes (the kernels: ``("cuda",)``; a CPU conformance double adds ``"cpu"``, which
+            lets the engine choose the backend with ``device="cpu"``: ``raymoe.platform.backends``).
     """
 
     name: str
     varlen_func: Callable
     dtypes: tuple[str, ...]
     fa_version: int
+    devices: tuple[str, ...] = ("cuda",)
 
 
 def find_flash_attn() -> FlashAttnProvider:

@@ -38,6 +38,7 @@ class FlashInferMLAProvider:
         dtypes: activation and cache dtypes it takes, as ``EngineConfig.dtype`` names (its kernels: fp16, bf16).
         head_dims: ``(kv_lora_rank, qk_rope_head_dim)`` pairs it takes.
         workspace_bytes: size of the float workspace to hand it (bytes).
+        devices: where it computes (the kernels: ``("cuda",)``; a CPU conformance double adds ``"cpu"``).
     Raises:
         ValueError: an empty ``dtypes`` or ``head_dims``, or ``workspace_bytes`` below 1.
     """
@@ -47,6 +48,7 @@ class FlashInferMLAProvider:
     dtypes: tuple[str, ...] = ("float16", "bfloat16")
     head_dims: tuple[tuple[int, int], ...] = HEAD_DIMS
     workspace_bytes: int = WORKSPACE_BYTES
+    devices: tuple[str, ...] = ("cuda",)
 
     def __post_init__(self):
         if not self.dtypes or not self.head_dims or self.workspace_bytes < 1:

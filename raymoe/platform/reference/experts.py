@@ -56,11 +56,13 @@ class ExpertOps:
         return out.masked_fill_(local_ids.unsqueeze(1) < 0, 0)
 
     def _expert_ids(self, num_local: int, device: torch.device) -> torch.Tensor:
-        """``arange(num_local)`` [E_local] int64 on ``device`` (kept per device: a graph holds its address)."""
+        """``arange(num_local)`` [E_local] int64 on ``device`` (kept per device and stream scope: a graph holds its
+        address, and a second stream reads only constants made on it, ``Platform.stream_scope``)."""
         cache = vars(self).setdefault("_expert_id_cache", {})
-        ids = cache.get((num_local, device))
+        key = (num_local, device, self.stream_scope())
+        ids = cache.get(key)
         if ids is None:
-            ids = cache[(num_local, device)] = torch.arange(num_local, device=device)
+            ids = cache[key] = torch.arange(num_local, device=device)
         return ids
 
     def _expert_loop(self, x: torch.Tensor, local_ids: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
