@@ -95,7 +95,7 @@ class BlockFp8Gemm:
             kb = weight.shape[1] // GROUP
             padded = scales.scale.new_zeros(scales.scale.shape[0], _round_up(kb, 4))
             padded[:, :kb] = scales.scale
-            mm_scale = padded.t()                                           # [round_up(kb, 4), N / 128], (1, kb4)
+            mm_scale = padded.t()                          # [round_up(kb, 4), N / 128], strides (1, round_up(kb, 4))
         return CudaBlockScales(scales.scale, scales.block, mm_scale)
 
     def fits(self, x: torch.Tensor, prepared: BlockScales) -> bool:
@@ -114,7 +114,8 @@ class BlockFp8Gemm:
         if x2.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], n)
         xq, sx = per_token_group_quant(x2)
-        sx = sx.t().contiguous().t()                                            # [M, K / 128], strides (1, M)
+        m = x2.shape[0]
+        sx = torch.empty_strided(sx.shape, (1, m), dtype=sx.dtype, device=sx.device).copy_(sx)  # strides (1, M)
         t = self._types
         out = self._mm(xq, weight.t(), sx, t.BlockWise1x128, prepared.mm_scale, t.BlockWise128x128,
                        output_dtype=x.dtype)
