@@ -13,15 +13,11 @@ activations in float32, so the tokens must be equal.
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
+from fp8_twin import dequantized_twin
 from hf_models import build
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from raymoe import Engine, SamplingParams
 from raymoe.models.checkpoint import make_checkpoint
@@ -36,32 +32,7 @@ TOPOLOGY = {"dp_size": 2, "ep_size": 2, "enable_tbo": True, "tbo_min_tokens_deco
             "a2a_mode": "auto"}
 
 
-def dequantized_twin(src: Path, dst: Path) -> Path:
-    """The fp32 twin of FP8 folder ``src``: every FP8 weight times its block's scale, element by element in index
-    arithmetic, and no ``quantization_config``."""
-    config = json.loads((src / "config.json").read_text())
-    bn, bk = config.pop("quantization_config")["weight_block_size"]
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            shutil.copy(f, dst / f.name)
-    (dst / "config.json").write_text(json.dumps(config))
-    out = {}
-    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
-        for name in f.keys():
-            t = f.get_tensor(name)
-            if name.endswith(".weight_scale_inv"):
-                continue
-            if t.dtype == torch.float8_e4m3fn:
-                scale = f.get_tensor(name + "_scale_inv")
-                rows, cols = torch.arange(t.shape[0]) // bn, torch.arange(t.shape[1]) // bk
-                t = t.to(torch.float32) * scale[rows[:, None], cols[None, :]]
-            out[name] = t
-    save_file(out, str(dst / "model.safetensors"))
-    return dst
-
-
-def _edges_are_partial(fp8: Path) -> bool:
+def _edges_are_partial(fp8) -> bool:
     with safe_open(str(fp8 / "model.safetensors"), framework="pt") as f:
         shapes = [f.get_slice(n).get_shape() for n in f.keys() if f.get_slice(n).get_dtype() == "F8_E4M3"]
     return any(n % BLOCK[0] for n, _ in shapes) or any(k % BLOCK[1] for _, k in shapes)

@@ -5,10 +5,12 @@ A quantized module keeps its weight as ``float8_e4m3fn`` and a float32 scale gri
 checkpoints keep their ``[bn, bk]`` grid; per-tensor and per-channel ones load as ``(1, K_local)`` blocks, one scale
 per row (a per-tensor scale repeated), so fused parts and TP shards need no special case.
 
-Sharding follows vLLM's block-FP8 rule (``validate_fp8_block_shape``): a TP shard or a fused part (gate/up, q/k/v)
-must start on a block boundary and end on one or at the tensor's end, so its scales are whole rows and columns of
-the stored grid; otherwise the load fails naming the tensor. Partial edge blocks at a tensor's end are kept as the
-checkpoint has them.
+Sharding follows vLLM's block-FP8 rule (``validate_fp8_block_shape``): a TP shard must start on a block boundary
+and end on one or at the tensor's end, so its scales are whole rows and columns of the stored grid; otherwise the
+load fails naming the tensor. Fused parts (gate/up, q/k/v) whose sizes are not whole row blocks (a Qwen3 k_proj of
+64 rows next to 128-row blocks) keep one scale row per weight row instead (``(1, bk)`` resident blocks,
+:func:`resident_block`): about ``4 / bk`` bytes more per weight element, where vLLM would misplace the later parts'
+scales. Partial edge blocks at a tensor's end are kept as the checkpoint has them.
 """
 
 from __future__ import annotations
@@ -32,16 +34,24 @@ def module_quant(quant: Fp8Config | None, module: str) -> Fp8Config | None:
     return quant if quant is not None and quant.quantizes(module) else None
 
 
-def weight_block(quant: Fp8Config, in_features: int) -> tuple[int, int]:
-    """The block of a resident weight with ``in_features`` local columns: the checkpoint's, else ``(1, K)``."""
-    return quant.weight_block_size or (1, in_features)
+def resident_block(quant: Fp8Config, in_features: int, parts: list[int] | None = None) -> tuple[int, int]:
+    """The block of a resident weight with ``in_features`` local columns made of fused parts of ``parts`` rows
+    (None: one part): the checkpoint's, ``(1, bk)`` where a part before the last is not whole row blocks, and
+    ``(1, K)`` for per-tensor / per-channel scales."""
+    if quant.weight_block_size is None:
+        return (1, in_features)
+    bn, bk = quant.weight_block_size
+    if parts and any(p % bn for p in parts[:-1]):
+        return (1, bk)
+    return (bn, bk)
 
 
-def fp8_parameters(shape: tuple[int, ...], quant: Fp8Config) -> tuple[nn.Parameter, nn.Parameter, tuple[int, int]]:
-    """An empty FP8 weight ``shape`` ([..., N, K]), its float32 scale grid ``[..., ceil(N / bn), ceil(K / bk)]`` and
-    the block ``(bn, bk)``."""
+def fp8_parameters(shape: tuple[int, ...], quant: Fp8Config,
+                   parts: list[int] | None = None) -> tuple[nn.Parameter, nn.Parameter, tuple[int, int]]:
+    """An empty FP8 weight ``shape`` ([..., N, K]) of fused parts of ``parts`` rows (None: one part), its float32
+    scale grid ``[..., ceil(N / bn), ceil(K / bk)]`` and the resident block ``(bn, bk)`` (:func:`resident_block`)."""
     n, k = shape[-2:]
-    block = weight_block(quant, k)
+    block = resident_block(quant, k, parts)
     weight = nn.Parameter(torch.empty(shape, dtype=FP8_DTYPE), requires_grad=False)
     scale = nn.Parameter(torch.empty(*shape[:-2], _cdiv(n, block[0]), _cdiv(k, block[1]), dtype=torch.float32),
                          requires_grad=False)
@@ -57,8 +67,9 @@ def _check_span(name: str, what: str, start: int, stop: int, full: int, block: i
 def read_fp8(reader, name: str, quant: Fp8Config, rows: tuple[int, int] | None = None,
              cols: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``rows`` and columns ``cols`` (None: all) of the FP8 weight ``name`` (``{module}.weight``) and the
-    scales that cover them: (``float8_e4m3fn`` [r, c], float32 ``[ceil(r / bn), ceil(c / bk)]``), with the
-    resident block of :func:`weight_block` (per-tensor / per-channel scales become one per row).
+    scales that cover them: (``float8_e4m3fn`` [r, c], float32 ``[ceil(r / bn), ceil(c / bk)]``) in the
+    checkpoint's block (per-tensor / per-channel scales become one per row; :func:`rows_of_scales` turns block
+    rows into one scale row per weight row).
 
     Raises:
         CheckpointError: the weight is not stored as ``float8_e4m3fn``; its scale tensor is missing or has a shape
@@ -91,6 +102,15 @@ def read_fp8(reader, name: str, quant: Fp8Config, rows: tuple[int, int] | None =
         raise CheckpointError(name, f"stored as {w.dtype}, but quantization_config says FP8 (float8_e4m3fn) and "
                               "the module is not in modules_to_not_convert")
     return w[:, c0:c1], scale
+
+
+def rows_of_scales(scale: torch.Tensor, quant: Fp8Config, rows: int, resident: tuple[int, int]) -> torch.Tensor:
+    """Scales read by :func:`read_fp8` for ``rows`` weight rows in the resident block: as read, or one row per
+    weight row where the resident block has ``bn = 1`` and the checkpoint's has more."""
+    bn = quant.weight_block_size[0] if quant.weight_block_size is not None else 1
+    if resident[0] == 1 and bn > 1:
+        return scale.repeat_interleave(bn, dim=0)[:rows]
+    return scale
 
 
 def copy_fp8_part(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], part: torch.Tensor,

@@ -19,7 +19,7 @@ from torch import nn
 from raymoe.comm.groups import ParallelGroups, divide, tp_all_gather_last_dim, tp_all_reduce
 from raymoe.config_quant import Fp8Config
 from raymoe.errors import CheckpointError
-from raymoe.layers.fp8 import copy_fp8_part, fp8_parameters, read_fp8
+from raymoe.layers.fp8 import copy_fp8_part, fp8_parameters, read_fp8, rows_of_scales
 from raymoe.platform.interface import BlockScales, Platform, WeightKind
 
 
@@ -33,7 +33,7 @@ class _PlatformLinear(nn.Module):
     the weight's prepared form, the multiplication."""
 
     def __init__(self, ops: Platform, out_features: int, in_features: int, dtype: torch.dtype,
-                 quant: Fp8Config | None):
+                 quant: Fp8Config | None, parts: list[int] | None = None):
         super().__init__()
         self.ops = ops
         self.prepared = None
@@ -42,7 +42,7 @@ class _PlatformLinear(nn.Module):
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
             self.weight_scale, self.block = None, None
         else:
-            self.weight, self.weight_scale, self.block = fp8_parameters((out_features, in_features), quant)
+            self.weight, self.weight_scale, self.block = fp8_parameters((out_features, in_features), quant, parts)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.ops.linear(x, self.weight, self.prepared, bias)
@@ -62,6 +62,7 @@ class _PlatformLinear(nn.Module):
         ``row_offset`` (with their scales for an FP8 layer)."""
         if self.quant is not None:
             w, s = read_fp8(reader, name, self.quant, rows, cols)
+            s = rows_of_scales(s, self.quant, w.shape[0], self.block)
             copy_fp8_part(self.weight.data, self.weight_scale.data, self.block, w, s, row_offset, name)
             return
         if cols is None:
@@ -106,7 +107,7 @@ class ColumnParallelLinear(_PlatformLinear):
     def __init__(self, in_features: int, output_sizes: list[int], groups: ParallelGroups, dtype: torch.dtype,
                  ops: Platform, bias: bool = False, gather_output: bool = False, quant: Fp8Config | None = None):
         local_sizes = [divide(s, groups.tp_size, "output size") for s in output_sizes]
-        super().__init__(ops, sum(local_sizes), in_features, dtype, quant)
+        super().__init__(ops, sum(local_sizes), in_features, dtype, quant, local_sizes)
         self.groups = groups
         self.output_sizes = list(output_sizes)
         self.local_sizes = local_sizes

@@ -27,7 +27,7 @@ from raymoe.comm.groups import ParallelGroups, divide, tp_all_reduce
 from raymoe.config_arch import RouterConfig
 from raymoe.config_quant import Fp8Config
 from raymoe.errors import CheckpointError
-from raymoe.layers.fp8 import fp8_parameters, module_quant, read_fp8
+from raymoe.layers.fp8 import fp8_parameters, module_quant, read_fp8, rows_of_scales
 from raymoe.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from raymoe.layers.router import select_experts
 from raymoe.overlap.operations import OpRole, stage_op
@@ -84,7 +84,7 @@ class LocalExperts(nn.Module):
             self.w2 = nn.Parameter(torch.empty(shape2, dtype=dtype), requires_grad=False)
             self.w13_scale = self.w2_scale = self.block13 = self.block2 = None
         else:
-            self.w13, self.w13_scale, self.block13 = fp8_parameters(shape13, quant)
+            self.w13, self.w13_scale, self.block13 = fp8_parameters(shape13, quant, [self.inter_local] * 2)
             self.w2, self.w2_scale, self.block2 = fp8_parameters(shape2, quant)
         self.prepared13 = self.prepared2 = None
 
@@ -103,8 +103,8 @@ class LocalExperts(nn.Module):
         """Read ``{prefix}.E.{gate,up,down}_proj.weight`` (and FP8 scales) for the local experts only.
 
         Raises:
-            CheckpointError: a tensor is missing, has the wrong shape or dtype, or (FP8) a TP cut or the gate/up
-                boundary is not on a scale block.
+            CheckpointError: a tensor is missing, has the wrong shape or dtype, or (FP8) a TP cut is not on a
+                scale block.
         """
         i0 = self.groups.tp_rank * self.inter_local if self.tp_split > 1 else 0
         i1 = i0 + self.inter_local
@@ -129,16 +129,13 @@ class LocalExperts(nn.Module):
     def _load_fp8(self, reader, prefix: str, i0: int, i1: int) -> None:
         """The FP8 experts' weights and block scales (rows ``[i0, i1)`` of gate/up, columns of down)."""
         n = self.inter_local
-        bn = self.block13[0]
-        if n % bn:
-            raise CheckpointError(f"{prefix}.{self.expert_start}.gate_proj.weight",
-                                  f"the gate and up parts ({n} rows each) are not whole FP8 blocks of {bn} rows")
-        g = n // bn
+        g = -(-n // self.block13[0])                        # scale rows per part (n // bn: parts are whole blocks)
         for le in range(self.num_local):
             base = f"{prefix}.{self.expert_start + le}"
             for j, part in enumerate(("gate_proj", "up_proj")):
                 name = f"{base}.{part}.weight"
                 w, s = read_fp8(reader, name, self.quant, (i0, i1))
+                s = rows_of_scales(s, self.quant, n, self.block13)
                 if tuple(w.shape) != (n, self.w13.shape[2]) or tuple(s.shape) != (g, self.w13_scale.shape[2]):
                     raise CheckpointError(name, f"unexpected shape {tuple(w.shape)} (scales {tuple(s.shape)})")
                 self.w13.data[le, j * n:(j + 1) * n].copy_(w)
