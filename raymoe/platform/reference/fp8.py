@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from raymoe.comm.expert_input import ExpertWeights
 from raymoe.platform.interface import BlockScales
@@ -27,15 +28,21 @@ def check_scales(weight: torch.Tensor, scales: BlockScales) -> None:
 
 def dequantize(weight: torch.Tensor, scales: BlockScales, dtype: torch.dtype) -> torch.Tensor:
     """``fp8[..., i, j] * scale[..., i // bn, j // bk]`` in float32, cast to ``dtype``: ``weight``
-    ``float8_e4m3fn`` [..., N, K] -> [..., N, K] ``dtype`` (partial edge blocks take their block's scale)."""
+    ``float8_e4m3fn`` [..., N, K] -> [..., N, K] ``dtype`` (partial edge blocks take their block's scale). One
+    broadcast multiply over the ``[gn, bn, gk, bk]`` block view (the weight zero-padded to whole blocks first where
+    the edges are partial)."""
     n, k = weight.shape[-2:]
     bn, bk = scales.block
-    s = scales.scale
-    if bn > 1:
-        s = s.repeat_interleave(bn, dim=-2)[..., :n, :]
-    if bk > 1:
-        s = s.repeat_interleave(bk, dim=-1)[..., :k]
-    return (weight.to(torch.float32) * s).to(dtype)
+    lead = tuple(weight.shape[:-2])
+    gn, gk = scales.scale.shape[-2:]
+    w = weight.to(torch.float32)
+    if (gn * bn, gk * bk) != (n, k):
+        w = F.pad(w, (0, gk * bk - k, 0, gn * bn - n))
+    out = w.view(*lead, gn, bn, gk, bk) * scales.scale.view(*lead, gn, 1, gk, 1)
+    out = out.view(*lead, gn * bn, gk * bk)
+    if (gn * bn, gk * bk) != (n, k):
+        out = out[..., :n, :k].contiguous()
+    return out.to(dtype)
 
 
 @dataclass(frozen=True)
