@@ -240,3 +240,25 @@ def test_every_architecture_writes_and_reads_fp8(tmp_path, arch, block):
         assert bool(fp8_params) == (name == "fp8")
         logits[name] = runner.forward(runner.prepare(batch), return_all_logits=True)
     torch.testing.assert_close(logits["fp8"], logits["twin"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("shape", "block"), [((4, 96, 80), (32, 48)), ((57, 70), (128, 128)), ((16, 16), (3, 5))])
+def test_cpu_dequant_kernel_equals_the_reference(shape, block):
+    """The CPU platform's one-call FP8 dequantization (a byte table) gives torch's values bit for bit, every
+    e4m3fn code (NaN codes included) and partial edge blocks."""
+    from raymoe.platform.cpu.kernels import cpu_ops
+    from raymoe.platform.reference.fp8 import dequantize
+
+    if not cpu_ops.enabled_for(torch.zeros(1)):
+        pytest.skip("CPU kernels unavailable")
+    g = torch.Generator().manual_seed(4)
+    codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    codes.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    w = codes.view(torch.float8_e4m3fn)
+    grid = (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
+    scales = BlockScales(torch.rand(grid, generator=g) + 0.5, block)
+    expected = dequantize(w, scales, torch.float32)
+    got = cpu_ops.fp8_dequant(w, scales.scale, block)
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert torch.equal(got.nan_to_num(), expected.nan_to_num())
+    torch.testing.assert_close(CPU.weight_values(w, scales, torch.float32), got, equal_nan=True)

@@ -46,6 +46,14 @@ class CpuDenseOps(DenseOps):
             return super().linear(x, weight, prepared, bias)
         return packed_linear.matmul(x, weight, prepared, bias)
 
+    def weight_values(self, weight: torch.Tensor, prepared: Any, dtype: torch.dtype) -> torch.Tensor:
+        """An FP8 weight dequantized by one kernel call (``cpu_ops.fp8_dequant``: a 256-entry table instead of
+        torch's element-by-element float8 conversion) where the kernels load; else the reference."""
+        if (isinstance(prepared, BlockScales) and weight.is_cpu and weight.is_contiguous()
+                and prepared.scale.is_contiguous() and cpu_ops.enabled_for(prepared.scale)):
+            return cpu_ops.fp8_dequant(weight, prepared.scale, prepared.block).to(dtype)
+        return super().weight_values(weight, prepared, dtype)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 2 and weight.dim() == 1 and cpu_ops.enabled_for(x, weight):
             return cpu_ops.add_rms_norm(x, None, weight, eps)[0]

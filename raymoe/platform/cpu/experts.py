@@ -27,7 +27,7 @@ class CpuExpertOps(ExpertOps):
         return super().grouped_mlp(x, ends, experts)
 
     def expert_routed(self, rows: RoutedTokenRows, experts: ExpertWeights) -> torch.Tensor:
-        experts = dense_experts(experts, rows.x.dtype)
+        experts = dense_experts(experts, rows.x.dtype, self.weight_values)
         if cpu_ops.enabled_for(rows.x, rows.topk_weights, experts.w13, experts.w2):
             return cpu_ops.moe_routed_rows(rows.x, rows.topk_ids, rows.topk_weights, rows.first_expert, experts.w13,
                                            experts.w2)

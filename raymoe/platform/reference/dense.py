@@ -28,7 +28,7 @@ class DenseOps:
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear``; an FP8 weight is block-dequantized to ``x``'s dtype first (weight-only)."""
         if isinstance(prepared, BlockScales):
-            weight = dequantize(weight, prepared, x.dtype)
+            weight = self.weight_values(weight, prepared, x.dtype)
         return F.linear(x, weight, bias)
 
     def weight_values(self, weight: torch.Tensor, prepared: Any, dtype: torch.dtype) -> torch.Tensor:

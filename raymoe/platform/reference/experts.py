@@ -40,7 +40,7 @@ class ExpertOps:
     def expert_rows(self, x: torch.Tensor, local_ids: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
         """Rows sorted by expert into segments, then :meth:`grouped_mlp` (no Python loop over experts, no host
         sync); without grouped GEMMs one pair of GEMMs per non-empty expert. Both give the same rows."""
-        experts = dense_experts(experts, x.dtype)
+        experts = dense_experts(experts, x.dtype, self.weight_values)
         if x.shape[0] == 0:
             return torch.empty_like(x)
         if not grouped_mm_ok(x):
@@ -73,7 +73,7 @@ class ExpertOps:
         """:meth:`grouped_mlp` over the segments (they come sorted), so only the received rows are multiplied;
         without grouped GEMMs the rows are spread into the masked layout [E_local, expert_capacity, H]
         (:meth:`expert_masked`) and gathered back, all on the device."""
-        experts = dense_experts(experts, x.dtype)
+        experts = dense_experts(experts, x.dtype, self.weight_values)
         if x.shape[0] == 0:
             return torch.empty_like(x)
         if grouped_mm_ok(x):
@@ -92,7 +92,7 @@ class ExpertOps:
         """Two batched GEMMs over all ``C`` rows of every expert, valid or not (a row's output depends on that
         row only, so invalid rows, which the combine never reads, cannot disturb valid ones); shapes depend on
         ``C`` only."""
-        experts = dense_experts(experts, x.dtype)
+        experts = dense_experts(experts, x.dtype, self.weight_values)
         h = self.silu_and_mul(torch.bmm(x, experts.w13.transpose(1, 2)))    # [E_local, C, I_local]
         return torch.bmm(h, experts.w2.transpose(1, 2))                 # [E_local, C, H]
 
@@ -100,14 +100,14 @@ class ExpertOps:
         """Two batched GEMMs ([E_local, R, 2 I] then [E_local, R, H]) and one weighted reduction over the experts
         in expert order; a row adds exact zeros for experts it did not pick. Worth it only where ``R * E_local`` is
         small: the other layouts multiply only routed rows."""
-        experts = dense_experts(experts, x.dtype)
+        experts = dense_experts(experts, x.dtype, self.weight_values)
         h = self.silu_and_mul(torch.matmul(x, experts.w13.transpose(1, 2)))     # [E_local, R, I_local]
         y = torch.bmm(h, experts.w2.transpose(1, 2))                        # [E_local, R, H]
         return (y * weights.t().unsqueeze(-1)).sum(dim=0)
 
     def expert_routed(self, rows: RoutedTokenRows, experts: ExpertWeights) -> torch.Tensor:
         """As the dense layout (:meth:`~raymoe.comm.expert_input.RoutedTokenRows.dense`)."""
-        experts = dense_experts(experts, rows.x.dtype)
+        experts = dense_experts(experts, rows.x.dtype, self.weight_values)
         dense = rows.dense(experts.num_local)
         return self.expert_dense(dense.x, dense.weights, experts)
 

@@ -5,6 +5,7 @@ vLLM/SGLang's block-FP8 fallback do)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,10 +59,13 @@ class DequantizedExperts:
     prepared2: Any = None
 
 
-def dense_experts(experts: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
-    """``experts`` itself where its weights are not FP8, else :class:`DequantizedExperts` in ``dtype``."""
+def dense_experts(experts: ExpertWeights, dtype: torch.dtype,
+                  values: Callable[[torch.Tensor, Any, torch.dtype], torch.Tensor] | None = None) -> ExpertWeights:
+    """``experts`` itself where its weights are not FP8, else :class:`DequantizedExperts` in ``dtype``, dequantized
+    by ``values(weight, scales, dtype)`` (a platform's ``weight_values``; None: :func:`dequantize`)."""
     if not isinstance(experts.prepared13, BlockScales):
         return experts
-    return DequantizedExperts(dequantize(experts.w13, experts.prepared13, dtype),
-                              dequantize(experts.w2, experts.prepared2, dtype), experts.num_local,
+    values = values or dequantize
+    return DequantizedExperts(values(experts.w13, experts.prepared13, dtype),
+                              values(experts.w2, experts.prepared2, dtype), experts.num_local,
                               experts.expert_start)
