@@ -25,7 +25,8 @@ def _cmd_make_checkpoint(a: argparse.Namespace) -> None:
 
     out = make_checkpoint(a.arch, a.out, seed=a.seed, num_layers=a.num_layers, hidden_size=a.hidden_size,
                           num_experts=a.num_experts, num_experts_per_tok=a.top_k, vocab_size=a.vocab_size,
-                          max_shard_bytes=a.max_shard_bytes, progress=True)
+                          max_shard_bytes=a.max_shard_bytes, progress=True, quant=a.quant, fp8_scheme=a.fp8_scheme,
+                          fp8_block=tuple(a.fp8_block), moe_intermediate_size=a.moe_intermediate_size)
     print(out)
 
 
@@ -63,7 +64,15 @@ def _add_make_checkpoint_parser(sub) -> None:
     p.add_argument("--num-experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--moe-intermediate-size", type=int, default=64)
     p.add_argument("--max-shard-bytes", type=int, default=None)
+    p.add_argument("--quant", choices=["fp8"], default=None,
+                   help="store every projection in FP8 (float8_e4m3fn + scales, quantization_config in config.json)")
+    p.add_argument("--fp8-scheme", choices=["block", "tensor", "channel"], default="block",
+                   help="FP8 scales: per [bn, bk] block (weight_scale_inv, DeepSeek-V3's layout), per tensor or per "
+                        "output channel (weight_scale)")
+    p.add_argument("--fp8-block", type=int, nargs=2, default=[128, 128], metavar=("BN", "BK"),
+                   help="FP8 block size [rows, columns] for --fp8-scheme block")
     p.set_defaults(func=_cmd_make_checkpoint)
 
 

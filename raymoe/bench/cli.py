@@ -73,6 +73,10 @@ def add_bench_parser(sub) -> None:
                    help="where raymoe's ranks and transformers run (the vLLM-CPU peer always runs on CPU)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="raymoe forms each step after the previous one finished (default: overlap scheduling)")
+    p.add_argument("--baseline-model", default=None,
+                   help="an FP8 --model's unquantized checkpoint to run beside it (default: rebuilt from the "
+                        "folder's raymoe_build.json, same seed)")
+    p.add_argument("--skip-baseline", action="store_true", help="do not run an FP8 model's unquantized baseline")
     p.add_argument("--output-json", default="bench_results/offline.json")
     p.set_defaults(func=run_offline)
 

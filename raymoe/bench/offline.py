@@ -9,6 +9,10 @@ Engines run one after the other in this command (raymoe, then the peer modes, th
 figures share the machine's state; ratios are raymoe's tokens/s over each engine's. The per-token decode cost at N
 running requests is ``(T(N, output_len) - T(N, 1)) / (N * (output_len - 1))`` with ``T(N, L)`` the best wall time
 of ``generate`` for N prompts of L output tokens: the decode steps alone, every step with all N requests running.
+
+Each raymoe row also reports its rank's resident weight bytes (one-rank engines). For an FP8 checkpoint the same
+workload runs next on the unquantized checkpoint of the same seed (``--baseline-model``, else rebuilt from the
+folder's ``raymoe_build.json``: ``raymoe.bench.weights``) and the report gives both byte counts and their ratio.
 """
 
 from __future__ import annotations
@@ -77,9 +81,13 @@ def bench_raymoe(model: str, prompts: list[list[int]], output_len: int, dtype: s
     topo = (f"tp{options.get('tp_size', 1)}-dp{options.get('dp_size', 1)}-ep{options.get('ep_size', 1)}"
             f"{'-' + options['device'] if options.get('device', 'cpu') != 'cpu' else ''}"
             f"{'-no-overlap' if options.get('disable_overlap_schedule') else ''}")
-    result = {"engine": f"raymoe[{topo}, {dtype}]", "seconds": secs, "output_tokens": tokens,
+    from raymoe.bench.weights import resident_weight_bytes
+
+    quant = " fp8" if engine.model_config.quantization is not None else ""
+    result = {"engine": f"raymoe[{topo}, {dtype}{quant}]", "seconds": secs, "output_tokens": tokens,
               "output_tok_per_s": tokens / secs, "steps": engine.driver.num_steps,
-              "max_total_tokens": engine.config.cache.max_total_tokens}
+              "max_total_tokens": engine.config.cache.max_total_tokens,
+              "weight_bytes": resident_weight_bytes(engine)}
     if decode_batches and output_len >= 2:
         vocab = engine.model_config.vocab_size
         known = {len(prompts): secs}
@@ -154,6 +162,15 @@ def run_offline(a: argparse.Namespace) -> dict:
     ours = bench_raymoe(model, prompts, a.output_len, a.dtype, a.repeats, a.profile, decode_batches,
                         a.max_total_tokens, a.seed, **topo)
     results = [ours]
+    if ModelConfig.from_hf(model).quantization is not None and not a.skip_baseline:
+        from raymoe.bench.weights import unquantized_twin
+
+        baseline = a.baseline_model or str(unquantized_twin(model))
+        results.append(bench_raymoe(baseline, prompts, a.output_len, a.dtype, a.repeats,
+                                    max_total_tokens=a.max_total_tokens, seed=a.seed, **topo))
+        results[-1]["baseline_model"] = baseline
+        if ours["weight_bytes"] and results[-1]["weight_bytes"]:
+            ours["weight_bytes_ratio"] = ours["weight_bytes"] / results[-1]["weight_bytes"]
     peer_note = None
     if a.skip_peer or not peer_modes:
         peer_note = "vLLM-CPU peer skipped (--skip-peer)"
@@ -185,13 +202,17 @@ def run_offline(a: argparse.Namespace) -> dict:
 
 def _print_report(a: argparse.Namespace, results: list[dict], peer_note: str | None) -> None:
     print(f"workload: {a.num_prompts} prompts x {a.input_len} in / {a.output_len} out, greedy, EOS ignored")
-    print(f"  {'engine':<36} {'output tok/s':>12} {'seconds':>8} {'raymoe / engine':>16}")
+    print(f"  {'engine':<36} {'output tok/s':>12} {'seconds':>8} {'raymoe / engine':>16} {'weight bytes':>13}")
     for r in results:
         if "error" in r:
             print(f"  {r['engine']:<36} failed: {r['error']}")
             continue
         ratio = f"{r['raymoe_ratio']:.2f}x" if "raymoe_ratio" in r else "-"
-        print(f"  {r['engine']:<36} {r['output_tok_per_s']:>12.0f} {r['seconds']:>8.3f} {ratio:>16}")
+        wb = f"{r['weight_bytes']:,}" if r.get("weight_bytes") else "-"
+        print(f"  {r['engine']:<36} {r['output_tok_per_s']:>12.0f} {r['seconds']:>8.3f} {ratio:>16} {wb:>13}")
+    if "weight_bytes_ratio" in results[0]:
+        print(f"  resident weight bytes, FP8 / unquantized ({results[1]['baseline_model']}): "
+              f"{results[0]['weight_bytes_ratio']:.3f}x")
     if peer_note:
         print(f"  ({peer_note})")
     costs = results[0].get("decode_cost")

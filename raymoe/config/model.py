@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from raymoe.config_arch import MLAConfig, RouterConfig, deepseek_fields
+from raymoe.config_quant import Fp8Config, parse_quantization_config
 from raymoe.errors import CheckpointError
 
 
@@ -29,6 +30,7 @@ class ModelConfig:
     scaling variants). ``mla`` is set for multi-head latent attention (DeepSeek-V2/V3); ``router`` says how experts
     are chosen; ``n_shared_experts`` shared experts of ``moe_intermediate_size`` each run on every token of a MoE
     layer. Dense layers are listed in ``mlp_only_layers`` whatever the family's own rule (normalized here).
+    ``quantization``: the checkpoint's FP8 weight format (``raymoe.config_quant``), None for unquantized weights.
     """
 
     model_type: str
@@ -56,6 +58,7 @@ class ModelConfig:
     mla: MLAConfig | None = None
     router: RouterConfig = field(default_factory=RouterConfig)
     n_shared_experts: int = 0
+    quantization: Fp8Config | None = None
 
     def __post_init__(self) -> None:
         if self.n_shared_experts < 0:
@@ -81,7 +84,12 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        """Normalize a Hugging Face config dict (Qwen3-MoE, Mixtral, DeepSeek-V2/V3 key names)."""
+        """Normalize a Hugging Face config dict (Qwen3-MoE, Mixtral, DeepSeek-V2/V3 key names).
+
+        Raises:
+            ValueError: an unsupported ``quantization_config`` (its method or field named) or a bad size.
+            KeyError: a required key is missing.
+        """
         hidden = int(d["hidden_size"])
         heads = int(d["num_attention_heads"])
         rope = dict(_first(d, "rope_parameters", "rope_scaling", default={}) or {})
@@ -118,6 +126,7 @@ class ModelConfig:
             hidden_act=str(d.get("hidden_act", "silu")),
             eos_token_ids=eos_ids,
             hf_config=dict(d),
+            quantization=parse_quantization_config(d.get("quantization_config")),
             **extra,
         )
 

@@ -5,6 +5,10 @@ Shard arithmetic happens in the constructors (``local`` vs ``full`` sizes); coll
 ``torch.nn.Linear`` and Hugging Face checkpoints; each rank reads only its own slice from the checkpoint. The
 multiplication is the rank's platform's (``Platform.linear``), over the weight and what the platform prepared of it
 once the layer was loaded (``prepared``: a packed copy on a CPU rank).
+
+A layer built with ``quant`` (an ``Fp8Config``: its module is stored in FP8) holds ``weight`` as ``float8_e4m3fn``
+with ``weight_scale`` (float32 block grid, ``raymoe.layers.fp8``) and reads the checkpoint's FP8 tensors and scales
+for its own rows and columns only; the platform multiplies over both.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import torch
 from torch import nn
 
 from raymoe.comm.groups import ParallelGroups, divide, tp_all_gather_last_dim, tp_all_reduce
+from raymoe.config_quant import Fp8Config
 from raymoe.errors import CheckpointError
-from raymoe.platform.interface import Platform, WeightKind
+from raymoe.layers.fp8 import copy_fp8_part, fp8_parameters, read_fp8, rows_of_scales
+from raymoe.platform.interface import BlockScales, Platform, WeightKind
 
 
 def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -23,27 +29,57 @@ def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> 
 
 
 class _PlatformLinear(nn.Module):
-    """What every linear layer here shares: its platform, its weight's prepared form, the multiplication."""
+    """What every linear layer here shares: its platform, its weight (FP8 with scales when ``quant`` is set) and
+    the weight's prepared form, the multiplication."""
 
-    def __init__(self, ops: Platform):
+    def __init__(self, ops: Platform, out_features: int, in_features: int, dtype: torch.dtype,
+                 quant: Fp8Config | None, parts: list[int] | None = None):
         super().__init__()
         self.ops = ops
         self.prepared = None
+        self.quant = quant
+        if quant is None:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+            self.weight_scale, self.block = None, None
+        else:
+            self.weight, self.weight_scale, self.block = fp8_parameters((out_features, in_features), quant, parts)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.ops.linear(x, self.weight, self.prepared, bias)
 
     def prepare(self) -> None:
         """Let the platform prepare the loaded weight (after every load)."""
-        self.prepared = self.ops.prepare_weight(self.weight, WeightKind.LINEAR)
+        scales = None if self.quant is None else BlockScales(self.weight_scale.data, self.block)
+        self.prepared = self.ops.prepare_weight(self.weight, WeightKind.LINEAR, scales)
+
+    def weight_values(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight's values [out_local, in_local] in ``dtype`` (dequantized where it is FP8)."""
+        return self.ops.weight_values(self.weight, self.prepared, dtype)
+
+    def _read_into(self, reader, name: str, rows: tuple[int, int], cols: tuple[int, int] | None,
+                   row_offset: int) -> None:
+        """Copy rows ``rows`` (and columns ``cols``, None: all) of checkpoint tensor ``name`` into local rows from
+        ``row_offset`` (with their scales for an FP8 layer)."""
+        if self.quant is not None:
+            w, s = read_fp8(reader, name, self.quant, rows, cols)
+            s = rows_of_scales(s, self.quant, w.shape[0], self.block)
+            copy_fp8_part(self.weight.data, self.weight_scale.data, self.block, w, s, row_offset, name)
+            return
+        if cols is None:
+            w = reader.get_slice(name, 0, rows[0], rows[1], dtype=self.weight.dtype)
+        else:
+            w = reader.get_slice(name, 1, cols[0], cols[1], dtype=self.weight.dtype)[rows[0]:rows[1]]
+        n = rows[1] - rows[0]
+        _check_shape(name, w, (n, self.weight.shape[1]))
+        self.weight.data[row_offset:row_offset + n].copy_(w)
 
 
 class ReplicatedLinear(_PlatformLinear):
     """A linear layer held whole by every rank. ``x`` [..., in] -> [..., out]."""
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, ops: Platform, bias: bool = False):
-        super().__init__(ops)
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, ops: Platform, bias: bool = False,
+                 quant: Fp8Config | None = None):
+        super().__init__(ops, out_features, in_features, dtype, quant)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,9 +87,10 @@ class ReplicatedLinear(_PlatformLinear):
 
     def load(self, reader, name: str) -> None:
         """Copy ``name`` (and ``name``'s ``.bias`` sibling) from the checkpoint reader."""
-        w = reader.get(name, dtype=self.weight.dtype)
-        _check_shape(name, w, tuple(self.weight.shape))
-        self.weight.data.copy_(w)
+        if tuple(reader.shape(name)) != tuple(self.weight.shape):
+            raise CheckpointError(name, f"shape {tuple(reader.shape(name))} does not match the model's "
+                                  f"{tuple(self.weight.shape)}")
+        self._read_into(reader, name, (0, self.weight.shape[0]), None, 0)
         if self.bias is not None:
             bname = name.rsplit(".", 1)[0] + ".bias"
             self.bias.data.copy_(reader.get(bname, dtype=self.bias.dtype))
@@ -68,14 +105,14 @@ class ColumnParallelLinear(_PlatformLinear):
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], groups: ParallelGroups, dtype: torch.dtype,
-                 ops: Platform, bias: bool = False, gather_output: bool = False):
-        super().__init__(ops)
+                 ops: Platform, bias: bool = False, gather_output: bool = False, quant: Fp8Config | None = None):
+        local_sizes = [divide(s, groups.tp_size, "output size") for s in output_sizes]
+        super().__init__(ops, sum(local_sizes), in_features, dtype, quant, local_sizes)
         self.groups = groups
         self.output_sizes = list(output_sizes)
-        self.local_sizes = [divide(s, groups.tp_size, "output size") for s in output_sizes]
+        self.local_sizes = local_sizes
         self.gather_output = gather_output
         out_local = sum(self.local_sizes)
-        self.weight = nn.Parameter(torch.empty(out_local, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_local, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,11 +126,10 @@ class ColumnParallelLinear(_PlatformLinear):
         offset = 0
         for name, full, local in zip(names, self.output_sizes, self.local_sizes, strict=True):
             start = self.groups.tp_rank * local
-            if reader.shape(name)[0] != full:
-                raise CheckpointError(name, f"expected {full} output rows, found shape {reader.shape(name)}")
-            w = reader.get_slice(name, 0, start, start + local, dtype=self.weight.dtype)
-            _check_shape(name, w, (local, self.weight.shape[1]))
-            self.weight.data[offset:offset + local].copy_(w)
+            if tuple(reader.shape(name)) != (full, self.weight.shape[1]):
+                raise CheckpointError(name, f"expected shape {(full, self.weight.shape[1])}, found "
+                                      f"{tuple(reader.shape(name))}")
+            self._read_into(reader, name, (start, start + local), None, offset)
             if self.bias is not None:
                 bname = name.rsplit(".", 1)[0] + ".bias"
                 self.bias.data[offset:offset + local].copy_(
@@ -109,12 +145,12 @@ class RowParallelLinear(_PlatformLinear):
     """
 
     def __init__(self, in_features: int, out_features: int, groups: ParallelGroups, dtype: torch.dtype,
-                 ops: Platform, bias: bool = False, reduce_results: bool = True):
-        super().__init__(ops)
+                 ops: Platform, bias: bool = False, reduce_results: bool = True, quant: Fp8Config | None = None):
+        in_local = divide(in_features, groups.tp_size, "input size")
+        super().__init__(ops, out_features, in_local, dtype, quant)
         self.groups = groups
-        self.in_local = divide(in_features, groups.tp_size, "input size")
+        self.in_local = in_local
         self.reduce_results = reduce_results
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_local, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,9 +164,10 @@ class RowParallelLinear(_PlatformLinear):
     def load(self, reader, name: str) -> None:
         """Read this rank's columns of ``name``."""
         start = self.groups.tp_rank * self.in_local
-        w = reader.get_slice(name, 1, start, start + self.in_local, dtype=self.weight.dtype)
-        _check_shape(name, w, tuple(self.weight.shape))
-        self.weight.data.copy_(w)
+        out = self.weight.shape[0]
+        if reader.shape(name)[0] != out or len(reader.shape(name)) != 2:
+            raise CheckpointError(name, f"expected {out} output rows, found shape {tuple(reader.shape(name))}")
+        self._read_into(reader, name, (0, out), (start, start + self.in_local), 0)
         if self.bias is not None:
             self.bias.data.copy_(reader.get(name.rsplit(".", 1)[0] + ".bias", dtype=self.bias.dtype))
         self.prepare()
@@ -143,7 +180,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 groups: ParallelGroups, dtype: torch.dtype, ops: Platform, bias: bool = False):
+                 groups: ParallelGroups, dtype: torch.dtype, ops: Platform, bias: bool = False,
+                 quant: Fp8Config | None = None):
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, groups.tp_size, "num_attention_heads")
         if num_kv_heads >= groups.tp_size:
@@ -154,7 +192,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.kv_replicas = divide(groups.tp_size, num_kv_heads, "tp_size over num_key_value_heads")
         super().__init__(hidden_size, [self.num_heads * head_dim * groups.tp_size,
                                        self.num_kv_heads * head_dim * groups.tp_size,
-                                       self.num_kv_heads * head_dim * groups.tp_size], groups, dtype, ops, bias)
+                                       self.num_kv_heads * head_dim * groups.tp_size], groups, dtype, ops, bias,
+                         quant=quant)
 
     def load(self, reader, names: list[str]) -> None:  # names = [q, k, v]
         """Read this rank's query heads and its (possibly replicated) kv heads."""
@@ -165,9 +204,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                  (names[1], kv_start, kv_local), (names[2], kv_start, kv_local)]
         offset = 0
         for name, start, n in spans:
-            w = reader.get_slice(name, 0, start, start + n, dtype=self.weight.dtype)
-            _check_shape(name, w, (n, self.weight.shape[1]))
-            self.weight.data[offset:offset + n].copy_(w)
+            self._read_into(reader, name, (start, start + n), None, offset)
             if self.bias is not None:
                 self.bias.data[offset:offset + n].copy_(
                     reader.get_slice(name.rsplit(".", 1)[0] + ".bias", 0, start, start + n, dtype=self.bias.dtype))

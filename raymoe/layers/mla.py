@@ -22,6 +22,7 @@ from torch import nn
 from raymoe.comm.groups import ParallelGroups, divide
 from raymoe.config import ModelConfig
 from raymoe.errors import CheckpointError
+from raymoe.layers.fp8 import module_quant
 from raymoe.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from raymoe.layers.norm import RMSNorm
 from raymoe.layers.rotary import RotaryEmbedding
@@ -65,30 +66,40 @@ class MLAAttention(nn.Module):
         self.layer_id = layer_id
         self.num_heads = divide(config.num_attention_heads, groups.tp_size, "num_attention_heads")
         heads, hidden, bias = config.num_attention_heads, config.hidden_size, config.attention_bias
+        prefix = f"model.layers.{layer_id}.self_attn"
+
+        def quant(module: str):
+            return module_quant(config.quantization, f"{prefix}.{module}")
+
         if m.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(hidden, [heads * m.qk_head_dim], groups, dtype, ops)
+            self.q_proj = ColumnParallelLinear(hidden, [heads * m.qk_head_dim], groups, dtype, ops,
+                                               quant=quant("q_proj"))
         else:
-            self.q_a_proj = ReplicatedLinear(hidden, m.q_lora_rank, dtype, ops, bias=bias)
+            self.q_a_proj = ReplicatedLinear(hidden, m.q_lora_rank, dtype, ops, bias=bias, quant=quant("q_a_proj"))
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, _LORA_NORM_EPS, dtype, ops)
-            self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, [heads * m.qk_head_dim], groups, dtype, ops)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, m.cache_dim, dtype, ops, bias=bias)
+            self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, [heads * m.qk_head_dim], groups, dtype, ops,
+                                                 quant=quant("q_b_proj"))
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, m.cache_dim, dtype, ops, bias=bias,
+                                                   quant=quant("kv_a_proj_with_mqa"))
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, _LORA_NORM_EPS, dtype, ops)
         self.kv_b_proj = ColumnParallelLinear(m.kv_lora_rank, [heads * (m.qk_nope_head_dim + m.v_head_dim)],
-                                              groups, dtype, ops)
-        self.o_proj = RowParallelLinear(heads * m.v_head_dim, hidden, groups, dtype, ops, bias=bias)
+                                              groups, dtype, ops, quant=quant("kv_b_proj"))
+        self.o_proj = RowParallelLinear(heads * m.v_head_dim, hidden, groups, dtype, ops, bias=bias,
+                                        quant=quant("o_proj"))
         self.rotary = rotary
 
-    def _w_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``W_UK`` [H_local, qk_nope, kv_lora_rank] and ``W_UV`` [H_local, v_head_dim, kv_lora_rank] (views)."""
+    def _w_kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``W_UK`` [H_local, qk_nope, kv_lora_rank] and ``W_UV`` [H_local, v_head_dim, kv_lora_rank] in ``dtype``
+        (views of the weight; of its dequantized values, made per call, where it is FP8)."""
         m = self.mla
-        w = self.kv_b_proj.weight.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        w = self.kv_b_proj.weight_values(dtype).view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         return w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
 
     def expand_kv(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Up-project cache rows [N, kv_lora_rank + qk_rope] into keys [N, H_local, qk_nope + qk_rope] (``k_pe``
         shared by all heads) and values [N, H_local, v_head_dim] (the non-absorbed form)."""
         m, n = self.mla, rows.shape[0]
-        kv = F.linear(rows[:, : m.kv_lora_rank], self.kv_b_proj.weight).view(n, self.num_heads, -1)
+        kv = F.linear(rows[:, : m.kv_lora_rank], self.kv_b_proj.weight_values(rows.dtype)).view(n, self.num_heads, -1)
         k_nope, values = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         k_pe = rows[:, None, m.kv_lora_rank:].expand(n, self.num_heads, m.qk_rope_head_dim)
         return torch.cat((k_nope, k_pe), dim=-1), values
@@ -107,7 +118,7 @@ class MLAAttention(nn.Module):
         q_pe, k_pe = self.rotary(state.forward_batch.positions, q_pe, k_pe.unsqueeze(1))
         state.k = torch.cat((self.kv_a_layernorm(latent), k_pe.squeeze(1)), dim=-1)
         if _absorbed(state.forward_batch):
-            w_uk, _ = self._w_kv()
+            w_uk, _ = self._w_kv(q_nope.dtype)
             state.q = torch.cat((torch.einsum("thd,hdl->thl", q_nope, w_uk), q_pe), dim=-1)
             state.v = None
         else:
@@ -120,7 +131,7 @@ class MLAAttention(nn.Module):
         o = fb.attn_backend.forward(state.q, state.k, state.v, self.layer_id, fb)
         t = o.shape[0]
         if t and _absorbed(fb):
-            _, w_uv = self._w_kv()
+            _, w_uv = self._w_kv(o.dtype)
             o = torch.einsum("thl,hvl->thv", o, w_uv)                     # latent -> per-head values
         o = o.reshape(t, self.num_heads * self.mla.v_head_dim) if t else o.new_empty((0, self.o_proj.in_local))
         state.hidden_states = self.o_proj(o)

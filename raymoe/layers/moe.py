@@ -27,23 +27,28 @@ from raymoe.comm.dispatcher import A2ABackendSpec
 from raymoe.comm.expert_input import NO_EXPERT, ExpertInput
 from raymoe.comm.groups import ParallelGroups, divide, tp_all_reduce
 from raymoe.config_arch import RouterConfig
+from raymoe.config_quant import Fp8Config
 from raymoe.errors import CheckpointError
+from raymoe.layers.fp8 import fp8_parameters, module_quant, read_fp8, rows_of_scales
 from raymoe.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from raymoe.layers.router import select_experts
 from raymoe.overlap.operations import OpRole, stage_op
-from raymoe.platform.interface import Platform, WeightKind
+from raymoe.platform.interface import BlockScales, Platform, WeightKind
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU MLP, tensor-parallel: ``x`` [T, H] -> [T, H]."""
+    """SwiGLU MLP, tensor-parallel: ``x`` [T, H] -> [T, H]. ``quant``: the checkpoint's FP8 format, applied to the
+    projections of checkpoint module ``prefix`` (``model.layers.0.mlp``) that ``modules_to_not_convert`` leaves."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, groups: ParallelGroups, dtype: torch.dtype,
-                 ops: Platform, reduce_results: bool = True):
+                 ops: Platform, reduce_results: bool = True, quant: Fp8Config | None = None, prefix: str = ""):
         super().__init__()
         self.ops = ops
-        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2, groups, dtype, ops)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2, groups, dtype, ops,
+                                                 quant=module_quant(quant, f"{prefix}.gate_proj"))
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, groups, dtype, ops,
-                                           reduce_results=reduce_results)
+                                           reduce_results=reduce_results,
+                                           quant=module_quant(quant, f"{prefix}.down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -60,10 +65,12 @@ class LocalExperts(nn.Module):
     ``tp_size > 1`` every rank holds all experts with the intermediate dim split (partial sums are
     all-reduced by the caller). The arithmetic is the platform's (``ExpertCompute`` in ``raymoe.comm.expert_input``),
     over these weights and what the platform prepared of them at load (``prepared13``, ``prepared2``).
+    With ``quant`` both are ``float8_e4m3fn`` with float32 block grids ``w13_scale`` [E_local, ceil(2 I_local / bn),
+    ceil(H / bk)] and ``w2_scale`` [E_local, ceil(H / bn), ceil(I_local / bk)] (``raymoe.layers.fp8``).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, groups: ParallelGroups,
-                 dtype: torch.dtype, ops: Platform):
+                 dtype: torch.dtype, ops: Platform, quant: Fp8Config | None = None):
         super().__init__()
         self.groups = groups
         self.ops = ops
@@ -71,10 +78,16 @@ class LocalExperts(nn.Module):
         self.expert_start = groups.ep_rank * self.num_local
         self.tp_split = groups.tp_size if groups.ep_size == 1 else 1
         self.inter_local = divide(intermediate_size, self.tp_split, "moe_intermediate_size over tp_size")
-        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter_local, hidden_size, dtype=dtype),
-                                requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, self.inter_local, dtype=dtype),
-                               requires_grad=False)
+        self.quant = quant
+        shape13 = (self.num_local, 2 * self.inter_local, hidden_size)
+        shape2 = (self.num_local, hidden_size, self.inter_local)
+        if quant is None:
+            self.w13 = nn.Parameter(torch.empty(shape13, dtype=dtype), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(shape2, dtype=dtype), requires_grad=False)
+            self.w13_scale = self.w2_scale = self.block13 = self.block2 = None
+        else:
+            self.w13, self.w13_scale, self.block13 = fp8_parameters(shape13, quant, [self.inter_local] * 2)
+            self.w2, self.w2_scale, self.block2 = fp8_parameters(shape2, quant)
         self.prepared13 = self.prepared2 = None
 
     def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
@@ -89,9 +102,17 @@ class LocalExperts(nn.Module):
         return rows.compute(self.ops, self)
 
     def load(self, reader, prefix: str) -> None:
-        """Read ``{prefix}.E.{gate,up,down}_proj.weight`` for the local experts only."""
+        """Read ``{prefix}.E.{gate,up,down}_proj.weight`` (and FP8 scales) for the local experts only.
+
+        Raises:
+            CheckpointError: a tensor is missing, has the wrong shape or dtype, or (FP8) a TP cut is not on a
+                scale block.
+        """
         i0 = self.groups.tp_rank * self.inter_local if self.tp_split > 1 else 0
         i1 = i0 + self.inter_local
+        if self.quant is not None:
+            self._load_fp8(reader, prefix, i0, i1)
+            return
         for le in range(self.num_local):
             e = self.expert_start + le
             base = f"{prefix}.{e}"
@@ -107,6 +128,31 @@ class LocalExperts(nn.Module):
         self.prepared13 = self.ops.prepare_weight(self.w13, WeightKind.EXPERTS)
         self.prepared2 = self.ops.prepare_weight(self.w2, WeightKind.EXPERTS)
 
+    def _load_fp8(self, reader, prefix: str, i0: int, i1: int) -> None:
+        """The FP8 experts' weights and block scales (rows ``[i0, i1)`` of gate/up, columns of down)."""
+        n = self.inter_local
+        g = -(-n // self.block13[0])                        # scale rows per part (n // bn: parts are whole blocks)
+        for le in range(self.num_local):
+            base = f"{prefix}.{self.expert_start + le}"
+            for j, part in enumerate(("gate_proj", "up_proj")):
+                name = f"{base}.{part}.weight"
+                w, s = read_fp8(reader, name, self.quant, (i0, i1))
+                s = rows_of_scales(s, self.quant, n, self.block13)
+                if tuple(w.shape) != (n, self.w13.shape[2]) or tuple(s.shape) != (g, self.w13_scale.shape[2]):
+                    raise CheckpointError(name, f"unexpected shape {tuple(w.shape)} (scales {tuple(s.shape)})")
+                self.w13.data[le, j * n:(j + 1) * n].copy_(w)
+                self.w13_scale.data[le, j * g:(j + 1) * g].copy_(s)
+            name = f"{base}.down_proj.weight"
+            w, s = read_fp8(reader, name, self.quant, None, (i0, i1))
+            if tuple(w.shape) != tuple(self.w2.shape[1:]) or tuple(s.shape) != tuple(self.w2_scale.shape[1:]):
+                raise CheckpointError(name, f"unexpected shape {tuple(w.shape)} (scales {tuple(s.shape)})")
+            self.w2.data[le].copy_(w)
+            self.w2_scale.data[le].copy_(s)
+        self.prepared13 = self.ops.prepare_weight(self.w13, WeightKind.EXPERTS,
+                                                  BlockScales(self.w13_scale.data, self.block13))
+        self.prepared2 = self.ops.prepare_weight(self.w2, WeightKind.EXPERTS,
+                                                 BlockScales(self.w2_scale.data, self.block2))
+
 
 class SparseMoeBlock(nn.Module):
     """Routed experts with expert-parallel dispatch/combine. ``state.hidden_states`` [T, H] -> ``state.moe_output``.
@@ -121,12 +167,16 @@ class SparseMoeBlock(nn.Module):
         router: routing variant (None: softmax greedy top-k with ``norm_topk_prob``, the Qwen3-MoE rule).
         shared_intermediate_size: intermediate size of the shared-experts MLP (DeepSeek: ``n_shared *
             moe_intermediate_size``), tensor-parallel like a dense MLP; 0: no shared experts.
+        quant, prefix: the checkpoint's FP8 format and this block's checkpoint module (``model.layers.3.mlp``):
+            experts and shared experts are FP8 unless ``modules_to_not_convert`` lists them; the router gate
+            never is (DeepSeek and Qwen3 keep it in bfloat16).
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  norm_topk_prob: bool, groups: ParallelGroups, dtype: torch.dtype, ops: Platform,
                  a2a_backend: str | A2ABackendSpec = "torch",
-                 router: RouterConfig | None = None, shared_intermediate_size: int = 0):
+                 router: RouterConfig | None = None, shared_intermediate_size: int = 0,
+                 quant: Fp8Config | None = None, prefix: str = ""):
         super().__init__()
         self.groups = groups
         self.ops = ops
@@ -137,8 +187,10 @@ class SparseMoeBlock(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
         else:
             self.e_score_correction_bias = None
-        self.experts = LocalExperts(num_experts, hidden_size, intermediate_size, groups, dtype, ops)
-        self.shared_experts = (DenseMLP(hidden_size, shared_intermediate_size, groups, dtype, ops)
+        self.experts = LocalExperts(num_experts, hidden_size, intermediate_size, groups, dtype, ops,
+                                    quant=module_quant(quant, f"{prefix}.experts"))
+        self.shared_experts = (DenseMLP(hidden_size, shared_intermediate_size, groups, dtype, ops, quant=quant,
+                                        prefix=f"{prefix}.shared_experts")
                                if shared_intermediate_size else None)
         spec = a2a_backend if isinstance(a2a_backend, A2ABackendSpec) else A2ABackendSpec(a2a_backend)
         self.a2a = ops.create_dispatcher(spec, groups, num_experts, hidden_size, dtype, self.experts.inter_local)

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from raymoe.errors import InvalidRequestError
 from raymoe.models import tiny_archs
+from raymoe.models.fp8_checkpoint import fp8_config, quantize_tensors
 from raymoe.models.tiny_init import LM_HEAD_GAIN, OUT_PROJ_GAIN, ROUTER_GAIN, linear, norm
 from raymoe.models.tokenizer_builder import ENDOFTEXT_ID, IM_END_ID, build_tokenizer
 from raymoe.paths import cache_dir
@@ -231,6 +232,10 @@ def make_checkpoint(
     tie_word_embeddings: bool = False,
     max_shard_bytes: int | None = None,
     progress: bool = False,
+    quant: str | None = None,
+    fp8_scheme: str = "block",
+    fp8_block: tuple[int, int] = (128, 128),
+    modules_to_not_convert: tuple[str, ...] = (),
 ) -> Path:
     """Build a seeded tiny Hugging Face checkpoint folder at ``out`` (atomically) and return its path.
 
@@ -248,17 +253,29 @@ def make_checkpoint(
             bytes (a bigger tensor gets a shard of its own) plus ``model.safetensors.index.json``; ``None``:
             a single ``model.safetensors``.
         progress: show a tqdm bar over the build steps.
+        quant: ``"fp8"``: the same seeded weights, every projection stored as ``float8_e4m3fn`` with its scale
+            and ``quantization_config`` in ``config.json`` (``raymoe.models.fp8_checkpoint``): ``fp8_scheme``
+            ``"block"`` (``weight_scale_inv`` per ``fp8_block`` = ``[bn, bk]`` block, DeepSeek-V3's layout),
+            ``"tensor"`` or ``"channel"`` (``weight_scale``); ``modules_to_not_convert`` stay float32 and are listed
+            in the config. None: float32 weights.
         Other arguments: model sizes, named as in the Qwen3-MoE config (``num_layers`` = ``num_hidden_layers``,
             ``num_heads``/``num_kv_heads`` = attention/key-value heads).
 
     Raises:
-        InvalidRequestError: unknown ``arch``, inconsistent sizes, ``max_shard_bytes < 1``, or ``out`` is a file.
+        InvalidRequestError: unknown ``arch``, inconsistent sizes, ``max_shard_bytes < 1``, an unknown ``quant`` or
+            ``fp8_scheme``, or ``out`` is a file.
         OSError: the destination cannot be written.
     """
     if arch not in ARCHS:
         raise InvalidRequestError("arch", f"unknown architecture {arch!r}; known: {sorted(ARCHS)}")
     if max_shard_bytes is not None and max_shard_bytes < 1:
         raise InvalidRequestError("max_shard_bytes", "must be >= 1 or None")
+    if quant not in (None, "fp8"):
+        raise InvalidRequestError("quant", f"unknown quantization {quant!r}; known: fp8")
+    try:
+        fp8 = fp8_config(fp8_scheme, fp8_block, tuple(modules_to_not_convert)) if quant == "fp8" else None
+    except ValueError as e:
+        raise InvalidRequestError("fp8_scheme", str(e)) from e
     spec = TinyModelSpec(
         num_layers=num_layers, hidden_size=hidden_size, num_experts=num_experts,
         num_experts_per_tok=num_experts_per_tok, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -277,17 +294,25 @@ def make_checkpoint(
     try:
         build_tokenizer(tmp, vocab_size=spec.vocab_size)
         bar.update()
-        _write_json(tmp / "config.json", builder.hf_config(spec))
+        hf_config = builder.hf_config(spec)
+        if fp8 is not None:
+            hf_config["quantization_config"] = fp8.to_hf()
+        _write_json(tmp / "config.json", hf_config)
         _write_json(tmp / "generation_config.json", {
             "bos_token_id": ENDOFTEXT_ID, "pad_token_id": ENDOFTEXT_ID,
             "eos_token_id": [IM_END_ID, ENDOFTEXT_ID], "do_sample": False,
         })
-        _write_json(tmp / "raymoe_build.json", {"arch": arch, "seed": seed, **asdict(spec)})
+        build_args = {"arch": arch, "seed": seed, **asdict(spec)}
+        if fp8 is not None:
+            build_args.update(quant=quant, fp8_scheme=fp8_scheme, fp8_block=list(fp8_block))
+        _write_json(tmp / "raymoe_build.json", build_args)
         gen = torch.Generator().manual_seed(seed)
         tensors: Tensors = {}
         for step in builder.weight_steps(spec, gen):
             tensors.update({k: v.contiguous() for k, v in step.items()})
             bar.update()
+        if fp8 is not None:
+            tensors = quantize_tensors(tensors, fp8, fp8_scheme)
         _write_weights(tensors, tmp, max_shard_bytes)
         _make_readable(tmp)
         bar.update()

@@ -37,15 +37,19 @@ def load_norm(norm: RMSNorm | torch.Tensor, reader, name: str) -> None:
 
 
 def build_mlp(config: ModelConfig, layer_id: int, groups: ParallelGroups, dtype: torch.dtype, ops: Platform,
-              a2a_backend: str | A2ABackendSpec) -> nn.Module:
+              a2a_backend: str | A2ABackendSpec, mlp_name: str = "mlp") -> nn.Module:
     """The layer's MLP: a ``SparseMoeBlock`` (with the config's router and shared experts) for MoE layers, else a
-    tensor-parallel ``DenseMLP`` of ``intermediate_size``."""
+    tensor-parallel ``DenseMLP`` of ``intermediate_size``; FP8 where ``config.quantization`` says so (checkpoint
+    module ``model.layers.{layer_id}.{mlp_name}``)."""
+    prefix = f"model.layers.{layer_id}.{mlp_name}"
     if not config.is_moe_layer(layer_id):
-        return DenseMLP(config.hidden_size, config.intermediate_size, groups, dtype, ops)
+        return DenseMLP(config.hidden_size, config.intermediate_size, groups, dtype, ops,
+                        quant=config.quantization, prefix=prefix)
     return SparseMoeBlock(config.num_experts, config.num_experts_per_tok, config.hidden_size,
                           config.moe_intermediate_size, config.router.norm_topk_prob, groups, dtype, ops, a2a_backend,
                           router=config.router,
-                          shared_intermediate_size=config.n_shared_experts * config.moe_intermediate_size)
+                          shared_intermediate_size=config.n_shared_experts * config.moe_intermediate_size,
+                          quant=config.quantization, prefix=prefix)
 
 
 class DecoderLayer(nn.Module):

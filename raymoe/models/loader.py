@@ -19,6 +19,21 @@ from raymoe.errors import CheckpointError, InvalidRequestError
 
 INDEX_FILE = "model.safetensors.index.json"
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""Stored dtypes that only mean something with their scales: never cast silently (:func:`_cast`)."""
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None, name: str, file: Path) -> torch.Tensor:
+    """``t`` in ``dtype`` (None: as stored). Raises CheckpointError: ``t`` is stored in FP8 and ``dtype`` is another
+    dtype (the cast would drop its scales: such a tensor is read by the quantized layers, stored dtype kept)."""
+    if dtype is None or t.dtype == dtype:
+        return t
+    if t.dtype in FP8_DTYPES:
+        raise CheckpointError(str(file), f"tensor {name!r} is stored as {t.dtype} and cannot be cast to {dtype}: "
+                              "its module is quantized (quantization_config) but read as unquantized (listed in "
+                              "modules_to_not_convert, or a module raymoe keeps unquantized)")
+    return t.to(dtype)
+
 
 class CheckpointReader:
     """Lazy, validated access to the safetensors weights of one model folder.
@@ -129,14 +144,15 @@ class CheckpointReader:
         """Read the whole tensor ``name`` (stored shape; stored dtype, or cast to ``dtype``).
 
         Raises:
-            CheckpointError: no tensor ``name``, or its data cannot be read.
+            CheckpointError: no tensor ``name``, its data cannot be read, or it is stored in FP8 and ``dtype`` is
+                another dtype.
         """
         handle = self._handle(name)
         try:
             t = handle.get_tensor(name)
         except SafetensorError as e:
             raise CheckpointError(str(self._file_of[name]), f"cannot read tensor {name!r}: {e}") from e
-        return t if dtype is None else t.to(dtype)
+        return _cast(t, dtype, name, self._file_of[name])
 
     def get_slice(self, name: str, dim: int, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Read ``tensor[..., start:stop, ...]`` along ``dim`` only (equal to ``get(name)`` sliced that way).
@@ -150,7 +166,7 @@ class CheckpointReader:
             tensor of the stored shape with ``shape[dim] = stop - start``.
 
         Raises:
-            CheckpointError: no tensor ``name``.
+            CheckpointError: no tensor ``name``, or it is stored in FP8 and ``dtype`` is another dtype.
             InvalidRequestError: ``dim`` out of range or the range is not inside ``[0, shape[dim]]``.
         """
         handle = self._handle(name)
@@ -166,7 +182,7 @@ class CheckpointReader:
             t = sl[index]
         except SafetensorError as e:
             raise CheckpointError(str(self._file_of[name]), f"cannot read tensor {name!r}: {e}") from e
-        return t if dtype is None else t.to(dtype)
+        return _cast(t, dtype, name, self._file_of[name])
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

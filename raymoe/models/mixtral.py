@@ -22,13 +22,14 @@ from raymoe.models.decoder import DecoderLayer, MoeCausalLM, build_mlp
 from raymoe.models.qwen3_moe import Qwen3MoeAttention
 from raymoe.platform.interface import Platform
 
-_EXPERT = re.compile(r"^(.*\.experts\.\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(.*\.experts\.\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv|weight_scale)$")
 _MIXTRAL_PART = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
 class MixtralNames:
     """A checkpoint reader view that answers raymoe's expert names (``experts.E.gate_proj.weight`` ...) with
-    Mixtral's on-disk tensors (``experts.E.w1.weight`` ...); every other name passes through unchanged.
+    Mixtral's on-disk tensors (``experts.E.w1.weight`` ..., FP8 scales ``w1.weight_scale_inv`` likewise); every other
+    name passes through unchanged.
 
     Args:
         reader: a ``CheckpointReader`` (``get``, ``get_slice``, ``shape``).
@@ -41,7 +42,10 @@ class MixtralNames:
     def disk_name(name: str) -> str:
         """The on-disk name of ``name``."""
         m = _EXPERT.match(name)
-        return f"{m.group(1)}.{_MIXTRAL_PART[m.group(2)]}.weight" if m else name
+        return f"{m.group(1)}.{_MIXTRAL_PART[m.group(2)]}.{m.group(3)}" if m else name
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.disk_name(name) in self.reader
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.reader.get(self.disk_name(name), dtype=dtype)
@@ -67,7 +71,7 @@ class MixtralForCausalLM(MoeCausalLM):
         rotary = RotaryEmbedding(config, dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(i, Qwen3MoeAttention(config, i, groups, rotary, dtype, ops, qk_norm=False),
-                         build_mlp(config, i, groups, dtype, ops, a2a_backend), config.hidden_size,
+                         build_mlp(config, i, groups, dtype, ops, a2a_backend, "block_sparse_moe"), config.hidden_size,
                          config.rms_norm_eps, dtype, ops, mlp_name="block_sparse_moe")
             for i in range(config.num_hidden_layers))
         self.num_local_heads = self.layers[0].self_attn.num_heads

@@ -13,6 +13,7 @@ from torch import nn
 
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ModelConfig
+from raymoe.layers.fp8 import module_quant
 from raymoe.layers.linear import QKVParallelLinear, RowParallelLinear
 from raymoe.layers.rotary import RotaryEmbedding
 from raymoe.models.decoder import DecoderLayer, MoeCausalLM, build_mlp, load_norm
@@ -30,12 +31,15 @@ class Qwen3MoeAttention(nn.Module):
         self.layer_id = layer_id
         self.ops = ops
         self.head_dim = config.head_dim
+        prefix = f"model.layers.{layer_id}.self_attn"
         self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, groups, dtype, ops, bias=config.attention_bias)
+                                          config.num_key_value_heads, groups, dtype, ops, bias=config.attention_bias,
+                                          quant=module_quant(config.quantization, f"{prefix}.q_proj"))
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, groups,
-                                        dtype, ops, bias=config.attention_bias)
+                                        dtype, ops, bias=config.attention_bias,
+                                        quant=module_quant(config.quantization, f"{prefix}.o_proj"))
         self.qk_norm = qk_norm
         self.norm_eps = config.rms_norm_eps
         if qk_norm:

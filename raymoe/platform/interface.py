@@ -42,6 +42,34 @@ class WeightKind(Enum):
     EXPERTS = "experts"    # [E_local, N, K]: stacked expert projections (grouped GEMMs)
 
 
+@dataclass(frozen=True)
+class BlockScales:
+    """The scales of an FP8 weight (``float8_e4m3fn`` ``[..., N, K]``; ``raymoe.config_quant``): weight ``[i, j]``
+    is worth ``fp8[i, j] * scale[i // bn, j // bk]``, partial edge blocks included (DeepSeek's ``weight_dequant``).
+
+    Attributes:
+        scale: float32 ``[..., ceil(N / bn), ceil(K / bk)]`` (leading dims as the weight's: experts).
+        block: ``(bn, bk)``; per-channel and per-tensor checkpoints load as ``(1, K)`` blocks, one scale per row.
+    """
+
+    scale: torch.Tensor
+    block: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        if len(self.block) != 2 or min(self.block) < 1:
+            raise ValueError(f"block must be two positive sizes, got {self.block}")
+        if self.scale.dtype != torch.float32 or self.scale.dim() < 2:
+            raise ValueError(f"scale must be float32 [..., rows, cols], got {self.scale.dtype} "
+                             f"{tuple(self.scale.shape)}")
+
+    def fits(self, weight: torch.Tensor) -> bool:
+        """Whether the scale grid covers ``weight`` [..., N, K] exactly (``ceil(N / bn)`` x ``ceil(K / bk)``)."""
+        n, k = weight.shape[-2:]
+        bn, bk = self.block
+        grid = (*weight.shape[:-2], -(-n // bn), -(-k // bk))
+        return tuple(self.scale.shape) == grid
+
+
 class Rotary(Protocol):
     """A rotary embedding (``raymoe.layers.rotary.RotaryEmbedding``): float32 ``cos``/``sin`` tables [P, D] and
     ``rotate(positions [T] int64, x [T, H, D]) -> [T, H, D]``; ``interleaved``: pairs are adjacent channels
@@ -153,17 +181,32 @@ class Platform(ExpertCompute, LowLatencyOps, ABC):
 
     # ---- weights ----
     @abstractmethod
-    def prepare_weight(self, weight: torch.Tensor, kind: WeightKind) -> Any:
+    def prepare_weight(self, weight: torch.Tensor, kind: WeightKind, scales: BlockScales | None = None) -> Any:
         """What this platform keeps beside ``weight`` after it is loaded (a packed copy, scales ...), handed back
-        to :meth:`linear` and the expert operations; None when it keeps nothing. May store ``weight`` in another
-        memory layout (same values) where its kernels read that layout faster."""
+        to :meth:`linear`, :meth:`weight_values` and the expert operations; None when it keeps nothing. May store
+        ``weight`` in another memory layout (same values) where its kernels read that layout faster.
+
+        ``scales``: ``weight`` is ``float8_e4m3fn`` with these block scales (FP8 checkpoints); the weight stays FP8
+        in memory and every operation over it dequantizes or multiplies in FP8 as the platform can.
+
+        Raises:
+            ValueError: ``scales`` does not cover ``weight`` (:meth:`BlockScales.fits`) or ``weight`` is not FP8.
+        """
+
+    @abstractmethod
+    def weight_values(self, weight: torch.Tensor, prepared: Any, dtype: torch.dtype) -> torch.Tensor:
+        """The values of a loaded weight in ``dtype`` (``weight`` itself, cast, where it is not FP8; dequantized
+        with its :class:`BlockScales` where it is), for layers that use a weight other than through
+        :meth:`linear` (MLA's absorbed ``W_UK`` / ``W_UV``)."""
 
     # ---- dense operations ----
     @abstractmethod
     def linear(self, x: torch.Tensor, weight: torch.Tensor, prepared: Any,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight^T (+ bias)``: ``x`` [..., K], ``weight`` [N, K] -> [..., N] in ``x``'s dtype;
-        ``prepared`` from :meth:`prepare_weight` (or None)."""
+        ``prepared`` from :meth:`prepare_weight` (or None). An FP8 ``weight`` (``prepared`` holds its scales)
+        counts as its dequantized values: CPU platforms dequantize it to ``x``'s dtype (weight-only), CUDA
+        multiplies in FP8 with per-token-group activation scales."""
 
     @abstractmethod
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

@@ -84,6 +84,19 @@ class ModelRunner:
         self.future_tokens = FutureTokenMap(cfg.max_req_rows, self.device)
         self.graph_runner = self.build_graph_runner() if cfg.graph_capture_sizes and capture_graphs else None
 
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's resident model weights: every parameter and persistent buffer once (an FP8
+        weight at one byte per element, its float32 scales included). What a platform prepared beside them (the
+        CPU platform's packed float32 panels, float32 models only) is not counted."""
+        seen: set[int] = set()
+        total = 0
+        for t in self.model.state_dict().values():
+            if t.device.type != "meta" and t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+        return total
+
     def build_graph_runner(self, kv_widths: Sequence[int] | None = None):
         """Capture the decode graphs of ``cfg.graph_capture_sizes`` (a ``GraphRunner``).
 

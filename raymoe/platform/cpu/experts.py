@@ -1,7 +1,8 @@
 """The CPU platform's expert operations: the packed grouped GEMM (``kernels.packed_linear``) over expert segments at
 small row counts, and the fused routed-experts kernel (``kernels.cpu_ops.moe_routed_rows``) for token rows, which
 computes only each row's routed (row, expert) pairs, reading the routing itself. Calls the kernels cannot take run
-the reference operations."""
+the reference operations. FP8 experts take the reference path's weight-only dequantization (packing them would keep
+a float32 copy resident, the memory FP8 saves); the routed-rows kernel then runs over the dequantized weights."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from raymoe.comm.expert_input import ExpertWeights, RoutedTokenRows
 from raymoe.platform.cpu import expert_layout
 from raymoe.platform.cpu.kernels import cpu_ops, packed_linear
 from raymoe.platform.reference.experts import ExpertOps
+from raymoe.platform.reference.fp8 import dense_experts
 
 
 class CpuExpertOps(ExpertOps):
@@ -25,6 +27,7 @@ class CpuExpertOps(ExpertOps):
         return super().grouped_mlp(x, ends, experts)
 
     def expert_routed(self, rows: RoutedTokenRows, experts: ExpertWeights) -> torch.Tensor:
+        experts = dense_experts(experts, rows.x.dtype, self.weight_values)
         if cpu_ops.enabled_for(rows.x, rows.topk_weights, experts.w13, experts.w2):
             return cpu_ops.moe_routed_rows(rows.x, rows.topk_ids, rows.topk_weights, rows.first_expert, experts.w13,
                                            experts.w2)

@@ -10,18 +10,31 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from raymoe.platform.interface import WeightKind
+from raymoe.platform.interface import BlockScales, WeightKind
+from raymoe.platform.reference.fp8 import check_scales, dequantize
 
 
 class DenseOps:
     """Torch implementations of the platform's dense operations (shapes in ``Platform``'s docstrings)."""
 
-    def prepare_weight(self, weight: torch.Tensor, kind: WeightKind) -> Any:
-        return None
+    def prepare_weight(self, weight: torch.Tensor, kind: WeightKind, scales: BlockScales | None = None) -> Any:
+        """Nothing for a plain weight; an FP8 weight's ``scales`` (checked)."""
+        if scales is None:
+            return None
+        check_scales(weight, scales)
+        return scales
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, prepared: Any,
                bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear``; an FP8 weight is block-dequantized to ``x``'s dtype first (weight-only)."""
+        if isinstance(prepared, BlockScales):
+            weight = self.weight_values(weight, prepared, x.dtype)
         return F.linear(x, weight, bias)
+
+    def weight_values(self, weight: torch.Tensor, prepared: Any, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(prepared, BlockScales):
+            return dequantize(weight, prepared, dtype)
+        return weight.to(dtype)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2

@@ -7,6 +7,8 @@ here ``torch._grouped_mm`` on CPU: float32, bfloat16, float16; not under ``torch
 bfloat16 only): one GEMM per projection whatever the number of experts with rows, shapes that depend on the row
 count only, no host sync. Elsewhere rows run one GEMM pair per non-empty expert (a host sync for the counts), and
 fixed-shape segments are spread into the masked layout, whose batched GEMMs multiply every slot.
+FP8 experts (``prepared13`` holds their ``BlockScales``) are block-dequantized to the rows' dtype at the start of
+each operation (``fp8.dense_experts``: weight-only, the FP8 weights stay resident).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from raymoe.comm.expert_input import ExpertWeights, MaskedExpertRows, RoutedTokenRows
+from raymoe.platform.reference.fp8 import dense_experts
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm takes on CPU
 
@@ -44,6 +47,7 @@ class ExpertOps:
         """Rows sorted by expert into segments, then :meth:`grouped_mlp` (no Python loop over experts, no host
         sync); without grouped GEMMs one pair of GEMMs per non-empty expert. Both give the same rows. Rows of
         ``NO_EXPERT`` (-1) sort after every segment, are never multiplied, and answer 0."""
+        experts = dense_experts(experts, x.dtype, self.weight_values)
         if x.shape[0] == 0:
             return torch.empty_like(x)
         if not self.grouped_ok(x, experts):
@@ -91,6 +95,7 @@ class ExpertOps:
         """:meth:`grouped_mlp` over the segments (they come sorted), so only the received rows are multiplied;
         without grouped GEMMs the rows are spread into the masked layout [E_local, expert_capacity, H]
         (:meth:`expert_masked`) and gathered back, all on the device."""
+        experts = dense_experts(experts, x.dtype, self.weight_values)
         if x.shape[0] == 0:
             return torch.empty_like(x)
         if self.grouped_ok(x, experts):
@@ -112,6 +117,7 @@ class ExpertOps:
         """Two batched GEMMs over all ``C`` rows of every expert, valid or not (a row's output depends on that
         row only, so invalid rows, which the combine never reads, cannot disturb valid ones); shapes depend on
         ``C`` only, and the work on the slots, not on ``counts``."""
+        experts = dense_experts(experts, rows.x.dtype, self.weight_values)
         h = self.silu_and_mul(torch.bmm(rows.x, experts.w13.transpose(1, 2)))   # [E_local, C, I_local]
         return torch.bmm(h, experts.w2.transpose(1, 2))                      # [E_local, C, H]
 
@@ -119,12 +125,14 @@ class ExpertOps:
         """Two batched GEMMs ([E_local, R, 2 I] then [E_local, R, H]) and one weighted reduction over the experts
         in expert order; a row adds exact zeros for experts it did not pick. Worth it only where ``R * E_local`` is
         small: the other layouts multiply only routed rows."""
+        experts = dense_experts(experts, x.dtype, self.weight_values)
         h = self.silu_and_mul(torch.matmul(x, experts.w13.transpose(1, 2)))     # [E_local, R, I_local]
         y = torch.bmm(h, experts.w2.transpose(1, 2))                        # [E_local, R, H]
         return (y * weights.t().unsqueeze(-1)).sum(dim=0)
 
     def expert_routed(self, rows: RoutedTokenRows, experts: ExpertWeights) -> torch.Tensor:
         """As the dense layout (:meth:`~raymoe.comm.expert_input.RoutedTokenRows.dense`)."""
+        experts = dense_experts(experts, rows.x.dtype, self.weight_values)
         dense = rows.dense(experts.num_local)
         return self.expert_dense(dense.x, dense.weights, experts)
 

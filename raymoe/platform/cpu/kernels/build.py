@@ -50,6 +50,7 @@ SIGNATURES: dict[str, tuple[object, list]] = {
     "raymoe_grouped_linear_packed_f32": (_INT, [_P, _I64, _I64, _P, _I64, _P, _I64, _I64, _I64, _P, _I64]),
     "raymoe_moe_routed_rows_f32": (_INT, [_P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64,
                                           _I64, _P, _P, _I64, _I64, _P]),
+    "raymoe_fp8_dequant_f32": (None, [_P, _I64, _I64, _I64, _P, _I64, _I64, _P]),
     "raymoe_flag_store_wake": (None, [_P, _I64]),
     "raymoe_flag_wait_ge": (_INT, [_P, _I64, ctypes.c_double, _I64]),
     "raymoe_shm_post_equal": (_INT, [_P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, ctypes.c_double,

@@ -275,3 +275,23 @@ def moe_routed_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     if rc != 0:
         raise MemoryError("routed experts could not allocate their scratch buffers")
     return out
+
+
+def fp8_dequant(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Block dequantization of an FP8 weight in one call: ``weight`` ``float8_e4m3fn`` [..., N, K] and ``scale``
+    float32 [..., ceil(N / bn), ceil(K / bk)], both contiguous on the CPU -> float32 [..., N, K] with
+    ``out[..., i, j] = weight[..., i, j] * scale[..., i // bn, j // bk]`` (exact: one rounding, as torch's
+    ``weight.float() * scale``). torch converts float8 to float32 element by element (about 24 ns each on the CI
+    machine); the kernel reads a 256-entry table."""
+    n, k = weight.shape[-2:]
+    bn, bk = block
+    grid = (*weight.shape[:-2], -(-n // bn), -(-k // bk))
+    need(weight.dtype == torch.float8_e4m3fn and weight.is_cpu and weight.is_contiguous(),
+         "weight must be a contiguous CPU float8_e4m3fn tensor")
+    need(scale.dtype is _F32 and scale.is_cpu and scale.is_contiguous() and tuple(scale.shape) == grid,
+         lambda: f"scale must be contiguous float32 {grid}, got {scale.dtype} {tuple(scale.shape)}")
+    out = torch.empty(weight.shape, dtype=torch.float32)
+    groups = weight.numel() // max(n * k, 1)
+    if out.numel():
+        lib().raymoe_fp8_dequant_f32(weight.data_ptr(), groups, n, k, scale.data_ptr(), bn, bk, out.data_ptr())
+    return out
