@@ -82,6 +82,9 @@ class _SeededReader:
                 self.tensors[f"moe.experts.{e}.{part}.weight"] = torch.randn(*shape, generator=g) * 0.2
         self.dtype = dtype
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         return self.tensors[name].to(dtype)
 
