@@ -21,6 +21,10 @@ _COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num
            "eos_token_id": IM_END_ID, "pad_token_id": ENDOFTEXT_ID, "tie_word_embeddings": False}
 _MLA = {"kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
         "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1}
+_GPT_OSS = {"num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 8,
+            "num_experts_per_tok": 2, "swiglu_limit": 1.5,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128}}
 
 CONFIGS = {
     "deepseek_v3": ("deepseek_v3", {**_MLA, "q_lora_rank": 24, "num_hidden_layers": 3, "first_k_dense_replace": 1,
@@ -49,6 +53,12 @@ CONFIGS = {
                                                              "factor": 4.0, "original_max_position_embeddings": 128,
                                                              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
                                                              "mscale_all_dim": 1.0}}),
+    # gpt-oss: sinks, biases, clamped SwiGLU (a small limit so the clamp bites), YaRN; GQA; windows of 4 and 7 tokens
+    # (prompts are longer), full/sliding layers in two patterns.
+    "gpt_oss_w4": ("gpt_oss", {**_GPT_OSS, "num_hidden_layers": 3, "sliding_window": 4,
+                               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    "gpt_oss_w7": ("gpt_oss", {**_GPT_OSS, "num_hidden_layers": 2, "sliding_window": 7,
+                               "layer_types": ["full_attention", "sliding_attention"]}),
     "mixtral": ("mixtral", {"num_hidden_layers": 2, "num_key_value_heads": 2, "num_local_experts": 4,
                             "num_experts_per_tok": 2, "rope_theta": 1e6}),
 }
@@ -58,11 +68,16 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if name.endswith(("bias", "sinks")):  # gpt-oss: projection, router and expert biases, sink logits
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+                continue
             if p.dim() == 1:  # norms
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
                 continue
-            gain = 6.0 if name.startswith("lm_head") else 3.0 if name.endswith("gate.weight") else 1.0
-            p.copy_(torch.randn(p.shape, generator=gen) * (gain / math.sqrt(p.shape[-1])))
+            router = name.endswith(("gate.weight", "router.weight"))
+            gain = 6.0 if name.startswith("lm_head") else 3.0 if router else 1.0
+            fan_in = p.shape[-2] if name.endswith(("experts.gate_up_proj", "experts.down_proj")) else p.shape[-1]
+            p.copy_(torch.randn(p.shape, generator=gen) * (gain / math.sqrt(fan_in)))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen))
