@@ -42,6 +42,29 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return torch.ldexp(values, exps.float()).to(dtype).transpose(-1, -2).contiguous()
 
 
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse layout of :func:`dequantize_mxfp4`, for building checkpoints: ``w`` [..., K, R] (K a multiple
+    of 32) -> ``(blocks`` uint8 [..., R, K / 32, 16], ``scales`` uint8 [..., R, K / 32]``)``. Each block of 32
+    values gets the smallest power of two that brings its largest magnitude to at most 6 (the largest FP4 value);
+    values round to the nearest FP4 value (ties to the lower code).
+
+    Raises:
+        ValueError: K is not a multiple of 32.
+    """
+    k, r = w.shape[-2], w.shape[-1]
+    if k % 32:
+        raise ValueError(f"MXFP4 blocks need the reduced dim to be a multiple of 32, got {k}")
+    x = w.float().transpose(-1, -2).reshape(*w.shape[:-2], r, k // 32, 32)           # [..., R, G, 32]
+    amax = x.abs().amax(dim=-1).clamp(min=2.0 ** -126)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)                        # [..., R, G]
+    lut = torch.tensor(FP4_E2M1_VALUES[:8])
+    scaled = (x / torch.exp2(exp).unsqueeze(-1)).abs()
+    mag = (scaled.unsqueeze(-1) - lut).abs().argmin(dim=-1)                           # [..., R, G, 32] in [0, 8)
+    codes = (mag + 8 * (x < 0)).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exp + 127).to(torch.uint8).contiguous()
+
+
 class Mxfp4Experts:
     """A checkpoint reader view answering ``...mlp.experts.gate_up_proj`` / ``down_proj`` from their MXFP4
     ``_blocks`` / ``_scales`` when the checkpoint holds those (expert slices along dim 0 dequantize only the slice);
