@@ -5,8 +5,8 @@ biased q/k/v/o projections, neox RoPE (YaRN as configured: ``rope_parameters``, 
 frequencies and attention factor), a learned sink logit per query head, and a sliding window on the layers
 ``layer_types`` marks ``sliding_attention`` (``sliding_window`` tokens); then a MoE block whose every layer is
 sparse: biased router, softmax over the top-k logits, biased clamped-SwiGLU experts
-(``raymoe.layers.gpt_oss_moe``). Attention runs on :class:`~raymoe.attention.sink_window.SinkWindowAttnBackend`
-(``torch_native``); other backends are refused until they take sinks and windows.
+(``raymoe.layers.gpt_oss_moe``). Attention is the platform's backend given each layer's window and sinks
+(``torch_native``: ``raymoe.attention.sink_window``; ``flash_attn``: the FA3 kernel's ``window_size`` / ``s_aux``).
 
 Checkpoint names are transformers' (``self_attn.sinks``, ``mlp.router.{weight,bias}``, fused
 ``mlp.experts.{gate_up_proj,gate_up_proj_bias,down_proj,down_proj_bias}``); MXFP4 expert checkpoints are read
@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from raymoe.attention.sink_window import SinkWindowAttnBackend
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ModelConfig
 from raymoe.errors import CheckpointError
@@ -78,17 +77,17 @@ class GptOssForCausalLM(MoeCausalLM):
         self.num_local_kv_heads = self.layers[0].self_attn.num_kv_heads
 
     def create_attn_backend(self, name: str, req_to_token_pool, token_to_kv_pool):
-        """:class:`SinkWindowAttnBackend` over the per-head K/V cache, reading each layer's sinks and window.
+        """The platform's backend ``name`` over the per-head K/V cache, given each layer's window and sinks
+        (``torch_native``: :class:`~raymoe.attention.sink_window.SinkWindowAttnBackend`; ``flash_attn``: the
+        kernel's ``window_size`` and ``s_aux``, FA3 only).
 
         Raises:
-            ValueError: ``name`` is not ``"torch_native"`` (no other backend takes sinks and windows yet).
+            ValueError: the backend cannot take sinks (``flash_attn`` on FA2) or ``name`` is unknown.
         """
-        if name != "torch_native":
-            raise ValueError(f"attention backend {name!r} does not take gpt-oss's sinks and sliding windows; "
-                             "use 'torch_native'")
-        return SinkWindowAttnBackend(
-            req_to_token_pool, token_to_kv_pool, self.num_local_heads, self.num_local_kv_heads,
-            self.config.head_dim, windows=[self.config.attention_window(i) for i in range(len(self.layers))],
+        return self.ops.attention_backend(
+            name, req_to_token_pool=req_to_token_pool, token_to_kv_pool=token_to_kv_pool,
+            num_heads=self.num_local_heads, num_kv_heads=self.num_local_kv_heads, head_dim=self.config.head_dim,
+            windows=[self.config.attention_window(i) for i in range(len(self.layers))],
             sinks=[layer.self_attn.sinks for layer in self.layers])
 
     @torch.no_grad()
