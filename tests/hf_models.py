@@ -53,22 +53,29 @@ CONFIGS = {
                                                              "factor": 4.0, "original_max_position_embeddings": 128,
                                                              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
                                                              "mscale_all_dim": 1.0}}),
+    "mixtral": ("mixtral", {"num_hidden_layers": 2, "num_key_value_heads": 2, "num_local_experts": 4,
+                            "num_experts_per_tok": 2, "rope_theta": 1e6}),
+}
+
+GPT_OSS_CONFIGS = {
     # gpt-oss: sinks, biases, clamped SwiGLU (a small limit so the clamp bites), YaRN; GQA; windows of 4 and 7 tokens
     # (prompts are longer), full/sliding layers in two patterns.
     "gpt_oss_w4": ("gpt_oss", {**_GPT_OSS, "num_hidden_layers": 3, "sliding_window": 4,
                                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
     "gpt_oss_w7": ("gpt_oss", {**_GPT_OSS, "num_hidden_layers": 2, "sliding_window": 7,
                                "layer_types": ["full_attention", "sliding_attention"]}),
-    "mixtral": ("mixtral", {"num_hidden_layers": 2, "num_key_value_heads": 2, "num_local_experts": 4,
-                            "num_experts_per_tok": 2, "rope_theta": 1e6}),
 }
+"""gpt-oss cases (``tests/test_gpt_oss_parity.py``), apart from ``CONFIGS`` (DeepSeek/Mixtral parity iterates it)."""
 
 
-def _redraw(model: torch.nn.Module, seed: int) -> None:
+def _redraw(model: torch.nn.Module, seed: int, gpt_oss: bool = False) -> None:
+    """Re-draw every weight (module docstring). ``gpt_oss``: biases and sink logits get std 0.5 and the experts'
+    [E, in, out] projections (gpt-oss's transposed layout) their fan-in from dim -2; other families keep the rules
+    their fixtures were drawn with."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("bias", "sinks")):  # gpt-oss: projection, router and expert biases, sink logits
+            if gpt_oss and name.endswith(("bias", "sinks")):
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
                 continue
             if p.dim() == 1:  # norms
@@ -76,7 +83,8 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
                 continue
             router = name.endswith(("gate.weight", "router.weight"))
             gain = 6.0 if name.startswith("lm_head") else 3.0 if router else 1.0
-            fan_in = p.shape[-2] if name.endswith(("experts.gate_up_proj", "experts.down_proj")) else p.shape[-1]
+            transposed = gpt_oss and name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+            fan_in = p.shape[-2] if transposed else p.shape[-1]
             p.copy_(torch.randn(p.shape, generator=gen) * (gain / math.sqrt(fan_in)))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
@@ -84,14 +92,15 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
 
 
 def build(name: str, out: Path, seed: int = 0) -> str:
-    """Build ``CONFIGS[name]`` with transformers into ``out`` (weights re-drawn from ``seed``); returns the path."""
+    """Build ``CONFIGS[name]`` or ``GPT_OSS_CONFIGS[name]`` with transformers into ``out`` (weights re-drawn from
+    ``seed``); returns the path."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, kwargs = CONFIGS[name]
+    model_type, kwargs = {**CONFIGS, **GPT_OSS_CONFIGS}[name]
     cfg = AutoConfig.for_model(model_type, **{**_COMMON, **kwargs})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    _redraw(model, seed)
+    _redraw(model, seed, gpt_oss=model_type == "gpt_oss")
     model.save_pretrained(out)
     build_tokenizer(out, vocab_size=VOCAB)
     return str(out)

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import build
+from hf_models import GPT_OSS_CONFIGS, build
 from test_deepseek_parity import GREEDY, PROMPTS, SHARED, _extend_batch, _hf_greedy
 
 from raymoe import Engine
 from raymoe.config import GraphConfig
 from raymoe.runner.model_runner import ModelRunner, RunnerConfig
 
-NAMES = ["gpt_oss_w4", "gpt_oss_w7"]
+NAMES = sorted(GPT_OSS_CONFIGS)
 
 
 @pytest.fixture(scope="module", params=NAMES)
