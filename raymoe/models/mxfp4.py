@@ -25,7 +25,8 @@ _QUANTIZED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
     """``blocks`` uint8 [..., R, G, 16] and ``scales`` uint8 [..., R, G] -> [..., G * 32, R] in ``dtype``
-    (module docstring; exact in float32 and bfloat16 for scales within their exponent range).
+    (module docstring; exact in float32 and bfloat16 for scales within their exponent range). Dequantized one
+    leading index (an expert) at a time, so the float32 intermediates stay the size of one expert's projection.
 
     Raises:
         CheckpointError: (naming ``name``) wrong dtypes or shapes.
@@ -35,11 +36,17 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     if blocks.dim() < 3 or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
         raise CheckpointError(name, f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
                                     "(expected [..., R, G, 16] and [..., R, G])")
+    *lead, rows, groups, _ = blocks.shape
     lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()               # [..., R, G, 16, 2]
-    values = lut[codes].flatten(-3)                                                  # [..., R, G * 32]
-    exps = (scales.to(torch.int32) - 127).repeat_interleave(32, dim=-1)            # [..., R, G * 32]
-    return torch.ldexp(values, exps.float()).to(dtype).transpose(-1, -2).contiguous()
+    flat_blocks, flat_scales = blocks.reshape(-1, rows, groups, 16), scales.reshape(-1, rows, groups)
+    out = torch.empty(flat_blocks.shape[0], groups * 32, rows, dtype=dtype)
+    for i in range(flat_blocks.shape[0]):
+        b = flat_blocks[i]
+        codes = torch.stack([b & 0x0F, b >> 4], dim=-1).long()                      # [R, G, 16, 2]
+        values = lut[codes].flatten(-3)                                              # [R, G * 32]
+        exps = (flat_scales[i].to(torch.int32) - 127).repeat_interleave(32, dim=-1)  # [R, G * 32]
+        out[i] = torch.ldexp(values, exps.float()).t()
+    return out.reshape(*lead, groups * 32, rows)
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
