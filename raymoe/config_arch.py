@@ -137,8 +137,9 @@ class GptOssArch:
 
 def gpt_oss_fields(d: dict[str, Any]) -> dict[str, Any]:
     """``ModelConfig`` fields of a gpt-oss config dict ``d``: the experts are ``intermediate_size`` wide, top-k
-    weights are the softmax over the chosen logits (equal to the renormalized softmax), every layer is MoE, the
-    layer types default to transformers' (sliding on even layers) and the quantization, if any, must be MXFP4
+    weights are the softmax over the chosen logits (equal to the renormalized softmax), every layer is MoE, keys a
+    config may leave out take transformers' ``GptOssConfig`` defaults (sliding layers on even indices, a window of
+    128, attention biases on, SwiGLU alpha 1.702 and limit 7) and the quantization, if any, must be MXFP4
     (``quant_method: mxfp4``; its blocks and scales are dequantized at load).
 
     Raises:
@@ -153,7 +154,8 @@ def gpt_oss_fields(d: dict[str, Any]) -> dict[str, Any]:
     return {"router": RouterConfig(norm_topk_prob=True),
             "gpt_oss": GptOssArch(float(d.get("swiglu_alpha", 1.702)), float(d.get("swiglu_limit", 7.0))),
             "moe_intermediate_size": int(d["intermediate_size"]), "layer_types": tuple(str(t) for t in types),
-            "sliding_window": None if d.get("sliding_window") is None else int(d["sliding_window"])}
+            "sliding_window": None if d.get("sliding_window", 128) is None else int(d.get("sliding_window", 128)),
+            "attention_bias": bool(d.get("attention_bias", True))}
 
 
 def yarn_mscale(scale: float, mscale: float) -> float:

@@ -22,12 +22,14 @@ def test_defaults_follow_transformers():
     assert [cfg.attention_window(i) for i in range(4)] == [5, None, 5, None]
     assert cfg.gpt_oss == GptOssArch(1.702, 7.0)
     assert cfg.moe_intermediate_size == 16 and cfg.router.norm_topk_prob and cfg.is_moe_layer(0)
+    bare = ModelConfig.from_dict({k: v for k, v in BASE.items() if k != "sliding_window"})
+    assert bare.sliding_window == 128 and bare.attention_bias  # transformers' GptOssConfig defaults
 
 
 @pytest.mark.parametrize(("update", "match"), [
     ({"layer_types": ["full_attention"] * 3}, "3 entries for 4 layers"),
     ({"layer_types": ["linear_attention"] * 4}, "linear_attention"),
-    ({"sliding_window": None}, "sliding_window >= 1"),
+    ({"sliding_window": -3}, "sliding_window >= 1"),
     ({"swiglu_limit": 0.0}, "swiglu_limit"),
     ({"quantization_config": {"quant_method": "fp8"}}, "quant_method 'fp8'"),
 ])

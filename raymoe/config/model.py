@@ -137,7 +137,7 @@ class ModelConfig:
             rope_parameters=rope,
             max_position_embeddings=int(_first(d, "max_position_embeddings", default=4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", False)),
+            attention_bias=bool(extra.pop("attention_bias", d.get("attention_bias", False))),
             hidden_act=str(d.get("hidden_act", "silu")),
             eos_token_ids=eos_ids,
             hf_config=dict(d),
