@@ -25,8 +25,9 @@ def _cmd_make_checkpoint(a: argparse.Namespace) -> None:
 
     out = make_checkpoint(a.arch, a.out, seed=a.seed, num_layers=a.num_layers, hidden_size=a.hidden_size,
                           num_experts=a.num_experts, num_experts_per_tok=a.top_k, vocab_size=a.vocab_size,
-                          max_shard_bytes=a.max_shard_bytes, progress=True, quant=a.quant, fp8_scheme=a.fp8_scheme,
-                          fp8_block=tuple(a.fp8_block), moe_intermediate_size=a.moe_intermediate_size)
+                          sliding_window=a.sliding_window, mxfp4=a.mxfp4, max_shard_bytes=a.max_shard_bytes,
+                          progress=True, quant=a.quant, fp8_scheme=a.fp8_scheme, fp8_block=tuple(a.fp8_block),
+                          moe_intermediate_size=a.moe_intermediate_size)
     print(out)
 
 
@@ -56,7 +57,8 @@ def _cmd_env(a: argparse.Namespace) -> None:
 
 def _add_make_checkpoint_parser(sub) -> None:
     p = sub.add_parser("make-checkpoint", help="write a seeded tiny Hugging Face checkpoint")
-    p.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "deepseek_v3", "deepseek_v2", "mixtral"])
+    p.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "deepseek_v3", "deepseek_v2", "mixtral",
+                                                                  "gpt_oss"])
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-layers", type=int, default=4)
@@ -65,6 +67,8 @@ def _add_make_checkpoint_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--moe-intermediate-size", type=int, default=64)
+    p.add_argument("--sliding-window", type=int, default=16, help="gpt_oss: window of the sliding layers (tokens)")
+    p.add_argument("--mxfp4", action="store_true", help="gpt_oss: write the experts as MXFP4 blocks and scales")
     p.add_argument("--max-shard-bytes", type=int, default=None)
     p.add_argument("--quant", choices=["fp8"], default=None,
                    help="store every projection in FP8 (float8_e4m3fn + scales, quantization_config in config.json)")

@@ -109,6 +109,55 @@ class RouterConfig:
             raise ValueError("routed_scaling_factor must be > 0")
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class GptOssArch:
+    """What gpt-oss (OpenAI 2025, "gpt-oss-120b & gpt-oss-20b model card") adds to a GQA MoE decoder, beside the
+    per-layer attention windows of ``ModelConfig``: a learned attention sink per query head (``self_attn.sinks``),
+    biases on the router and the experts, and the clamped SwiGLU of its experts:
+    ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``, ``out = (up + 1) * gate * sigmoid(alpha * gate)``
+    with gate and up interleaved in ``gate_up_proj`` (even / odd columns).
+
+    Attributes:
+        swiglu_alpha: the sigmoid's slope (1.702 in the released models).
+        swiglu_limit: the clamp bound (7.0 in the released models); > 0.
+    """
+
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        if not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit must be > 0, got {self.swiglu_limit}")
+        if not self.swiglu_alpha > 0:
+            raise ValueError(f"swiglu_alpha must be > 0, got {self.swiglu_alpha}")
+
+
+def gpt_oss_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """``ModelConfig`` fields of a gpt-oss config dict ``d``: the experts are ``intermediate_size`` wide, top-k
+    weights are the softmax over the chosen logits (equal to the renormalized softmax), every layer is MoE, keys a
+    config may leave out take transformers' ``GptOssConfig`` defaults (sliding layers on even indices, a window of
+    128, attention biases on, SwiGLU alpha 1.702 and limit 7) and the quantization, if any, must be MXFP4
+    (``quant_method: mxfp4``; its blocks and scales are dequantized at load).
+
+    Raises:
+        ValueError: a quantization method other than MXFP4.
+    """
+    quant = d.get("quantization_config")
+    if quant is not None and quant.get("quant_method") != "mxfp4":
+        raise ValueError(f"quantization_config.quant_method {quant.get('quant_method')!r} is not supported for "
+                         "gpt_oss (only 'mxfp4')")
+    n = int(d["num_hidden_layers"])
+    types = d.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    return {"router": RouterConfig(norm_topk_prob=True),
+            "gpt_oss": GptOssArch(float(d.get("swiglu_alpha", 1.702)), float(d.get("swiglu_limit", 7.0))),
+            "moe_intermediate_size": int(d["intermediate_size"]), "layer_types": tuple(str(t) for t in types),
+            "sliding_window": None if d.get("sliding_window", 128) is None else int(d.get("sliding_window", 128)),
+            "attention_bias": bool(d.get("attention_bias", True))}
+
+
 def yarn_mscale(scale: float, mscale: float) -> float:
     """YaRN attention-temperature factor ``0.1 * mscale * ln(scale) + 1`` (Peng et al. 2023, arXiv:2309.00071,
     as parameterized by DeepSeek-V2); 1 when ``scale <= 1``."""

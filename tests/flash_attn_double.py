@@ -10,12 +10,18 @@ checks as the wrapper (``AssertionError``, ``ValueError``, ``NotImplementedError
 * ``block_size % 16 == 0``; ``Hq % Hkv == 0``; head dim <= 256; fp16/bf16 with matching k/v/out dtypes;
 * ``causal=True`` aligns the mask to the bottom right: query ``t`` of a sequence with ``q_len`` queries and
   ``k_len = seqused_k`` keys sees keys ``[0, k_len - q_len + t]``; a query that sees no key gets zeros.
+* ``window_size=(left, right)`` (the wrapper asserts two entries; -1: unbounded; ``causal`` sets right to 0): query
+  ``t`` sees keys ``[t + k_len - q_len - left, t + k_len - q_len + right]`` (the docstring of the fork's wrapper).
+* ``s_aux`` [Hq] (attention sinks): the wrapper raises ``NotImplementedError("FA2 does not support s_aux")`` on
+  FA2; the FA3 entry (``hopper/flash_api.cpp``) checks at most 64 query heads, equal q/v head dims, bfloat16, shape
+  [Hq], contiguous, q's device (its Hopper-only check cannot be modeled here). Each head's sink logit joins the
+  softmax's denominator and has no value: ``p_j = exp(s_j) / (exp(s_aux[h]) + sum_i exp(s_i))``.
 
 Deliberate differences: tensors must share q's device instead of being CUDA; ``allow_float32=True`` also accepts
 float32 (so engine parity can run in fp32); and it is stricter than the kernel where the kernel would silently read
 out of bounds or skip work (a query or key length above ``max_seqlen_q`` / ``max_seqlen_k``, a block id out of
-range, a table too narrow for ``seqused_k``). Features raymoe does not use (dropout, windows, softcap, ALiBi, the
-non-paged ``cu_seqlens_k`` path, FA3 extras) raise ``NotImplementedError``.
+range, a table too narrow for ``seqused_k``). Features raymoe does not use (dropout, softcap, ALiBi, the non-paged
+``cu_seqlens_k`` path, FA3 extras, the log-sum-exp of a call with sinks) raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -51,21 +57,36 @@ class FlashAttnDouble:
         assert block_table is None or seqused_k is not None, "seqused_k must be provided if block_table is provided"
         if fa_version not in (2, 3):
             raise ValueError(f"Unsupported FA version: {fa_version}")
+        if fa_version == 2 and s_aux is not None:
+            raise NotImplementedError("FA2 does not support s_aux")
         if fa_version == 2 and num_splits > 1:
             raise NotImplementedError("FA2 does not support num_splits > 1")
-        unused = (q_v, window_size, alibi_slopes, s_aux, scheduler_metadata, q_descale, k_descale, v_descale,
-                  cp_tot_seqused_k)
+        if window_size is None:
+            window_size = (-1, -1)
+        else:
+            assert len(window_size) == 2
+        unused = (q_v, alibi_slopes, scheduler_metadata, q_descale, k_descale, v_descale, cp_tot_seqused_k)
         if block_table is None or dropout_p or softcap or cp_world_size != 1 or any(x is not None for x in unused):
-            raise NotImplementedError("the double models only the paged-KV path without dropout/window/softcap/ALiBi")
+            raise NotImplementedError("the double models only the paged-KV path without dropout/softcap/ALiBi")
+        if s_aux is not None and return_softmax_lse:
+            raise NotImplementedError("the double does not model the log-sum-exp of a call with s_aux")
         if softmax_scale is None:
             softmax_scale = q.shape[-1] ** -0.5
         q, k, v = (x.contiguous() if x.stride(-1) != 1 else x for x in (q, k, v))
         self._check_args(q, k, v, cu_seqlens_q, seqused_k, block_table, out)
+        if s_aux is not None:  # the FA3 entry's checks
+            _check(q.shape[1] <= 64, "We only support query heads <= 64 with S aux")
+            _check(q.shape[-1] == v.shape[-1], "We don't support S aux with hdim != hdim_v")
+            _check(s_aux.dtype == torch.bfloat16, "We only support bf16 dtype for S aux.")
+            _check(s_aux.device == q.device, "s_aux must be on the same device")
+            _check(tuple(s_aux.shape) == (q.shape[1],), "s_aux must have shape (num_heads)")
+            _check(s_aux.is_contiguous(), "s_aux must be contiguous")
         if out is None:
             out = torch.empty_like(q)
         lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float32, device=q.device)
+        left, right = int(window_size[0]), 0 if causal else int(window_size[1])
         self._attend(q, k, v, int(max_seqlen_q), cu_seqlens_q, int(max_seqlen_k), seqused_k, block_table,
-                     float(softmax_scale), causal, out, lse)
+                     float(softmax_scale), (left, right), out, lse, s_aux)
         self.calls += 1
         return (out, lse) if return_softmax_lse else out
 
@@ -104,9 +125,10 @@ class FlashAttnDouble:
             _check(tuple(out.shape) == (total_q, num_heads, head_dim), "out must have shape (total_q, H, D)")
 
     @staticmethod
-    def _attend(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, block_table, scale, causal, out,
-                lse) -> None:
-        """Each sequence: gather its keys/values through the block table, masked softmax in float32."""
+    def _attend(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, block_table, scale, window, out,
+                lse, s_aux) -> None:
+        """Each sequence: gather its keys/values through the block table, softmax in float32 over the keys inside
+        ``window`` = (left, right) of each query's diagonal (-1: unbounded), with the sink logits when given."""
         block_size, num_heads_k = k.shape[1], k.shape[2]
         group = q.shape[1] // num_heads_k
         cu, used = cu_seqlens_q.tolist(), seqused_k.tolist()
@@ -124,10 +146,15 @@ class FlashAttnDouble:
             keys = keys.repeat_interleave(group, dim=1)                                 # [k_len, Hq, D]
             values = values.repeat_interleave(group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), keys) * scale        # [Hq, q_len, k_len]
-            if causal:
-                last = torch.arange(q_len, device=q.device)[:, None] + (k_len - q_len)  # last visible key per query
-                scores = scores.masked_fill(torch.arange(k_len, device=q.device)[None, :] > last, float("-inf"))
+            diag = torch.arange(q_len, device=q.device)[:, None] + (k_len - q_len)      # each query's diagonal key
+            key = torch.arange(k_len, device=q.device)[None, :]
+            if window[1] >= 0:
+                scores = scores.masked_fill(key > diag + window[1], float("-inf"))
+            if window[0] >= 0:
+                scores = scores.masked_fill(key < diag - window[0], float("-inf"))
             row_lse = torch.logsumexp(scores, dim=-1)                                    # [Hq, q_len]
+            if s_aux is not None:                                                        # the sink joins the sum
+                row_lse = torch.logaddexp(row_lse, s_aux.float()[:, None].expand_as(row_lse))
             probs = torch.exp(scores - row_lse[..., None]).nan_to_num(0.0)               # rows seeing no key: 0
             out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)
             lse[:, q0:q1] = row_lse

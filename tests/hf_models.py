@@ -21,6 +21,10 @@ _COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num
            "eos_token_id": IM_END_ID, "pad_token_id": ENDOFTEXT_ID, "tie_word_embeddings": False}
 _MLA = {"kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
         "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1}
+_GPT_OSS = {"num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 8,
+            "num_experts_per_tok": 2, "swiglu_limit": 1.5,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128}}
 
 CONFIGS = {
     "deepseek_v3": ("deepseek_v3", {**_MLA, "q_lora_rank": 24, "num_hidden_layers": 3, "first_k_dense_replace": 1,
@@ -53,31 +57,50 @@ CONFIGS = {
                             "num_experts_per_tok": 2, "rope_theta": 1e6}),
 }
 
+GPT_OSS_CONFIGS = {
+    # gpt-oss: sinks, biases, clamped SwiGLU (a small limit so the clamp bites), YaRN; GQA; windows of 4 and 7 tokens
+    # (prompts are longer), full/sliding layers in two patterns.
+    "gpt_oss_w4": ("gpt_oss", {**_GPT_OSS, "num_hidden_layers": 3, "sliding_window": 4,
+                               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    "gpt_oss_w7": ("gpt_oss", {**_GPT_OSS, "num_hidden_layers": 2, "sliding_window": 7,
+                               "layer_types": ["full_attention", "sliding_attention"]}),
+}
+"""gpt-oss cases (``tests/test_gpt_oss_parity.py``), apart from ``CONFIGS`` (DeepSeek/Mixtral parity iterates it)."""
 
-def _redraw(model: torch.nn.Module, seed: int) -> None:
+
+def _redraw(model: torch.nn.Module, seed: int, gpt_oss: bool = False) -> None:
+    """Re-draw every weight (module docstring). ``gpt_oss``: biases and sink logits get std 0.5 and the experts'
+    [E, in, out] projections (gpt-oss's transposed layout) their fan-in from dim -2; other families keep the rules
+    their fixtures were drawn with."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if gpt_oss and name.endswith(("bias", "sinks")):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+                continue
             if p.dim() == 1:  # norms
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
                 continue
-            gain = 6.0 if name.startswith("lm_head") else 3.0 if name.endswith("gate.weight") else 1.0
-            p.copy_(torch.randn(p.shape, generator=gen) * (gain / math.sqrt(p.shape[-1])))
+            router = name.endswith(("gate.weight", "router.weight"))
+            gain = 6.0 if name.startswith("lm_head") else 3.0 if router else 1.0
+            transposed = gpt_oss and name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+            fan_in = p.shape[-2] if transposed else p.shape[-1]
+            p.copy_(torch.randn(p.shape, generator=gen) * (gain / math.sqrt(fan_in)))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen))
 
 
 def build(name: str, out: Path, seed: int = 0, overrides: dict | None = None) -> str:
-    """Build ``CONFIGS[name]`` (with ``overrides`` of its config fields) with transformers into ``out`` (weights
-    re-drawn from ``seed``); returns the path."""
+    """Build ``CONFIGS[name]`` or ``GPT_OSS_CONFIGS[name]`` (with ``overrides`` of its config fields) with
+    transformers into ``out`` (weights re-drawn from ``seed``); returns the path."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, kwargs = CONFIGS[name]
+    model_type, kwargs = {**CONFIGS, **GPT_OSS_CONFIGS}[name]
     cfg = AutoConfig.for_model(model_type, **{**_COMMON, **kwargs, **(overrides or {})})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    _redraw(model, seed)
+    _redraw(model, seed, gpt_oss=model_type == "gpt_oss")
     model.save_pretrained(out)
     build_tokenizer(out, vocab_size=VOCAB)
     return str(out)

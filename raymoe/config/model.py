@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raymoe.config_arch import MLAConfig, RouterConfig, deepseek_fields
+from raymoe.config_arch import LAYER_TYPES, GptOssArch, MLAConfig, RouterConfig, deepseek_fields, gpt_oss_fields
 from raymoe.config_quant import Fp8Config, parse_quantization_config
 from raymoe.errors import CheckpointError
 
@@ -31,6 +31,9 @@ class ModelConfig:
     are chosen; ``n_shared_experts`` shared experts of ``moe_intermediate_size`` each run on every token of a MoE
     layer. Dense layers are listed in ``mlp_only_layers`` whatever the family's own rule (normalized here).
     ``quantization``: the checkpoint's FP8 weight format (``raymoe.config_quant``), None for unquantized weights.
+    ``layer_types`` (empty: every layer ``full_attention``) and ``sliding_window`` (tokens: a query attends to the
+    last ``sliding_window`` positions, itself included) give each layer's attention span; ``gpt_oss`` is set for
+    gpt-oss (sinks, biases, clamped SwiGLU).
     """
 
     model_type: str
@@ -59,8 +62,18 @@ class ModelConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     n_shared_experts: int = 0
     quantization: Fp8Config | None = None
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    gpt_oss: GptOssArch | None = None
 
     def __post_init__(self) -> None:
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"layer_types {unknown} are not supported (supported: {list(LAYER_TYPES)})")
+        if "sliding_attention" in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError("sliding_attention layers need sliding_window >= 1")
         if self.n_shared_experts < 0:
             raise ValueError("n_shared_experts must be >= 0")
         if self.router.topk_method == "group_limited" and self.num_experts % self.router.n_group:
@@ -74,6 +87,13 @@ class ModelConfig:
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
 
+    def attention_window(self, layer_id: int) -> int | None:
+        """Tokens layer ``layer_id`` attends to (the query's own position and the ones before it), or None for
+        every cached position."""
+        if self.layer_types and self.layer_types[layer_id] == "sliding_attention":
+            return self.sliding_window
+        return None
+
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether decoder layer ``layer_id`` has a sparse MoE block (else a dense MLP)."""
         return (
@@ -84,7 +104,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        """Normalize a Hugging Face config dict (Qwen3-MoE, Mixtral, DeepSeek-V2/V3 key names).
+        """Normalize a Hugging Face config dict (Qwen3-MoE, Mixtral, DeepSeek-V2/V3, gpt-oss key names).
 
         Raises:
             ValueError: an unsupported ``quantization_config`` (its method or field named) or a bad size.
@@ -103,6 +123,8 @@ class ModelConfig:
             norm_topk_prob=model_type == "mixtral" or bool(d.get("norm_topk_prob", False)))}
         if model_type in ("deepseek_v2", "deepseek_v3"):
             extra = deepseek_fields(d, rope, heads)
+        elif model_type == "gpt_oss":
+            extra = gpt_oss_fields(d)
         return cls(
             model_type=model_type,
             vocab_size=int(d["vocab_size"]),
@@ -112,7 +134,8 @@ class ModelConfig:
             num_key_value_heads=int(extra.pop("num_key_value_heads", _first(d, "num_key_value_heads", default=heads))),
             head_dim=int(extra.pop("head_dim", _first(d, "head_dim", default=hidden // heads))),
             intermediate_size=int(d.get("intermediate_size", 0)),
-            moe_intermediate_size=int(_first(d, "moe_intermediate_size", default=d.get("intermediate_size", 0))),
+            moe_intermediate_size=int(extra.pop("moe_intermediate_size", None) or _first(
+                d, "moe_intermediate_size", default=d.get("intermediate_size", 0))),
             num_experts=int(_first(d, "num_experts", "num_local_experts", "n_routed_experts", default=0)),
             num_experts_per_tok=int(_first(d, "num_experts_per_tok", default=1)),
             norm_topk_prob=bool(d.get("norm_topk_prob", False)),
@@ -122,11 +145,12 @@ class ModelConfig:
             rope_parameters=rope,
             max_position_embeddings=int(_first(d, "max_position_embeddings", default=4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", False)),
+            attention_bias=bool(extra.pop("attention_bias", d.get("attention_bias", False))),
             hidden_act=str(d.get("hidden_act", "silu")),
             eos_token_ids=eos_ids,
             hf_config=dict(d),
-            quantization=parse_quantization_config(d.get("quantization_config")),
+            # gpt-oss reads its own (MXFP4 experts, ``gpt_oss_fields``); every other family's is FP8 or refused
+            quantization=None if model_type == "gpt_oss" else parse_quantization_config(d.get("quantization_config")),
             **extra,
         )
 

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from raymoe.errors import InvalidRequestError
-from raymoe.models import tiny_archs
+from raymoe.models import tiny_archs, tiny_gpt_oss
 from raymoe.models.fp8_checkpoint import fp8_config, quantize_tensors
 from raymoe.models.tiny_init import LM_HEAD_GAIN, OUT_PROJ_GAIN, ROUTER_GAIN, linear, norm
 from raymoe.models.tokenizer_builder import ENDOFTEXT_ID, IM_END_ID, build_tokenizer
@@ -54,11 +54,13 @@ class TinyModelSpec:
     mlp_only_layers: tuple[int, ...] = ()
     norm_topk_prob: bool = True
     tie_word_embeddings: bool = False
+    sliding_window: int = 16
+    mxfp4: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_experts", "num_experts_per_tok", "num_heads", "num_kv_heads",
                      "head_dim", "moe_intermediate_size", "intermediate_size", "vocab_size",
-                     "max_position_embeddings", "decoder_sparse_step"):
+                     "max_position_embeddings", "decoder_sparse_step", "sliding_window"):
             if int(getattr(self, name)) < 1:
                 raise InvalidRequestError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
@@ -67,6 +69,9 @@ class TinyModelSpec:
             raise InvalidRequestError("num_experts_per_tok", "must be <= num_experts")
         if self.head_dim % 2:
             raise InvalidRequestError("head_dim", "must be even (rotary embedding)")
+        if self.mxfp4 and (self.hidden_size % 32 or self.moe_intermediate_size % 32):
+            raise InvalidRequestError("mxfp4", "MXFP4 experts need hidden_size and moe_intermediate_size "
+                                               "multiples of 32")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Qwen3-MoE rule: sparse iff not in ``mlp_only_layers`` and ``(layer + 1) % decoder_sparse_step == 0``."""
@@ -157,8 +162,10 @@ ARCHS: dict[str, _Arch] = {
     "deepseek_v2": _Arch(partial(tiny_archs.deepseek_config, v3=False), partial(tiny_archs.deepseek_weights, v3=False)),
     "deepseek_v3": _Arch(partial(tiny_archs.deepseek_config, v3=True), partial(tiny_archs.deepseek_weights, v3=True)),
     "mixtral": _Arch(tiny_archs.mixtral_config, tiny_archs.mixtral_weights),
+    "gpt_oss": _Arch(tiny_gpt_oss.gpt_oss_config, tiny_gpt_oss.gpt_oss_weights),
 }
-"""Architectures ``make_checkpoint`` can build (builders of the others than Qwen3-MoE: ``raymoe.models.tiny_archs``)."""
+"""Architectures ``make_checkpoint`` can build (builders of the others than Qwen3-MoE: ``raymoe.models.tiny_archs``,
+``raymoe.models.tiny_gpt_oss``)."""
 
 
 def _write_weights(tensors: Tensors, folder: Path, max_shard_bytes: int | None) -> None:
@@ -230,6 +237,8 @@ def make_checkpoint(
     mlp_only_layers: tuple[int, ...] = (),
     norm_topk_prob: bool = True,
     tie_word_embeddings: bool = False,
+    sliding_window: int = 16,
+    mxfp4: bool = False,
     max_shard_bytes: int | None = None,
     progress: bool = False,
     quant: str | None = None,
@@ -246,7 +255,10 @@ def make_checkpoint(
     It is built in a temporary folder next to ``out`` and renamed into place, replacing an older ``out``.
 
     Args:
-        arch: architecture key of ``ARCHS``: ``"qwen3_moe"``, ``"deepseek_v3"``, ``"deepseek_v2"``, ``"mixtral"``.
+        arch: architecture key of ``ARCHS``: ``"qwen3_moe"``, ``"deepseek_v3"``, ``"deepseek_v2"``, ``"mixtral"``,
+            ``"gpt_oss"``.
+        sliding_window: gpt-oss: the window of its sliding layers (tokens); other architectures ignore it.
+        mxfp4: gpt-oss: write the experts as MXFP4 blocks and scales; other architectures ignore it.
         out: destination folder.
         seed: seed of the weight generator; equal arguments give byte-identical tensors.
         max_shard_bytes: split the weights into ``model-0000i-of-0000K.safetensors`` files of at most this many
@@ -282,7 +294,8 @@ def make_checkpoint(
         head_dim=head_dim, moe_intermediate_size=moe_intermediate_size, intermediate_size=intermediate_size,
         vocab_size=vocab_size, max_position_embeddings=max_position_embeddings,
         decoder_sparse_step=decoder_sparse_step, mlp_only_layers=tuple(int(x) for x in mlp_only_layers),
-        norm_topk_prob=norm_topk_prob, tie_word_embeddings=tie_word_embeddings,
+        norm_topk_prob=norm_topk_prob, tie_word_embeddings=tie_word_embeddings, sliding_window=sliding_window,
+        mxfp4=mxfp4,
     )
     from tqdm.auto import tqdm
 

@@ -11,6 +11,7 @@ _MODELS = {
     "mixtral": ("raymoe.models.mixtral", "MixtralForCausalLM"),
     "deepseek_v2": ("raymoe.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("raymoe.models.deepseek_v2", "DeepseekV3ForCausalLM"),
+    "gpt_oss": ("raymoe.models.gpt_oss", "GptOssForCausalLM"),
 }
 
 

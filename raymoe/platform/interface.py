@@ -136,7 +136,7 @@ class BackendRegistry:
 
     Attributes:
         attention: backend name -> ``factory(req_to_token_pool=, token_to_kv_pool=, num_heads=, num_kv_heads=,
-            head_dim=)`` for grouped-query attention.
+            head_dim=[, windows=, sinks=])`` for grouped-query attention.
         dispatchers: backend name -> ``factory(groups, num_experts, spec, hidden_size, dtype)``.
         mla_attention: backend name -> ``factory(req_to_token_pool=, token_to_kv_pool=, num_heads=,
             softmax_scale=)`` for multi-head latent attention over the latent cache.
@@ -262,7 +262,9 @@ class Platform(ExpertCompute, LowLatencyOps, ABC):
     @abstractmethod
     def attention_backend(self, name: str, **kwargs: Any) -> AttentionBackend:
         """Grouped-query attention backend ``name`` (keyword arguments: ``req_to_token_pool``,
-        ``token_to_kv_pool``, ``num_heads``, ``num_kv_heads``, ``head_dim``).
+        ``token_to_kv_pool``, ``num_heads``, ``num_kv_heads``, ``head_dim``; for models with attention sinks or
+        sliding windows also ``windows`` (per layer: tokens or None) and ``sinks`` (per layer: [num_heads] logits or
+        None), which ``torch_native`` serves with ``raymoe.attention.sink_window.SinkWindowAttnBackend``).
 
         Raises:
             ValueError: an unknown name.

@@ -55,8 +55,8 @@ class CpuPlatform(CpuDenseOps, CpuExpertOps, CpuSamplingOps, TorchPlatform):
         self.dtype = dtype
 
     def attention_backend(self, name: str, **kwargs: Any) -> AttentionBackend:
-        if name == "torch_native":
-            return CpuPagedAttnBackend(**kwargs)
+        if name == "torch_native" and "windows" not in kwargs and "sinks" not in kwargs:
+            return CpuPagedAttnBackend(**kwargs)  # its kernels take neither sinks nor windows
         return super().attention_backend(name, **kwargs)
 
     def create_ep_transport(self, groups: ParallelGroups, cpu_comm: str, timeout_s: float) -> EpTransport | None:

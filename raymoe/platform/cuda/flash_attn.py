@@ -25,12 +25,19 @@ Decode graphs (``raymoe.runner.graph_runner``): fixed-address buffers of ``max_b
 in place before each replay; ``max_seqlen_k`` is then the graph width W (tokens), since a captured graph cannot
 follow the step's longest sequence. Padding rows attend to one slot (fill value 1).
 
+Sliding windows and attention sinks (gpt-oss; ``windows`` / ``sinks`` per layer): a window of ``w`` tokens is the
+kernel's ``window_size=(w - 1, 0)`` (query ``t`` sees keys ``[seq_len - q_len + t - (w - 1), seq_len - q_len + t]``);
+sinks are its ``s_aux`` [Hq], which only the FA3 kernels take (the fork's FA2 path raises; its FA3 entry wants
+bfloat16, contiguous, at most 64 query heads, Hopper), so sinks are cast to bfloat16 once when the backend is built
+(after the weights are loaded) and a backend with sinks on FA2 is refused.
+
 Not supported: MLA models (DeepSeek; their ``create_attn_backend`` refuses this backend: they take
 ``flashinfer_mla``, ``raymoe.platform.cuda.flashinfer_mla``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -61,15 +68,18 @@ class FlashAttnBackend(AttentionBackend):
         token_to_kv_pool: the rank's KV tensors ([num_slots + 1, Hkv, D] per layer).
         num_heads, num_kv_heads: this rank's query / kv heads; head_dim: D. Scale is ``D ** -0.5``.
         provider: the kernel; ``None`` looks it up (``flash_attn_provider.find_flash_attn``).
+        windows: per layer, a sliding window in tokens or None (None: no layer has one).
+        sinks: per layer, [num_heads] sink logits or None (None: no layer has them).
 
     Raises:
         BackendUnavailableError: ``provider`` is None and ``vllm`` is not installed.
-        ValueError: the page size is not a multiple of 16, the pool is not a whole number of pages, or
-            ``num_heads`` is not a multiple of ``num_kv_heads``.
+        ValueError: the page size is not a multiple of 16, the pool is not a whole number of pages,
+            ``num_heads`` is not a multiple of ``num_kv_heads``, or sinks are given to an FA2 kernel.
     """
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool, num_heads: int,
-                 num_kv_heads: int, head_dim: int, provider: FlashAttnProvider | None = None):
+                 num_kv_heads: int, head_dim: int, provider: FlashAttnProvider | None = None,
+                 windows: Sequence[int | None] | None = None, sinks: Sequence[torch.Tensor | None] | None = None):
         if provider is None:
             from raymoe.platform.cuda import flash_attn_provider
 
@@ -89,6 +99,14 @@ class FlashAttnBackend(AttentionBackend):
         self.kv_pool = token_to_kv_pool
         self.scale = head_dim ** -0.5
         self.meta: FlashAttnMetadata | None = None
+        if sinks is not None and any(s is not None for s in sinks) and self.fa_version != 3:
+            raise ValueError(f"attention sinks need the FA3 kernels (s_aux); {provider.name} runs FA{self.fa_version}")
+        self.layer_kwargs = [{} for _ in range(len(windows if windows is not None else sinks or ()))]
+        for layer, kw in enumerate(self.layer_kwargs):
+            if windows is not None and windows[layer] is not None:
+                kw["window_size"] = (windows[layer] - 1, 0)
+            if sinks is not None and sinks[layer] is not None:
+                kw["s_aux"] = sinks[layer].to(torch.bfloat16).contiguous()
 
     def _block_table(self, req_pool_indices: torch.Tensor, num_pages: int) -> torch.Tensor:
         """Pages of the first ``num_pages`` page-runs of each row: [bs] int64 rows -> [bs, num_pages] int32."""
@@ -124,7 +142,8 @@ class FlashAttnBackend(AttentionBackend):
         self.varlen_func(q=q, k=k_buf.view(paged), v=v_buf.view(paged), max_seqlen_q=m.max_seqlen_q,
                          cu_seqlens_q=m.cu_seqlens_q, max_seqlen_k=m.max_seqlen_k, seqused_k=m.seqused_k,
                          softmax_scale=self.scale, causal=True, block_table=m.block_table,
-                         fa_version=self.fa_version, out=out)
+                         fa_version=self.fa_version, out=out,
+                         **(self.layer_kwargs[layer_id] if self.layer_kwargs else {}))
         return out
 
     # ---- decode graph hooks ----

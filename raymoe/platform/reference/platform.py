@@ -33,6 +33,10 @@ class TorchPlatform(DenseOps, ExpertOps, SamplingOps, Platform):
         self.backends = backends or BackendRegistry()
 
     def attention_backend(self, name: str, **kwargs: Any) -> AttentionBackend:
+        if name == "torch_native" and ("windows" in kwargs or "sinks" in kwargs):
+            from raymoe.attention.sink_window import SinkWindowAttnBackend
+
+            return SinkWindowAttnBackend(**kwargs)
         if name == "torch_native":
             from raymoe.attention.torch_native import TorchNativeAttnBackend
 
