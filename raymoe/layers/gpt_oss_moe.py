@@ -56,22 +56,26 @@ class ClampedSwigluExperts(ExpertCompute):
                              experts.w2.transpose(1, 2))
 
     def expert_rows(self, x, local_ids, experts):
-        out = torch.empty_like(x)
+        """Rows of ``NO_EXPERT`` (-1: a graph's padding rows) sort last, are not multiplied and answer 0."""
+        el = experts.num_local
+        out = torch.zeros_like(x)
         if x.shape[0] == 0:
             return out
-        counts = torch.bincount(local_ids, minlength=experts.num_local).tolist()
-        order = torch.argsort(local_ids, stable=True)
+        key = local_ids.remainder(el + 1)                                                  # NO_EXPERT -> E_local
+        counts = torch.bincount(key, minlength=el + 1).tolist()[:el]
+        order = torch.argsort(key, stable=True)
         xs, start, outs = x[order], 0, []
         for e, c in enumerate(counts):
             if c:
                 h = F.linear(xs[start:start + c], experts.w13[e], experts.b13[e])
                 outs.append(F.linear(clamped_swiglu(h, self.alpha, self.limit), experts.w2[e], experts.b2[e]))
                 start += c
-        out[order] = torch.cat(outs)
+        if outs:
+            out[order[:start]] = torch.cat(outs)
         return out
 
-    def expert_masked(self, x, experts):
-        return self._batched(x, experts)
+    def expert_masked(self, rows, experts):
+        return self._batched(rows.x, experts)
 
     def expert_segments(self, x, ends, expert_capacity, experts):
         if x.shape[0] == 0:
