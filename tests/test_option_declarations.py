@@ -67,7 +67,8 @@ def test_serve_help_lists_the_gpu_backend_and_device_options(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     text = capsys.readouterr().out
-    for flag, choices in (("--attention-backend", "{torch_native,flash_attn,flashinfer_mla}"), ("--a2a-backend", "{torch,deepep}"),
+    for flag, choices in (("--attention-backend", "{torch_native,flash_attn,flashinfer_mla}"),
+                          ("--a2a-backend", "{torch,deepep}"),
                           ("--a2a-mode", "{normal,low_latency,auto}"), ("--device", "{auto,cpu,cuda}"),
                           ("--dtype", "{auto,float32,bfloat16,float16}"),
                           ("--group-schedulers", "{auto,driver,actors}"),

@@ -26,7 +26,7 @@ from raymoe.cluster.bootstrap import free_port
 APP = "raymoe-rolling"
 CLIENTS = 32
 MAX_TOKENS = 48
-MAX_TTFT_DURING_UPDATE_S = 6.0
+MAX_TTFT_DURING_UPDATE_S = 6.0  # beyond the steady wait for a busy replica (an engine's start here: about 11 s)
 
 
 def _build(model: str, max_running: int, max_context: int):
@@ -121,6 +121,7 @@ def test_rolling_update_under_streaming_load_fails_no_request(serve_url, tiny_mo
     failed = [r for r in load.results if not (r.done and r.completion_tokens == MAX_TOKENS and not r.errors
                                                and r.failure is None and r.finish_reason == "length")]
     during = [r.first_token - r.sent for r in load.results if r.first_token and r.sent >= updating]
+    steady = [r.first_token - r.sent for r in load.results if r.first_token and r.sent < updating]
     print(f"time to first token of streams sent during the update: max {max(during):.2f} s, "
           f"median {sorted(during)[len(during) // 2]:.2f} s")
     print(f"new version running after {running_s:.1f} s, old replica gone after {replaced_s:.1f} s; "
@@ -129,8 +130,9 @@ def test_rolling_update_under_streaming_load_fails_no_request(serve_url, tiny_mo
     assert not failed, failed[:5]
     # No moment without a replica: a stream sent during the update waited for a busy replica, never for an engine
     # to load (with max_surge_percent 0 Serve stops the old replica first: here 11 s to the first token, against
-    # 1.5 s with the surge).
-    assert max(during) < MAX_TTFT_DURING_UPDATE_S, during
+    # 1.5 s with the surge). The wait for a busy replica is what streams saw before the update on this machine at
+    # this moment (a loaded machine stretches both), so the bound is that wait plus less than an engine's start.
+    assert max(during) < max(steady) + MAX_TTFT_DURING_UPDATE_S, (max(steady), during)
     assert len(load.results) > 2 * CLIENTS
     assert len(after) == 1 and not after & before
     assert all(isinstance(m, int) for m in load.models), [m for m in load.models if not isinstance(m, int)]
