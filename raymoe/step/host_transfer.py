@@ -30,6 +30,11 @@ def to_device(values: Sequence[int] | Sequence[float], dtype: torch.dtype, devic
         [len(values)] ``dtype`` on ``device``; on CUDA its copy is queued on the current stream and is valid for
         every kernel queued after it.
     """
-    host = torch.tensor(values, dtype=dtype)
+    # Built on the host whatever torch's default device is (a rank may set one), without naming the host device
+    # where it is the default: HostSyncGuard(device=cpu) refuses an explicit device, as it would on a GPU rank.
+    if torch.get_default_device().type == "cpu":
+        host = torch.tensor(values, dtype=dtype)
+    else:
+        host = torch.tensor(values, dtype=dtype, device="cpu")
     device = torch.device(device)
     return host if device.type == "cpu" else host.to(device, non_blocking=True)
