@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_models import GPT_OSS_CONFIGS, build
-from test_deepseek_parity import GREEDY, PROMPTS, SHARED, _extend_batch, _hf_greedy
+from test_deepseek_parity import GREEDY, PROMPTS, SHARED, _extend_batch, _hf_greedy, prefill_logit_error
 
 from raymoe import Engine
 from raymoe.config import GraphConfig
@@ -29,17 +29,7 @@ def hf_case(request, tmp_path_factory):
 
 def test_prefill_logits_match_transformers(hf_case):
     _, path, hf = hf_case
-    runner = ModelRunner(RunnerConfig(path, "float32", num_kv_slots=512, max_req_rows=8, max_context_len=256,
-                                      graph=GraphConfig(disable_cuda_graph=True)))
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 17, 1, 40)]
-    logits = runner.forward(runner.prepare(_extend_batch(prompts)), return_all_logits=True)
-    off, worst = 0, 0.0
-    for p in prompts:
-        with torch.no_grad():
-            ref = hf(torch.tensor([p])).logits[0]
-        worst = max(worst, (logits[off:off + len(p)] - ref).abs().max().item())
-        off += len(p)
+    worst = prefill_logit_error(path, hf)
     assert worst <= 1e-4, worst
 
 
