@@ -131,8 +131,10 @@ def test_rolling_update_under_streaming_load_fails_no_request(serve_url, tiny_mo
     # No moment without a replica: a stream sent during the update waited for a busy replica, never for an engine
     # to load (with max_surge_percent 0 Serve stops the old replica first: here 11 s to the first token, against
     # 1.5 s with the surge). The wait for a busy replica is what streams saw before the update on this machine at
-    # this moment (a loaded machine stretches both), so the bound is that wait plus less than an engine's start.
-    assert max(during) < max(steady) + MAX_TTFT_DURING_UPDATE_S, (max(steady), during)
+    # this moment, and the new engine's start is measured too (a loaded machine stretches both): a stream may wait
+    # that long plus less than half an engine's start, so waiting for the new engine always fails.
+    bound = max(steady) + min(MAX_TTFT_DURING_UPDATE_S, running_s / 2)
+    assert max(during) < bound, (max(steady), running_s, during)
     assert len(load.results) > 2 * CLIENTS
     assert len(after) == 1 and not after & before
     assert all(isinstance(m, int) for m in load.models), [m for m in load.models if not isinstance(m, int)]
