@@ -10,12 +10,14 @@ deadlock rules hold the same way in both.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
 from raymoe.actors.step_decision import StepRules, decide_step
 from raymoe.actors.step_timing import StepTimer, step_mode
 from raymoe.config import EngineConfig
+from raymoe.eplb.controller import EplbController
 from raymoe.step.step_plan import GroupPlan, StepDecision
 
 # Failed steps in a row (RankStepError) after which the ranks are restarted even though they answer.
@@ -30,6 +32,8 @@ class StepCoordinator:
         graph_capture_sizes: decode-graph buckets the ranks captured (empty: always eager).
         vocab_size: token ids must lie in ``[0, vocab_size)`` (None: unchecked; checked by the groups).
         a2a_mode: the MoE all-to-all mode the ranks were built with (None: the config's).
+        eplb: the expert-load window and rebalance planner (``raymoe.eplb.controller``; None: the ranks record no
+            expert load). Its update joins every step's decision.
 
     Attributes:
         group_of: unfinished request id -> its DP group. num_steps, num_tbo_steps, num_graph_steps,
@@ -40,8 +44,9 @@ class StepCoordinator:
     """
 
     def __init__(self, config: EngineConfig, executor, graph_capture_sizes: Sequence[int] = (),
-                 vocab_size: int | None = None, a2a_mode: str | None = None):
+                 vocab_size: int | None = None, a2a_mode: str | None = None, eplb: EplbController | None = None):
         self.config = config
+        self.eplb = eplb
         self.a2a_mode = a2a_mode or config.moe_comm.a2a_mode
         self.executor = executor
         self.graph_capture_sizes = tuple(graph_capture_sizes)
@@ -69,6 +74,10 @@ class StepCoordinator:
     def _decide(self, plans: Sequence[GroupPlan]) -> tuple[StepDecision, str]:
         """The step's shared decisions from every group's plan, counted; also its ``step_mode`` label."""
         decision = decide_step(plans, self.rules)
+        if self.eplb is not None:
+            update = self.eplb.next_update()
+            if update is not None:
+                decision = dataclasses.replace(decision, expert_update=update)
         self.num_tbo_steps += decision.use_tbo
         self.num_graph_steps += decision.graph_bs is not None
         self.num_low_latency_steps += decision.dispatch_capacity is not None
@@ -76,8 +85,12 @@ class StepCoordinator:
         self.num_mixed_steps += mode == "mixed"
         return decision, mode
 
-    def _collected(self, mode: str, launched_at: float, seconds: list[float]) -> None:
-        """Count a step the ranks computed: ``seconds`` is each group's tp-rank-0 forward time."""
+    def _collected(self, mode: str, launched_at: float, seconds: list[float],
+                   expert_loads: Sequence[list[int] | None] = ()) -> None:
+        """Count a step the ranks computed: ``seconds`` is each group's tp-rank-0 forward time, ``expert_loads``
+        the expert-load counters its groups attached (``StepOutput.expert_load``)."""
+        if self.eplb is not None and any(x is not None for x in expert_loads):
+            self.eplb.record(expert_loads)
         self._step_errors_in_a_row = 0
         self.last_step_seconds = seconds
         self.step_timer.collected(mode, launched_at, max(seconds, default=0.0))

@@ -86,12 +86,14 @@ class Driver(StepCoordinator):
             embedding cannot look up.
         a2a_mode: the MoE all-to-all mode the ranks were built with (``RunnerConfig.moe_comm.a2a_mode``; None: the
             config's ``moe_comm.a2a_mode``); resolved per step by ``raymoe.comm.a2a_plan``.
+        eplb: the expert-load window and rebalance planner (``raymoe.eplb.controller.EplbController``), or None.
     """
 
     def __init__(self, config: EngineConfig, executor: StepExecutor, eos_token_ids: Sequence[int],
                  detokenize: Callable[[Sequence[int]], str] | None, dp_size: int = 1,
-                 graph_capture_sizes: Sequence[int] = (), vocab_size: int | None = None, a2a_mode: str | None = None):
-        super().__init__(config, executor, graph_capture_sizes, vocab_size, a2a_mode)
+                 graph_capture_sizes: Sequence[int] = (), vocab_size: int | None = None, a2a_mode: str | None = None,
+                 eplb=None):
+        super().__init__(config, executor, graph_capture_sizes, vocab_size, a2a_mode, eplb)
         self._group_args = (config, tuple(eos_token_ids), detokenize, vocab_size)
         self.groups = [GroupScheduler(d, *self._group_args) for d in range(dp_size)]
         self._launched: _LaunchedStep | None = None  # overlap scheduling: the step the ranks are computing
@@ -157,6 +159,8 @@ class Driver(StepCoordinator):
         self.group_of.clear()
         self._step_errors_in_a_row = 0
         self._launched = None
+        if self.eplb is not None:
+            self.eplb.abort()
         return dropped
 
     def has_unfinished(self) -> bool:
@@ -205,7 +209,8 @@ class Driver(StepCoordinator):
             outputs = self.executor.collect(launched.handle)
         except RankStepError as e:
             return self._fail_step(e)
-        self._collected(launched.mode, launched.launched_at, [o.forward_seconds for o in outputs])
+        self._collected(launched.mode, launched.launched_at, [o.forward_seconds for o in outputs],
+                        [o.expert_load for o in outputs])
         updated: list[Req] = []
         for g, out in zip(self.groups, outputs, strict=True):
             done = g.finish(out)

@@ -227,6 +227,8 @@ class DriverService:
             self._stop.wait(5.0)
             return
         self.driver.reset()
+        if self.driver.eplb is not None:  # the new ranks loaded the initial expert placement
+            self.driver.eplb.ranks_restarted()
         self.rank_restarts += 1
         self._error = None
         log.warning("rank group restarted; engine healthy again")

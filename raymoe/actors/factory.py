@@ -8,6 +8,9 @@ from raymoe.actors.driver import Driver
 from raymoe.actors.executor import LocalExecutor, RayExecutor
 from raymoe.actors.hosted_driver import HostedDriver
 from raymoe.config import EngineConfig, ModelConfig
+from raymoe.eplb.controller import EplbController
+from raymoe.eplb.initial import initial_expert_location
+from raymoe.eplb.location import ExpertLocation
 from raymoe.errors import InvalidRequestError
 from raymoe.platform.selector import select_platform
 from raymoe.runner.runner_config import RunnerConfig
@@ -29,7 +32,43 @@ def runner_config_for(config: EngineConfig) -> RunnerConfig:
         max_req_rows=config.scheduler.req_pool_rows, max_context_len=config.cache.max_context_len,
         page_size=config.cache.page_tokens, attention_backend=config.attention_backend, seed=config.seed,
         device=device, graph=config.graph, moe_comm=dataclasses.replace(config.moe_comm, a2a_mode=a2a_mode),
-        overlap=config.overlap, cpu_threads=config.cpu_threads, cpu_rank_nice=config.cpu_rank_nice)
+        overlap=config.overlap, cpu_threads=config.cpu_threads, cpu_rank_nice=config.cpu_rank_nice,
+        eplb=config.eplb, expert_location=initial_location(config, ModelConfig.from_hf(config.model)))
+
+
+def initial_location(config: EngineConfig, model_config: ModelConfig) -> ExpertLocation | None:
+    """The expert placement the ranks load (``raymoe.eplb.initial``), or None when nothing asks for one.
+
+    Raises:
+        InvalidRequestError: ``init_expert_location`` cannot be read or does not fit the model and EP size
+            (``init_expert_location`` named); a model family without EPLB support.
+    """
+    e = config.eplb
+    if not e.uses_location or model_config.num_experts == 0:
+        return None
+    if model_config.gpt_oss is not None:
+        raise InvalidRequestError("ep_num_redundant_experts", "expert load records, redundant experts and "
+                                  "rebalancing are not supported for gpt-oss models")
+    num_layers = sum(model_config.is_moe_layer(i) for i in range(model_config.num_hidden_layers))
+    return initial_expert_location(num_layers, model_config.num_experts, config.parallel.ep_size,
+                                   e.ep_num_redundant_experts, e.init_expert_location, _routing_groups(model_config))
+
+
+def _routing_groups(model_config: ModelConfig) -> int:
+    """The model's routing groups (DeepSeek's ``n_group`` under group-limited routing), else 1."""
+    r = model_config.router
+    return r.n_group if r.topk_method == "group_limited" else 1
+
+
+def eplb_controller(config: EngineConfig, model_config: ModelConfig,
+                    location: ExpertLocation | None) -> EplbController | None:
+    """The driver's expert-load window and rebalance planner for ranks loaded with ``location`` (None: none)."""
+    if location is None or not config.eplb.records_load:
+        return None
+    e = config.eplb
+    return EplbController(location, config.parallel.ep_size, e.enable_eplb, e.eplb_record_interval,
+                          e.eplb_window_steps, e.eplb_rebalance_num_iterations, e.eplb_min_window_tokens,
+                          e.eplb_transfer_experts_per_step, num_groups=_routing_groups(model_config))
 
 
 def build_executor(config: EngineConfig, runner_cfg: RunnerConfig):
@@ -101,6 +140,7 @@ def build_driver(config: EngineConfig, model_config: ModelConfig, tokenizer,
         InvalidRequestError: ``group_schedulers="actors"`` without ``allow_hosted``.
     """
     runner_cfg = runner_config_for(config)
+    eplb = eplb_controller(config, model_config, runner_cfg.expert_location)
     if not allow_hosted and config.group_schedulers == "actors" and config.parallel.world_size > 1:
         raise InvalidRequestError("group_schedulers", "the offline Engine keeps its DP groups in its own process; "
                                                       "group scheduler processes serve through `raymoe serve`")
@@ -113,8 +153,8 @@ def build_driver(config: EngineConfig, model_config: ModelConfig, tokenizer,
                             step_timeout_s=config.step_timeout_s, **startup_kwargs(config))
         return HostedDriver(config, GroupHosts(config, ranks), config.parallel.dp_size,
                             graph_capture_sizes=runner_cfg.graph_capture_sizes, a2a_mode=runner_cfg.moe_comm.a2a_mode,
-                            vocab_size=model_config.vocab_size)
+                            vocab_size=model_config.vocab_size, eplb=eplb)
     return Driver(config, build_executor(config, runner_cfg), eos_token_ids(model_config, tokenizer),
                   detokenizer(tokenizer), dp_size=config.parallel.dp_size,
                   graph_capture_sizes=runner_cfg.graph_capture_sizes, a2a_mode=runner_cfg.moe_comm.a2a_mode,
-                  vocab_size=model_config.vocab_size)
+                  vocab_size=model_config.vocab_size, eplb=eplb)

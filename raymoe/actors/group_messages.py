@@ -109,6 +109,8 @@ class GroupReply(PickledAsFields):
             rank of the group answered its last step. idle: the idle invariant (``"idle_report"`` only; None while
             a request is held). ended_count: requests ended by ``"end_all"``. internal_error: the group's own code
             raised (its type and message; the driver then fails every in-flight request and resets the groups).
+            expert_load: the expert-load counters its tp-rank 0 attached to the step it finished
+            (``StepOutput.expert_load``), or None.
     """
 
     plan: GroupPlan | None
@@ -121,3 +123,4 @@ class GroupReply(PickledAsFields):
     idle: IdleReport | None = None
     ended_count: int = 0
     internal_error: str | None = None
+    expert_load: list[int] | None = None

@@ -98,7 +98,7 @@ class GroupServer:
     def _step(self, cmd: GroupCommand) -> GroupReply:
         g = self.group
         step_error = rank_failure = None
-        forward_seconds = None
+        forward_seconds = expert_load = None
         if cmd.decision is not None:
             batch = g.batch_for(cmd.decision)
             try:
@@ -113,7 +113,7 @@ class GroupServer:
             except RankFailure as e:
                 rank_failure = str(e)
             else:
-                forward_seconds = out.forward_seconds
+                forward_seconds, expert_load = out.forward_seconds, out.expert_load
                 g.record(g.finish(out))
         for rid in cmd.aborts:
             g.abort(rid)
@@ -122,7 +122,8 @@ class GroupServer:
         plan = None
         if step_error is None and rank_failure is None:  # after a failed step the driver decides first
             plan = self._plan()
-        return self._reply(plan, forward_seconds=forward_seconds, step_error=step_error, rank_failure=rank_failure)
+        return self._reply(plan, forward_seconds=forward_seconds, step_error=step_error, rank_failure=rank_failure,
+                           expert_load=expert_load)
 
     def _plan(self) -> GroupPlan:
         plan, early = self.group.plan()

@@ -58,8 +58,8 @@ class HostedDriver(StepCoordinator):
     """
 
     def __init__(self, config: EngineConfig, executor, dp_size: int, graph_capture_sizes: Sequence[int] = (),
-                 vocab_size: int | None = None, a2a_mode: str | None = None):
-        super().__init__(config, executor, graph_capture_sizes, vocab_size, a2a_mode)
+                 vocab_size: int | None = None, a2a_mode: str | None = None, eplb=None):
+        super().__init__(config, executor, graph_capture_sizes, vocab_size, a2a_mode, eplb)
         self.dp_size = dp_size
         self.reply_timeout_s = config.step_timeout_s + REPLY_MARGIN_S
         self._clear()
@@ -198,7 +198,8 @@ class HostedDriver(StepCoordinator):
         if error is not None:
             self._fail_step(error, all(r.ranks_alive for r in replies))
             return
-        self._collected(mode, launched_at, [r.forward_seconds or 0.0 for r in replies])
+        self._collected(mode, launched_at, [r.forward_seconds or 0.0 for r in replies],
+                        [r.expert_load for r in replies])
 
     def _fail_step(self, error: str, alive: bool) -> None:
         restart = self._step_failed()
@@ -249,6 +250,8 @@ class HostedDriver(StepCoordinator):
             except RankFailure:
                 pass  # a group process that is gone is rebuilt by the executor's restart
         self._clear()
+        if self.eplb is not None:
+            self.eplb.abort()
         return []
 
     def idle_report(self) -> IdleReport | None:

@@ -9,12 +9,13 @@ what ``Engine(model, **options)`` accepts; ``engine_options`` is the flat namesp
 
 from raymoe.config.engine import FANOUTS, EngineConfig
 from raymoe.config.engine_options import engine_config_from_options, engine_options
+from raymoe.config.eplb import EplbConfig
 from raymoe.config.graph import GraphConfig
 from raymoe.config.model import ModelConfig
 from raymoe.config.parallel import CPU_COMM_MODES, MoeCommConfig, OverlapConfig, ParallelConfig
 from raymoe.config.scheduling import CacheConfig, SchedulerConfig
 from raymoe.config.startup import StartupConfig
 
-__all__ = ["CPU_COMM_MODES", "FANOUTS", "CacheConfig", "EngineConfig", "GraphConfig", "ModelConfig", "MoeCommConfig",
-           "OverlapConfig", "ParallelConfig", "SchedulerConfig", "StartupConfig", "engine_config_from_options",
-           "engine_options"]
+__all__ = ["CPU_COMM_MODES", "FANOUTS", "CacheConfig", "EngineConfig", "EplbConfig", "GraphConfig", "ModelConfig",
+           "MoeCommConfig", "OverlapConfig", "ParallelConfig", "SchedulerConfig", "StartupConfig",
+           "engine_config_from_options", "engine_options"]

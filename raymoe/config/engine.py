@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from raymoe.config.eplb import EplbConfig
 from raymoe.config.graph import GraphConfig
 from raymoe.config.option import check_choice, option
 from raymoe.config.parallel import MoeCommConfig, OverlapConfig, ParallelConfig
@@ -37,7 +38,7 @@ class EngineConfig:
 
     Attributes:
         model: path of a Hugging Face model folder.
-        cache, scheduler, parallel, overlap, graph, moe_comm: the option groups (``CacheConfig`` ...).
+        cache, scheduler, parallel, overlap, graph, moe_comm, startup, eplb: the option groups (``CacheConfig`` ...
     Raises:
         InvalidRequestError: a bad option (names it), including a GPU backend without CUDA or its package
             (``raymoe.platform.backends``, ``raymoe.platform.cuda.flash_attn_provider``).
@@ -100,6 +101,7 @@ class EngineConfig:
     graph: GraphConfig = field(default_factory=GraphConfig)
     moe_comm: MoeCommConfig = field(default_factory=MoeCommConfig)
     startup: StartupConfig = field(default_factory=StartupConfig)
+    eplb: EplbConfig = field(default_factory=EplbConfig)
 
     def __post_init__(self) -> None:
         check_engine_options({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
@@ -110,6 +112,10 @@ class EngineConfig:
 
         check_attention_backend(self.attention_backend, self.cache.page_tokens, self.kernel_dtype)
         check_gpu_backends(self)
+        if self.eplb.enable_eplb or self.eplb.ep_num_redundant_experts:
+            if self.parallel.ep_size < 2:
+                name = "enable_eplb" if self.eplb.enable_eplb else "ep_num_redundant_experts"
+                raise InvalidRequestError(name, "expert-parallel load balancing needs ep_size > 1")
         if self.device == "cuda" and self.parallel.bundle_gpus is False:
             raise InvalidRequestError("bundle_gpus", "ranks that compute on CUDA need a GPU in their placement bundle")
 

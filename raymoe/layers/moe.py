@@ -20,6 +20,8 @@ correction bias, renormalization, scaling factor); weights are cast to the hidde
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -28,6 +30,7 @@ from raymoe.comm.expert_input import NO_EXPERT, ExpertInput
 from raymoe.comm.groups import ParallelGroups, divide, tp_all_reduce
 from raymoe.config_arch import RouterConfig
 from raymoe.config_quant import Fp8Config
+from raymoe.eplb.expert_map import ExpertRouting
 from raymoe.errors import CheckpointError
 from raymoe.layers.fp8 import fp8_parameters, module_quant, read_fp8, rows_of_scales
 from raymoe.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -63,19 +66,28 @@ class LocalExperts(nn.Module):
 
     With ``ep_size > 1`` each rank owns ``E / ep_size`` whole experts; with ``ep_size == 1`` and
     ``tp_size > 1`` every rank holds all experts with the intermediate dim split (partial sums are
-    all-reduced by the caller). The arithmetic is the platform's (``ExpertCompute`` in ``raymoe.comm.expert_input``),
-    over these weights and what the platform prepared of them at load (``prepared13``, ``prepared2``).
+    all-reduced by the caller). With redundant experts (``raymoe.eplb``) ``num_experts`` counts physical slots
+    ``P`` and ``slot_experts`` names the logical expert each local slot holds (default: slot ``i`` holds expert
+    ``expert_start + i``); load reads those experts, and a rebalance rewrites slots in place
+    (:meth:`slot_tensors`, :meth:`refresh_prepared`). The arithmetic is the platform's (``ExpertCompute`` in
+    ``raymoe.comm.expert_input``), over these weights and what the platform prepared of them at load
+    (``prepared13``, ``prepared2``).
     With ``quant`` both are ``float8_e4m3fn`` with float32 block grids ``w13_scale`` [E_local, ceil(2 I_local / bn),
     ceil(H / bk)] and ``w2_scale`` [E_local, ceil(H / bn), ceil(I_local / bk)] (``raymoe.layers.fp8``).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, groups: ParallelGroups,
-                 dtype: torch.dtype, ops: Platform, quant: Fp8Config | None = None):
+                 dtype: torch.dtype, ops: Platform, quant: Fp8Config | None = None,
+                 slot_experts: Sequence[int] | None = None):
         super().__init__()
         self.groups = groups
         self.ops = ops
         self.num_local = divide(num_experts, groups.ep_size, "num_experts over ep_size")
         self.expert_start = groups.ep_rank * self.num_local
+        self.slot_experts = (list(range(self.expert_start, self.expert_start + self.num_local))
+                             if slot_experts is None else list(slot_experts))
+        if len(self.slot_experts) != self.num_local:
+            raise ValueError(f"slot_experts has {len(self.slot_experts)} entries for {self.num_local} local slots")
         self.tp_split = groups.tp_size if groups.ep_size == 1 else 1
         self.inter_local = divide(intermediate_size, self.tp_split, "moe_intermediate_size over tp_size")
         self.quant = quant
@@ -113,8 +125,7 @@ class LocalExperts(nn.Module):
         if self.quant is not None:
             self._load_fp8(reader, prefix, i0, i1)
             return
-        for le in range(self.num_local):
-            e = self.expert_start + le
+        for le, e in enumerate(self.slot_experts):
             base = f"{prefix}.{e}"
             for j, part in enumerate(("gate_proj", "up_proj")):
                 w = reader.get_slice(f"{base}.{part}.weight", 0, i0, i1, dtype=self.w13.dtype)
@@ -125,15 +136,31 @@ class LocalExperts(nn.Module):
             if tuple(w.shape) != tuple(self.w2.shape[1:]):
                 raise CheckpointError(f"{base}.down_proj.weight", f"unexpected shape {tuple(w.shape)}")
             self.w2.data[le].copy_(w)
-        self.prepared13 = self.ops.prepare_weight(self.w13, WeightKind.EXPERTS)
-        self.prepared2 = self.ops.prepare_weight(self.w2, WeightKind.EXPERTS)
+        self.refresh_prepared()
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Every per-slot tensor (dim 0 = local slot): ``w13``, ``w2`` and, FP8, their scales; what a rebalance
+        moves between ranks (``raymoe.eplb.weight_mover``)."""
+        return [t.data for t in (self.w13, self.w2, self.w13_scale, self.w2_scale) if t is not None]
+
+    def refresh_prepared(self) -> None:
+        """What the platform prepares of the weights (packed copies, FP8 scale layouts), again: after a load, or
+        after a rebalance rewrote slots."""
+        if self.quant is None:
+            self.prepared13 = self.ops.prepare_weight(self.w13, WeightKind.EXPERTS)
+            self.prepared2 = self.ops.prepare_weight(self.w2, WeightKind.EXPERTS)
+        else:
+            self.prepared13 = self.ops.prepare_weight(self.w13, WeightKind.EXPERTS,
+                                                      BlockScales(self.w13_scale.data, self.block13))
+            self.prepared2 = self.ops.prepare_weight(self.w2, WeightKind.EXPERTS,
+                                                     BlockScales(self.w2_scale.data, self.block2))
 
     def _load_fp8(self, reader, prefix: str, i0: int, i1: int) -> None:
         """The FP8 experts' weights and block scales (rows ``[i0, i1)`` of gate/up, columns of down)."""
         n = self.inter_local
         g = -(-n // self.block13[0])                        # scale rows per part (n // bn: parts are whole blocks)
-        for le in range(self.num_local):
-            base = f"{prefix}.{self.expert_start + le}"
+        for le, e in enumerate(self.slot_experts):
+            base = f"{prefix}.{e}"
             for j, part in enumerate(("gate_proj", "up_proj")):
                 name = f"{base}.{part}.weight"
                 w, s = read_fp8(reader, name, self.quant, (i0, i1))
@@ -148,10 +175,7 @@ class LocalExperts(nn.Module):
                 raise CheckpointError(name, f"unexpected shape {tuple(w.shape)} (scales {tuple(s.shape)})")
             self.w2.data[le].copy_(w)
             self.w2_scale.data[le].copy_(s)
-        self.prepared13 = self.ops.prepare_weight(self.w13, WeightKind.EXPERTS,
-                                                  BlockScales(self.w13_scale.data, self.block13))
-        self.prepared2 = self.ops.prepare_weight(self.w2, WeightKind.EXPERTS,
-                                                 BlockScales(self.w2_scale.data, self.block2))
+        self.refresh_prepared()
 
 
 class SparseMoeBlock(nn.Module):
@@ -170,15 +194,26 @@ class SparseMoeBlock(nn.Module):
         quant, prefix: the checkpoint's FP8 format and this block's checkpoint module (``model.layers.3.mlp``):
             experts and shared experts are FP8 unless ``modules_to_not_convert`` lists them; the router gate
             never is (DeepSeek and Qwen3 keep it in bfloat16).
+        num_physical_experts, slot_experts: redundant experts (``raymoe.eplb``): the EP group's physical slots
+            ``P >= num_experts`` and the logical expert of each of this rank's ``P / ep_size`` slots (None: one
+            slot per expert). The dispatch then carries physical ids: ``expert_routing`` (an
+            :class:`~raymoe.eplb.expert_map.ExpertRouting`, set by the runner) maps the router's choice.
+
+    Attributes:
+        expert_routing: logical -> physical map and load counter of this layer, or None (ids are slots).
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  norm_topk_prob: bool, groups: ParallelGroups, dtype: torch.dtype, ops: Platform,
                  a2a_backend: str | A2ABackendSpec = "torch",
                  router: RouterConfig | None = None, shared_intermediate_size: int = 0,
-                 quant: Fp8Config | None = None, prefix: str = ""):
+                 quant: Fp8Config | None = None, prefix: str = "", num_physical_experts: int | None = None,
+                 slot_experts: Sequence[int] | None = None):
         super().__init__()
         self.groups = groups
+        self.num_experts = num_experts
+        self.num_physical_experts = num_physical_experts or num_experts
+        self.expert_routing: ExpertRouting | None = None
         self.ops = ops
         self.top_k = top_k
         self.router = router or RouterConfig(norm_topk_prob=norm_topk_prob)
@@ -187,13 +222,14 @@ class SparseMoeBlock(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
         else:
             self.e_score_correction_bias = None
-        self.experts = LocalExperts(num_experts, hidden_size, intermediate_size, groups, dtype, ops,
-                                    quant=module_quant(quant, f"{prefix}.experts"))
+        self.experts = LocalExperts(self.num_physical_experts, hidden_size, intermediate_size, groups, dtype, ops,
+                                    quant=module_quant(quant, f"{prefix}.experts"), slot_experts=slot_experts)
         self.shared_experts = (DenseMLP(hidden_size, shared_intermediate_size, groups, dtype, ops, quant=quant,
                                         prefix=f"{prefix}.shared_experts")
                                if shared_intermediate_size else None)
         spec = a2a_backend if isinstance(a2a_backend, A2ABackendSpec) else A2ABackendSpec(a2a_backend)
-        self.a2a = ops.create_dispatcher(spec, groups, num_experts, hidden_size, dtype, self.experts.inter_local)
+        self.a2a = ops.create_dispatcher(spec, groups, self.num_physical_experts, hidden_size, dtype,
+                                         self.experts.inter_local)
 
     # ---- operations (see module docstring) ----
     @stage_op(OpRole.ROUTER_GATE)
@@ -216,13 +252,16 @@ class SparseMoeBlock(nn.Module):
     def op_dispatch_a(self, state) -> None:
         """Start the dispatch; low-latency when the step's ``forward_batch.dispatch_capacity`` is set. Rows of
         ``forward_batch.padding_mask`` (a graph bucket's padding) are dispatched with ``NO_EXPERT`` ids and
-        weight 0."""
+        weight 0. With ``expert_routing`` the pairs are counted per logical expert and sent to physical slots."""
         capacity = getattr(state.forward_batch, "dispatch_capacity", None)
         padding = getattr(state.forward_batch, "padding_mask", None)
         ids, weights = state.topk_ids, state.topk_weights
         if padding is not None:
             ids = ids.masked_fill(padding.unsqueeze(1), NO_EXPERT)
             weights = weights.masked_fill(padding.unsqueeze(1), 0)
+        if self.expert_routing is not None:
+            self.expert_routing.count(ids)
+            ids = self.expert_routing.to_physical(ids)
         state.dispatch_handle = self.a2a.dispatch_a(state.hidden_states, ids, weights, capacity)
 
     @stage_op(OpRole.DISPATCH_B)

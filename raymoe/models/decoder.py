@@ -13,6 +13,7 @@ from torch import nn
 from raymoe.comm.dispatcher import A2ABackendSpec
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ModelConfig
+from raymoe.eplb.location import ExpertLocation
 from raymoe.errors import CheckpointError
 from raymoe.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from raymoe.layers.moe import DenseMLP, SparseMoeBlock
@@ -36,20 +37,33 @@ def load_norm(norm: RMSNorm | torch.Tensor, reader, name: str) -> None:
     dst.copy_(w.expand_as(dst))
 
 
+def moe_layer_ordinal(config: ModelConfig, layer_id: int) -> int:
+    """The index of MoE layer ``layer_id`` among the model's MoE layers (0 = the first)."""
+    return sum(config.is_moe_layer(i) for i in range(layer_id))
+
+
 def build_mlp(config: ModelConfig, layer_id: int, groups: ParallelGroups, dtype: torch.dtype, ops: Platform,
-              a2a_backend: str | A2ABackendSpec, mlp_name: str = "mlp") -> nn.Module:
+              a2a_backend: str | A2ABackendSpec, mlp_name: str = "mlp",
+              expert_location: ExpertLocation | None = None) -> nn.Module:
     """The layer's MLP: a ``SparseMoeBlock`` (with the config's router and shared experts) for MoE layers, else a
     tensor-parallel ``DenseMLP`` of ``intermediate_size``; FP8 where ``config.quantization`` says so (checkpoint
-    module ``model.layers.{layer_id}.{mlp_name}``)."""
+    module ``model.layers.{layer_id}.{mlp_name}``). ``expert_location``: the EP group's physical expert slots
+    (``raymoe.eplb``): this rank's slots and the logical experts they hold (None: one slot per expert)."""
     prefix = f"model.layers.{layer_id}.{mlp_name}"
     if not config.is_moe_layer(layer_id):
         return DenseMLP(config.hidden_size, config.intermediate_size, groups, dtype, ops,
                         quant=config.quantization, prefix=prefix)
+    physical, slots = None, None
+    if expert_location is not None:
+        physical = expert_location.num_physical
+        per_rank = physical // groups.ep_size
+        row = expert_location.physical_to_logical[moe_layer_ordinal(config, layer_id)]
+        slots = row[groups.ep_rank * per_rank:(groups.ep_rank + 1) * per_rank]
     return SparseMoeBlock(config.num_experts, config.num_experts_per_tok, config.hidden_size,
                           config.moe_intermediate_size, config.router.norm_topk_prob, groups, dtype, ops, a2a_backend,
                           router=config.router,
                           shared_intermediate_size=config.n_shared_experts * config.moe_intermediate_size,
-                          quant=config.quantization, prefix=prefix)
+                          quant=config.quantization, prefix=prefix, num_physical_experts=physical, slot_experts=slots)
 
 
 class DecoderLayer(nn.Module):

@@ -21,6 +21,7 @@ from torch import nn
 
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ModelConfig
+from raymoe.eplb.location import ExpertLocation
 from raymoe.layers.mla import MLAAttention
 from raymoe.layers.rotary import RotaryEmbedding
 from raymoe.models.decoder import DecoderLayer, MoeCausalLM, build_mlp
@@ -33,20 +34,22 @@ class DeepseekV2ForCausalLM(MoeCausalLM):
     Args:
         config: normalized config with ``config.mla`` set. groups: the rank's process groups.
         dtype: parameter dtype. ops: the rank's platform. a2a_backend: MoE all-to-all backend. enable_sbo:
-        single-batch overlap.
+        single-batch overlap. expert_location: the EP group's physical expert slots (``raymoe.eplb``; None: one
+        slot per expert).
     Raises:
         ValueError: the config has no MLA section.
     """
 
     def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype, ops: Platform,
-                 a2a_backend: str = "torch", enable_sbo: bool = False):
+                 a2a_backend: str = "torch", enable_sbo: bool = False,
+                 expert_location: ExpertLocation | None = None):
         super().__init__(config, groups, dtype, ops, enable_sbo)
         if config.mla is None:
             raise ValueError(f"{config.model_type}: config has no MLA section (kv_lora_rank ...)")
         rotary = RotaryEmbedding(config, dtype, interleaved=config.mla.rope_interleave)
         self.layers = nn.ModuleList(
             DecoderLayer(i, MLAAttention(config, i, groups, rotary, dtype, ops),
-                         build_mlp(config, i, groups, dtype, ops, a2a_backend),
+                         build_mlp(config, i, groups, dtype, ops, a2a_backend, expert_location=expert_location),
                          config.hidden_size, config.rms_norm_eps, dtype, ops)
             for i in range(config.num_hidden_layers))
         self.num_local_heads = self.layers[0].self_attn.num_heads

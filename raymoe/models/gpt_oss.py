@@ -20,7 +20,7 @@ from torch import nn
 
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ModelConfig
-from raymoe.errors import CheckpointError
+from raymoe.errors import CheckpointError, InvalidRequestError
 from raymoe.layers.gpt_oss_moe import GptOssMoeBlock
 from raymoe.layers.rotary import RotaryEmbedding
 from raymoe.models.decoder import DecoderLayer, MoeCausalLM
@@ -61,8 +61,11 @@ class GptOssForCausalLM(MoeCausalLM):
     """
 
     def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype, ops: Platform,
-                 a2a_backend: str = "torch", enable_sbo: bool = False):
+                 a2a_backend: str = "torch", enable_sbo: bool = False, expert_location=None):
         super().__init__(config, groups, dtype, ops, enable_sbo)
+        if expert_location is not None:
+            raise InvalidRequestError("ep_num_redundant_experts", "expert-parallel load balancing (redundant experts, "
+                                      "expert load records) is not supported for gpt-oss models")
         if config.gpt_oss is None:
             raise ValueError(f"{config.model_type}: not a gpt-oss config")
         rotary = RotaryEmbedding(config, dtype)

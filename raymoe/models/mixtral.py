@@ -17,6 +17,7 @@ from torch import nn
 
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ModelConfig
+from raymoe.eplb.location import ExpertLocation
 from raymoe.layers.rotary import RotaryEmbedding
 from raymoe.models.decoder import DecoderLayer, MoeCausalLM, build_mlp
 from raymoe.models.qwen3_moe import Qwen3MoeAttention
@@ -63,15 +64,18 @@ class MixtralForCausalLM(MoeCausalLM):
     Args:
         config: normalized model config. groups: the rank's process groups. dtype: parameter dtype.
         ops: the rank's platform. a2a_backend: MoE all-to-all backend. enable_sbo: single-batch overlap.
+        expert_location: the EP group's physical expert slots (``raymoe.eplb``; None: one slot per expert).
     """
 
     def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype, ops: Platform,
-                 a2a_backend: str = "torch", enable_sbo: bool = False):
+                 a2a_backend: str = "torch", enable_sbo: bool = False,
+                 expert_location: ExpertLocation | None = None):
         super().__init__(config, groups, dtype, ops, enable_sbo)
         rotary = RotaryEmbedding(config, dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(i, Qwen3MoeAttention(config, i, groups, rotary, dtype, ops, qk_norm=False),
-                         build_mlp(config, i, groups, dtype, ops, a2a_backend, "block_sparse_moe"), config.hidden_size,
+                         build_mlp(config, i, groups, dtype, ops, a2a_backend, "block_sparse_moe",
+                                   expert_location=expert_location), config.hidden_size,
                          config.rms_norm_eps, dtype, ops, mlp_name="block_sparse_moe")
             for i in range(config.num_hidden_layers))
         self.num_local_heads = self.layers[0].self_attn.num_heads

@@ -13,6 +13,7 @@ from torch import nn
 
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ModelConfig
+from raymoe.eplb.location import ExpertLocation
 from raymoe.layers.fp8 import module_quant
 from raymoe.layers.linear import QKVParallelLinear, RowParallelLinear
 from raymoe.layers.rotary import RotaryEmbedding
@@ -88,15 +89,18 @@ class Qwen3MoeForCausalLM(MoeCausalLM):
         ops: the rank's platform.
         a2a_backend: MoE all-to-all backend name.
         enable_sbo: single-batch overlap inside MoE layers (``raymoe.overlap.sbo``; same on every rank).
+        expert_location: the EP group's physical expert slots (``raymoe.eplb``; None: one slot per expert).
     """
 
     def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype, ops: Platform,
-                 a2a_backend: str = "torch", enable_sbo: bool = False):
+                 a2a_backend: str = "torch", enable_sbo: bool = False,
+                 expert_location: ExpertLocation | None = None):
         super().__init__(config, groups, dtype, ops, enable_sbo)
         rotary = RotaryEmbedding(config, dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(i, Qwen3MoeAttention(config, i, groups, rotary, dtype, ops),
-                         build_mlp(config, i, groups, dtype, ops, a2a_backend), config.hidden_size,
+                         build_mlp(config, i, groups, dtype, ops, a2a_backend, expert_location=expert_location),
+                         config.hidden_size,
                          config.rms_norm_eps, dtype, ops)
             for i in range(config.num_hidden_layers))
         self.num_local_heads = self.layers[0].self_attn.num_heads

@@ -19,6 +19,7 @@ from raymoe.comm.expert_input import resolve_a2a_mode
 from raymoe.comm.groups import ParallelGroups
 from raymoe.comm.latency import inject_a2a_latency
 from raymoe.config import ModelConfig
+from raymoe.eplb.rank_state import RankEplb
 from raymoe.kvcache.pools import ReqToTokenPool
 from raymoe.models.loader import CheckpointReader
 from raymoe.models.registry import get_model_class
@@ -63,10 +64,12 @@ class ModelRunner:
             model_cls = get_model_class(self.model_config.model_type)
             with torch.device(self.device):
                 a2a = A2ABackendSpec(cfg.moe_comm.a2a_backend, cfg.moe_comm.a2a_mode, cfg.max_dispatch_tokens_per_rank)
+                extra = {"expert_location": cfg.expert_location} if cfg.expert_location is not None else {}
                 self.model = model_cls(self.model_config, self.groups, self.dtype, self.ops, a2a,
-                                       enable_sbo=cfg.overlap.enable_sbo)
+                                       enable_sbo=cfg.overlap.enable_sbo, **extra)
             self.model.load_weights(reader)
         self.model.eval()
+        self.eplb = RankEplb.attach(self.model, cfg.eplb, cfg.expert_location, self.groups, self.device)
         self.model.tbo_decode_schedule = resolve_decode_schedule(cfg.overlap.tbo_decode_schedule,
                                                                  self.ops.default_tbo_decode_schedule)
         if cfg.inject_a2a_latency_ms > 0:
@@ -186,14 +189,23 @@ class ModelRunner:
         decode step than ``no_grad`` on the CI machine). Tensors a step creates and keeps (gather buffers) are
         only ever written by later steps, inside the same mode."""
         t0 = time.perf_counter()
+        update = batch.expert_update
+        if self.eplb is not None:
+            self.eplb.before_step(update)
+        elif update is not None and not update.empty:
+            raise ValueError("an expert-load update reached a rank built without an expert location")
         use_graph = self.graph_runner is not None and batch.graph_bs is not None and self.graph_runner.can_run(batch)
         fb = self.prepare(batch, for_graph=use_graph)
         logits = self.graph_runner.replay(fb) if use_graph else self.forward(fb)
+        load = None
+        if update is not None and update.report_load and self.eplb is not None:
+            snapshot = self.eplb.load_snapshot()
+            load = self.ops.copy_to_host([snapshot]) if snapshot is not None else None
         if fb.batch_size == 0:
-            return PendingStep(None, None, t0)
+            return PendingStep(None, None, t0, load)
         sampled = self.sampler.sample(logits, fb.sampling)
         self.future_tokens.store(sampled.next_ids)
-        return PendingStep(sampled, self.ops.copy_to_host(sampled.device_tensors()), t0)
+        return PendingStep(sampled, self.ops.copy_to_host(sampled.device_tensors()), t0, load)
 
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> StepOutput:
         """One step, answered: :meth:`launch_step`, then wait for its tokens (``PendingStep.result``)."""

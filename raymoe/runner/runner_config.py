@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from raymoe.config import GraphConfig, MoeCommConfig, OverlapConfig
+from raymoe.config import EplbConfig, GraphConfig, MoeCommConfig, OverlapConfig
+from raymoe.eplb.location import ExpertLocation
 from raymoe.runner.graph_buckets import capture_sizes, kv_width_ladder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -42,6 +43,8 @@ class RunnerConfig:
         cpu_threads: intra-op threads of a rank process on CPU (``EngineConfig.cpu_threads``; None: derived).
         cpu_rank_nice: nice value of a multi-rank engine's CPU rank step thread (``EngineConfig.cpu_rank_nice``;
             None: the default, -10).
+        eplb: the engine's expert load balancing options (``EplbConfig``). expert_location: the placement the
+            ranks load (``raymoe.eplb.location``; None: one slot per expert, nothing recorded).
     Raises:
         ValueError: a size out of range, an unknown dtype, or graph sizes that cannot be captured.
         InvalidRequestError: ``flash_attn`` with a dtype or page size it does not take, or without its package.
@@ -62,6 +65,8 @@ class RunnerConfig:
     inject_a2a_latency_ms: float = 0.0
     cpu_threads: int | None = None
     cpu_rank_nice: int | None = None
+    eplb: EplbConfig = field(default_factory=EplbConfig)
+    expert_location: ExpertLocation | None = None
 
     def __post_init__(self) -> None:
         if self.inject_a2a_latency_ms < 0:

@@ -28,11 +28,14 @@ class PendingStep:
         sampled: the step's device results (None: a step without rows, IDLE).
         copy: their host copy (None with ``sampled``).
         started: ``time.perf_counter()`` when the step began on the rank, seconds.
+        load: the expert-load counters' host copy ([L, E] int64), when the step's update asked for them.
     """
 
-    def __init__(self, sampled: SampledTokens | None, copy: HostCopy | None, started: float):
+    def __init__(self, sampled: SampledTokens | None, copy: HostCopy | None, started: float,
+                 load: HostCopy | None = None):
         self.sampled = sampled
         self.copy = copy
+        self.load = load
         self.started = started
         # a copy that is complete at launch (a CPU rank) ends the step's time here, not when it is collected
         self._done_at = time.perf_counter() if copy is None or copy.ready() else None
@@ -40,7 +43,8 @@ class PendingStep:
 
     def ready(self) -> bool:
         """Whether :meth:`result` would return without waiting for the device."""
-        return self._output is not None or self.copy is None or self.copy.ready()
+        return self._output is not None or ((self.copy is None or self.copy.ready())
+                                            and (self.load is None or self.load.ready()))
 
     def result(self) -> StepOutput:
         """The step's answer: waits for the token copy (the only host sync of the step), then converts it.
@@ -56,6 +60,10 @@ class PendingStep:
             self.copy.wait()
             ids, logprobs = self.sampled.answer(self.copy.tensors)
         done_at = self._done_at if self._done_at is not None else time.perf_counter()
-        self._output = StepOutput(ids, logprobs, done_at - self.started)
-        self.sampled = self.copy = None
+        load = None
+        if self.load is not None:
+            self.load.wait()
+            load = self.load.tensors[0].reshape(-1).tolist()
+        self._output = StepOutput(ids, logprobs, done_at - self.started, load)
+        self.sampled = self.copy = self.load = None
         return self._output

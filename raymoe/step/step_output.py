@@ -28,6 +28,8 @@ class StepOutput:
             discards them).
         logprobs: ``bs`` entries, ``None`` where the request asked for none.
         forward_seconds: wall time of forward + sampling on the rank, seconds.
+        expert_load: the rank's cumulative routed pairs per MoE layer and logical expert, flattened [L * E]
+            (``raymoe.eplb``; only when the step's ``ExpertUpdate.report_load`` asked), else None.
     Raises:
         ValueError: ``logprobs`` is neither empty nor one entry per token.
     """
@@ -35,6 +37,7 @@ class StepOutput:
     next_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     forward_seconds: float = 0.0
+    expert_load: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.logprobs) not in (0, len(self.next_token_ids)):

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from raymoe.step.expert_update import ExpertUpdate
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.worker_batch import ModelWorkerBatch
 
@@ -73,13 +74,15 @@ class StepDecision(PickledAsFields):
     Attributes:
         global_num_tokens: tokens per DP group this step. use_tbo: two-batch overlap on every rank.
         graph_bs: the decode-graph bucket every rank replays (None: eager). dispatch_capacity: the low-latency
-            MoE dispatch's per-rank capacity M, tokens (None: normal mode).
+            MoE dispatch's per-rank capacity M, tokens (None: normal mode). expert_update: the step's expert load
+            balancing work (``raymoe.step.expert_update``; None: none).
     """
 
     global_num_tokens: tuple[int, ...]
     use_tbo: bool = False
     graph_bs: int | None = None
     dispatch_capacity: int | None = None
+    expert_update: ExpertUpdate | None = None
 
     def apply(self, batch: ModelWorkerBatch | None) -> ModelWorkerBatch:
         """``batch`` with this step's decisions (one copy, ``ModelWorkerBatch.with_step_decisions``: the batch's
@@ -89,4 +92,4 @@ class StepDecision(PickledAsFields):
             ValueError: the decisions do not fit the batch (its tokens above ``dispatch_capacity``).
         """
         return (ModelWorkerBatch.idle() if batch is None else batch).with_step_decisions(
-            self.global_num_tokens, self.use_tbo, self.graph_bs, self.dispatch_capacity)
+            self.global_num_tokens, self.use_tbo, self.graph_bs, self.dispatch_capacity, self.expert_update)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from raymoe.step.expert_update import ExpertUpdate
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.sampling_inputs import SamplingInputs
 
@@ -40,6 +41,8 @@ class ModelWorkerBatch:
         global_num_tokens: tokens per DP group this step (all ranks agree; used for MoE buffer sizing).
         dispatch_capacity: per-rank token capacity M of this step's low-latency MoE dispatch, the same on every
             rank (``raymoe.comm.a2a_plan``); None: normal-mode dispatch.
+        expert_update: the step's expert load balancing work, the same on every rank (``raymoe.step.expert_update``;
+            the rank applies it before the forward), or None.
     Raises:
         ValueError: a per-request list or ``sampling`` does not have ``bs`` entries, ``out_cache_loc`` does not
             have ``T``, ``prefix_slots`` does not match ``prefix_lens - table_lens``, or an IDLE batch carries
@@ -60,6 +63,7 @@ class ModelWorkerBatch:
     global_num_tokens: tuple[int, ...] = ()
     dispatch_capacity: int | None = None
     table_lens: list[int] = field(default_factory=list)
+    expert_update: ExpertUpdate | None = None
 
     def __post_init__(self) -> None:
         bs = len(self.req_pool_indices)
@@ -83,7 +87,8 @@ class ModelWorkerBatch:
         _check_capacity(self.dispatch_capacity, num_tokens)
 
     def with_step_decisions(self, global_num_tokens: tuple[int, ...], use_tbo: bool, graph_bs: int | None,
-                            dispatch_capacity: int | None) -> ModelWorkerBatch:
+                            dispatch_capacity: int | None, expert_update: ExpertUpdate | None = None
+                            ) -> ModelWorkerBatch:
         """A copy with the step-wide fields set (the driver's decisions for every rank). The per-request columns
         were checked when this batch was built and are shared with the copy (no one changes a batch's lists), so
         only the rule the new fields enter is checked again, once: the dispatch capacity holds the tokens.
@@ -96,7 +101,7 @@ class ModelWorkerBatch:
         state = copy.__dict__
         state.update(self.__dict__)
         state.update(global_num_tokens=global_num_tokens, use_tbo=use_tbo, graph_bs=graph_bs,
-                     dispatch_capacity=dispatch_capacity)
+                     dispatch_capacity=dispatch_capacity, expert_update=expert_update)
         return copy
 
     @property

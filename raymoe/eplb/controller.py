@@ -1,0 +1,198 @@
+"""EplbController: the driver's side of expert-parallel load balancing.
+
+Once per step the driver asks it for the step's :class:`~raymoe.step.expert_update.ExpertUpdate` (shipped inside
+the ``StepDecision``, so every rank applies the same one at the same step: a decision made once, like TBO or the
+graph bucket) and hands it the load counters the ranks attached to their answers.
+
+* **Load window.** Every ``record_interval`` steps the update asks each DP group's answering rank for its
+  cumulative counters; the controller turns them into per-interval deltas, sums the groups and keeps the last
+  ``window_steps`` steps of them: ``window_load()`` [L, E] is what ``/metrics``, ``raymoe eplb dump`` and the next
+  placement read.
+* **Rebalance.** With ``enable_eplb``, every ``rebalance_every`` steps (or after :meth:`request_rebalance`) and once
+  the window holds ``min_window_tokens`` routed tokens per layer, it computes a new placement from the window
+  (``raymoe.eplb.placement.rebalance_experts``: DeepSeek's EPLB algorithm), keeps every slot that can keep its
+  expert (``keep_slots_stable``), and plans the moves layer by layer: each changed slot receives its new expert
+  from a slot that holds it now (the same rank when possible, else spread over the replicas), in chunks of at most
+  ``experts_per_step`` sends and receives per rank and step; the step after a layer's last chunk commits that layer
+  (its new map in the update) and may post the next layer's first chunk. Steps never wait for a whole rebalance:
+  each carries at most one chunk, which the ranks move in the background and wait for at the next step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+
+from raymoe.eplb.location import ExpertLocation
+from raymoe.eplb.placement import keep_slots_stable, rank_balance, rebalance_experts
+from raymoe.step.expert_update import ExpertTransfer, ExpertUpdate, LayerCommit
+
+
+class EplbController:
+    """The driver's expert-load window and rebalance planner (module docstring).
+
+    Args:
+        location: the placement the ranks were loaded with. ep_size: EP ranks. enable_eplb: rebalance while
+            serving. record_interval, window_steps, rebalance_every: steps (``EplbConfig``). min_window_tokens:
+            routed pairs per layer a rebalance needs. experts_per_step: most expert copies a rank sends or receives
+            per step. num_groups: routing groups of the model (DeepSeek ``n_group``; 1 without). num_nodes: nodes
+            the EP ranks span (rank ``r`` on node ``r * num_nodes // ep_size``).
+    Attributes:
+        location: the placement the ranks hold (a committed layer counts from the step that commits it).
+        num_rebalances: rebalances planned. num_layer_commits: layers switched.
+    """
+
+    def __init__(self, location: ExpertLocation, ep_size: int, enable_eplb: bool, record_interval: int,
+                 window_steps: int, rebalance_every: int, min_window_tokens: int, experts_per_step: int,
+                 num_groups: int = 1, num_nodes: int = 1):
+        self.initial = self.location = location
+        self.ep_size = ep_size
+        self.enable_eplb = enable_eplb
+        self.record_interval = record_interval
+        self.window_steps = window_steps
+        self.rebalance_every = rebalance_every
+        self.min_window_tokens = min_window_tokens
+        self.experts_per_step = experts_per_step
+        self.num_groups = num_groups
+        self.num_nodes = num_nodes
+        self._steps = 0
+        self._since_report = 0
+        self._since_rebalance = 0
+        self._requested = False
+        self._actions: deque[ExpertUpdate] = deque()
+        self._last: dict[int, torch.Tensor] = {}
+        self._window: deque[torch.Tensor] = deque()
+        self.num_rebalances = 0
+        self.num_layer_commits = 0
+
+    # ---- per step ----
+    def next_update(self) -> ExpertUpdate | None:
+        """The update of the step being decided (None: nothing for the ranks to do)."""
+        self._steps += 1
+        self._since_report += 1
+        self._since_rebalance += 1
+        report = self._since_report >= self.record_interval
+        if report:
+            self._since_report = 0
+        if not self._actions and self.enable_eplb and (self._requested or
+                                                       self._since_rebalance >= self.rebalance_every):
+            self._plan()
+        update = self._actions.popleft() if self._actions else ExpertUpdate()
+        if update.commit is not None:
+            self.location = self.location.with_layer(update.commit.layer, update.commit.physical_to_logical)
+            self.num_layer_commits += 1
+        if report:
+            update = ExpertUpdate(update.transfers, update.commit, report_load=True)
+        return None if update.empty else update
+
+    def record(self, loads: Sequence[list[int] | None]) -> None:
+        """Take the cumulative counters each DP group's answering rank attached to a step (None: that group
+        attached none). Deltas since each group's previous report join the window."""
+        shape = (self.location.num_layers, self.location.num_logical)
+        total = None
+        for group, flat in enumerate(loads):
+            if flat is None:
+                continue
+            cur = torch.tensor(flat, dtype=torch.int64).view(shape)
+            last = self._last.get(group)
+            delta = cur if last is None or bool((cur < last).any()) else cur - last  # counters restart with ranks
+            self._last[group] = cur
+            total = delta if total is None else total + delta
+        if total is None:
+            return
+        self._window.append(total)
+        while len(self._window) * self.record_interval > self.window_steps:
+            self._window.popleft()
+
+    # ---- reads ----
+    def window_load(self) -> torch.Tensor:
+        """[L, E] int64: routed pairs per MoE layer and logical expert over the window."""
+        if not self._window:
+            return torch.zeros(self.location.num_layers, self.location.num_logical, dtype=torch.int64)
+        return torch.stack(list(self._window)).sum(dim=0)
+
+    def balance(self) -> list[float]:
+        """Per MoE layer, mean / max of per-rank load over the window under the current placement (1.0 = even)."""
+        p2l = torch.tensor(self.location.physical_to_logical, dtype=torch.int64)
+        return [float(x) for x in rank_balance(self.window_load(), p2l, self.ep_size)]
+
+    @property
+    def moving(self) -> bool:
+        """A rebalance's moves or commits are still to be sent."""
+        return bool(self._actions)
+
+    # ---- control ----
+    def request_rebalance(self) -> None:
+        """Plan a rebalance at the next step (if the window holds enough load and none is in progress)."""
+        self._requested = True
+
+    def abort(self) -> None:
+        """Drop the moves not sent yet (the driver reset its groups); layers already committed stay switched."""
+        self._actions.clear()
+
+    def ranks_restarted(self) -> None:
+        """The ranks were rebuilt from the initial placement: forget moves, counters and the committed layers."""
+        self._actions.clear()
+        self._last.clear()
+        self.location = self.initial
+
+    # ---- planning ----
+    def _plan(self) -> None:
+        self._since_rebalance = 0
+        load = self.window_load()
+        if int(load.sum(dim=1).min()) < self.min_window_tokens:
+            return
+        self._requested = False
+        old = torch.tensor(self.location.physical_to_logical, dtype=torch.int64)
+        new, _ = rebalance_experts(load, self.location.num_physical, self.num_groups, self.num_nodes, self.ep_size)
+        new = keep_slots_stable(old, new, self.ep_size)
+        self.num_rebalances += 1
+        pending_commit: LayerCommit | None = None
+        for layer in range(self.location.num_layers):
+            old_row, new_row = old[layer].tolist(), new[layer].tolist()
+            if old_row == new_row:
+                continue
+            chunks = self._chunks(layer, old_row, new_row)
+            for chunk in chunks:
+                self._actions.append(ExpertUpdate(tuple(chunk), pending_commit))
+                pending_commit = None
+            pending_commit = LayerCommit(layer, tuple(new_row))
+        if pending_commit is not None:
+            self._actions.append(ExpertUpdate((), pending_commit))
+
+    def _chunks(self, layer: int, old_row: list[int], new_row: list[int]) -> list[list[ExpertTransfer]]:
+        """The transfers that turn ``old_row`` into ``new_row``, grouped so each rank sends and receives at most
+        ``experts_per_step`` per chunk."""
+        per_rank = len(old_row) // self.ep_size
+        holders: dict[int, list[int]] = {}
+        for slot, e in enumerate(old_row):
+            holders.setdefault(e, []).append(slot)
+        sends = [0] * self.ep_size  # over the whole layer: spread the sources over the replicas
+        transfers = []
+        for slot, e in enumerate(new_row):
+            if old_row[slot] == e:
+                continue
+            rank = slot // per_rank
+            local = [s for s in holders[e] if s // per_rank == rank]
+            src = local[0] if local else min(holders[e], key=lambda s: (sends[s // per_rank], s))
+            sends[src // per_rank] += src // per_rank != rank
+            transfers.append(ExpertTransfer(layer, src, slot))
+        chunks: list[list[ExpertTransfer]] = []
+        loads: list[tuple[list[int], list[int]]] = []
+        for t in transfers:
+            s, d = t.src_slot // per_rank, t.dst_slot // per_rank
+            for chunk, (out, inn) in zip(chunks, loads, strict=True):
+                if out[s] < self.experts_per_step and inn[d] < self.experts_per_step:
+                    chunk.append(t)
+                    out[s] += 1
+                    inn[d] += 1
+                    break
+            else:
+                out, inn = [0] * self.ep_size, [0] * self.ep_size
+                out[s] += 1
+                inn[d] += 1
+                chunks.append([t])
+                loads.append((out, inn))
+        return chunks

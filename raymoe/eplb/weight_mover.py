@@ -1,0 +1,136 @@
+"""ExpertWeightMover: a rank's side of a live rebalance (``raymoe.step.expert_update``).
+
+Per step that carries an :class:`~raymoe.step.expert_update.ExpertUpdate`, at its start and before the forward:
+
+1. **wait** for the transfers this rank posted at the previous update (they ran in the background during that
+   step: point-to-point sends and receives on a process group of their own, so the step's own collectives never
+   queue behind them; on gloo they progress on gloo's threads, on NCCL on its communicator's stream);
+2. **commit** the update's layer: each local slot whose logical expert changes gets its staged weights copied in
+   place (the tensors captured graphs read), the platform re-prepares the layer's expert weights, and the layer's
+   routing table switches (:meth:`~raymoe.eplb.expert_map.ExpertRouting.update`). Every rank does this at the same
+   step, so no step runs a half-moved layer;
+3. **post** this step's transfers: for each (layer, source slot, destination slot) this rank sends the source
+   slot's tensors, or receives (or copies, when it also holds the source) into a staging buffer of the
+   destination slot. Tensors travel as bytes (``uint8`` views), so FP8 weights and their scales move unchanged.
+
+The driver's plan (``raymoe.eplb.controller``) guarantees that a layer's transfers were all posted at earlier
+updates than its commit, and that every step with transfers is followed by an update, so each rank waits for its
+transfers one step after it posted them. The sender's slot stays live and unchanged until its own layer commits,
+which happens only after those sends were waited for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from raymoe.eplb.expert_map import ExpertRouting
+from raymoe.eplb.location import ExpertLocation
+from raymoe.step.expert_update import ExpertUpdate, LayerCommit
+
+
+class MovableExperts(Protocol):
+    """What the mover needs of one MoE layer's local experts (``raymoe.layers.moe.LocalExperts``)."""
+
+    slot_experts: list[int]
+
+    def slot_tensors(self) -> list[torch.Tensor]: ...
+
+    def refresh_prepared(self) -> None: ...
+
+
+class ExpertWeightMover:
+    """A rank's staging, sends, receives and commits of a live rebalance (module docstring).
+
+    Args:
+        experts: each MoE layer's local experts, by MoE layer ordinal. routings: each layer's routing table.
+        location: the placement the ranks were loaded with (its ``max_replicas`` fixes the tables' width).
+        ep_rank, ep_size: this rank's place in the EP group. group: the process group of the transfers (the EP
+            ranks; a group of its own). ranks: global rank of each EP rank (``ranks[i]`` is EP rank ``i``).
+    """
+
+    def __init__(self, experts: Sequence[MovableExperts], routings: Sequence[ExpertRouting], location: ExpertLocation,
+                 ep_rank: int, ep_size: int, group, ranks: Sequence[int]):
+        self.experts = list(experts)
+        self.routings = list(routings)
+        self.location = location
+        self.ep_rank = ep_rank
+        self.group = group
+        self.ranks = list(ranks)
+        self.slots_per_rank = location.num_physical // ep_size
+        self._pending: list = []
+        self._staged: dict[int, dict[int, list[torch.Tensor]]] = {}  # layer -> local slot -> tensors
+        self.num_commits = 0
+        self.bytes_received = 0
+
+    def apply(self, update: ExpertUpdate) -> None:
+        """Wait, commit, post (module docstring).
+
+        Raises:
+            RuntimeError: a commit finds a changed slot without staged weights (a plan that does not match the
+                placement this rank holds).
+        """
+        self.wait()
+        if update.commit is not None:
+            self._commit(update.commit)
+        if update.transfers:
+            self._post(update)
+
+    def wait(self) -> None:
+        """Wait for the transfers posted at the previous update."""
+        for work in self._pending:
+            work.wait()
+        self._pending = []
+
+    def _rank_of(self, slot: int) -> int:
+        return slot // self.slots_per_rank
+
+    def _post(self, update: ExpertUpdate) -> None:
+        ops: list[dist.P2POp] = []
+        for i, t in enumerate(update.transfers):
+            src, dst = self._rank_of(t.src_slot), self._rank_of(t.dst_slot)
+            if self.ep_rank not in (src, dst):
+                continue
+            live = self.experts[t.layer].slot_tensors()
+            if dst == self.ep_rank:
+                staged = [torch.empty_like(x[0]) for x in live]
+                self._staged.setdefault(t.layer, {})[t.dst_slot - dst * self.slots_per_rank] = staged
+                if src == self.ep_rank:
+                    for buf, x in zip(staged, live, strict=True):
+                        buf.copy_(x[t.src_slot - src * self.slots_per_rank])
+                    continue
+                for j, buf in enumerate(staged):
+                    ops.append(dist.P2POp(dist.irecv, buf.view(torch.uint8), self.ranks[src], self.group,
+                                          tag=i * 8 + j))
+                    self.bytes_received += buf.numel() * buf.element_size()
+            else:
+                local = t.src_slot - src * self.slots_per_rank
+                for j, x in enumerate(live):
+                    ops.append(dist.P2POp(dist.isend, x[local].view(torch.uint8), self.ranks[dst], self.group,
+                                          tag=i * 8 + j))
+        if ops:
+            self._pending.extend(dist.batch_isend_irecv(ops))
+
+    def _commit(self, commit: LayerCommit) -> None:
+        layer = commit.layer
+        experts = self.experts[layer]
+        first = self.ep_rank * self.slots_per_rank
+        new_slots = list(commit.physical_to_logical[first:first + self.slots_per_rank])
+        staged = self._staged.pop(layer, {})
+        live = experts.slot_tensors()
+        for local, expert in enumerate(new_slots):
+            if expert == experts.slot_experts[local]:
+                continue
+            if local not in staged:
+                raise RuntimeError(f"EPLB commit of MoE layer {layer}: local slot {local} changes from expert "
+                                   f"{experts.slot_experts[local]} to {expert} but received no weights")
+            for x, buf in zip(live, staged[local], strict=True):
+                x[local].copy_(buf)
+        experts.slot_experts = new_slots
+        experts.refresh_prepared()
+        self.location = self.location.with_layer(layer, commit.physical_to_logical)
+        self.routings[layer].update(*self.location.routing_table(layer))
+        self.num_commits += 1
