@@ -152,6 +152,11 @@ class DriverActor:
         return self.service.stats()
 
     @ray.method(concurrency_group=_CONTROL)
+    def rebalance_experts(self) -> bool:
+        """Ask for an expert rebalance at the next step; False when the engine was started without enable_eplb."""
+        return self.service.rebalance_experts()
+
+    @ray.method(concurrency_group=_CONTROL)
     def healthy(self) -> bool:
         """Whether the step loop is alive and serving and the ranks are up."""
         return self.service.healthy()

@@ -127,7 +127,17 @@ class DriverService:
             failed_steps=self.driver.num_failed_steps, failed_requests=self.failed_requests,
             kv_leaked_slots=idle.leaked_kv_slots if idle else 0, req_rows_leaked=idle.leaked_req_rows if idle else 0,
             cache_tokens_locked=idle.locked_cache_tokens if idle else 0, idle_checked=idle is not None,
-            step_times=self.driver.step_timer.snapshot())
+            step_times=self.driver.step_timer.snapshot(),
+            expert_load=self.driver.eplb.report() if self.driver.eplb is not None else None)
+
+    def rebalance_experts(self) -> bool:
+        """Ask for an expert rebalance at the next step (``raymoe.eplb.controller``). Returns False when the engine
+        does not rebalance (``enable_eplb`` off)."""
+        eplb = self.driver.eplb
+        if eplb is None or not eplb.enable_eplb:
+            return False
+        eplb.request_rebalance()
+        return True
 
     def health_detail(self) -> str:
         """Why the service is unhealthy, or ``""``."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from raymoe.actors.step_timing import StepTimes
+from raymoe.eplb.report import ExpertLoadReport
 from raymoe.errors import EngineUnhealthyError, InvalidRequestError, RaymoeError, RequestFailedError
 from raymoe.scheduler.sampling_params import SamplingParams
 from raymoe.step.step_output import TokenLogprobs
@@ -105,6 +106,7 @@ class EngineStats:
             last request arrived (so the three counts describe the current idle state).
         step_times: histograms of the steps' period and ranks' forward time by mode (``step_timing``; the
             driver always fills it, with zero counts before the first step; None only in stats built elsewhere).
+        expert_load: the expert-load window and balance (``raymoe.eplb``), when the ranks record expert load.
     """
 
     num_running: int
@@ -125,3 +127,4 @@ class EngineStats:
     cache_tokens_locked: int = 0
     idle_checked: bool = False
     step_times: StepTimes | None = None
+    expert_load: ExpertLoadReport | None = None

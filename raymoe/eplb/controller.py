@@ -27,6 +27,7 @@ import torch
 
 from raymoe.eplb.location import ExpertLocation
 from raymoe.eplb.placement import keep_slots_stable, rank_balance, rebalance_experts
+from raymoe.eplb.report import ExpertLoadReport
 from raymoe.step.expert_update import ExpertTransfer, ExpertUpdate, LayerCommit
 
 
@@ -117,6 +118,14 @@ class EplbController:
         """Per MoE layer, mean / max of per-rank load over the window under the current placement (1.0 = even)."""
         p2l = torch.tensor(self.location.physical_to_logical, dtype=torch.int64)
         return [float(x) for x in rank_balance(self.window_load(), p2l, self.ep_size)]
+
+    def report(self) -> ExpertLoadReport:
+        """The window, the balance and the placement as plain data (``/metrics``, ``raymoe eplb dump``)."""
+        return ExpertLoadReport(self.location.num_logical, self.ep_size,
+                                min(len(self._window) * self.record_interval, self.window_steps),
+                                self.window_load().tolist(), self.balance(),
+                                [list(r) for r in self.location.physical_to_logical], self.num_rebalances,
+                                self.num_layer_commits, self.moving)
 
     @property
     def moving(self) -> bool:
