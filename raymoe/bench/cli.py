@@ -11,6 +11,7 @@ import os
 from raymoe.bench.arrivals import add_arrivals_args, run_arrivals
 from raymoe.bench.compare import add_compare_args, run_compare
 from raymoe.bench.driver_scale import add_driver_scale_args, run_driver_scale
+from raymoe.bench.eplb import add_eplb_args, run_eplb_bench
 from raymoe.bench.fanout import run_fanout
 from raymoe.bench.frontend import add_frontend_args, run_frontend
 from raymoe.bench.graph import run_graph_bench
@@ -35,6 +36,8 @@ _MODULE_COMMANDS = (
     ("arrivals", "TTFT/ITL p50/p99 of two-turn chats arriving during decoding, per server config (e.g. mixed "
                  "chunked prefill off/on), one run", add_arrivals_args, run_arrivals),
     ("stress", "thousands of concurrent short streams, some hanging up: nothing lost?", add_stress_args, run_stress),
+    ("eplb", "expert load balancing on a skewed router: EPLB off, redundant experts, live rebalancing (throughput, "
+             "step p50/p99, per-layer balance, the longest step while weights move)", add_eplb_args, run_eplb_bench),
     ("driver-scale", "the control plane's CPU per step and bytes per rank as dp and running requests grow, ranks "
                      "answering instantly", add_driver_scale_args, run_driver_scale),
 )

@@ -2,8 +2,9 @@
 
 The router chooses logical experts; with redundant experts (``ExpertLocation``) a logical expert may have several
 physical slots, on several ranks. :meth:`ExpertRouting.to_physical` maps each routed pair to one of its replicas,
-spread deterministically (pair ``i`` of the step takes replica ``(i + offset) % replicas``), so replicas share a
-hot expert's pairs; every dispatch path then carries physical ids, and since replicas hold the same weights and the
+spread deterministically (the pair of token ``t`` in top-k column ``j`` takes replica ``(t + j + offset) %
+replicas``: consecutive tokens alternate whatever ``k``), so replicas share a hot expert's pairs; every dispatch
+path then carries physical ids, and since replicas hold the same weights and the
 combine weights are unchanged, the output is the same as with one slot per expert. :meth:`ExpertRouting.count`
 adds the step's routed pairs per logical expert to a counter on the device. Both are device operations on
 fixed-shape tables updated in place (:meth:`ExpertRouting.update`), so a step stays free of host syncs and a
@@ -72,6 +73,8 @@ class ExpertRouting:
         if self.single:
             phys = self.table[safe, 0]
         else:
-            pair = torch.arange(ids.numel(), device=ids.device).view(ids.shape) + self.offset
-            phys = self.table[safe, pair.remainder(self.counts[safe])]
+            t, k = ids.shape
+            spread = (torch.arange(t, device=ids.device).unsqueeze(1) + torch.arange(k, device=ids.device)
+                      + self.offset)
+            phys = self.table[safe, spread.remainder(self.counts[safe])]
         return torch.where(ids < 0, ids, phys)
