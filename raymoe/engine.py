@@ -148,6 +148,8 @@ class Engine:
         """
         self.driver.executor.restart()
         self.driver.reset()
+        if self.driver.eplb is not None:  # the new ranks loaded the initial expert placement
+            self.driver.eplb.ranks_restarted()
         self._unhealthy = None
 
     def _prompt_ids(self, prompts, prompt_token_ids) -> list[list[int]]:

@@ -8,7 +8,7 @@ import torch
 
 from raymoe.comm.expert_input import NO_EXPERT
 from raymoe.config import ParallelConfig
-from raymoe.eplb.controller import EplbController
+from raymoe.eplb.controller import EplbController, ep_node_count
 from raymoe.eplb.expert_map import ExpertRouting
 from raymoe.eplb.location import ExpertLocation
 from raymoe.eplb.weight_mover import ExpertWeightMover
@@ -180,3 +180,10 @@ def test_mover_refuses_a_commit_without_weights():
     mover.apply(ExpertUpdate(transfers=(ExpertTransfer(0, 1, 0), ExpertTransfer(0, 0, 1))))  # local copies
     mover.apply(ExpertUpdate(commit=LayerCommit(0, swapped)))
     assert experts[0].w13[:2, 0, 0].tolist() == [1.0, 0.0] and experts[0].slot_experts[:2] == [1, 0]
+
+
+def test_ep_node_count():
+    assert ep_node_count(["a", "a", "b", "b"]) == 2
+    assert ep_node_count(["a", "a", "a", "a"]) == 1
+    assert ep_node_count(["a", "b", "a", "b"]) == 1  # not node-ordered: one node for the placement
+    assert ep_node_count(["a", "a", "a", "b"]) == 1  # unequal blocks

@@ -31,10 +31,13 @@ def model_and_reference(request, tmp_path_factory):
     return path, ref
 
 
-@pytest.mark.parametrize(("dp", "redundant", "rebalance"), [(2, 2, False), (2, 2, True), (4, 4, True)])
-def test_eplb_matches_single_rank(ray_cluster, model_and_reference, dp, redundant, rebalance):
+@pytest.mark.parametrize(("dp", "redundant", "rebalance", "cpu_comm"),
+                         [(2, 2, False, "auto"), (2, 2, True, "auto"), (2, 0, True, "gloo"), (4, 4, True, "auto")])
+def test_eplb_matches_single_rank(ray_cluster, model_and_reference, dp, redundant, rebalance, cpu_comm):
+    """``cpu_comm``: auto exchanges through shared memory on this one node, gloo through torch.distributed; no
+    redundant slots with rebalancing: experts only change places."""
     path, ref = model_and_reference
-    opts = {**OPTS, **(REBALANCE if rebalance else {"enable_expert_distribution_metrics": True})}
+    opts = {**OPTS, **(REBALANCE if rebalance else {"enable_expert_distribution_metrics": True}), "cpu_comm": cpu_comm}
     with Engine(path, dp_size=dp, ep_size=dp, ep_num_redundant_experts=redundant, **opts) as e:
         outs = [o.token_ids for o in e.generate(PROMPTS, GREEDY)]
         d = e.driver
@@ -47,3 +50,22 @@ def test_eplb_matches_single_rank(ray_cluster, model_and_reference, dp, redundan
     if rebalance:
         assert eplb.num_layer_commits >= 2, "layers should switch while the requests decode"
         assert eplb.location != eplb.initial
+
+
+def test_a_failed_step_mid_rebalance_keeps_the_ranks_in_step(ray_cluster, model_and_reference):
+    """A rank raises in a step while layers are being moved: that step's requests fail, the expert update it
+    carried was applied by every rank first, and later requests (through more commits) still get the reference
+    tokens."""
+    import ray
+
+    path, ref = model_and_reference
+    with Engine(path, dp_size=2, ep_size=2, ep_num_redundant_experts=2, **OPTS, **REBALANCE) as e:
+        e.generate(PROMPTS[:2], GREEDY)
+        assert e.driver.eplb.num_rebalances > 0
+        ray.get([w.inject_step_errors.remote(1) for w in e.driver.executor.workers], timeout=30)
+        hit = e.generate(PROMPTS, GREEDY)
+        commits = e.driver.eplb.num_layer_commits
+        outs = [o.token_ids for o in e.generate(PROMPTS, GREEDY)]
+        assert e.driver.eplb.num_layer_commits > commits
+    assert any(o.finish_reason == "error" for o in hit)
+    assert outs == ref

@@ -8,7 +8,7 @@ from raymoe.actors.driver import Driver
 from raymoe.actors.executor import LocalExecutor, RayExecutor
 from raymoe.actors.hosted_driver import HostedDriver
 from raymoe.config import EngineConfig, ModelConfig
-from raymoe.eplb.controller import EplbController
+from raymoe.eplb.controller import EplbController, ep_node_count
 from raymoe.eplb.initial import initial_expert_location
 from raymoe.eplb.location import ExpertLocation
 from raymoe.errors import InvalidRequestError
@@ -69,6 +69,13 @@ def eplb_controller(config: EngineConfig, model_config: ModelConfig,
     return EplbController(location, config.parallel.ep_size, e.enable_eplb, e.eplb_record_interval,
                           e.eplb_window_steps, e.eplb_rebalance_num_iterations, e.eplb_min_window_tokens,
                           e.eplb_transfer_experts_per_step, num_groups=_routing_groups(model_config))
+
+
+def _set_ep_nodes(eplb: EplbController | None, executor) -> None:
+    """Tell the placement how many nodes the EP ranks span (``ep_node_count`` of the ranks' placements)."""
+    placements = getattr(executor, "placements", None)
+    if eplb is not None and placements:
+        eplb.num_nodes = ep_node_count([p.node_id for p in placements])
 
 
 def build_executor(config: EngineConfig, runner_cfg: RunnerConfig):
@@ -151,10 +158,13 @@ def build_driver(config: EngineConfig, model_config: ModelConfig, tokenizer,
         init_ray(config.ray_address)
         ranks = RayExecutor(runner_cfg, config.parallel, use_gpu=config.parallel.bundle_gpus, fanout="groups",
                             step_timeout_s=config.step_timeout_s, **startup_kwargs(config))
+        _set_ep_nodes(eplb, ranks)
         return HostedDriver(config, GroupHosts(config, ranks), config.parallel.dp_size,
                             graph_capture_sizes=runner_cfg.graph_capture_sizes, a2a_mode=runner_cfg.moe_comm.a2a_mode,
                             vocab_size=model_config.vocab_size, eplb=eplb)
-    return Driver(config, build_executor(config, runner_cfg), eos_token_ids(model_config, tokenizer),
+    executor = build_executor(config, runner_cfg)
+    _set_ep_nodes(eplb, executor)
+    return Driver(config, executor, eos_token_ids(model_config, tokenizer),
                   detokenizer(tokenizer), dp_size=config.parallel.dp_size,
                   graph_capture_sizes=runner_cfg.graph_capture_sizes, a2a_mode=runner_cfg.moe_comm.a2a_mode,
                   vocab_size=model_config.vocab_size, eplb=eplb)

@@ -153,6 +153,8 @@ class RankWorker:
         """
         if self._injected_step_errors > 0:
             self._injected_step_errors -= 1
+            # a fault inside the step: the step's expert update, applied first thing by every rank, is in place
+            self.runner.apply_expert_update(batch.expert_update)
             raise RuntimeError("injected step error (fault-injection test hook)")
         return self.runner.launch_step(batch)
 

@@ -31,6 +31,20 @@ from raymoe.eplb.report import ExpertLoadReport
 from raymoe.step.expert_update import ExpertTransfer, ExpertUpdate, LayerCommit
 
 
+def ep_node_count(node_ids: Sequence[str]) -> int:
+    """Nodes the hierarchical placement may assume for EP ranks on ``node_ids`` (rank order): their number when
+    each node holds one contiguous, equal-sized block of ranks (node-ordered GPU ranks, ``raymoe.cluster.rank_plan``),
+    else 1 (the placement then treats the group as one node)."""
+    blocks: list[str] = []
+    for node in node_ids:
+        if not blocks or blocks[-1] != node:
+            blocks.append(node)
+    if len(set(blocks)) != len(blocks) or not node_ids or len(node_ids) % len(blocks):
+        return 1
+    size = len(node_ids) // len(blocks)
+    return len(blocks) if all(node_ids[i] == node_ids[i - i % size] for i in range(len(node_ids))) else 1
+
+
 class EplbController:
     """The driver's expert-load window and rebalance planner (module docstring).
 

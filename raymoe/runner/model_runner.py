@@ -177,6 +177,19 @@ class ModelRunner:
         return self.model.compute_logits(hidden, fb.dispatch_capacity)
 
     @torch.inference_mode()
+    def apply_expert_update(self, update) -> None:
+        """The step's expert load balancing work (``raymoe.eplb.rank_state.RankEplb.before_step``), first thing in
+        a step, so a step that fails later still leaves every rank with the same expert placement.
+
+        Raises:
+            ValueError: an update with work reached a rank built without an expert location.
+        """
+        if self.eplb is not None:
+            self.eplb.before_step(update)
+        elif update is not None and not update.empty:
+            raise ValueError("an expert-load update reached a rank built without an expert location")
+
+    @torch.inference_mode()
     def launch_step(self, batch: ModelWorkerBatch) -> PendingStep:
         """One step up to its tokens' copy to the host: prepare, forward, sample, keep the ids for the next step's
         placeholders and start the copy; returns without waiting for the device (no host sync: a decode step is
@@ -190,10 +203,7 @@ class ModelRunner:
         only ever written by later steps, inside the same mode."""
         t0 = time.perf_counter()
         update = batch.expert_update
-        if self.eplb is not None:
-            self.eplb.before_step(update)
-        elif update is not None and not update.empty:
-            raise ValueError("an expert-load update reached a rank built without an expert location")
+        self.apply_expert_update(update)
         use_graph = self.graph_runner is not None and batch.graph_bs is not None and self.graph_runner.can_run(batch)
         fb = self.prepare(batch, for_graph=use_graph)
         logits = self.graph_runner.replay(fb) if use_graph else self.forward(fb)
