@@ -1,8 +1,8 @@
 """The ``raymoe`` command line: make-checkpoint, generate and env here; serve from ``raymoe.deploy.cli``; bench from
-``raymoe.bench.cli``.
+``raymoe.bench.cli``; eplb (``eplb dump``) from ``raymoe.eplb_cli``.
 
-This module assembles the subcommands; the dependencies run one way (it imports deploy's and bench's parsers, they
-import neither it nor each other's command line; shared pieces live in ``raymoe.cli_args``).
+This module assembles the subcommands; the dependencies run one way (it imports deploy's, bench's and eplb's
+parsers, they import neither it nor each other's command line; shared pieces live in ``raymoe.cli_args``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from raymoe.bench.cli import add_bench_parser
 from raymoe.cli_args import add_option_flags, given_options, model_arg, resolve_model
 from raymoe.config import engine_options
 from raymoe.deploy.cli import add_serve_parser
+from raymoe.eplb_cli import add_eplb_parser
 from raymoe.errors import RaymoeError
 
 GENERATE_OWN_FLAGS = ("seed",)
@@ -102,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_env)
     add_serve_parser(sub)
     add_bench_parser(sub)
+    add_eplb_parser(sub)
     return parser
 
 

@@ -307,5 +307,7 @@ def test_dashboard_queries_only_exported_metrics(base_url):
     queried = dashboard_metrics()
     assert len(queried) >= 12
     assert queried <= declared, queried - declared
-    # Every series has samples after the requests of the tests above (step times included).
-    assert queried <= samples, queried - samples
+    # Every series has samples after the requests of the tests above (step times included), but the expert-load
+    # ones: this engine records no expert load (tests/test_expert_load_serve.py scrapes them from one that does).
+    expert_series = {"raymoe:expert_load", "raymoe:expert_balance", "raymoe:eplb_moving"}
+    assert queried - expert_series <= samples, queried - expert_series - samples

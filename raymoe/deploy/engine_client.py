@@ -279,6 +279,17 @@ class EngineClient:
             raise EngineUnhealthyError(self._dead)
         return await self.driver.stats.remote()
 
+    async def rebalance_experts(self) -> bool:
+        """Ask the driver for an expert rebalance at its next step (``DriverActor.rebalance_experts``); False when
+        the engine was started without ``enable_eplb``.
+
+        Raises:
+            EngineUnhealthyError: the driver is being reconnected. ray exceptions: the driver actor is gone.
+        """
+        if self._dead is not None:
+            raise EngineUnhealthyError(self._dead)
+        return await self.driver.rebalance_experts.remote()
+
     async def healthy(self) -> bool:
         """False while a rank failure is being recovered, while the driver loop or actor is down or being
         reconnected, and after shutdown."""

@@ -6,7 +6,9 @@ Two sources:
 - engine state (:class:`EngineStats`), fetched when ``/metrics`` is scraped and exposed by a custom collector:
   running/waiting requests, KV cache usage, engine steps, two-batch-overlap steps, radix cache hit tokens,
   per-rank step time, and histograms of the step period and the ranks' forward time by kind of step
-  (``raymoe.actors.step_timing``).
+  (``raymoe.actors.step_timing``); with expert load recorded (``enable_expert_distribution_metrics`` or
+  ``enable_eplb``) the load window of every (MoE layer, logical expert), each layer's balance and the rebalance
+  counters (``raymoe.eplb.report.ExpertLoadReport``).
 
 Each :class:`ServerMetrics` has its own registry, so several apps (tests, Serve replicas) never collide.
 """
@@ -20,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from raymoe.actors.driver_service import EngineStats
 from raymoe.actors.step_timing import StepTimes
+from raymoe.eplb.report import ExpertLoadReport
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
@@ -79,6 +82,7 @@ class _EngineStatsCollector:
             step.add_metric([self.model_name, str(rank)], float(seconds))
         yield step
         yield from self._step_histograms(s.step_times if s else None)
+        yield from self._expert_load(s.expert_load if s else None)
 
     def _step_histograms(self, times: StepTimes | None):
         period = HistogramMetricFamily(
@@ -94,6 +98,41 @@ class _EngineStatsCollector:
             for mode, hist in (hists or {}).items():
                 family.add_metric([self.model_name, mode], hist.cumulative(), hist.total)
             yield family
+
+    def _expert_load(self, report: ExpertLoadReport | None):
+        """The expert-load families: declared always, with samples only when the engine records expert load
+        (one ``expert_load`` series per (layer, expert): the rows of a Grafana heatmap)."""
+        m = self.model_name
+        load = GaugeMetricFamily(
+            "raymoe:expert_load",
+            "Routed (token, expert) pairs per MoE layer (label layer: the MoE layer's ordinal) and logical expert over "
+            "the load window (raymoe:eplb_window_steps steps); a layer's sum is its routed tokens times top_k.",
+            labels=["model_name", "layer", "expert"])
+        balance = GaugeMetricFamily(
+            "raymoe:expert_balance",
+            "Per MoE layer, mean / max of the EP ranks' load over the window under the placement the ranks hold "
+            "(1.0 = even; the slowest rank sets every step's time).", labels=["model_name", "layer"])
+        window = GaugeMetricFamily("raymoe:eplb_window_steps", "Engine steps the expert-load window covers.",
+                                   labels=["model_name"])
+        rebalances = CounterMetricFamily("raymoe:eplb_rebalances", "Expert rebalances planned (enable_eplb).",
+                                         labels=["model_name"])
+        commits = CounterMetricFamily("raymoe:eplb_layer_commits",
+                                      "MoE layers switched to a new expert placement at a step boundary.",
+                                      labels=["model_name"])
+        moving = GaugeMetricFamily("raymoe:eplb_moving",
+                                   "1 while a rebalance still moves expert weights between ranks, else 0.",
+                                   labels=["model_name"])
+        if report is not None:
+            for layer, row in enumerate(report.expert_load):
+                for expert, pairs in enumerate(row):
+                    load.add_metric([m, str(layer), str(expert)], float(pairs))
+            for layer, value in enumerate(report.balance):
+                balance.add_metric([m, str(layer)], float(value))
+            window.add_metric([m], float(report.window_steps))
+            rebalances.add_metric([m], float(report.num_rebalances))
+            commits.add_metric([m], float(report.num_layer_commits))
+            moving.add_metric([m], float(report.moving))
+        yield from (load, balance, window, rebalances, commits, moving)
 
 
 class RequestMetrics:

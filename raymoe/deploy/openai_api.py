@@ -3,17 +3,17 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stream``), ``GET /v1/models`` (these
 three need ``Authorization: Bearer KEY`` when an API key is set), ``GET /ready`` and ``GET /health`` (readiness: 503
 while the engine is unhealthy or the server drains), ``GET /live`` (liveness; ``probes``), ``GET /metrics``
-(Prometheus text). ``drain.DrainGuard`` follows every ``/v1/*`` request so that a stop can drain them
-(``drain.Drain``, kept in ``app.state.drain``). Flow of a request: ``http_guard`` gives it an id and checks the
-key, the head and the declared body size before anything is read; ``request_body`` reads the body (413 past
-``max_body_bytes``) and has it parsed and validated under the structural limits, on the loop when it is short, else
-in a parse worker process (any error: 400 naming the field); ``request_prep`` tokenizes it (on the loop for a short
-body, else in a worker thread);
-``generation.stream_pieces`` runs it in the engine under its deadline (408 when it passes); ``responses`` shapes
-the answer, and a stream goes through ``sse.EventRelay`` (bounded backlog, deadline, error event). A client that
-disconnects aborts its request. At most ``max_in_flight`` generation requests are served at once; more get 429, as
-do requests the scheduler refuses because its queue is full. README "Limits and failure behaviour" lists every
-limit and what a client sees.
+(Prometheus text), and the operator routes of ``admin`` (``GET /admin/expert_load``, ``POST
+/admin/rebalance_experts``; the API key as on ``/v1/*``). ``drain.DrainGuard`` follows every ``/v1/*`` request so
+that a stop can drain them (``drain.Drain``, kept in ``app.state.drain``). Flow of a request: ``http_guard`` gives
+it an id and checks the key, the head and the declared body size before anything is read; ``request_body`` reads the
+body (413 past ``max_body_bytes``) and has it parsed and validated under the structural limits, on the loop when it
+is short, else in a parse worker process (any error: 400 naming the field); ``request_prep`` tokenizes it (on the
+loop for a short body, else in a worker thread); ``generation.stream_pieces`` runs it in the engine under its
+deadline (408 when it passes); ``responses`` shapes the answer, and a stream goes through ``sse.EventRelay``
+(bounded backlog, deadline, error event). A client that disconnects aborts its request. At most ``max_in_flight``
+generation requests are served at once; more get 429, as do requests the scheduler refuses because its queue is
+full. README "Limits and failure behaviour" lists every limit and what a client sees.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from raymoe.deploy.admin import admin_router
 from raymoe.deploy.drain import Drain, DrainConfig, DrainGuard
 from raymoe.deploy.engine_client import EngineClient
 from raymoe.deploy.generation import ClientDisconnected, Piece, collect, stream_pieces, until_disconnected
@@ -217,7 +218,7 @@ def build_openai_app(engine: EngineClient, api_key: str | None = None, max_in_fl
     """The FastAPI app serving ``engine`` (see the module docstring for routes and status codes).
 
     Args:
-        engine: the engine client. api_key: bearer token required on ``/v1/*`` (None: open).
+        engine: the engine client. api_key: bearer token required on ``/v1/*`` and ``/admin/*`` (None: open).
         max_in_flight: see :class:`OpenAIServing`. limits: per-request limits (None: the defaults).
         drain: how a stop drains the app (None: the ``DrainConfig`` defaults).
     """
@@ -275,4 +276,5 @@ def build_openai_app(engine: EngineClient, api_key: str | None = None, max_in_fl
         """Prometheus metrics (``raymoe:`` prefix)."""
         return await serving.metrics_text()
 
+    app.include_router(admin_router(engine, api_key))
     return app
