@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from raymoe.errors import InvalidRequestError
 from raymoe.models import tiny_archs, tiny_gpt_oss
 from raymoe.models.fp8_checkpoint import fp8_config, quantize_tensors
+from raymoe.models.router_skew import apply_router_skew, check_router_skew
 from raymoe.models.tiny_init import LM_HEAD_GAIN, OUT_PROJ_GAIN, ROUTER_GAIN, linear, norm
 from raymoe.models.tokenizer_builder import ENDOFTEXT_ID, IM_END_ID, build_tokenizer
 from raymoe.paths import cache_dir
@@ -245,6 +246,7 @@ def make_checkpoint(
     fp8_scheme: str = "block",
     fp8_block: tuple[int, int] = (128, 128),
     modules_to_not_convert: tuple[str, ...] = (),
+    router_skew: float = 0.0,
 ) -> Path:
     """Build a seeded tiny Hugging Face checkpoint folder at ``out`` (atomically) and return its path.
 
@@ -270,12 +272,15 @@ def make_checkpoint(
             ``"block"`` (``weight_scale_inv`` per ``fp8_block`` = ``[bn, bk]`` block, DeepSeek-V3's layout),
             ``"tensor"`` or ``"channel"`` (``weight_scale``); ``modules_to_not_convert`` stay float32 and are listed
             in the config. None: float32 weights.
+        router_skew: S >= 0; S > 0 biases every MoE layer's router so a few experts take most tokens (Zipf-like
+            by rank, other hot experts per layer, hot ones in the first half of the experts:
+            ``raymoe.models.router_skew``); recorded in ``raymoe_build.json``. 0: today's routers, byte-identical.
         Other arguments: model sizes, named as in the Qwen3-MoE config (``num_layers`` = ``num_hidden_layers``,
             ``num_heads``/``num_kv_heads`` = attention/key-value heads).
 
     Raises:
         InvalidRequestError: unknown ``arch``, inconsistent sizes, ``max_shard_bytes < 1``, an unknown ``quant`` or
-            ``fp8_scheme``, or ``out`` is a file.
+            ``fp8_scheme``, ``router_skew`` negative or not finite, or ``out`` is a file.
         OSError: the destination cannot be written.
     """
     if arch not in ARCHS:
@@ -288,6 +293,7 @@ def make_checkpoint(
         fp8 = fp8_config(fp8_scheme, fp8_block, tuple(modules_to_not_convert)) if quant == "fp8" else None
     except ValueError as e:
         raise InvalidRequestError("fp8_scheme", str(e)) from e
+    router_skew = check_router_skew(router_skew)
     spec = TinyModelSpec(
         num_layers=num_layers, hidden_size=hidden_size, num_experts=num_experts,
         num_experts_per_tok=num_experts_per_tok, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -318,12 +324,16 @@ def make_checkpoint(
         build_args = {"arch": arch, "seed": seed, **asdict(spec)}
         if fp8 is not None:
             build_args.update(quant=quant, fp8_scheme=fp8_scheme, fp8_block=list(fp8_block))
+        if router_skew:
+            build_args["router_skew"] = router_skew
         _write_json(tmp / "raymoe_build.json", build_args)
         gen = torch.Generator().manual_seed(seed)
         tensors: Tensors = {}
         for step in builder.weight_steps(spec, gen):
             tensors.update({k: v.contiguous() for k, v in step.items()})
             bar.update()
+        if router_skew:
+            tensors = apply_router_skew(tensors, arch, router_skew, seed, spec.num_experts)
         if fp8 is not None:
             tensors = quantize_tensors(tensors, fp8, fp8_scheme)
         _write_weights(tensors, tmp, max_shard_bytes)
