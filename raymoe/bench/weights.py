@@ -16,7 +16,7 @@ from raymoe.errors import InvalidRequestError
 
 _SPEC_FIELDS = ("num_layers", "hidden_size", "num_experts", "num_experts_per_tok", "num_heads", "num_kv_heads",
                 "head_dim", "moe_intermediate_size", "intermediate_size", "vocab_size", "max_position_embeddings",
-                "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob", "tie_word_embeddings")
+                "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob", "tie_word_embeddings", "router_skew")
 
 
 def unquantized_twin(model: str | Path) -> Path:
