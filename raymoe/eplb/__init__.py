@@ -1,0 +1,1 @@
+"""Expert-parallel load balancing (EPLB): expert load, placement of logical experts on physical slots."""
