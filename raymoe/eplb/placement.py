@@ -10,36 +10,46 @@ This is our own code of the same policy, per MoE layer:
   ``num_physical / num_nodes`` slots to its experts: one each, then repeatedly one more to the expert with the
   highest load per replica; (3) pack the node's replicas (each carrying ``load / replicas``) to the node's ranks,
   heaviest first onto the lightest rank with room, every rank taking ``num_physical / num_ranks`` slots;
-* **global** (otherwise): the same with one group and one node.
+* **global** (otherwise): the same with one group and one node;
+* (4, ours, ``refine=True``, the default) where a node's heaviest rank lies above the layer's lower bound, change
+  the node's replica counts and swap replicas between its ranks while that lowers its heaviest rank
+  (:func:`raymoe.eplb.placement_packing.refine_node`: why, and how much it gains). ``refine=False`` is the
+  published policy alone.
 
 Layout: rank ``r`` holds the slots ``[r * P / num_ranks, (r + 1) * P / num_ranks)`` and node ``n`` the ranks
 ``[n * num_ranks / num_nodes, (n + 1) * num_ranks / num_nodes)``; within a rank, slots are in packing order
-(heaviest replica first).
+(heaviest replica first). Two replicas of one expert may share a rank (as in EPLB).
 
 Determinism: the same input gives the same output. Every tie is broken by the lowest index (group, expert, replica,
 node or rank); a replica goes, among experts of equal load per replica, to the one with fewer replicas first, so a
-layer without load spreads its redundant slots over the experts instead of stacking them on expert 0.
+layer without load spreads its spare slots over the experts instead of stacking them on expert 0. The refinement's
+work is counted, not timed.
 
-Cost: plain Python over lists; L=58 layers, E=256 experts, P=288 slots, 32 ranks on 4 nodes, 8 groups runs in about
-10 ms on a shared 2-core CPU (``tests/test_eplb_placement.py::test_placement_time_at_deepseek_v3_scale``, run with
-``-s``). The driver runs it once per rebalance; nothing here touches a device.
+Cost: plain Python over lists. L=58 layers, E=256 experts in 8 groups, P=288 slots, 32 ranks on 4 nodes, Zipf-1
+load: about 14 ms for the published policy and 25 ms with the refinement on a shared 2-core CPU
+(``tests/test_eplb_placement.py::test_placement_time_at_deepseek_v3_scale``, printed with ``-s``); the refinement's
+work bound (``REFINE_WORK``) keeps any load under about 45 ms there (measured up to 27 ms over Zipf 0.5-1.5 loads,
+global and hierarchical). The driver runs it once per rebalance; nothing
+here touches a device.
 
 Ownership: pure functions of tensors; the driver's EPLB controller calls them and owns the maps they return.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import Counter
 
 import torch
 
-
-#: Refinement stops once a node's heaviest rank is within this fraction of the layer's lower bound.
-REFINE_TOLERANCE = 0.01
-#: Re-packings one node's refinement may try, and swaps one packing may make (bound the cost at scale).
-MAX_TRIALS = 64
-MAX_SWAPS = 64
+from raymoe.eplb.placement_packing import (
+    MIN_TRIALS,
+    REFINE_TOLERANCE,
+    REFINE_WORK,
+    balanced_packing,
+    pack_node,
+    refine_node,
+    replica_counts,
+)
 
 
 def _positive_int(name: str, value) -> int:
@@ -74,114 +84,8 @@ def _check_map(name: str, placement, num_logical: int | None = None) -> torch.Te
     return ids
 
 
-def balanced_packing(loads: list[float], num_packs: int) -> list[list[int]]:
-    """Greedy packing of ``len(loads)`` items into ``num_packs`` packs of equal item count (EPLB's
-    ``balanced_packing``): items heaviest first (ties: lowest index) each go to the lightest pack that still has
-    room (ties: lowest pack). ``len(loads)`` must be a multiple of ``num_packs``.
-
-    Returns: per pack, the item indices in the order they were packed.
-    """
-    per_pack = len(loads) // num_packs
-    packs: list[list[int]] = [[] for _ in range(num_packs)]
-    open_packs = [(0.0, k) for k in range(num_packs)]  # (load so far, pack): a min-heap of the packs with room
-    for item in sorted(range(len(loads)), key=lambda i: (-loads[i], i)):
-        load, k = heapq.heappop(open_packs)
-        packs[k].append(item)
-        if len(packs[k]) < per_pack:
-            heapq.heappush(open_packs, (load + loads[item], k))
-    return packs
-
-
-def replica_counts(loads: list[float], num_slots: int) -> list[int]:
-    """Replicas per expert for ``num_slots >= len(loads)`` slots (EPLB's ``replicate_experts``): one each, then each
-    further slot to the expert with the highest load per replica (ties: fewer replicas, then lowest index). This
-    minimises the largest load per replica."""
-    counts = [1] * len(loads)
-    heap = [(-load, 1, e) for e, load in enumerate(loads)]
-    heapq.heapify(heap)
-    for _ in range(num_slots - len(loads)):
-        _, _, e = heapq.heappop(heap)
-        counts[e] += 1
-        heapq.heappush(heap, (-loads[e] / counts[e], counts[e], e))
-    return counts
-
-
-def _pack_replicas(node_loads: list[float], counts: list[int], num_ranks: int,
-                   swap: bool) -> tuple[float, list[list[int]]]:
-    """Step 3 for one node: its replicas (``counts[j]`` of local expert j, each carrying ``node_loads[j] /
-    counts[j]``) packed to ``num_ranks`` ranks, then, with ``swap``, improved by :func:`_swap_heaviest`.
-
-    Returns: the heaviest rank's load, and per rank the local expert of each of its slots.
-    """
-    replicas = [j for j, c in enumerate(counts) for _ in range(c)]
-    replica_loads = [node_loads[j] / counts[j] for j in replicas]
-    packs = balanced_packing(replica_loads, num_ranks)
-    if swap:
-        _swap_heaviest(replica_loads, packs)
-    peak = max(sum(replica_loads[i] for i in pack) for pack in packs)
-    return peak, [[replicas[i] for i in pack] for pack in packs]
-
-
-def _swap_heaviest(loads: list[float], packs: list[list[int]]) -> None:
-    """Improve a packing in place: while swapping one item of the heaviest pack with a lighter item of another pack
-    lowers the larger of the two packs' loads, make the swap that lowers it most (ties: lowest pack, then item
-    positions). Each swap lowers the sum of squared pack loads, so the loop ends; it is also capped."""
-    sums = [sum(loads[i] for i in pack) for pack in packs]
-    for _ in range(MAX_SWAPS):
-        heavy = max(range(len(packs)), key=lambda k: (sums[k], -k))
-        best = None  # (new larger load of the pair, pack, position in heavy, position in pack)
-        for k, pack in enumerate(packs):
-            if k == heavy:
-                continue
-            for a, i in enumerate(packs[heavy]):
-                for b, j in enumerate(pack):
-                    moved = loads[i] - loads[j]
-                    pair_peak = max(sums[heavy] - moved, sums[k] + moved)
-                    if moved > 0 and pair_peak < sums[heavy] and (best is None or pair_peak < best[0]):
-                        best = (pair_peak, k, a, b)
-        if best is None:
-            return
-        _, k, a, b = best
-        i, j = packs[heavy][a], packs[k][b]
-        packs[heavy][a], packs[k][b] = j, i
-        sums[heavy] += loads[j] - loads[i]
-        sums[k] += loads[i] - loads[j]
-
-
-def _refine_node(node_loads: list[float], counts: list[int], num_ranks: int,
-                 target: float) -> tuple[float, list[list[int]]]:
-    """Beyond the published policy: move replicas between experts while that lowers the node's heaviest rank.
-
-    Starting from EPLB's replica counts, try moving one replica from a donor (an expert with two or more; the one
-    whose load per replica rises least first) to a receiver (highest load per replica first), each trial re-packed
-    with swaps (:func:`_pack_replicas`); keep the first trial that lowers the heaviest rank, and repeat until the
-    heaviest rank is within ``target`` (the layer's lower bound plus :data:`REFINE_TOLERANCE`), no move helps, or
-    :data:`MAX_TRIALS` trials ran. The result is never worse than EPLB's packing of EPLB's counts.
-    """
-    best = _pack_replicas(node_loads, counts, num_ranks, swap=True)
-    trials = 0
-    while best[0] > target and trials < MAX_TRIALS:
-        donors = sorted((j for j, c in enumerate(counts) if c > 1), key=lambda j: (node_loads[j] / (counts[j] - 1), j))
-        receivers = sorted(range(len(counts)), key=lambda j: (-node_loads[j] / counts[j], j))
-        moves = ((d, r) for d in donors for r in receivers if r != d)
-        for donor, receiver in moves:
-            trial = list(counts)
-            trial[donor] -= 1
-            trial[receiver] += 1
-            packed = _pack_replicas(node_loads, trial, num_ranks, swap=True)
-            trials += 1
-            if packed[0] < best[0] * (1 - 1e-12):
-                counts, best = trial, packed
-                break
-            if trials >= MAX_TRIALS:
-                break
-        else:
-            break  # no move lowers the heaviest rank
-    return best
-
-
 def _place_layer(loads: list[float], num_physical: int, num_groups: int, num_nodes: int, num_ranks: int,
-                 refine: bool) -> list[int]:
+                 refine_work: int) -> list[int]:
     """One layer's physical-to-logical list [P] under the hierarchical policy (the global one is 1 group, 1 node)."""
     group_size = len(loads) // num_groups
     group_loads = [sum(loads[g * group_size:(g + 1) * group_size]) for g in range(num_groups)]
@@ -191,14 +95,15 @@ def _place_layer(loads: list[float], num_physical: int, num_groups: int, num_nod
     # No placement of this layer beats its heaviest node's mean rank load: refining below that gains nothing.
     target = max(sum(loads[e] for e in experts) for experts in node_experts) / ranks_per_node
     target *= 1 + REFINE_TOLERANCE
+    work = refine_work
     physical_to_logical: list[int] = []
     for experts in node_experts:
         node_loads = [loads[e] for e in experts]
         counts = replica_counts(node_loads, slots_per_node)  # step 2: replicas within the node
-        peak, ranks = _pack_replicas(node_loads, counts, ranks_per_node, swap=False)  # step 3: to the node's ranks
-        if refine and peak > target:
-            peak, ranks = _refine_node(node_loads, counts, ranks_per_node, target)
-        for rank in ranks:
+        packing = pack_node(node_loads, counts, ranks_per_node, swap=False)  # step 3: to the node's ranks
+        if packing.peak > target and work >= MIN_TRIALS * slots_per_node:
+            packing, work = refine_node(node_loads, counts, packing, ranks_per_node, target, work)
+        for rank in packing.ranks:
             physical_to_logical.extend(experts[j] for j in rank)
     return physical_to_logical
 
@@ -215,6 +120,7 @@ def rebalance_experts(weight: torch.Tensor, num_physical: int, num_groups: int, 
         num_nodes: nodes of the EP group; num_ranks % num_nodes == 0. The hierarchical policy applies when
             num_groups % num_nodes == 0, else the global one (module docstring).
         num_ranks: EP ranks (``ep_size``).
+        refine: also run step 4 (module docstring); False gives the published policy alone.
 
     Returns:
         physical_to_logical: [L, P] int64, the logical expert held by slot p (rank r holds the slots
@@ -239,7 +145,8 @@ def rebalance_experts(weight: torch.Tensor, num_physical: int, num_groups: int, 
         raise ValueError(f"num_nodes ({num_nodes}) must divide num_ranks ({num_ranks})")
     if num_groups % num_nodes:
         num_groups, num_nodes = 1, 1  # the global policy
-    rows = [_place_layer(loads, num_physical, num_groups, num_nodes, num_ranks, refine) for loads in load.tolist()]
+    work = REFINE_WORK // max(num_layers, 1) if refine else 0
+    rows = [_place_layer(loads, num_physical, num_groups, num_nodes, num_ranks, work) for loads in load.tolist()]
     physical_to_logical = torch.tensor(rows, dtype=torch.int64).reshape(num_layers, num_physical)
     return physical_to_logical, replica_count(physical_to_logical, num_logical)
 
@@ -274,7 +181,7 @@ def rank_loads(weight: torch.Tensor, physical_to_logical: torch.Tensor, num_rank
     if bool((counts == 0).any()):
         raise ValueError("physical_to_logical leaves a logical expert without a slot")
     slot_load = load.gather(1, ids) / counts.gather(1, ids).to(torch.float64)
-    return slot_load.view(ids.size(0), num_ranks, -1).sum(-1)
+    return slot_load.view(ids.size(0), num_ranks, ids.size(1) // num_ranks).sum(-1)
 
 
 def rank_balance(weight: torch.Tensor, physical_to_logical: torch.Tensor, num_ranks: int) -> torch.Tensor:
