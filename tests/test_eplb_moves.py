@@ -133,7 +133,8 @@ class _Experts:
     def slot_tensors(self):
         return [self.w13, self.w2]
 
-    def refresh_prepared(self):
+    def refresh_prepared(self, slots=None):
+        assert slots, "a commit names the slots it rewrote"
         self.refreshed += 1
 
 
@@ -165,7 +166,7 @@ def test_mover_moves_weights_between_two_gloo_ranks():
         for layer, (w13, w2, slots, refreshed) in enumerate(layers):
             want = list(ctl.location.physical_to_logical[layer][rank * per_rank:(rank + 1) * per_rank])
             assert slots == want and w13 == [float(e) for e in want] and w2 == w13
-            assert refreshed == 1
+            assert refreshed <= 1  # once per commit that rewrote a slot of this rank
             assert tables[layer] == ctl.location.routing_table(layer)[0]
 
 

@@ -139,3 +139,22 @@ def test_experts_grouped_layout_through_packed_weights_equals_grouped_mm():
     got = cpu.expert_rows(x, ids, experts), cpu.expert_segments(x, ends, 5, experts)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_repack_groups_updates_only_the_rewritten_slots():
+    """A rebalance rewrites slots of a stacked expert weight in place; repacking those slots alone gives what a
+    whole repack gives, and the other slots' panels are not touched."""
+    torch.manual_seed(0)
+    w = torch.randn(5, 40, 24)
+    packed = packed_linear.pack(w)
+    data = packed.data
+    untouched = packed.data[0].clone()
+    w[1].copy_(torch.randn(40, 24))
+    w[3].copy_(w[4])
+    packed_linear.repack_groups(packed, w, [1, 3])
+    assert packed.data is data and torch.equal(packed.data, packed_linear.pack(w).data)
+    assert torch.equal(packed.data[0], untouched)
+    with pytest.raises(ValueError, match="outside"):
+        packed_linear.repack_groups(packed, w, [5])
+    with pytest.raises(ValueError, match="does not match"):
+        packed_linear.repack_groups(packed, w[:4], [0])

@@ -6,9 +6,9 @@ Per step that carries an :class:`~raymoe.step.expert_update.ExpertUpdate`, at it
    step: point-to-point sends and receives on a process group of their own, so the step's own collectives never
    queue behind them; on gloo they progress on gloo's threads, on NCCL on its communicator's stream);
 2. **commit** the update's layer: each local slot whose logical expert changes gets its staged weights copied in
-   place (the tensors captured graphs read), the platform re-prepares the layer's expert weights, and the layer's
-   routing table switches (:meth:`~raymoe.eplb.expert_map.ExpertRouting.update`). Every rank does this at the same
-   step, so no step runs a half-moved layer;
+   place (the tensors captured graphs read), the platform re-prepares those slots (``prepare_weight_slots``), and
+   the layer's routing table switches (:meth:`~raymoe.eplb.expert_map.ExpertRouting.update`). Every rank does this
+   at the same step, so no step runs a half-moved layer;
 3. **post** this step's transfers: for each (layer, source slot, destination slot) this rank sends the source
    slot's tensors, or receives (or copies, when it also holds the source) into a staging buffer of the
    destination slot. Tensors travel as bytes (``uint8`` views), so FP8 weights and their scales move unchanged.
@@ -39,7 +39,7 @@ class MovableExperts(Protocol):
 
     def slot_tensors(self) -> list[torch.Tensor]: ...
 
-    def refresh_prepared(self) -> None: ...
+    def refresh_prepared(self, slots: Sequence[int] | None = None) -> None: ...
 
 
 class ExpertWeightMover:
@@ -121,16 +121,19 @@ class ExpertWeightMover:
         new_slots = list(commit.physical_to_logical[first:first + self.slots_per_rank])
         staged = self._staged.pop(layer, {})
         live = experts.slot_tensors()
+        changed = []
         for local, expert in enumerate(new_slots):
             if expert == experts.slot_experts[local]:
                 continue
+            changed.append(local)
             if local not in staged:
                 raise RuntimeError(f"EPLB commit of MoE layer {layer}: local slot {local} changes from expert "
                                    f"{experts.slot_experts[local]} to {expert} but received no weights")
             for x, buf in zip(live, staged[local], strict=True):
                 x[local].copy_(buf)
         experts.slot_experts = new_slots
-        experts.refresh_prepared()
+        if changed:
+            experts.refresh_prepared(changed)
         self.location = self.location.with_layer(layer, commit.physical_to_logical)
         self.routings[layer].update(*self.location.routing_table(layer))
         self.num_commits += 1

@@ -143,9 +143,17 @@ class LocalExperts(nn.Module):
         moves between ranks (``raymoe.eplb.weight_mover``)."""
         return [t.data for t in (self.w13, self.w2, self.w13_scale, self.w2_scale) if t is not None]
 
-    def refresh_prepared(self) -> None:
-        """What the platform prepares of the weights (packed copies, FP8 scale layouts), again: after a load, or
-        after a rebalance rewrote slots."""
+    def refresh_prepared(self, slots: Sequence[int] | None = None) -> None:
+        """What the platform prepares of the weights (packed copies, FP8 scale layouts), again: after a load
+        (``slots`` None), or for the local slots ``slots`` a rebalance rewrote in place (the platform's
+        ``prepare_weight_slots``: only those slots where its prepared form allows)."""
+        if slots is not None:
+            s13 = s2 = None
+            if self.quant is not None:
+                s13, s2 = BlockScales(self.w13_scale.data, self.block13), BlockScales(self.w2_scale.data, self.block2)
+            self.prepared13 = self.ops.prepare_weight_slots(self.w13, WeightKind.EXPERTS, self.prepared13, slots, s13)
+            self.prepared2 = self.ops.prepare_weight_slots(self.w2, WeightKind.EXPERTS, self.prepared2, slots, s2)
+            return
         if self.quant is None:
             self.prepared13 = self.ops.prepare_weight(self.w13, WeightKind.EXPERTS)
             self.prepared2 = self.ops.prepare_weight(self.w2, WeightKind.EXPERTS)

@@ -193,6 +193,14 @@ class Platform(ExpertCompute, LowLatencyOps, ABC):
             ValueError: ``scales`` does not cover ``weight`` (:meth:`BlockScales.fits`) or ``weight`` is not FP8.
         """
 
+    def prepare_weight_slots(self, weight: torch.Tensor, kind: WeightKind, prepared: Any, slots: Sequence[int],
+                             scales: BlockScales | None = None) -> Any:
+        """``prepared`` (what :meth:`prepare_weight` made of the stacked ``weight`` [S, N, K]) brought up to date
+        after the slots ``slots`` (indices along dim 0) changed in place, as an expert rebalance does
+        (``raymoe.eplb.weight_mover``); returns the prepared object to use from now on. The default prepares the
+        whole weight again; a platform whose prepared form is per slot updates only those slots, in place."""
+        return self.prepare_weight(weight, kind, scales)
+
     @abstractmethod
     def weight_values(self, weight: torch.Tensor, prepared: Any, dtype: torch.dtype) -> torch.Tensor:
         """The values of a loaded weight in ``dtype`` (``weight`` itself, cast, where it is not FP8; dequantized

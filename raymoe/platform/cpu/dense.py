@@ -10,6 +10,7 @@ per layer; one kernel call each takes a few microseconds.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -37,6 +38,16 @@ class CpuDenseOps(DenseOps):
         if kind is WeightKind.LM_HEAD and weight.device.type == "cpu" and weight.dtype == torch.float32:
             weight.data = weight.data.t().contiguous().t()
         return packed_linear.pack(weight)
+
+    def prepare_weight_slots(self, weight: torch.Tensor, kind: WeightKind, prepared: Any, slots: Sequence[int],
+                             scales: BlockScales | None = None) -> Any:
+        """A packed stacked weight repacks only the changed slots, in place (a layer's whole repack cost a two-rank
+        decode step about 8 ms at [9, 1024, 256] + [9, 256, 512] on the CI machine); otherwise the reference."""
+        if scales is None and isinstance(prepared, packed_linear.PackedWeight) and weight.dim() == 3 \
+                and prepared.groups == weight.shape[0]:
+            packed_linear.repack_groups(prepared, weight, slots)
+            return prepared
+        return super().prepare_weight_slots(weight, kind, prepared, slots, scales)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, prepared: Any,
                bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,6 +14,7 @@ so a CPU float32 rank holds those weights twice. An owner whose weight changes a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,26 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
     for i in range(g):
         lib.raymoe_pack_f32(w[i].data_ptr(), w[i].stride(0), n, k, data[i].data_ptr())
     return PackedWeight(data, n, k, g)
+
+
+def repack_groups(packed: PackedWeight, weight: torch.Tensor, groups: Sequence[int]) -> None:
+    """Pack groups ``groups`` of ``weight`` [G, N, K] again into ``packed`` (made by :func:`pack` from a weight of
+    the same shape), in place: what an expert rebalance that rewrote those slots needs.
+
+    Raises:
+        ValueError: ``weight`` does not have ``packed``'s shape, or a group index is out of range.
+    """
+    g, n, k = weight.shape
+    if (g, n, k) != (packed.groups, packed.out_features, packed.in_features):
+        raise ValueError(f"repack_groups: weight {tuple(weight.shape)} does not match the packed "
+                         f"[{packed.groups}, {packed.out_features}, {packed.in_features}]")
+    w = weight.detach()
+    lib = cpu_ops.lib()
+    for i in groups:
+        if not 0 <= i < g:
+            raise ValueError(f"repack_groups: group {i} outside [0, {g})")
+        src = w[i] if w[i].stride(-1) == 1 else w[i].contiguous()
+        lib.raymoe_pack_f32(src.data_ptr(), src.stride(0), n, k, packed.data[i].data_ptr())
 
 
 def use_packed(packed: PackedWeight | None, x: torch.Tensor) -> bool:
