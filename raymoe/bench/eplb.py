@@ -37,6 +37,8 @@ def add_eplb_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rebalance-every", type=int, default=40, help="eplb_rebalance_num_iterations of dynamic")
+    p.add_argument("--transfer-experts-per-step", type=int, default=1,
+                   help="eplb_transfer_experts_per_step of dynamic (expert copies a rank sends or receives per step)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default="bench_results/eplb.json")
 
@@ -122,7 +124,8 @@ def run_eplb_bench(a: argparse.Namespace) -> dict:
     rows.append(_run_config("redundant", model, prompts, a, ep_num_redundant_experts=a.redundant,
                             init_expert_location=f.name))
     rows.append(_run_config("dynamic", model, prompts, a, ep_num_redundant_experts=a.redundant, enable_eplb=True,
-                            eplb_rebalance_num_iterations=a.rebalance_every, eplb_min_window_tokens=64))
+                            eplb_rebalance_num_iterations=a.rebalance_every, eplb_min_window_tokens=64,
+                            eplb_transfer_experts_per_step=a.transfer_experts_per_step))
     Path(f.name).unlink()
     base = rows[0]["tokens_per_s"]
     print(f"raymoe bench eplb: {model}, dp=ep={a.dp}, {a.num_prompts} prompts x {a.input_len} in / "
