@@ -56,9 +56,9 @@ def test_routing_spreads_over_replicas_and_counts():
     assert set(routing.to_physical(torch.full((9, 1), 1, dtype=torch.int64)).view(-1).tolist()) == {0, 8, 9}
 
 
-def _controller(k: int = 1) -> EplbController:
+def _controller(k: int = 1, pieces: int = 1) -> EplbController:
     return EplbController(ExpertLocation.trivial(L, E, P), EP, enable_eplb=True, record_interval=1, window_steps=100,
-                          rebalance_every=1, min_window_tokens=1, experts_per_step=k)
+                          rebalance_every=1, min_window_tokens=1, experts_per_step=k, pieces_per_expert=pieces)
 
 
 def _drain(ctl: EplbController, max_steps: int = 200, record: bool = True) -> list[ExpertUpdate | None]:
@@ -71,9 +71,9 @@ def _drain(ctl: EplbController, max_steps: int = 200, record: bool = True) -> li
     return updates
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_rebalance_plan_is_a_valid_schedule(k):
-    ctl = _controller(k)
+@pytest.mark.parametrize(("k", "pieces"), [(1, 1), (2, 1), (1, 3)])
+def test_rebalance_plan_is_a_valid_schedule(k, pieces):
+    ctl = _controller(k, pieces)
     ctl.record([_skewed_load()])
     before = ctl.balance()
     start = ctl.location
@@ -82,7 +82,7 @@ def test_rebalance_plan_is_a_valid_schedule(k):
     per_rank = P // EP
     # replay the plan on virtual ranks: slot -> expert held, staged copies per layer
     held = [list(r) for r in start.physical_to_logical]
-    staged: dict[int, dict[int, int]] = {}
+    staged: dict[int, dict[int, tuple[int, list[int]]]] = {}  # layer -> slot -> (expert, pieces received)
     posted_at: dict[int, int] = {}
     for step, u in enumerate(updates):
         if step and updates[step - 1] is not None and updates[step - 1].transfers:
@@ -94,7 +94,7 @@ def test_rebalance_plan_is_a_valid_schedule(k):
             assert posted_at.get(layer, -1) < step, "a layer commits only after all its transfers were posted"
             for slot, e in enumerate(u.commit.physical_to_logical):
                 if held[layer][slot] != e:
-                    assert staged[layer][slot] == e
+                    assert staged[layer][slot] == (e, list(range(pieces))), "every piece, in order"
             held[layer] = list(u.commit.physical_to_logical)
             staged.pop(layer, None)
         sends, recvs = [0] * EP, [0] * EP
@@ -102,7 +102,9 @@ def test_rebalance_plan_is_a_valid_schedule(k):
             s, d = t.src_slot // per_rank, t.dst_slot // per_rank
             sends[s] += 1
             recvs[d] += 1
-            staged.setdefault(t.layer, {})[t.dst_slot] = held[t.layer][t.src_slot]
+            expert, got = staged.setdefault(t.layer, {}).get(t.dst_slot, (held[t.layer][t.src_slot], []))
+            assert expert == held[t.layer][t.src_slot] and t.num_pieces == pieces
+            staged[t.layer][t.dst_slot] = (expert, [*got, t.piece])
             posted_at[t.layer] = step
         assert max(sends, default=0) <= k and max(recvs, default=0) <= k
     assert held == [list(r) for r in ctl.location.physical_to_logical]
@@ -153,19 +155,23 @@ def _mover_rank(groups, updates):
             mover.apply(u)
         dist.barrier()  # stands in for the step's own collectives
     mover.wait()
-    return ([[x.w13[:, 0, 0].tolist(), x.w2[:, 0].tolist(), x.slot_experts, x.refreshed] for x in experts],
+    def values(t):  # each slot's distinct values: one, its expert id, once every byte arrived
+        return [sorted(set(t[i].flatten().tolist())) for i in range(t.shape[0])]
+
+    return ([[values(x.w13), values(x.w2), x.slot_experts, x.refreshed] for x in experts],
             [r.table.tolist() for r in routings])
 
 
-def test_mover_moves_weights_between_two_gloo_ranks():
-    ctl = _controller()
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_mover_moves_weights_between_two_gloo_ranks(pieces):
+    ctl = _controller(pieces=pieces)
     updates = _drain(ctl)
     results = run_ranks(_mover_rank, ParallelConfig(dp_size=EP, ep_size=EP), updates, cpu_comm="gloo")
     per_rank = P // EP
     for rank, (layers, tables) in enumerate(results):
         for layer, (w13, w2, slots, refreshed) in enumerate(layers):
             want = list(ctl.location.physical_to_logical[layer][rank * per_rank:(rank + 1) * per_rank])
-            assert slots == want and w13 == [float(e) for e in want] and w2 == w13
+            assert slots == want and w13 == [[float(e)] for e in want] and w2 == w13
             assert refreshed <= 1  # once per commit that rewrote a slot of this rank
             assert tables[layer] == ctl.location.routing_table(layer)[0]
 

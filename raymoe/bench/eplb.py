@@ -39,6 +39,8 @@ def add_eplb_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rebalance-every", type=int, default=40, help="eplb_rebalance_num_iterations of dynamic")
     p.add_argument("--transfer-experts-per-step", type=int, default=1,
                    help="eplb_transfer_experts_per_step of dynamic (expert copies a rank sends or receives per step)")
+    p.add_argument("--transfer-pieces", type=int, default=4,
+                   help="eplb_transfer_pieces_per_expert of dynamic (each expert copy in this many steps at least)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default="bench_results/eplb.json")
 
@@ -104,7 +106,8 @@ def _run_config(name: str, model: str, prompts: list[list[int]], a: argparse.Nam
            "balance": report.balance, "mean_balance": statistics.fmean(report.balance),
            "rebalances": report.num_rebalances, "layer_commits": commits, "expert_load": report.expert_load}
     if during:
-        row.update(steps_moving=len(during), longest_moving_ms=max(during) * 1000,
+        row.update(steps_moving=len(during), longest_moving_ms=max(during) * 1000, median_moving_ms=_pct(during, 0.5),
+                   longest_steady_decode_ms=max(steady[len(steady) // 4:] or [0.0]) * 1000,
                    median_steady_ms=_pct(steady, 0.5), longest_over_median=max(during) / max(
                        statistics.median(steady or clock.periods), 1e-9))
     return row
@@ -125,7 +128,8 @@ def run_eplb_bench(a: argparse.Namespace) -> dict:
                             init_expert_location=f.name))
     rows.append(_run_config("dynamic", model, prompts, a, ep_num_redundant_experts=a.redundant, enable_eplb=True,
                             eplb_rebalance_num_iterations=a.rebalance_every, eplb_min_window_tokens=64,
-                            eplb_transfer_experts_per_step=a.transfer_experts_per_step))
+                            eplb_transfer_experts_per_step=a.transfer_experts_per_step,
+                            eplb_transfer_pieces_per_expert=a.transfer_pieces))
     Path(f.name).unlink()
     base = rows[0]["tokens_per_s"]
     print(f"raymoe bench eplb: {model}, dp=ep={a.dp}, {a.num_prompts} prompts x {a.input_len} in / "
@@ -137,8 +141,10 @@ def run_eplb_bench(a: argparse.Namespace) -> dict:
               f"{r['step_p99_ms']:7.1f} {bal:<28} {r['layer_commits']}")
     dyn = rows[2]
     if "longest_moving_ms" in dyn:
-        print(f"dynamic: {dyn['steps_moving']} steps while weights moved; longest {dyn['longest_moving_ms']:.1f} ms = "
-              f"{dyn['longest_over_median']:.2f}x the median steady step ({dyn['median_steady_ms']:.1f} ms)")
+        print(f"dynamic: {dyn['steps_moving']} steps while weights moved: median {dyn['median_moving_ms']:.1f} ms, "
+              f"longest {dyn['longest_moving_ms']:.1f} ms = {dyn['longest_over_median']:.2f}x the median steady step "
+              f"({dyn['median_steady_ms']:.1f} ms); longest steady step after the first quarter "
+              f"{dyn['longest_steady_decode_ms']:.1f} ms")
     result = {"model": model, "dp": a.dp, "rows": [{k: v for k, v in r.items() if k != "expert_load"}
                                                   for r in rows]}
     out = Path(a.output_json)

@@ -38,8 +38,11 @@ class EplbConfig:
     eplb_min_window_tokens: int = option(
         64, help="a rebalance waits until the window holds at least this many routed tokens per MoE layer.")
     eplb_transfer_experts_per_step: int = option(
-        2, help="most expert weight copies each rank sends or receives per step while a rebalance moves weights "
+        2, help="most expert weight pieces each rank sends or receives per step while a rebalance moves weights "
                 "(bounds the extra transfer that overlaps one step).")
+    eplb_transfer_pieces_per_expert: int = option(
+        1, help="each expert copy of a rebalance moves in this many equal byte ranges, one step's transfer each at "
+                "most (spreads a copy's cost over several steps where a step is short next to an expert's bytes).")
     enable_expert_distribution_metrics: bool = option(
         False, help="count the tokens routed to each expert on every rank (a counter on the device, no host sync) "
                     "and expose the load per MoE layer and expert and the per-layer balance on /metrics.")
@@ -49,7 +52,7 @@ class EplbConfig:
             raise InvalidRequestError("ep_num_redundant_experts", f"must be an integer >= 0, got "
                                                                   f"{self.ep_num_redundant_experts!r}")
         for name in ("eplb_rebalance_num_iterations", "eplb_window_steps", "eplb_record_interval",
-                     "eplb_transfer_experts_per_step"):
+                     "eplb_transfer_experts_per_step", "eplb_transfer_pieces_per_expert"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise InvalidRequestError(name, f"must be a positive integer, got {v!r}")

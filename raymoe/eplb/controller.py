@@ -12,8 +12,9 @@ graph bucket) and hands it the load counters the ranks attached to their answers
   the window holds ``min_window_tokens`` routed tokens per layer, it computes a new placement from the window
   (``raymoe.eplb.placement.rebalance_experts``: DeepSeek's EPLB algorithm), keeps every slot that can keep its
   expert (``keep_slots_stable``), and plans the moves layer by layer: each changed slot receives its new expert
-  from a slot that holds it now (the same rank when possible, else spread over the replicas), in chunks of at most
-  ``experts_per_step`` sends and receives per rank and step; the step after a layer's last chunk commits that layer
+  from a slot that holds it now (the same rank when possible, else spread over the replicas), each copy in
+  ``pieces_per_expert`` byte ranges, in chunks of at most ``experts_per_step`` pieces sent and received per rank
+  and step; the step after a layer's last chunk commits that layer
   (its new map in the update) and may post the next layer's first chunk. Steps never wait for a whole rebalance:
   each carries at most one chunk, which the ranks move in the background and wait for at the next step.
 """
@@ -61,7 +62,7 @@ class EplbController:
 
     def __init__(self, location: ExpertLocation, ep_size: int, enable_eplb: bool, record_interval: int,
                  window_steps: int, rebalance_every: int, min_window_tokens: int, experts_per_step: int,
-                 num_groups: int = 1, num_nodes: int = 1):
+                 num_groups: int = 1, num_nodes: int = 1, pieces_per_expert: int = 1):
         self.initial = self.location = location
         self.ep_size = ep_size
         self.enable_eplb = enable_eplb
@@ -70,6 +71,7 @@ class EplbController:
         self.rebalance_every = rebalance_every
         self.min_window_tokens = min_window_tokens
         self.experts_per_step = experts_per_step
+        self.pieces_per_expert = pieces_per_expert
         self.num_groups = num_groups
         self.num_nodes = num_nodes
         self._steps = 0
@@ -186,8 +188,9 @@ class EplbController:
             self._actions.append(ExpertUpdate((), pending_commit))
 
     def _chunks(self, layer: int, old_row: list[int], new_row: list[int]) -> list[list[ExpertTransfer]]:
-        """The transfers that turn ``old_row`` into ``new_row``, grouped so each rank sends and receives at most
-        ``experts_per_step`` per chunk."""
+        """The transfers that turn ``old_row`` into ``new_row`` (each copy in ``pieces_per_expert`` pieces, in
+        order), grouped so each rank sends and receives at most ``experts_per_step`` pieces per chunk (first fit: a
+        later piece of a copy never lands in an earlier chunk than the one before it)."""
         per_rank = len(old_row) // self.ep_size
         holders: dict[int, list[int]] = {}
         for slot, e in enumerate(old_row):
@@ -201,7 +204,8 @@ class EplbController:
             local = [s for s in holders[e] if s // per_rank == rank]
             src = local[0] if local else min(holders[e], key=lambda s: (sends[s // per_rank], s))
             sends[src // per_rank] += src // per_rank != rank
-            transfers.append(ExpertTransfer(layer, src, slot))
+            transfers.extend(ExpertTransfer(layer, src, slot, piece, self.pieces_per_expert)
+                             for piece in range(self.pieces_per_expert))
         chunks: list[list[ExpertTransfer]] = []
         loads: list[tuple[list[int], list[int]]] = []
         for t in transfers:

@@ -9,9 +9,10 @@ Per step that carries an :class:`~raymoe.step.expert_update.ExpertUpdate`, at it
    place (the tensors captured graphs read), the platform re-prepares those slots (``prepare_weight_slots``), and
    the layer's routing table switches (:meth:`~raymoe.eplb.expert_map.ExpertRouting.update`). Every rank does this
    at the same step, so no step runs a half-moved layer;
-3. **post** this step's transfers: for each (layer, source slot, destination slot) this rank sends the source
-   slot's tensors, or receives (or copies, when it also holds the source) into a staging buffer of the
-   destination slot. Tensors travel as bytes (``uint8`` views), so FP8 weights and their scales move unchanged.
+3. **post** this step's transfers: for each (layer, source slot, destination slot, piece) this rank sends that
+   byte range of the source slot's tensors, or receives it (or copies it, when it also holds the source) into a
+   staging buffer of the destination slot. Tensors travel as bytes (``uint8`` views), so FP8 weights and their
+   scales move unchanged; pieces let a copy spread over several steps.
 
 The driver's plan (``raymoe.eplb.controller``) guarantees that a layer's transfers were all posted at earlier
 updates than its commit, and that every step with transfers is followed by an update, so each rank waits for its
@@ -29,7 +30,14 @@ import torch.distributed as dist
 
 from raymoe.eplb.expert_map import ExpertRouting
 from raymoe.eplb.location import ExpertLocation
-from raymoe.step.expert_update import ExpertUpdate, LayerCommit
+from raymoe.step.expert_update import ExpertTransfer, ExpertUpdate, LayerCommit
+
+
+def _piece(slot: torch.Tensor, t: ExpertTransfer) -> torch.Tensor:
+    """Piece ``t.piece`` of ``t.num_pieces`` equal byte ranges of one slot's contiguous tensor, as a 1-D uint8 view."""
+    flat = slot.view(torch.uint8).reshape(-1)
+    n = flat.numel()
+    return flat[n * t.piece // t.num_pieces:n * (t.piece + 1) // t.num_pieces]
 
 
 class MovableExperts(Protocol):
@@ -63,6 +71,7 @@ class ExpertWeightMover:
         self.slots_per_rank = location.num_physical // ep_size
         self._pending: list = []
         self._staged: dict[int, dict[int, list[torch.Tensor]]] = {}  # layer -> local slot -> tensors
+        self._free: list[list[torch.Tensor]] = []  # staging buffers of committed layers, reused
         self.num_commits = 0
         self.bytes_received = 0
 
@@ -95,24 +104,34 @@ class ExpertWeightMover:
             if self.ep_rank not in (src, dst):
                 continue
             live = self.experts[t.layer].slot_tensors()
+            sources = [_piece(x[t.src_slot - src * self.slots_per_rank], t) for x in live]
             if dst == self.ep_rank:
-                staged = [torch.empty_like(x[0]) for x in live]
-                self._staged.setdefault(t.layer, {})[t.dst_slot - dst * self.slots_per_rank] = staged
+                layer = self._staged.setdefault(t.layer, {})
+                local = t.dst_slot - dst * self.slots_per_rank
+                if local not in layer:
+                    layer[local] = self._staging(live)
+                staged = [_piece(buf, t) for buf in layer[local]]
                 if src == self.ep_rank:
-                    for buf, x in zip(staged, live, strict=True):
-                        buf.copy_(x[t.src_slot - src * self.slots_per_rank])
+                    for buf, x in zip(staged, sources, strict=True):
+                        buf.copy_(x)
                     continue
                 for j, buf in enumerate(staged):
-                    ops.append(dist.P2POp(dist.irecv, buf.view(torch.uint8), self.ranks[src], self.group,
-                                          tag=i * 8 + j))
-                    self.bytes_received += buf.numel() * buf.element_size()
+                    ops.append(dist.P2POp(dist.irecv, buf, self.ranks[src], self.group, tag=i * 8 + j))
+                    self.bytes_received += buf.numel()
             else:
-                local = t.src_slot - src * self.slots_per_rank
-                for j, x in enumerate(live):
-                    ops.append(dist.P2POp(dist.isend, x[local].view(torch.uint8), self.ranks[dst], self.group,
-                                          tag=i * 8 + j))
+                for j, x in enumerate(sources):
+                    ops.append(dist.P2POp(dist.isend, x, self.ranks[dst], self.group, tag=i * 8 + j))
         if ops:
             self._pending.extend(dist.batch_isend_irecv(ops))
+
+    def _staging(self, live: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Buffers for one slot of tensors shaped like ``live``'s slots: a freed set when one fits (a fresh
+        allocation faults its pages in on the step's thread: about 1 ms per megabyte on the CI machine)."""
+        shapes = [(x.shape[1:], x.dtype) for x in live]
+        for i, bufs in enumerate(self._free):
+            if [(b.shape, b.dtype) for b in bufs] == shapes:
+                return self._free.pop(i)
+        return [torch.empty_like(x[0]) for x in live]
 
     def _commit(self, commit: LayerCommit) -> None:
         layer = commit.layer
@@ -131,6 +150,7 @@ class ExpertWeightMover:
                                    f"{experts.slot_experts[local]} to {expert} but received no weights")
             for x, buf in zip(live, staged[local], strict=True):
                 x[local].copy_(buf)
+        self._free.extend(staged.values())
         experts.slot_experts = new_slots
         if changed:
             experts.refresh_prepared(changed)

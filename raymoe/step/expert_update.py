@@ -24,17 +24,21 @@ class ExpertTransfer:
         layer: MoE layer ordinal (0 = the model's first MoE layer). src_slot: a global physical slot that holds
             the expert now (its rank, ``src_slot // slots_per_rank``, sends). dst_slot: the global physical slot
             that holds it after the layer's commit (its rank receives; the same rank copies locally).
+        piece, num_pieces: this transfer moves piece ``piece`` of ``num_pieces`` equal byte ranges of each of the
+            slot's tensors (pieces of one copy go in order, possibly over several steps).
     Raises:
-        ValueError: a negative index.
+        ValueError: a negative index, or a piece outside ``[0, num_pieces)``.
     """
 
     layer: int
     src_slot: int
     dst_slot: int
+    piece: int = 0
+    num_pieces: int = 1
 
     def __post_init__(self) -> None:
-        if min(self.layer, self.src_slot, self.dst_slot) < 0:
-            raise ValueError(f"ExpertTransfer fields must be >= 0, got {self}")
+        if min(self.layer, self.src_slot, self.dst_slot) < 0 or not 0 <= self.piece < self.num_pieces:
+            raise ValueError(f"ExpertTransfer fields must be >= 0 with piece < num_pieces, got {self}")
 
 
 @dataclass(frozen=True)
