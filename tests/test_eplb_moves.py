@@ -8,7 +8,7 @@ import torch
 
 from raymoe.comm.expert_input import NO_EXPERT
 from raymoe.config import ParallelConfig
-from raymoe.eplb.controller import EplbController, ep_node_count
+from raymoe.eplb.controller import COMMIT_AFTER_STEPS, EplbController, ep_node_count
 from raymoe.eplb.expert_map import ExpertRouting
 from raymoe.eplb.location import ExpertLocation
 from raymoe.eplb.weight_mover import ExpertWeightMover
@@ -85,13 +85,11 @@ def test_rebalance_plan_is_a_valid_schedule(k, pieces):
     staged: dict[int, dict[int, tuple[int, list[int]]]] = {}  # layer -> slot -> (expert, pieces received)
     posted_at: dict[int, int] = {}
     for step, u in enumerate(updates):
-        if step and updates[step - 1] is not None and updates[step - 1].transfers:
-            assert u is not None, "a step with transfers must be followed by an update (the ranks wait at it)"
         if u is None:
             continue
         if u.commit is not None:
             layer = u.commit.layer
-            assert posted_at.get(layer, -1) < step, "a layer commits only after all its transfers were posted"
+            assert posted_at.get(layer, -1) + COMMIT_AFTER_STEPS <= step, "a layer commits after its transfers had time"
             for slot, e in enumerate(u.commit.physical_to_logical):
                 if held[layer][slot] != e:
                     assert staged[layer][slot] == (e, list(range(pieces))), "every piece, in order"

@@ -69,7 +69,8 @@ def eplb_controller(config: EngineConfig, model_config: ModelConfig,
     return EplbController(location, config.parallel.ep_size, e.enable_eplb, e.eplb_record_interval,
                           e.eplb_window_steps, e.eplb_rebalance_num_iterations, e.eplb_min_window_tokens,
                           e.eplb_transfer_experts_per_step, num_groups=_routing_groups(model_config),
-                          pieces_per_expert=e.eplb_transfer_pieces_per_expert)
+                          pieces_per_expert=e.eplb_transfer_pieces_per_expert,
+                          min_balance_gain=e.eplb_min_balance_gain)
 
 
 def _set_ep_nodes(eplb: EplbController | None, executor) -> None:

@@ -10,9 +10,11 @@ driver and ranks without the HTTP front end) three times:
 * ``dynamic``: the trivial placement with ``enable_eplb``: rebalanced every ``--rebalance-every`` steps while
   serving, weights moved between ranks in the background.
 
-For each: throughput (output tokens / s over the timed wave), the step period p50 / p99 (wall time between two
-driver steps, ms), the per-layer balance of the last window (mean / max of per-rank load), and for ``dynamic`` the
-longest step while a rebalance moved weights against the median step. A benchmark: it prints and writes JSON.
+For each: throughput (output tokens / s of the last of ``--waves`` timed waves of the same requests, so ``dynamic``
+is measured after the rebalances its first waves drove; every wave's figure is kept), the ranks' decode and
+extend step times (the slowest DP group's forward + sampling, expert moves included), the per-layer balance of the
+last window (mean / max of per-rank load), and for ``dynamic`` the decode steps while a rebalance moved weights
+(longest and median) against the steady decode steps. A benchmark: it prints and writes JSON.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ def add_eplb_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rebalance-every", type=int, default=40, help="eplb_rebalance_num_iterations of dynamic")
+    p.add_argument("--waves", type=int, default=3,
+                   help="timed waves of the same requests per engine; the last one's throughput is reported (dynamic "
+                        "rebalances during the first ones)")
     p.add_argument("--transfer-experts-per-step", type=int, default=1,
                    help="eplb_transfer_experts_per_step of dynamic (expert copies a rank sends or receives per step)")
     p.add_argument("--transfer-pieces", type=int, default=4,
@@ -59,23 +64,30 @@ def bench_model(arch: str, skew: float, seed: int) -> str:
 
 
 class _StepClock:
-    """Wall time of every driver step, and whether a rebalance was moving weights when it was decided."""
+    """Every collected step: its mode (``decode``, ``mixed``, ``extend``), the ranks' time for it (the slowest DP
+    group's tp-rank 0, from the step's start on the rank, expert moves included, to its tokens on the host,
+    seconds) and whether a rebalance was moving weights (decided between its decision and its collection)."""
 
     def __init__(self, driver):
-        self.driver = driver
-        self.periods: list[float] = []
-        self.moving: list[bool] = []
-        inner = driver.step
+        self.steps: list[tuple[str, float, bool]] = []
+        timer, eplb = driver.step_timer, driver.eplb
+        inner = timer.collected
 
-        def step():
-            moving = driver.eplb is not None and driver.eplb.moving
-            t0 = time.perf_counter()
-            out = inner()
-            self.periods.append(time.perf_counter() - t0)
-            self.moving.append(moving or (driver.eplb is not None and driver.eplb.moving))
-            return out
+        def collected(mode: str, launched_at: float, forward_seconds: float) -> float:
+            commits = eplb.num_layer_commits if eplb is not None else 0
+            self.steps.append((mode, forward_seconds, eplb is not None and (eplb.moving or commits != self._commits)))
+            self.commit_steps.append(commits != self._commits)
+            self._commits = commits
+            return inner(mode, launched_at, forward_seconds)
 
-        driver.step = step
+        self.commit_steps: list[bool] = []  # a layer commit was decided since the previous collection
+
+        self._commits = eplb.num_layer_commits if eplb is not None else 0
+        timer.collected = collected
+
+    def decode(self, moving: bool) -> list[float]:
+        """Forward seconds of the decode steps with / without weights moving."""
+        return [s for mode, s, m in self.steps if mode == "decode" and m == moving]
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -92,24 +104,28 @@ def _run_config(name: str, model: str, prompts: list[list[int]], a: argparse.Nam
                 **options) as engine:
         engine.generate(prompt_token_ids=prompts[: a.dp * 2], sampling_params=params)  # warm-up
         clock = _StepClock(engine.driver)
-        t0 = time.perf_counter()
-        outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
-        wall = time.perf_counter() - t0
         eplb = engine.driver.eplb
+        waves = []
+        for _ in range(a.waves):  # dynamic: the first wave's load drives rebalances the next waves run on
+            t0 = time.perf_counter()
+            outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+            waves.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
         report = eplb.report()
         commits = eplb.num_layer_commits
-    tokens = sum(len(o.token_ids) for o in outs)
-    steady = [p for p, m in zip(clock.periods, clock.moving, strict=True) if not m]
-    during = [p for p, m in zip(clock.periods, clock.moving, strict=True) if m]
-    row = {"config": name, "tokens_per_s": tokens / wall, "wall_s": wall, "steps": len(clock.periods),
-           "step_p50_ms": _pct(clock.periods, 0.5), "step_p99_ms": _pct(clock.periods, 0.99),
+    decode = clock.decode(False)
+    row = {"config": name, "tokens_per_s": waves[-1], "waves_tokens_per_s": waves,
+           "decode_p50_ms": _pct(decode, 0.5), "decode_p99_ms": _pct(decode, 0.99),
+           "extend_p50_ms": _pct([s for mode, s, _ in clock.steps if mode != "decode"], 0.5),
            "balance": report.balance, "mean_balance": statistics.fmean(report.balance),
            "rebalances": report.num_rebalances, "layer_commits": commits, "expert_load": report.expert_load}
-    if during:
-        row.update(steps_moving=len(during), longest_moving_ms=max(during) * 1000, median_moving_ms=_pct(during, 0.5),
-                   longest_steady_decode_ms=max(steady[len(steady) // 4:] or [0.0]) * 1000,
-                   median_steady_ms=_pct(steady, 0.5), longest_over_median=max(during) / max(
-                       statistics.median(steady or clock.periods), 1e-9))
+    moving = clock.decode(True)
+    commit = [s for (mode, s, _), c in zip(clock.steps, clock.commit_steps, strict=True) if mode == "decode" and c]
+    if commit:
+        row.update(decode_steps_near_commit=len(commit), median_near_commit_ms=_pct(commit, 0.5))
+    if moving:
+        row.update(decode_steps_moving=len(moving), longest_moving_ms=max(moving) * 1000,
+                   median_moving_ms=_pct(moving, 0.5), longest_steady_ms=max(decode, default=0.0) * 1000,
+                   longest_over_median=max(moving) / max(statistics.median(decode or moving), 1e-9))
     return row
 
 
@@ -134,17 +150,21 @@ def run_eplb_bench(a: argparse.Namespace) -> dict:
     base = rows[0]["tokens_per_s"]
     print(f"raymoe bench eplb: {model}, dp=ep={a.dp}, {a.num_prompts} prompts x {a.input_len} in / "
           f"{a.output_len} out, redundant={a.redundant}")
-    print(f"{'config':<10} {'tok/s':>8} {'x off':>6} {'p50 ms':>7} {'p99 ms':>7} {'balance/layer':<28} commits")
+    print("tok/s: the last wave; decode/extend: the ranks' step time, ms (decode steps while no weights moved)")
+    print(f"{'config':<10} {'tok/s':>8} {'x off':>6} {'dec p50':>8} {'dec p99':>8} {'ext p50':>8} "
+          f"{'balance/layer':<28} commits  waves tok/s")
     for r in rows:
         bal = " ".join(f"{b:.2f}" for b in r["balance"])
-        print(f"{r['config']:<10} {r['tokens_per_s']:8.1f} {r['tokens_per_s'] / base:6.2f} {r['step_p50_ms']:7.1f} "
-              f"{r['step_p99_ms']:7.1f} {bal:<28} {r['layer_commits']}")
+        print(f"{r['config']:<10} {r['tokens_per_s']:8.1f} {r['tokens_per_s'] / base:6.2f} {r['decode_p50_ms']:8.2f} "
+              f"{r['decode_p99_ms']:8.2f} {r['extend_p50_ms']:8.1f} {bal:<28} {r['layer_commits']:7d}  "
+              + " ".join(f"{w:.0f}" for w in r["waves_tokens_per_s"]))
     dyn = rows[2]
     if "longest_moving_ms" in dyn:
-        print(f"dynamic: {dyn['steps_moving']} steps while weights moved: median {dyn['median_moving_ms']:.1f} ms, "
-              f"longest {dyn['longest_moving_ms']:.1f} ms = {dyn['longest_over_median']:.2f}x the median steady step "
-              f"({dyn['median_steady_ms']:.1f} ms); longest steady step after the first quarter "
-              f"{dyn['longest_steady_decode_ms']:.1f} ms")
+        print(f"dynamic: {dyn['decode_steps_moving']} decode steps while weights moved: median "
+              f"{dyn['median_moving_ms']:.2f} ms, longest {dyn['longest_moving_ms']:.2f} ms = "
+              f"{dyn['longest_over_median']:.2f}x the median steady decode step; longest steady decode step "
+              f"{dyn['longest_steady_ms']:.2f} ms; decode steps collected right after a layer switch was decided: "
+              f"{dyn.get('decode_steps_near_commit', 0)}, median {dyn.get('median_near_commit_ms', 0.0):.2f} ms")
     result = {"model": model, "dp": a.dp, "rows": [{k: v for k, v in r.items() if k != "expert_load"}
                                                   for r in rows]}
     out = Path(a.output_json)

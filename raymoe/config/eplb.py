@@ -30,7 +30,7 @@ class EplbConfig:
                    "load record written by `raymoe eplb dump` (a placement is computed from it). None: expert e on "
                    "slot e, redundant slots replicating experts 0, 1, ...")
     eplb_rebalance_num_iterations: int = option(
-        1000, help="steps between two automatic rebalances (enable_eplb).")
+        1000, help="steps from the end of one automatic rebalance to the next (enable_eplb).")
     eplb_window_steps: int = option(
         1000, help="steps of recorded expert load a rebalance and /metrics look at (a sliding window).")
     eplb_record_interval: int = option(
@@ -43,6 +43,10 @@ class EplbConfig:
     eplb_transfer_pieces_per_expert: int = option(
         1, help="each expert copy of a rebalance moves in this many equal byte ranges, one step's transfer each at "
                 "most (spreads a copy's cost over several steps where a step is short next to an expert's bytes).")
+    eplb_min_balance_gain: float = option(
+        0.02, help="an automatic rebalance moves a MoE layer only when its new placement raises the layer's balance "
+                   "(mean / max of per-rank load over the window, 1.0 = even) by at least this much; an admin "
+                   "request moves every layer it improves.")
     enable_expert_distribution_metrics: bool = option(
         False, help="count the tokens routed to each expert on every rank (a counter on the device, no host sync) "
                     "and expose the load per MoE layer and expert and the per-layer balance on /metrics.")
@@ -56,6 +60,8 @@ class EplbConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise InvalidRequestError(name, f"must be a positive integer, got {v!r}")
+        if not 0.0 <= self.eplb_min_balance_gain <= 1.0:
+            raise InvalidRequestError("eplb_min_balance_gain", f"must be in [0, 1], got {self.eplb_min_balance_gain!r}")
         if not isinstance(self.eplb_min_window_tokens, int) or self.eplb_min_window_tokens < 0:
             raise InvalidRequestError("eplb_min_window_tokens", "must be an integer >= 0")
 

@@ -8,15 +8,16 @@ graph bucket) and hands it the load counters the ranks attached to their answers
   cumulative counters; the controller turns them into per-interval deltas, sums the groups and keeps the last
   ``window_steps`` steps of them: ``window_load()`` [L, E] is what ``/metrics``, ``raymoe eplb dump`` and the next
   placement read.
-* **Rebalance.** With ``enable_eplb``, every ``rebalance_every`` steps (or after :meth:`request_rebalance`) and once
-  the window holds ``min_window_tokens`` routed tokens per layer, it computes a new placement from the window
-  (``raymoe.eplb.placement.rebalance_experts``: DeepSeek's EPLB algorithm), keeps every slot that can keep its
-  expert (``keep_slots_stable``), and plans the moves layer by layer: each changed slot receives its new expert
-  from a slot that holds it now (the same rank when possible, else spread over the replicas), each copy in
+* **Rebalance.** With ``enable_eplb``, ``rebalance_every`` steps after the previous move ended (or after
+  :meth:`request_rebalance`) and once the window holds ``min_window_tokens`` routed tokens per layer, it computes a
+  new placement from the window (``raymoe.eplb.placement.rebalance_experts``: DeepSeek's EPLB algorithm), keeps
+  every slot that can keep its expert (``keep_slots_stable``), skips layers the new placement does not improve by
+  ``min_balance_gain``, and plans the moves layer by layer: each changed slot receives its new expert from a slot
+  that holds it now (the same rank when possible, else spread over the replicas), each copy in
   ``pieces_per_expert`` byte ranges, in chunks of at most ``experts_per_step`` pieces sent and received per rank
-  and step; the step after a layer's last chunk commits that layer
-  (its new map in the update) and may post the next layer's first chunk. Steps never wait for a whole rebalance:
-  each carries at most one chunk, which the ranks move in the background and wait for at the next step.
+  and step; :data:`COMMIT_AFTER_STEPS` steps after a layer's last chunk that layer commits (its new map in the
+  update) while the next layer's chunks go on. Steps never wait for a whole rebalance: each carries at most one
+  chunk, which the ranks move in the background and wait for only at a commit.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ from raymoe.eplb.location import ExpertLocation
 from raymoe.eplb.placement import keep_slots_stable, rank_balance, rebalance_experts
 from raymoe.eplb.report import ExpertLoadReport
 from raymoe.step.expert_update import ExpertTransfer, ExpertUpdate, LayerCommit
+
+COMMIT_AFTER_STEPS = 2
+"""A layer commits this many steps after its last transfer was posted (the next layer's transfers go on
+meanwhile): the ranks wait for their transfers only at a commit, by when they have had whole steps to finish in the
+background."""
 
 
 def ep_node_count(node_ids: Sequence[str]) -> int:
@@ -54,7 +60,10 @@ class EplbController:
             serving. record_interval, window_steps, rebalance_every: steps (``EplbConfig``). min_window_tokens:
             routed pairs per layer a rebalance needs. experts_per_step: most expert copies a rank sends or receives
             per step. num_groups: routing groups of the model (DeepSeek ``n_group``; 1 without). num_nodes: nodes
-            the EP ranks span (rank ``r`` on node ``r * num_nodes // ep_size``).
+            the EP ranks span (rank ``r`` on node ``r * num_nodes // ep_size``). pieces_per_expert: byte ranges of
+            one expert copy. min_balance_gain: an automatic rebalance moves a layer only when the new placement
+            raises its balance (mean / max per-rank load over the window) by at least this much (no churn between
+            placements that are about as good).
     Attributes:
         location: the placement the ranks hold (a committed layer counts from the step that commits it).
         num_rebalances: rebalances planned. num_layer_commits: layers switched.
@@ -62,7 +71,8 @@ class EplbController:
 
     def __init__(self, location: ExpertLocation, ep_size: int, enable_eplb: bool, record_interval: int,
                  window_steps: int, rebalance_every: int, min_window_tokens: int, experts_per_step: int,
-                 num_groups: int = 1, num_nodes: int = 1, pieces_per_expert: int = 1):
+                 num_groups: int = 1, num_nodes: int = 1, pieces_per_expert: int = 1,
+                 min_balance_gain: float = 0.0):
         self.initial = self.location = location
         self.ep_size = ep_size
         self.enable_eplb = enable_eplb
@@ -72,6 +82,7 @@ class EplbController:
         self.min_window_tokens = min_window_tokens
         self.experts_per_step = experts_per_step
         self.pieces_per_expert = pieces_per_expert
+        self.min_balance_gain = min_balance_gain
         self.num_groups = num_groups
         self.num_nodes = num_nodes
         self._steps = 0
@@ -89,7 +100,8 @@ class EplbController:
         """The update of the step being decided (None: nothing for the ranks to do)."""
         self._steps += 1
         self._since_report += 1
-        self._since_rebalance += 1
+        if not self._actions:  # the period counts from the end of the last move
+            self._since_rebalance += 1
         report = self._since_report >= self.record_interval
         if report:
             self._since_report = 0
@@ -169,23 +181,30 @@ class EplbController:
         load = self.window_load()
         if int(load.sum(dim=1).min()) < self.min_window_tokens:
             return
-        self._requested = False
+        requested, self._requested = self._requested, False
         old = torch.tensor(self.location.physical_to_logical, dtype=torch.int64)
         new, _ = rebalance_experts(load, self.location.num_physical, self.num_groups, self.num_nodes, self.ep_size)
         new = keep_slots_stable(old, new, self.ep_size)
+        gain = rank_balance(load, new, self.ep_size) - rank_balance(load, old, self.ep_size)
+        need = 1e-9 if requested else self.min_balance_gain  # an asked-for rebalance moves any layer it improves
         self.num_rebalances += 1
-        pending_commit: LayerCommit | None = None
+        transfers: list[list[ExpertTransfer]] = []  # per step of the move
+        commits: list[LayerCommit | None] = []
+        last_commit = -1
         for layer in range(self.location.num_layers):
             old_row, new_row = old[layer].tolist(), new[layer].tolist()
-            if old_row == new_row:
+            if old_row == new_row or float(gain[layer]) < need:
                 continue
-            chunks = self._chunks(layer, old_row, new_row)
-            for chunk in chunks:
-                self._actions.append(ExpertUpdate(tuple(chunk), pending_commit))
-                pending_commit = None
-            pending_commit = LayerCommit(layer, tuple(new_row))
-        if pending_commit is not None:
-            self._actions.append(ExpertUpdate((), pending_commit))
+            for chunk in self._chunks(layer, old_row, new_row):
+                transfers.append(chunk)
+                commits.append(None)
+            at = max(len(transfers) - 1 + COMMIT_AFTER_STEPS, last_commit + 1)
+            while len(commits) <= at:
+                transfers.append([])
+                commits.append(None)
+            commits[at] = LayerCommit(layer, tuple(new_row))
+            last_commit = at
+        self._actions.extend(ExpertUpdate(tuple(t), c) for t, c in zip(transfers, commits, strict=True))
 
     def _chunks(self, layer: int, old_row: list[int], new_row: list[int]) -> list[list[ExpertTransfer]]:
         """The transfers that turn ``old_row`` into ``new_row`` (each copy in ``pieces_per_expert`` pieces, in

@@ -2,22 +2,22 @@
 
 Per step that carries an :class:`~raymoe.step.expert_update.ExpertUpdate`, at its start and before the forward:
 
-1. **wait** for the transfers this rank posted at the previous update (they ran in the background during that
-   step: point-to-point sends and receives on a process group of their own, so the step's own collectives never
-   queue behind them; on gloo they progress on gloo's threads, on NCCL on its communicator's stream);
+1. **wait**, when the update commits a layer, for every transfer this rank posted so far (they ran in the
+   background during the steps since: point-to-point sends and receives on a process group of their own, so the
+   step's own collectives never queue behind them; on gloo they progress on gloo's threads, on NCCL on its
+   communicator's stream); otherwise only forget the transfers that completed;
 2. **commit** the update's layer: each local slot whose logical expert changes gets its staged weights copied in
    place (the tensors captured graphs read), the platform re-prepares those slots (``prepare_weight_slots``), and
    the layer's routing table switches (:meth:`~raymoe.eplb.expert_map.ExpertRouting.update`). Every rank does this
    at the same step, so no step runs a half-moved layer;
-3. **post** this step's transfers: for each (layer, source slot, destination slot, piece) this rank sends that
-   byte range of the source slot's tensors, or receives it (or copies it, when it also holds the source) into a
-   staging buffer of the destination slot. Tensors travel as bytes (``uint8`` views), so FP8 weights and their
-   scales move unchanged; pieces let a copy spread over several steps.
+3. **post** this step's transfers (:meth:`ExpertWeightMover.post`): for each (layer, source slot, destination
+   slot, piece) this rank sends that byte range of the source slot's tensors, or receives it (or copies it, when
+   it also holds the source) into a staging buffer of the destination slot. Tensors travel as bytes (``uint8``
+   views), so FP8 weights and their scales move unchanged; pieces let a copy spread over several steps.
 
-The driver's plan (``raymoe.eplb.controller``) guarantees that a layer's transfers were all posted at earlier
-updates than its commit, and that every step with transfers is followed by an update, so each rank waits for its
-transfers one step after it posted them. The sender's slot stays live and unchanged until its own layer commits,
-which happens only after those sends were waited for.
+The driver's plan (``raymoe.eplb.controller``) posts a layer's transfers at least ``COMMIT_AFTER_STEPS`` steps
+before its commit, so a rank rarely waits at all. The sender's slot stays live and unchanged until its own layer
+commits, which happens only after every send was waited for.
 """
 
 from __future__ import annotations
@@ -76,20 +76,30 @@ class ExpertWeightMover:
         self.bytes_received = 0
 
     def apply(self, update: ExpertUpdate) -> None:
-        """Wait, commit, post (module docstring).
+        """:meth:`begin` then :meth:`post`, at once."""
+        self.begin(update)
+        self.post(update)
+
+    def begin(self, update: ExpertUpdate) -> None:
+        """Before the step's forward: wait and commit (module docstring), or forget completed transfers.
 
         Raises:
             RuntimeError: a commit finds a changed slot without staged weights (a plan that does not match the
                 placement this rank holds).
         """
-        self.wait()
         if update.commit is not None:
+            self.wait()
             self._commit(update.commit)
+        else:
+            self._pending = [w for w in self._pending if not w.is_completed()]
+
+    def post(self, update: ExpertUpdate) -> None:
+        """Post the step's transfers (module docstring)."""
         if update.transfers:
             self._post(update)
 
     def wait(self) -> None:
-        """Wait for the transfers posted at the previous update."""
+        """Wait for every transfer posted so far."""
         for work in self._pending:
             work.wait()
         self._pending = []
