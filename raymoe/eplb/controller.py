@@ -22,6 +22,7 @@ graph bucket) and hands it the load counters the ranks attached to their answers
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Sequence
 
@@ -92,6 +93,7 @@ class EplbController:
         self._actions: deque[ExpertUpdate] = deque()
         self._last: dict[int, torch.Tensor] = {}
         self._window: deque[torch.Tensor] = deque()
+        self._window_lock = threading.Lock()
         self.num_rebalances = 0
         self.num_layer_commits = 0
 
@@ -131,16 +133,19 @@ class EplbController:
             total = delta if total is None else total + delta
         if total is None:
             return
-        self._window.append(total)
-        while len(self._window) * self.record_interval > self.window_steps:
-            self._window.popleft()
+        with self._window_lock:  # /metrics reads the window from another thread
+            self._window.append(total)
+            while len(self._window) * self.record_interval > self.window_steps:
+                self._window.popleft()
 
     # ---- reads ----
     def window_load(self) -> torch.Tensor:
         """[L, E] int64: routed pairs per MoE layer and logical expert over the window."""
-        if not self._window:
+        with self._window_lock:
+            parts = list(self._window)
+        if not parts:
             return torch.zeros(self.location.num_layers, self.location.num_logical, dtype=torch.int64)
-        return torch.stack(list(self._window)).sum(dim=0)
+        return torch.stack(parts).sum(dim=0)
 
     def balance(self) -> list[float]:
         """Per MoE layer, mean / max of per-rank load over the window under the current placement (1.0 = even)."""
