@@ -69,7 +69,7 @@ class RankEplb:
         return cls(counter, routings, mover)
 
     def before_step(self, update: ExpertUpdate | None) -> None:
-        """The step's update before its forward: wait and commit (``ExpertWeightMover.begin``).
+        """The step's update before its forward: wait, commit, post (``ExpertWeightMover.apply``).
 
         Raises:
             ValueError: an update with weight moves on a rank built without ``enable_eplb``.
@@ -80,13 +80,7 @@ class RankEplb:
             if update.transfers or update.commit is not None:
                 raise ValueError("an expert rebalance reached a rank built without enable_eplb")
             return
-        self.mover.begin(update)
-
-    def after_step(self, update: ExpertUpdate | None) -> None:
-        """The step's update after its forward (also when the forward raised): post its transfers
-        (``ExpertWeightMover.post``)."""
-        if update is not None and self.mover is not None:
-            self.mover.post(update)
+        self.mover.apply(update)
 
     def load_snapshot(self) -> torch.Tensor | None:
         """A copy of the counter's expert columns, [L, E] int64 on the device (None: nothing recorded)."""

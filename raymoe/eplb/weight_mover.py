@@ -10,7 +10,7 @@ Per step that carries an :class:`~raymoe.step.expert_update.ExpertUpdate`, at it
    place (the tensors captured graphs read), the platform re-prepares those slots (``prepare_weight_slots``), and
    the layer's routing table switches (:meth:`~raymoe.eplb.expert_map.ExpertRouting.update`). Every rank does this
    at the same step, so no step runs a half-moved layer;
-3. **post** this step's transfers (:meth:`ExpertWeightMover.post`): for each (layer, source slot, destination
+3. **post** this step's transfers: for each (layer, source slot, destination
    slot, piece) this rank sends that byte range of the source slot's tensors, or receives it (or copies it, when
    it also holds the source) into a staging buffer of the destination slot. Tensors travel as bytes (``uint8``
    views), so FP8 weights and their scales move unchanged; pieces let a copy spread over several steps.
@@ -76,12 +76,8 @@ class ExpertWeightMover:
         self.bytes_received = 0
 
     def apply(self, update: ExpertUpdate) -> None:
-        """:meth:`begin` then :meth:`post`, at once."""
-        self.begin(update)
-        self.post(update)
-
-    def begin(self, update: ExpertUpdate) -> None:
-        """Before the step's forward: wait and commit (module docstring), or forget completed transfers.
+        """Before the step's forward: wait and commit, or forget completed transfers; then post this step's
+        transfers (module docstring).
 
         Raises:
             RuntimeError: a commit finds a changed slot without staged weights (a plan that does not match the
@@ -92,9 +88,6 @@ class ExpertWeightMover:
             self._commit(update.commit)
         else:
             self._pending = [w for w in self._pending if not w.is_completed()]
-
-    def post(self, update: ExpertUpdate) -> None:
-        """Post the step's transfers (module docstring)."""
         if update.transfers:
             self._post(update)
 

@@ -177,18 +177,16 @@ class ModelRunner:
         return self.model.compute_logits(hidden, fb.dispatch_capacity)
 
     @torch.inference_mode()
-    def apply_expert_update(self, update, post: bool = True) -> None:
+    def apply_expert_update(self, update) -> None:
         """The step's expert load balancing work (``raymoe.eplb.rank_state.RankEplb``) first thing in a step (its
-        commit, then with ``post`` its transfers), so a step that fails later still leaves every rank with the same
-        expert placement and every transfer posted on every rank.
+        commit, then its transfers), so a step that fails later still leaves every rank with the same expert
+        placement and every transfer posted on every rank.
 
         Raises:
             ValueError: an update with work reached a rank built without an expert location.
         """
         if self.eplb is not None:
             self.eplb.before_step(update)
-            if post:
-                self.eplb.after_step(update)
         elif update is not None and not update.empty:
             raise ValueError("an expert-load update reached a rank built without an expert location")
 
