@@ -133,13 +133,14 @@ class Driver(StepCoordinator):
         self.group_of[rid] = group
         return req
 
-    def submit(self, rid: str, input_ids: list[int], params: SamplingParams) -> bool:
-        """Queue a request for the serving loop: a refusal ends it in its group's output rows instead of raising.
-        Returns whether it was accepted."""
+    def submit(self, rid: str, input_ids: list[int], params: SamplingParams, output_ids: Sequence[int] = ()) -> bool:
+        """Queue a request for the serving loop (``output_ids``: a resumed request's tokens so far, see
+        ``AddRequest``): a refusal ends it in its group's output rows instead of raising. Returns whether it was
+        accepted."""
         if rid in self.group_of:
             raise ValueError(f"duplicate request id {rid!r}")
         group = self._route(input_ids)
-        if self.groups[group].add(rid, input_ids, params) is None:
+        if self.groups[group].add(rid, input_ids, params, output_ids=output_ids) is None:
             return False
         self.group_of[rid] = group
         return True

@@ -14,8 +14,9 @@ Supervision, from the narrowest scope out:
 
 * one request's fault (its row, its stop check, its delta) fails that request only (``RequestError`` kind
   ``"invalid"`` or ``"failed"``);
-* a rank fault (``RankFailure``) fails every in-flight request (``"unhealthy"``), restarts the rank group and
-  counts ``rank_restarts``;
+* a rank fault (``RankFailure``) ends every in-flight request with an ``"unhealthy"`` error, restarts the rank
+  group and counts ``rank_restarts``; the front end resumes those requests once the engine is healthy again, from
+  the tokens they delivered (``raymoe.deploy.request_resume``: the client sees a pause, not an error);
 * any other exception in a loop iteration fails every in-flight request (``"failed"``), clears the schedulers and
   keeps the ranks;
 * if the loop thread dies anyway, a supervisor thread fails the in-flight requests, refuses new ones while it
@@ -186,7 +187,7 @@ class DriverService:
                 self._out.end(a.request_id, RequestEnd(error=RequestError("unhealthy", self._error)))
                 continue
             try:
-                accepted = self.driver.submit(a.request_id, a.prompt_token_ids, a.params)
+                accepted = self.driver.submit(a.request_id, a.prompt_token_ids, a.params, a.output_ids)
             except ValueError:  # already in flight
                 self._out.end(a.request_id, RequestEnd(error=RequestError(
                     "invalid", f"duplicate request id {a.request_id!r}", "request_id")))
@@ -299,7 +300,8 @@ class DriverService:
             self._backoff = min(60.0, self._backoff * 2) if now - self._last_death < 60.0 else self.restart_backoff_s
             self._last_death = now
             self._error = "the engine's driver loop died; restarting it"
-            log.error("%s (in %.1f s; %d in-flight requests failed)", self._error, self._backoff,
+            log.error("%s (in %.1f s; %d in-flight requests ended, to be resumed by the front end)", self._error,
+                      self._backoff,
                       len(self.driver.group_of))
             err = RequestError("unhealthy", self._error)
             self._fail_all(err)

@@ -62,10 +62,13 @@ class GroupScheduler:
         self._out = OutputBatch()
 
     # ------------------------------------------------------------------------------------------------ requests
-    def add(self, rid: str, input_ids: list[int], params: SamplingParams, report: bool = True) -> Req | None:
-        """Queue a request. Refused (``InvalidRequestError``): with ``report`` its row ends it with the error
-        (None is returned), else the error is raised."""
-        req = Req(rid, list(input_ids), params)
+    def add(self, rid: str, input_ids: list[int], params: SamplingParams, report: bool = True,
+            output_ids: Sequence[int] = ()) -> Req | None:
+        """Queue a request; ``output_ids``: the tokens a resumed request generated before a fault (its rows then
+        carry only the tokens after them). Refused (``InvalidRequestError``): with ``report`` its row ends it with
+        the error (None is returned), else the error is raised."""
+        req = Req(rid, list(input_ids), params, output_ids=[int(t) for t in output_ids],
+                  output_logprobs=[None] * len(output_ids))
         try:
             self.scheduler.add_request(req)
         except InvalidRequestError as e:
@@ -74,7 +77,7 @@ class GroupScheduler:
             self._out.end(rid, RequestEnd(error=RequestError("invalid", e.message, e.field)))
             return None
         self.reqs[rid] = req
-        self._sent[rid] = 0
+        self._sent[rid] = len(req.output_ids)
         return req
 
     def abort(self, rid: str) -> bool:

@@ -118,7 +118,7 @@ class GroupServer:
         for rid in cmd.aborts:
             g.abort(rid)
         for a in cmd.adds:
-            g.add(a.request_id, a.prompt_token_ids, a.params)
+            g.add(a.request_id, a.prompt_token_ids, a.params, output_ids=a.output_ids)
         plan = None
         if step_error is None and rank_failure is None:  # after a failed step the driver decides first
             plan = self._plan()

@@ -95,9 +95,9 @@ class HostedDriver(StepCoordinator):
         loads = [s.num_running + s.num_waiting + len(a) for s, a in zip(self._stats, self._adds, strict=True)]
         return loads.index(min(loads))
 
-    def submit(self, rid: str, input_ids: list[int], params: SamplingParams) -> bool:
-        """Route a request to a group (sent with the next exchange; a refusal ends it in the group's rows).
-        Returns True (queued).
+    def submit(self, rid: str, input_ids: list[int], params: SamplingParams, output_ids: Sequence[int] = ()) -> bool:
+        """Route a request to a group (sent with the next exchange; a refusal ends it in the group's rows);
+        ``output_ids``: a resumed request's tokens so far (``AddRequest``). Returns True (queued).
 
         Raises:
             ValueError: ``rid`` is in flight already.
@@ -105,7 +105,7 @@ class HostedDriver(StepCoordinator):
         if rid in self.group_of:
             raise ValueError(f"duplicate request id {rid!r}")
         group = self._route()
-        self._adds[group].append(AddRequest(rid, list(input_ids), params))
+        self._adds[group].append(AddRequest(rid, list(input_ids), params, tuple(output_ids)))
         self.group_of[rid] = group
         return True
 

@@ -77,11 +77,18 @@ class RequestDelta:
 
 @dataclass(frozen=True)
 class AddRequest:
-    """A request handed to the driver: the caller's id, prompt token ids and validated sampling parameters."""
+    """A request handed to the driver: the caller's id, prompt token ids and validated sampling parameters.
+
+    ``output_ids`` resumes a request a fault interrupted (``raymoe.deploy.request_resume``): the tokens it had
+    generated and streamed already. The engine re-prefills ``prompt_token_ids + output_ids`` and goes on from there:
+    stop checks, ``max_tokens`` and a seeded request's draws (a function of seed and position) continue as if the
+    request had never stopped, and its rows carry only the tokens after them.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    output_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raymoe.config.eplb import EplbConfig
+from raymoe.config.faults import FaultConfig
 from raymoe.config.graph import GraphConfig
 from raymoe.config.option import check_choice, option
 from raymoe.config.parallel import MoeCommConfig, OverlapConfig, ParallelConfig
@@ -38,7 +39,8 @@ class EngineConfig:
 
     Attributes:
         model: path of a Hugging Face model folder.
-        cache, scheduler, parallel, overlap, graph, moe_comm, startup, eplb: the option groups (``CacheConfig`` ...
+        cache, scheduler, parallel, overlap, graph, moe_comm, startup, eplb, faults: the option groups
+            (``CacheConfig`` ...
     Raises:
         InvalidRequestError: a bad option (names it), including a GPU backend without CUDA or its package
             (``raymoe.platform.backends``, ``raymoe.platform.cuda.flash_attn_provider``).
@@ -102,6 +104,7 @@ class EngineConfig:
     moe_comm: MoeCommConfig = field(default_factory=MoeCommConfig)
     startup: StartupConfig = field(default_factory=StartupConfig)
     eplb: EplbConfig = field(default_factory=EplbConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
         check_engine_options({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})

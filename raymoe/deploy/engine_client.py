@@ -8,9 +8,13 @@ per-request asyncio queues (one event-loop wake-up per step and event loop, not 
 
 The front end tokenizes, applies chat templates, detokenizes and writes SSE; the engine sees token ids only.
 
-When the driver actor's process dies, the channel reaches EOF: the reader fails every in-flight request with
-``EngineUnhealthyError`` at once, reports unhealthy, and reconnects to the actor once Ray has restarted it (or
-starts a fresh one when Ray gave up on it). Requests arriving meanwhile are refused as unhealthy.
+When the driver actor's process dies, the channel reaches EOF: the reader ends every in-flight request with an
+``"unhealthy"`` error at once, reports unhealthy, and reconnects to the actor once Ray has restarted it (or starts a
+fresh one when Ray gave up on it). New requests arriving meanwhile are refused as unhealthy.
+
+An in-flight request that ends with an ``"unhealthy"`` error (that, a rank fault, a dead driver loop) is resumed
+(``raymoe.deploy.request_resume``): its stream waits until the engine is healthy again and the request goes on from
+the tokens it delivered, up to ``FaultConfig.max_request_resumes`` times.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 from raymoe.actors.channel import ChannelListener
 from raymoe.actors.driver_service import AddRequest, EngineStats, OutputBatch, RequestDelta, RequestError
 from raymoe.config import EngineConfig, ModelConfig
+from raymoe.deploy.request_resume import ResumableRequest
 from raymoe.errors import EngineUnhealthyError
 from raymoe.scheduler.sampling_params import SamplingParams
 from raymoe.tokenizer import load_tokenizer
@@ -63,6 +68,7 @@ class EngineClient:
         (the model's Hugging Face tokenizer).
         driver: the driver actor's handle (replaced when a fresh actor had to be started).
         reconnects: times the channel was re-established after the driver actor died.
+        resumed_requests: times a request was submitted again after an engine fault (``request_resume``).
 
     Raises:
         InvalidRequestError: ``device="cuda"`` where Ray declares no GPU (names CUDA), or an option the device
@@ -84,6 +90,9 @@ class EngineClient:
         self.model_name = model_name or Path(config.model).name
         self.tokenizer = load_tokenizer(config.model)
         self.reconnects = 0
+        self.resumed_requests = 0
+        self._probe_lock = threading.Lock()
+        self._probe = (0.0, False)  # (when, healthy) of the last health probe a resuming request made
         init_ray(config.ray_address)
         self.config, self.device_choice = resolve_engine_config(config, serving=True)
         self.start_timeout_s = start_timeout_s or startup_budget(self.config).engine_s
@@ -235,19 +244,24 @@ class EngineClient:
             raise ValueError(f"duplicate request id {request_id!r}")
         q: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
+        req = ResumableRequest(request_id, list(prompt_token_ids), params)
         done = False
         try:
             if self._dead is not None:
                 raise EngineUnhealthyError(self._dead)
             try:
-                self._send([AddRequest(request_id, list(prompt_token_ids), params)], [])
+                self._send([req.add()], [])
             except OSError as e:
                 raise EngineUnhealthyError(f"the engine's driver went away ({type(e).__name__})") from e
             while True:
                 delta = await q.get()
                 if delta.error is not None:
+                    if not self._closing and req.may_resume(delta.error, self.config.faults):
+                        await self._resume(req, delta.error)
+                        continue
                     done = True
                     raise delta.error.to_exception()
+                req.delivered(delta)
                 done = delta.finished
                 yield delta
                 if done:
@@ -256,6 +270,43 @@ class EngineClient:
             del self._streams[request_id]
             if not done:  # the caller stopped early (client went away)
                 self._abort_now(request_id)
+
+    async def _resume(self, req: ResumableRequest, error: RequestError) -> None:
+        """Wait until the engine is healthy again and submit ``req`` with the tokens it delivered.
+
+        Raises:
+            EngineUnhealthyError: ``error``'s, when the engine did not recover within
+                ``FaultConfig.request_resume_timeout_s`` or the client is shutting down.
+        """
+        req.resumes += 1
+        deadline = time.monotonic() + self.config.faults.request_resume_timeout_s
+        log.warning("resuming request %s after %d tokens (%s)", req.request_id, len(req.output_ids), error.message)
+        while not await asyncio.to_thread(self._probe_health):
+            if self._closing or time.monotonic() > deadline:
+                raise error.to_exception()
+            await asyncio.sleep(0.2)
+        try:
+            self._send([req.add()], [])
+        except OSError as e:  # the driver went away again: its reader ends this request, which may resume again
+            log.warning("resubmitting request %s failed (%s)", req.request_id, type(e).__name__)
+            return
+        self.resumed_requests += 1
+
+    def _probe_health(self) -> bool:
+        """Whether the engine serves again (the channel is up and the driver healthy); one probe per 0.25 s is
+        shared by every resuming request (the others read its answer)."""
+        import ray
+
+        with self._probe_lock:
+            at, ok = self._probe
+            if time.monotonic() - at < 0.25:
+                return ok
+            try:
+                ok = self._dead is None and bool(ray.get(self.driver.healthy.remote(), timeout=10))
+            except Exception:  # noqa: BLE001 - the driver actor is gone or busy: not healthy yet
+                ok = False
+            self._probe = (time.monotonic(), ok)
+            return ok
 
     async def abort(self, request_id: str) -> None:
         """Abort a request and free its KV (client went away); unknown or finished ids are ignored."""

@@ -31,13 +31,16 @@ class RequestIntake:
         self._arrivals = itertools.count()
 
     def add(self, req: Req) -> None:
-        """Queue a new request (it gets the next arrival number).
+        """Queue a new request (it gets the next arrival number). A request that carries ``output_ids`` (resumed
+        after a fault) waits like a retracted one: it re-prefills prompt + output and goes on.
 
         Raises:
             InvalidRequestError: the prompt breaks a rule of :class:`RequestLimits` (``"prompt"``), more
                 log-probabilities than the vocabulary are asked for (``"logprobs"``); ``"stop"`` when it has stop
-                strings and there is no detokenizer; ``"rid"`` when a request with that id is unfinished or the
-                request was scheduled before; ``"queue"`` when ``max_queued_requests`` requests are already waiting.
+                strings and there is no detokenizer; ``"output_ids"`` when a resumed request's prompt + output
+                breaks those rules or already reached ``max_tokens``; ``"rid"`` when a request with that id is
+                unfinished or the request was scheduled before; ``"queue"`` when ``max_queued_requests`` requests
+                are already waiting.
         """
         s = self.state
         self.limits.check_prompt(req.origin_input_ids)
@@ -46,8 +49,13 @@ class RequestIntake:
             raise InvalidRequestError("stop", "stop strings need a detokenizer, and this scheduler has none")
         if req.rid in s.unfinished:
             raise InvalidRequestError("rid", f"a request with id {req.rid!r} is already in progress")
-        if req.finished or req.output_ids or req.kv_slots:
+        if req.finished or req.kv_slots or req.req_pool_idx is not None:
             raise InvalidRequestError("rid", f"request {req.rid!r} was already scheduled")
+        if req.output_ids:  # a resumed request: what it generated before must leave room to go on
+            self.limits.check_prompt(req.fill_ids, field="output_ids")
+            if len(req.output_ids) >= req.sampling_params.max_tokens:
+                raise InvalidRequestError("output_ids", f"{len(req.output_ids)} tokens were generated already, "
+                                                        f"max_tokens is {req.sampling_params.max_tokens}")
         if len(s.waiting) >= s.config.max_queued_requests:
             raise InvalidRequestError("queue", f"{len(s.waiting)} requests are already waiting")
         req.arrival = next(self._arrivals)

@@ -1,0 +1,36 @@
+"""Fault-tolerance options: how the front end resumes requests a fault interrupted, and how the engine bounds a
+stalled rank (``raymoe.deploy.request_resume``, ``raymoe.actors.driver_service``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raymoe.config.option import option
+from raymoe.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """What a request survives; each field's help says what it means.
+
+    Raises:
+        InvalidRequestError: a count or bound out of range (named).
+    """
+
+    max_request_resumes: int = option(
+        3, help="times one request is resumed after an engine fault (a rank killed, stopped past step_timeout_s or "
+                "its node lost; the driver loop or the driver actor died): the front end keeps the tokens it "
+                "streamed, waits until the engine is healthy again, and submits the request with them; the engine "
+                "re-prefills prompt + those tokens and the stream goes on after a pause. Greedy and seeded requests "
+                "give the tokens of an undisturbed run. 0: a fault ends every in-flight request with an "
+                "engine_unhealthy error (503 before the first token, an SSE error event after).")
+    request_resume_timeout_s: float = option(
+        600.0, help="longest a request waits for the engine to recover before it is resumed, seconds; past it the "
+                    "request ends with the fault's engine_unhealthy error.")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_request_resumes, int) or self.max_request_resumes < 0:
+            raise InvalidRequestError("max_request_resumes", f"must be an integer >= 0, got "
+                                                             f"{self.max_request_resumes!r}")
+        if not self.request_resume_timeout_s > 0:
+            raise InvalidRequestError("request_resume_timeout_s", f"must be > 0, got {self.request_resume_timeout_s!r}")
