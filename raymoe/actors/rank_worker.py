@@ -12,6 +12,7 @@ concurrently (gloo on CPU, nccl on GPU, with a timeout), then :meth:`load` build
 from __future__ import annotations
 
 import os
+import time
 
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ParallelConfig
@@ -40,6 +41,7 @@ class RankWorker:
         self.runner: ModelRunner | None = None
         self._platform: Platform | None = None
         self._injected_step_errors = 0
+        self._step_delay = (0.0, 0)  # (seconds, steps left): inject_step_delay
         if self.parallel.world_size == 1:
             self.load()
 
@@ -151,6 +153,9 @@ class RankWorker:
         Raises:
             RuntimeError: an error injected by :meth:`inject_step_errors`; otherwise whatever the runner raises.
         """
+        if self._step_delay[1] > 0:
+            self._step_delay = (self._step_delay[0], self._step_delay[1] - 1)
+            time.sleep(self._step_delay[0])
         if self._injected_step_errors > 0:
             self._injected_step_errors -= 1
             # a fault inside the step: the step's expert update, applied first thing by every rank, is in place
@@ -203,6 +208,17 @@ class RankWorker:
         """Fault injection for tests: the next ``n`` steps raise ``RuntimeError`` before computing anything (on
         every rank at once, the ranks stay in step: none enters a collective)."""
         self._injected_step_errors = int(n)
+
+    def inject_step_delay(self, delay_s: float, steps: int) -> None:
+        """Fault injection for the chaos harness (``raymoe.bench.chaos_faults``): the next ``steps`` steps of this
+        rank start ``delay_s`` seconds late (a slow rank: its peers wait in the step's collectives).
+
+        Raises:
+            ValueError: a negative delay or step count.
+        """
+        if delay_s < 0 or steps < 0:
+            raise ValueError("delay_s and steps must be >= 0")
+        self._step_delay = (float(delay_s), int(steps))
 
     def ready(self) -> bool:
         """True once the shard is loaded (start-up barrier and liveness probe)."""

@@ -1,0 +1,48 @@
+"""The fault harness at CI size (``raymoe.bench.chaos_faults``, what ``raymoe bench chaos`` runs): a served
+dp=2 x ep=2 engine with redundant experts and a small step bound, 16 greedy streams per fault. Each fault ends with
+no failed request, every stream's whole undisturbed text, and the idle invariant; a SIGSTOPped rank becomes a
+rank fault within the step bound (the driver's watchdog), never a hang; a slow rank below the bound is no fault.
+Node removal needs a cluster of its own (``raymoe bench chaos``; the session's cluster keeps its nodes)."""
+
+from __future__ import annotations
+
+import pytest
+from server_harness import uvicorn_server
+
+STEP_BOUND_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def harness(ray_cluster, tiny_model):
+    from raymoe.bench.chaos_faults import ChaosHarness
+    from raymoe.deploy.engine_client import EngineClient
+    from raymoe.deploy.openai_api import build_openai_app
+    from raymoe.engine import _split_options
+
+    config = _split_options(tiny_model, {"dp_size": 2, "ep_size": 2, "ep_num_redundant_experts": 2,
+                                         "step_timeout_s": STEP_BOUND_S, "max_context_len": 256})
+    engine = EngineClient(config, model_name="tiny")
+    try:
+        with uvicorn_server(build_openai_app(engine, max_in_flight=256)) as url:
+            yield ChaosHarness(engine, url, streams=16, max_tokens=48, stream_timeout_s=150.0, slow_delay_s=0.5,
+                               slow_steps=6)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("fault", ["sigkill_rank", "sigstop_rank", "slow_rank", "kill_driver"])
+def test_a_fault_costs_a_pause_and_no_request(harness, fault):
+    from raymoe.bench.chaos_faults import format_table
+
+    result = harness.run(fault)
+    print("\n" + format_table([result]))
+    assert result.ok, (result, harness.notes)
+    assert result.tokens_checked == 16 * 48
+    if fault == "slow_rank":  # slower steps, no fault: nothing was resumed and health never dropped
+        assert result.resumed == 0 and result.detected_s is None
+        assert result.longest_pause_s >= 0.5
+    else:
+        assert result.resumed >= 16 and result.detected_s is not None and result.recovered_s is not None
+    if fault == "sigstop_rank":  # the watchdog turned the stopped rank into a fault within its bound
+        assert result.detected_s <= STEP_BOUND_S + 3.0, result
+        assert not harness.notes, harness.notes
