@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from raymoe.bench.arrivals import add_arrivals_args, run_arrivals
+from raymoe.bench.chaos import add_chaos_args, run_chaos
 from raymoe.bench.compare import add_compare_args, run_compare
 from raymoe.bench.driver_scale import add_driver_scale_args, run_driver_scale
 from raymoe.bench.eplb import add_eplb_args, run_eplb_bench
@@ -38,6 +39,9 @@ _MODULE_COMMANDS = (
     ("stress", "thousands of concurrent short streams, some hanging up: nothing lost?", add_stress_args, run_stress),
     ("eplb", "expert load balancing on a skewed router: EPLB off, redundant experts, live rebalancing (throughput, "
              "step p50/p99, per-layer balance, the longest step while weights move)", add_eplb_args, run_eplb_bench),
+    ("chaos", "faults while streams run (SIGKILL / SIGSTOP / slow rank, driver kill, node removal) on a "
+              "multi-raylet cluster of its own: failed and resumed requests, longest pause, tokens checked",
+     add_chaos_args, run_chaos),
     ("driver-scale", "the control plane's CPU per step and bytes per rank as dp and running requests grow, ranks "
                      "answering instantly", add_driver_scale_args, run_driver_scale),
 )

@@ -190,7 +190,8 @@ class EngineClient:
 
     def _channel_lost(self, reason: str) -> None:
         self._dead = reason  # first, so that a request registering from now on is refused by ``generate``
-        log.error("%s; failing %d in-flight requests", reason, len(self._streams))
+        log.error("%s; ending the engine side of %d in-flight requests (resumed once it is back)", reason,
+                  len(self._streams))
         err = RequestError("unhealthy", reason)
         for rid, (loop, q) in list(self._streams.items()):
             if not loop.is_closed():
@@ -280,7 +281,7 @@ class EngineClient:
         """
         req.resumes += 1
         deadline = time.monotonic() + self.config.faults.request_resume_timeout_s
-        log.warning("resuming request %s after %d tokens (%s)", req.request_id, len(req.output_ids), error.message)
+        log.info("resuming request %s after %d tokens (%s)", req.request_id, len(req.output_ids), error.message)
         while not await asyncio.to_thread(self._probe_health):
             if self._closing or time.monotonic() > deadline:
                 raise error.to_exception()
