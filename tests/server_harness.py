@@ -2,46 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import threading
 import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 
-@contextlib.contextmanager
 def uvicorn_server(app, timeout_s: float = 60.0, **config):
-    """Serve ``app`` on 127.0.0.1 in a thread; yields the base URL; stops the server on exit. ``config``: more
-    ``uvicorn.Config`` arguments (``http``: the HTTP protocol class).
+    """Serve ``app`` on 127.0.0.1 in a thread; a context manager yielding the base URL
+    (``raymoe.deploy.thread_server.serve_in_thread``). ``config``: more ``uvicorn.Config`` arguments (``http``: the
+    HTTP protocol class)."""
+    from raymoe.deploy.thread_server import serve_in_thread
 
-    The listening socket is bound here (port 0: the kernel picks a free one) and handed to uvicorn, so no other
-    process (a second copy of the suite, say) can take the port between choosing and binding it.
-
-    Raises:
-        RuntimeError: uvicorn did not start within ``timeout_s`` seconds.
-    """
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, **config))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="test-uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout_s
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            sock.close()
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    return serve_in_thread(app, timeout_s=timeout_s, **config)
 
 
 def metrics(base_url: str) -> dict[str, float]:

@@ -1,8 +1,9 @@
 """The fault harness at CI size (``raymoe.bench.chaos_faults``, what ``raymoe bench chaos`` runs): a served
-dp=2 x ep=2 engine with redundant experts and a small step bound, 16 greedy streams per fault. Each fault ends with
-no failed request, every stream's whole undisturbed text, and the idle invariant; a SIGSTOPped rank becomes a
-rank fault within the step bound (the driver's watchdog), never a hang; a slow rank below the bound is no fault.
-Node removal needs a cluster of its own (``raymoe bench chaos``; the session's cluster keeps its nodes)."""
+dp=2 x ep=2 engine with redundant experts and a small step bound, 16 greedy streams of 128 tokens per fault, the
+fault injected while every stream runs. Each fault ends with no failed request, every stream's whole undisturbed
+text, and the idle invariant; a SIGSTOPped rank becomes a rank fault within the step bound (the driver's
+watchdog), never a hang; a slow rank below the bound is no fault. Node removal needs a cluster of its own
+(``raymoe bench chaos``; the session's cluster keeps its nodes)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def harness(ray_cluster, tiny_model):
     engine = EngineClient(config, model_name="tiny")
     try:
         with uvicorn_server(build_openai_app(engine, max_in_flight=256)) as url:
-            yield ChaosHarness(engine, url, streams=16, max_tokens=48, stream_timeout_s=150.0, slow_delay_s=0.5,
+            yield ChaosHarness(engine, url, streams=16, max_tokens=128, stream_timeout_s=150.0, slow_delay_s=0.5,
                                slow_steps=6)
     finally:
         engine.shutdown()
@@ -36,8 +37,9 @@ def test_a_fault_costs_a_pause_and_no_request(harness, fault):
 
     result = harness.run(fault)
     print("\n" + format_table([result]))
+    assert result.running_at_fault == 16, result  # the fault landed while every stream ran
     assert result.ok, (result, harness.notes)
-    assert result.tokens_checked == 16 * 48
+    assert result.tokens_checked == 16 * 128
     if fault == "slow_rank":  # slower steps, no fault: nothing was resumed and health never dropped
         assert result.resumed == 0 and result.detected_s is None
         assert result.longest_pause_s >= 0.5

@@ -140,23 +140,13 @@ def _small_buffer_server(app, sndbuf: int = 16 * 1024):
     """uvicorn on 127.0.0.1 whose connections have a fixed kernel send buffer of ``sndbuf`` bytes (set on the
     listening socket, inherited by accepted ones; no autotuning), so a reader that stops reading pushes back on
     the server after kilobytes, not megabytes."""
-    import threading
-
-    import uvicorn
+    from raymoe.deploy.thread_server import serve_in_thread
 
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started or not thread.is_alive(), timeout_s=30, interval_s=0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    with serve_in_thread(app, sock=sock, timeout_s=30) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,8 @@ the table and writes JSON; it needs its own Ray instance (it refuses to join one
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
-import socket
-import threading
 import time
 from pathlib import Path
 
@@ -34,31 +31,6 @@ def add_chaos_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-nodes", type=int, default=3)
     p.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS)
     p.add_argument("--output-json", default="bench_results/chaos.json")
-
-
-@contextlib.contextmanager
-def _served(engine, streams: int):
-    """The OpenAI app over ``engine`` on 127.0.0.1 in a thread; yields its base URL."""
-    import uvicorn
-
-    from raymoe.deploy.openai_api import build_openai_app
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_openai_app(engine, max_in_flight=streams + 16), log_level="warning",
-                                           backlog=streams + 64))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("the HTTP server did not start")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
 
 
 def _worker(cluster):
@@ -80,6 +52,8 @@ def run_chaos(a: argparse.Namespace) -> dict:
     from raymoe.cluster.bootstrap import free_port
     from raymoe.config import engine_config_from_options
     from raymoe.deploy.engine_client import EngineClient
+    from raymoe.deploy.openai_api import build_openai_app
+    from raymoe.deploy.thread_server import serve_in_thread
     from raymoe.models.checkpoint import make_checkpoint
     from raymoe.paths import cache_dir
 
@@ -99,7 +73,8 @@ def run_chaos(a: argparse.Namespace) -> dict:
                    "step_timeout_s": a.step_timeout, "max_queued_requests": 4 * a.streams,
                    "ep_num_redundant_experts": a.redundant}
         engine = EngineClient(engine_config_from_options(model, options), model_name="chaos")
-        with _served(engine, a.streams) as url:
+        app = build_openai_app(engine, max_in_flight=a.streams + 16)
+        with serve_in_thread(app, backlog=a.streams + 64) as url:
             harness = ChaosHarness(engine, url, streams=a.streams, max_tokens=a.max_tokens, cluster=cluster,
                                    stream_timeout_s=300.0)
             t0 = time.perf_counter()

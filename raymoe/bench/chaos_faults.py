@@ -50,7 +50,8 @@ class ChaosResult:
     """One fault's row of the table.
 
     Attributes:
-        fault: one of ``FAULTS``. requests: streams run. failed: streams that did not complete; errors: their
+        fault: one of ``FAULTS``. requests: streams run. running_at_fault: streams not yet ended once the fault was
+        injected (a fault that lands after them tests nothing). failed: streams that did not complete; errors: their
         distinct error messages. resumed: requests the front end resumed after the fault. tokens_checked: tokens of
         completed streams compared with the undisturbed run; mismatched: completed streams whose text differs.
         longest_pause_s: the longest gap between two chunks of any stream, seconds. detected_s / recovered_s: from
@@ -60,6 +61,7 @@ class ChaosResult:
 
     fault: str
     requests: int
+    running_at_fault: int
     failed: int
     errors: tuple[str, ...]
     resumed: int
@@ -132,9 +134,10 @@ class ChaosHarness:
         first.set()
         return out
 
-    async def _run(self, inject=None) -> tuple[list[StreamOutcome], list[tuple[float, int]], float]:
+    async def _run(self, inject=None) -> tuple[list[StreamOutcome], list[tuple[float, int]], int]:
         """Run every stream; ``inject()`` (in a thread) once each has a token. Returns the outcomes, the /health
-        timeline ``(seconds since the fault, status)`` and when the fault was injected (monotonic seconds)."""
+        timeline ``(seconds since the fault, status)`` and how many streams were still running when the fault
+        had been injected."""
         import httpx
 
         limits = httpx.Limits(max_connections=self.streams + 4, max_keepalive_connections=self.streams + 4)
@@ -160,10 +163,12 @@ class ChaosHarness:
             watcher = None
             try:
                 await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), self.stream_timeout_s)
+                running = 0
                 if inject is not None:
                     injected[0] = time.monotonic()
                     watcher = asyncio.create_task(watch(client))
                     await asyncio.to_thread(inject)
+                    running = sum(not t.done() for t in tasks)
                 outs = await asyncio.wait_for(asyncio.gather(*tasks), self.stream_timeout_s)
                 if watcher is not None:  # health must come back before the row is written
                     deadline = time.monotonic() + self.stream_timeout_s
@@ -177,7 +182,7 @@ class ChaosHarness:
                     await watcher
                 for t in tasks:
                     t.cancel()
-        return outs, timeline, injected[0]
+        return outs, timeline, running
 
     def reference(self) -> list[str]:
         """Each stream's text run undisturbed (greedy: the same in any batch); taken once."""
@@ -208,40 +213,44 @@ class ChaosHarness:
         except Exception:  # noqa: BLE001 - the driver actor is gone or busy
             return False
 
-    def _inject(self, fault: str) -> None:
+    def _injector(self, fault: str):
+        """The fault as a call that injects it at once: its target (rank, process, node) is looked up now, before
+        the streams start, so that the fault lands while they run."""
         import ray
 
+        if fault == "kill_driver":
+            driver = self.engine.driver
+            return lambda: ray.kill(driver, no_restart=False)
+        rank, pid = self._rank()
         if fault == "sigkill_rank":
-            os.kill(self._rank()[1], signal.SIGKILL)
-        elif fault == "sigstop_rank":
-            _, pid = self._rank()
-            os.kill(pid, signal.SIGSTOP)
-            deadline = time.monotonic() + self.stream_timeout_s
-            while self._healthy() and time.monotonic() < deadline:  # the watchdog must notice within its bound
-                time.sleep(0.05)
-            gone = time.monotonic() + 15.0
-            while _alive(pid) and time.monotonic() < gone:  # the restart kills the stopped rank
-                time.sleep(0.1)
-            if _alive(pid):
-                self.notes.append(f"sigstop_rank: the stopped rank (pid {pid}) outlived the restart; the harness "
-                                  "killed it")
-                os.kill(pid, signal.SIGKILL)
-        elif fault == "slow_rank":
-            rank, _ = self._rank()
-            ray.get(rank.inject_step_delay.remote(self.slow_delay_s, self.slow_steps), timeout=60)
-        elif fault == "kill_driver":
-            ray.kill(self.engine.driver, no_restart=False)
-        elif fault == "remove_node":
+            return lambda: os.kill(pid, signal.SIGKILL)
+        if fault == "sigstop_rank":
+            return lambda: self._stop_rank(pid)
+        if fault == "slow_rank":
+            return lambda: ray.get(rank.inject_step_delay.remote(self.slow_delay_s, self.slow_steps), timeout=60)
+        if fault == "remove_node":
             if self.cluster is None:
                 raise ValueError("remove_node needs the multi-raylet cluster (ChaosHarness(cluster=...))")
-            rank, _ = self._rank()
             node_id = ray.get(rank.node_id.remote(), timeout=60)
             node = next(n for n in self.cluster.list_all_nodes() if n.node_id == node_id)
             if node is self.cluster.head_node:
                 raise RuntimeError("the rank runs on the head node; remove_node needs it on a worker node")
-            self.cluster.remove_node(node)
-        else:
-            raise ValueError(f"unknown fault {fault!r}; one of {FAULTS}")
+            return lambda: self.cluster.remove_node(node)
+        raise ValueError(f"unknown fault {fault!r}; one of {FAULTS}")
+
+    def _stop_rank(self, pid: int) -> None:
+        """SIGSTOP ``pid``; wait until the watchdog notices (health drops) and the restart has killed it."""
+        os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + self.stream_timeout_s
+        while self._healthy() and time.monotonic() < deadline:  # the watchdog must notice within its bound
+            time.sleep(0.05)
+        gone = time.monotonic() + 15.0
+        while _alive(pid) and time.monotonic() < gone:  # the restart kills the stopped rank
+            time.sleep(0.1)
+        if _alive(pid):
+            self.notes.append(f"sigstop_rank: the stopped rank (pid {pid}) outlived the restart; the harness "
+                              "killed it")
+            os.kill(pid, signal.SIGKILL)
 
     def _idle(self, timeout_s: float = 60.0) -> tuple[bool, str]:
         """Wait until the engine is idle and has measured its idle invariant; whether it holds, and why not."""
@@ -273,14 +282,15 @@ class ChaosHarness:
             raise ValueError(f"unknown fault {fault!r}; one of {FAULTS}")
         reference = self.reference()
         resumed = self.engine.resumed_requests
-        outs, timeline, _ = asyncio.run(self._run(lambda: self._inject(fault)))
+        inject = self._injector(fault)
+        outs, timeline, running = asyncio.run(self._run(inject))
         down = next((t for t, code in timeline if code != 200), None)
         up = next((t for t, code in timeline if code == 200 and down is not None and t > down), None)
         idle_ok, idle_detail = self._idle()
         done = [(o, ref) for o, ref in zip(outs, reference, strict=True) if o.completed]
         failed = [o for o in outs if not o.completed]
         return ChaosResult(
-            fault=fault, requests=len(outs), failed=len(failed),
+            fault=fault, requests=len(outs), running_at_fault=running, failed=len(failed),
             errors=tuple(sorted({o.error or "ended without [DONE]" for o in failed})),
             resumed=self.engine.resumed_requests - resumed,
             tokens_checked=sum(o.completion_tokens for o, ref in done if o.text == ref),
@@ -299,15 +309,16 @@ def _alive(pid: int) -> bool:
 
 
 def format_table(results: list[ChaosResult]) -> str:
-    """The harness's table: one row per fault."""
-    head = (f"{'fault':<14} {'requests':>8} {'failed':>6} {'resumed':>7} {'tokens checked':>14} {'mismatched':>10} "
-            f"{'longest pause':>13} {'detected':>8} {'recovered':>9} {'idle':>4}")
+    """The harness's table: one row per fault (running: streams still running once the fault was injected)."""
+    head = (f"{'fault':<14} {'requests':>8} {'running':>7} {'failed':>6} {'resumed':>7} {'tokens checked':>14} "
+            f"{'mismatched':>10} {'longest pause':>13} {'detected':>8} {'recovered':>9} {'idle':>4}")
     rows = [head, "-" * len(head)]
     for r in results:
         det = f"{r.detected_s:.1f} s" if r.detected_s is not None else "-"
         rec = f"{r.recovered_s:.1f} s" if r.recovered_s is not None else "-"
         idle = "ok" if r.idle_ok else "LEAK"
-        rows.append(f"{r.fault:<14} {r.requests:>8} {r.failed:>6} {r.resumed:>7} {r.tokens_checked:>14} "
-                    f"{r.mismatched:>10} {r.longest_pause_s:>11.2f} s {det:>8} {rec:>9} {idle:>4}")
+        rows.append(f"{r.fault:<14} {r.requests:>8} {r.running_at_fault:>7} {r.failed:>6} {r.resumed:>7} "
+                    f"{r.tokens_checked:>14} {r.mismatched:>10} {r.longest_pause_s:>11.2f} s {det:>8} {rec:>9} "
+                    f"{idle:>4}")
         rows.extend(f"    error: {e}" for e in r.errors)
     return "\n".join(rows)

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import json
 import random
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -103,34 +102,21 @@ def _percentile(values: list[float], q: float) -> float:
 @contextlib.contextmanager
 def _local_server(a: argparse.Namespace):
     """An engine and the OpenAI app on 127.0.0.1 in this process; yields (base URL, engine)."""
-    import socket
-
-    import uvicorn
-
     from raymoe.cli_args import resolve_model
     from raymoe.config import engine_config_from_options
     from raymoe.deploy.engine_client import EngineClient
     from raymoe.deploy.openai_api import build_openai_app
+    from raymoe.deploy.thread_server import serve_in_thread
 
     config = engine_config_from_options(resolve_model(a.model), {
         "dp_size": a.dp, "tp_size": a.tp, "ep_size": a.dp * a.tp, "max_running_requests": a.max_running_requests,
         "max_queued_requests": a.streams})
     engine = EngineClient(config)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     app = build_openai_app(engine, max_in_flight=a.streams + 16)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           backlog=a.streams + 64))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}", engine
+        with serve_in_thread(app, backlog=a.streams + 64) as url:
+            yield url, engine
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
         engine.shutdown()
 
 
