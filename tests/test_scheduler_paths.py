@@ -310,8 +310,10 @@ def test_refusals_name_their_field_and_reason():
     assert aborted.finished_reason.kind == FinishKind.ABORT and aborted.finished_reason.message == "aborted"
     assert refused(aborted) == ("rid", "request 'e' was already scheduled")  # finished, holds nothing
     used = Req("u", [1], SamplingParams())
-    used.output_ids.append(3)
-    assert refused(used) == ("rid", "request 'u' was already scheduled")  # has output, holds no KV
+    used.kv_slots.append(3)
+    assert refused(used) == ("rid", "request 'u' was already scheduled")  # holds KV
+    done = Req("m", [1], SamplingParams(max_tokens=1), output_ids=[3])  # resumed with nothing left to generate
+    assert refused(done) == ("output_ids", "1 tokens were generated already, max_tokens is 1")
     s.add_request(Req("f", [1], SamplingParams()))
     s.add_request(Req("g", [1], SamplingParams()))
     assert refused(Req("h", [1], SamplingParams())) == ("queue", "2 requests are already waiting")
