@@ -301,8 +301,7 @@ class DriverService:
             self._last_death = now
             self._error = "the engine's driver loop died; restarting it"
             log.error("%s (in %.1f s; %d in-flight requests ended, to be resumed by the front end)", self._error,
-                      self._backoff,
-                      len(self.driver.group_of))
+                      self._backoff, len(self.driver.group_of))
             err = RequestError("unhealthy", self._error)
             self._fail_all(err)
             self._reset_driver()

@@ -1,5 +1,6 @@
-"""Fault-tolerance options: how the front end resumes requests a fault interrupted, and how the engine bounds a
-stalled rank (``raymoe.deploy.request_resume``, ``raymoe.actors.driver_service``)."""
+"""Fault-tolerance options: how the front end resumes requests an engine fault interrupted
+(``raymoe.deploy.request_resume``). The bound that turns a stalled rank into a fault is
+``EngineConfig.step_timeout_s``."""
 
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ class ResumableRequest:
         self.output_ids.extend(delta.token_ids)
 
     def may_resume(self, error: RequestError, faults: FaultConfig) -> bool:
-        """Whether ``error`` ends the request for good: False for an engine fault (``"unhealthy"``) while resumes
-        are left and the request has room to go on; True otherwise."""
+        """Whether the request is submitted again after ``error``: True for an engine fault (``"unhealthy"``) while
+        resumes are left and it has tokens left to generate; False (``error`` ends it) otherwise."""
         return (error.kind == "unhealthy" and self.resumes < faults.max_request_resumes
                 and len(self.output_ids) < self.params.max_tokens)
