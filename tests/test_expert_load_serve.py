@@ -3,7 +3,8 @@ layers, 8 experts, top-2, ``--enable-eplb``): ``/metrics`` carries one ``raymoe:
 expert) whose sum per layer is exactly the routed (token, expert) pairs of the requests served (the counters are
 collected every step, ``--eplb-record-interval 1``), equal to ``GET /admin/expert_load``; the per-layer balance is
 mean / max of the two ranks' load; every series the dashboard reads has samples; ``raymoe eplb dump`` writes a file
-``init_expert_location`` accepts; ``POST /admin/rebalance_experts`` reaches the driver, which plans a rebalance."""
+``init_expert_location`` accepts; ``POST /admin/rebalance_experts`` reaches the driver, which plans a rebalance; a
+repeated prompt is routed to the DP group that cached it, and the routing counters say so."""
 
 from __future__ import annotations
 
@@ -42,7 +43,9 @@ def test_expert_load_metrics_admin_route_and_dump_of_a_running_serve(tiny_model,
     with serve_process(tiny_model, *flags) as server:
         url = server.url
         assert httpx.get(f"{url}/admin/expert_load", timeout=30).status_code == 401  # the API key, as on /v1
-        forwarded = sum(_complete(url, p) for p in ("def fib(n):", "import os\nimport sys", "class A:"))
+        long = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 3
+        prompts = ("def fib(n):", "import os\nimport sys", "class A:", long, long)
+        forwarded = sum(_complete(url, p) for p in prompts)
         pairs = forwarded * TOP_K
         # The last step's counters reach the driver with that step's answer: wait until they are in.
         wait_for(lambda: all(sum(row) == pairs for row in _admin_load(url)["expert_load"]), timeout_s=30)
@@ -61,6 +64,10 @@ def test_expert_load_metrics_admin_route_and_dump_of_a_running_serve(tiny_model,
             assert abs(m[f"raymoe:expert_balance{{layer={layer}}}"] - expected) < 1e-9
             assert abs(record["balance"][layer] - expected) < 1e-9
         assert m["raymoe:eplb_rebalances_total"] == 0 and m["raymoe:eplb_moving"] == 0
+        # DP routing: the repeated long prompt went to the group that cached it (raymoe.actors.dp_router).
+        routed = {r: m[f"raymoe:dp_routed_requests_total{{reason={r}}}"] for r in ("prefix", "load")}
+        assert routed["prefix"] >= 1 and sum(routed.values()) == len(prompts), routed
+        assert m["raymoe:dp_route_expected_cached_tokens_total"] >= 16
         samples, _ = exported_names(httpx.get(f"{url}/metrics", timeout=30).text)
         assert dashboard_metrics() <= samples, dashboard_metrics() - samples
 

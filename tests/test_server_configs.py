@@ -92,6 +92,7 @@ def test_benchmark_job_runs_existing_commands():
 
 
 def test_dashboard_queries_only_metrics_the_server_exports():
+    from raymoe.actors.dp_router import RouteCounters
     from raymoe.actors.driver_service import EngineStats
     from raymoe.actors.step_timing import StepTimer
     from raymoe.deploy.metrics import ServerMetrics
@@ -107,7 +108,8 @@ def test_dashboard_queries_only_metrics_the_server_exports():
     timer.collected("decode", timer.clock(), 0.002)
     stats = EngineStats(num_running=1, num_waiting=2, kv_usage=0.25, radix_hit_tokens=7, num_steps=10,
                         num_tbo_steps=4, healthy=True, step_seconds=[0.01, 0.02], step_times=timer.snapshot(),
-                        expert_load=ExpertLoadReport(2, 2, 16, [[3, 1], [2, 2]], [0.67, 1.0], [[0, 1], [0, 1]]))
+                        expert_load=ExpertLoadReport(2, 2, 16, [[3, 1], [2, 2]], [0.67, 1.0], [[0, 1], [0, 1]]),
+                        routing=RouteCounters(by_prefix=3, by_load=2, capped=1, expected_cached_tokens=64))
     samples, _ = exported_names(m.render(stats).decode())
     queried = dashboard_metrics()
     assert queried <= samples, queried - samples

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from raymoe.actors.coordinator import StepCoordinator
+from raymoe.actors.dp_router import DpRouter
 from raymoe.actors.group_messages import GroupStats
 from raymoe.actors.group_scheduler import GroupScheduler
 from raymoe.actors.output_batch import OutputBatch
@@ -96,6 +97,8 @@ class Driver(StepCoordinator):
         super().__init__(config, executor, graph_capture_sizes, vocab_size, a2a_mode, eplb)
         self._group_args = (config, tuple(eos_token_ids), detokenize, vocab_size)
         self.groups = [GroupScheduler(d, *self._group_args) for d in range(dp_size)]
+        self.router = DpRouter(dp_size, config.scheduler.load_balance_method,
+                               config.scheduler.prefix_routing_max_load_ratio)
         self._launched: _LaunchedStep | None = None  # overlap scheduling: the step the ranks are computing
 
     @property
@@ -114,9 +117,14 @@ class Driver(StepCoordinator):
         return sum(g.num_idle_steps for g in self.groups)
 
     def _route(self, input_ids: Sequence[int]) -> int:
-        """Pick the DP group: the least loaded one (running + waiting requests), ties to the lowest index."""
+        """Pick the DP group (``raymoe.actors.dp_router``: the longest cached prefix within the load bound, else the
+        least loaded group; load = running + waiting requests)."""
+        if len(self.groups) == 1:
+            return 0
+        for g in self.groups:
+            self.router.apply(g.index, g.take_prefix_delta())
         loads = [s.num_running + s.num_waiting for s in self.schedulers]
-        return loads.index(min(loads))
+        return self.router.route(input_ids, loads).group
 
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> Req:
         """Queue a request on a DP group.
@@ -157,6 +165,7 @@ class Driver(StepCoordinator):
         dropped = [r for g in self.groups for r in g.reqs.values()]
         self._failed_before_reset += sum(g.failed_requests for g in self.groups)
         self.groups = [GroupScheduler(d, *self._group_args) for d in range(len(self.groups))]
+        self.router.clear()
         self.group_of.clear()
         self._step_errors_in_a_row = 0
         self._launched = None

@@ -129,7 +129,8 @@ class DriverService:
             kv_leaked_slots=idle.leaked_kv_slots if idle else 0, req_rows_leaked=idle.leaked_req_rows if idle else 0,
             cache_tokens_locked=idle.locked_cache_tokens if idle else 0, idle_checked=idle is not None,
             step_times=self.driver.step_timer.snapshot(),
-            expert_load=self.driver.eplb.report() if self.driver.eplb is not None else None)
+            expert_load=self.driver.eplb.report() if self.driver.eplb is not None else None,
+            routing=self.driver.router.counters)
 
     def rebalance_experts(self) -> bool:
         """Ask for an expert rebalance at the next step (``raymoe.eplb.controller``). Returns False when the engine

@@ -5,9 +5,10 @@
 Per step the driver sends each group one command and reads one reply, both a few hundred bytes whatever the
 number of requests: the step's shared decisions (:class:`~raymoe.step.step_plan.StepDecision`), whether to finish
 the oldest step in flight, the requests routed to the group since the last exchange and aborts; back come the
-group's next :class:`~raymoe.step.step_plan.GroupPlan`, a few counters (:class:`GroupStats`) and the ids of the
-requests that ended (so the driver can route aborts and end a lost group's requests). Token ids and output rows
-never pass through the driver: the group sends them to the front end itself.
+group's next :class:`~raymoe.step.step_plan.GroupPlan`, a few counters (:class:`GroupStats`), the ids of the
+requests that ended (so the driver can route aborts and end a lost group's requests) and the block hashes its radix
+tree stored and evicted (so the driver can route by cached prefix, ``raymoe.actors.dp_router``). Token ids and
+output rows never pass through the driver: the group sends them to the front end itself.
 
 Ownership: the driver builds commands (``raymoe.actors.hosted_driver``); a group server applies them and builds
 replies. Plain frozen data, picklable.
@@ -18,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raymoe.actors.records import AddRequest, RequestError
+from raymoe.kvcache.prefix_events import PrefixDelta
 from raymoe.scheduler.accounting import IdleReport
 from raymoe.scheduler.req import RequestFault
 from raymoe.step.step_plan import GroupPlan, PickledAsFields, StepDecision
@@ -110,7 +112,8 @@ class GroupReply(PickledAsFields):
             a request is held). ended_count: requests ended by ``"end_all"``. internal_error: the group's own code
             raised (its type and message; the driver then fails every in-flight request and resets the groups).
             expert_load: the expert-load counters its tp-rank 0 attached to the step it finished
-            (``StepOutput.expert_load``), or None.
+            (``StepOutput.expert_load``), or None. prefix_delta: the block hashes its radix tree stored and evicted
+            since its last reply (``raymoe.kvcache.prefix_events``; the driver's router indexes them), or None.
     """
 
     plan: GroupPlan | None
@@ -124,3 +127,4 @@ class GroupReply(PickledAsFields):
     ended_count: int = 0
     internal_error: str | None = None
     expert_load: list[int] | None = None
+    prefix_delta: PrefixDelta | None = None

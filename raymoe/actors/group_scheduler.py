@@ -23,6 +23,7 @@ from raymoe.actors.output_batch import OutputBatch, RequestEnd
 from raymoe.actors.records import RequestError
 from raymoe.config import EngineConfig
 from raymoe.errors import InvalidRequestError
+from raymoe.kvcache.prefix_events import PrefixDelta, PrefixEventLog
 from raymoe.overlap.decision import plan_of
 from raymoe.scheduler.req import FinishKind, Req, RequestFault
 from raymoe.scheduler.sampling_params import SamplingParams
@@ -45,6 +46,8 @@ class GroupScheduler:
         scheduler: the group's :class:`~raymoe.scheduler.scheduler.Scheduler`. reqs: its unfinished requests by id.
         num_idle_steps: steps the group ran IDLE (no work, its ranks still in every collective).
         failed_requests: requests that ended with a ``"failed"`` error.
+        prefix_events: the block hashes its radix tree stored and evicted since the last
+            :meth:`take_prefix_delta` (``load_balance_method="prefix_aware"``; None otherwise).
     """
 
     def __init__(self, index: int, config: EngineConfig, eos_token_ids: Sequence[int],
@@ -60,6 +63,14 @@ class GroupScheduler:
         self._inflight: deque[ScheduleBatch | None] = deque()  # sent, oldest first (None: the group ran IDLE)
         self._sent: dict[str, int] = {}  # unfinished request -> output tokens already in an output row
         self._out = OutputBatch()
+        self.prefix_events: PrefixEventLog | None = None
+        if config.scheduler.load_balance_method == "prefix_aware":
+            self.prefix_events = PrefixEventLog()
+            self.scheduler.tree_cache.record_events(self.prefix_events)
+
+    def take_prefix_delta(self) -> PrefixDelta | None:
+        """What the group's radix tree gained and lost since the last call (for the driver's router), or None."""
+        return self.prefix_events.drain() if self.prefix_events is not None else None
 
     # ------------------------------------------------------------------------------------------------ requests
     def add(self, rid: str, input_ids: list[int], params: SamplingParams, report: bool = True,

@@ -134,7 +134,8 @@ class GroupServer:
         out = self.group.take_outputs()
         if len(out):
             self.publish(out)
-        return GroupReply(plan, self.group.stats(), tuple(out.ended_ids()), ranks_alive=self.ranks.alive(), **fields)
+        return GroupReply(plan, self.group.stats(), tuple(out.ended_ids()), ranks_alive=self.ranks.alive(),
+                          prefix_delta=self.group.take_prefix_delta(), **fields)
 
     # ----------------------------------------------------------------------------------------------- controls
     def _control_fail_inflight(self, msg: GroupControl) -> GroupReply:

@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from raymoe.actors.coordinator import StepCoordinator
+from raymoe.actors.dp_router import DpRouter
 from raymoe.actors.group_link import encode
 from raymoe.actors.group_messages import GroupCommand, GroupControl, GroupReply, GroupStats
 from raymoe.actors.output_batch import OutputBatch, RequestEnd
@@ -61,6 +62,8 @@ class HostedDriver(StepCoordinator):
                  vocab_size: int | None = None, a2a_mode: str | None = None, eplb=None):
         super().__init__(config, executor, graph_capture_sizes, vocab_size, a2a_mode, eplb)
         self.dp_size = dp_size
+        self.router = DpRouter(dp_size, config.scheduler.load_balance_method,
+                               config.scheduler.prefix_routing_max_load_ratio)
         self.reply_timeout_s = config.step_timeout_s + REPLY_MARGIN_S
         self._clear()
 
@@ -74,6 +77,7 @@ class HostedDriver(StepCoordinator):
         self._out = OutputBatch()  # rows the driver itself writes (aborts before a group saw the request)
         self.group_of.clear()
         self._step_errors_in_a_row = 0
+        self.router.clear()
 
     # ------------------------------------------------------------------------------------------------ requests
     @property
@@ -90,10 +94,14 @@ class HostedDriver(StepCoordinator):
         """Each group's counters as of its last reply."""
         return list(self._stats)
 
-    def _route(self) -> int:
-        """The least loaded group (running + waiting + routed since its last reply), ties to the lowest index."""
+    def _route(self, input_ids: Sequence[int]) -> int:
+        """Pick the DP group (``raymoe.actors.dp_router``: the longest cached prefix within the load bound, else the
+        least loaded group; load = running + waiting + routed since the group's last reply). The index of cached
+        prefixes is as of the groups' last replies."""
+        if self.dp_size == 1:
+            return 0
         loads = [s.num_running + s.num_waiting + len(a) for s, a in zip(self._stats, self._adds, strict=True)]
-        return loads.index(min(loads))
+        return self.router.route(input_ids, loads).group
 
     def submit(self, rid: str, input_ids: list[int], params: SamplingParams, output_ids: Sequence[int] = ()) -> bool:
         """Route a request to a group (sent with the next exchange; a refusal ends it in the group's rows);
@@ -104,7 +112,7 @@ class HostedDriver(StepCoordinator):
         """
         if rid in self.group_of:
             raise ValueError(f"duplicate request id {rid!r}")
-        group = self._route()
+        group = self._route(input_ids)
         self._adds[group].append(AddRequest(rid, list(input_ids), params, tuple(output_ids)))
         self.group_of[rid] = group
         return True
@@ -180,6 +188,7 @@ class HostedDriver(StepCoordinator):
         for g, r in enumerate(replies):
             self._plans[g] = r.plan if r.plan is not None else GroupPlan.idle()
             self._stats[g] = r.stats
+            self.router.apply(g, r.prefix_delta)
             for rid in r.ended:
                 if self.group_of.get(rid) == g:
                     del self.group_of[rid]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from raymoe.actors.dp_router import RouteCounters
 from raymoe.actors.step_timing import StepTimes
 from raymoe.eplb.report import ExpertLoadReport
 from raymoe.errors import EngineUnhealthyError, InvalidRequestError, RaymoeError, RequestFailedError
@@ -114,6 +115,7 @@ class EngineStats:
         step_times: histograms of the steps' period and ranks' forward time by mode (``step_timing``; the
             driver always fills it, with zero counts before the first step; None only in stats built elsewhere).
         expert_load: the expert-load window and balance (``raymoe.eplb``), when the ranks record expert load.
+        routing: how new requests were routed to DP groups (``raymoe.actors.dp_router``), or None.
     """
 
     num_running: int
@@ -135,3 +137,4 @@ class EngineStats:
     idle_checked: bool = False
     step_times: StepTimes | None = None
     expert_load: ExpertLoadReport | None = None
+    routing: RouteCounters | None = None

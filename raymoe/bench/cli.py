@@ -19,6 +19,7 @@ from raymoe.bench.graph import run_graph_bench
 from raymoe.bench.offline import run_offline
 from raymoe.bench.overlap import add_overlap_args, run_overlap_bench
 from raymoe.bench.profile_serve import add_profile_args, run_profile
+from raymoe.bench.routing import add_routing_args, run_routing_bench
 from raymoe.bench.serve import add_serve_bench_args, run_serve_bench
 from raymoe.bench.stress import add_stress_args, run_stress
 from raymoe.cli_args import model_arg
@@ -44,6 +45,8 @@ _MODULE_COMMANDS = (
      add_chaos_args, run_chaos),
     ("driver-scale", "the control plane's CPU per step and bytes per rank as dp and running requests grow, ranks "
                      "answering instantly", add_driver_scale_args, run_driver_scale),
+    ("routing", "prefix-aware vs least-loaded DP routing on multi-turn chats: prefix-cache hit rate (against the "
+                "best possible) and TTFT, one run", add_routing_args, run_routing_bench),
 )
 
 

@@ -26,13 +26,15 @@ _WORDS = ("def return import class self value list dict for while if else try ex
 
 @dataclass
 class RequestResult:
-    """One streamed request: timings in seconds; ``error`` is None on success."""
+    """One streamed request: timings in seconds; token counts from the final usage chunk (``cached_tokens``: prompt
+    tokens served from the prefix cache); ``error`` is None on success."""
 
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0
     text: str = ""
     error: str | None = None
 
@@ -75,6 +77,7 @@ async def stream_request(client, url: str, body: dict) -> RequestResult:
                 if chunk.get("usage"):
                     res.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     res.output_tokens = chunk["usage"]["completion_tokens"]
+                    res.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 for choice in chunk.get("choices", []):
                     text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
                     if not text:

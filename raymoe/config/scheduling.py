@@ -78,9 +78,20 @@ class SchedulerConfig:
         False, help="run the driver's steps one at a time. By default the driver forms and sends step N+1 while the "
                     "ranks compute step N (zero-overhead scheduling, raymoe.actors.driver); greedy outputs are the "
                     "same either way.")
+    load_balance_method: str = option(
+        "prefix_aware", choices=("prefix_aware", "shortest_queue"),
+        help="how the driver picks a new request's DP group: prefix_aware (the group whose radix cache holds the "
+             "longest prefix of its prompt, within the load bound prefix_routing_max_load_ratio; "
+             "raymoe.actors.dp_router) or shortest_queue (the least loaded group).")
+    prefix_routing_max_load_ratio: float = option(
+        1.25, help="prefix_aware routing sends a request to the group holding its prefix only while that group's "
+                   "load (requests) stays within this multiple of the mean load, so no group falls behind the others "
+                   "(>= 1.0; 1.0 routes by load unless loads tie).")
 
     def __post_init__(self) -> None:
         check_choices(self)
+        if not self.prefix_routing_max_load_ratio >= 1.0:
+            raise InvalidRequestError("prefix_routing_max_load_ratio", "must be >= 1.0")
         if self.max_running_requests < 1:
             raise InvalidRequestError("max_running_requests", "must be >= 1")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:

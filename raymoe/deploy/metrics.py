@@ -20,6 +20,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from raymoe.actors.dp_router import RouteCounters
 from raymoe.actors.driver_service import EngineStats
 from raymoe.actors.step_timing import StepTimes
 from raymoe.eplb.report import ExpertLoadReport
@@ -83,6 +84,30 @@ class _EngineStatsCollector:
         yield step
         yield from self._step_histograms(s.step_times if s else None)
         yield from self._expert_load(s.expert_load if s else None)
+        yield from self._routing(s.routing if s else None)
+
+    def _routing(self, c: RouteCounters | None):
+        """How new requests were routed to DP groups (``raymoe.actors.dp_router``)."""
+        m = self.model_name
+        routed = CounterMetricFamily("raymoe:dp_routed_requests",
+                                     "New requests routed to a DP group, by reason: prefix (the group held part of "
+                                     "the prompt in its radix cache) or load (least loaded group).",
+                                     labels=["model_name", "reason"])
+        capped = CounterMetricFamily("raymoe:dp_route_load_capped_requests",
+                                     "Requests whose longest cached prefix lay on a DP group over the load bound "
+                                     "(prefix_routing_max_load_ratio), routed elsewhere.", labels=["model_name"])
+        expected = CounterMetricFamily("raymoe:dp_route_expected_cached_tokens",
+                                       "Prompt tokens the chosen DP groups held in their radix caches when the "
+                                       "requests were routed (compare raymoe:radix_cache_hit_tokens).",
+                                       labels=["model_name"])
+        if c is not None:
+            routed.add_metric([m, "prefix"], float(c.by_prefix))
+            routed.add_metric([m, "load"], float(c.by_load))
+            capped.add_metric([m], float(c.capped))
+            expected.add_metric([m], float(c.expected_cached_tokens))
+        yield routed
+        yield capped
+        yield expected
 
     def _step_histograms(self, times: StepTimes | None):
         period = HistogramMetricFamily(

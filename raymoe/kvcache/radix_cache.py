@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from raymoe.kvcache.allocator import TokenSlotAllocator
+from raymoe.kvcache.prefix_events import PrefixEventLog
 from raymoe.kvcache.radix_lru import LockedLRU
 from raymoe.kvcache.radix_node import MatchResult, TreeNode, common_prefix_len, format_tree, iter_nodes
 
@@ -60,6 +61,7 @@ class RadixCache:
         root_node: root of the tree (empty key, always locked, never evicted).
         hit_tokens: cumulative tokens matched over all ``match_prefix`` calls (the radix hit counter).
         queried_tokens: cumulative tokens asked about in ``match_prefix`` calls.
+        events: the log of block hashes stored and evicted (``record_events``), or None.
     """
 
     def __init__(self, allocator: TokenSlotAllocator, disable: bool = False):
@@ -69,12 +71,29 @@ class RadixCache:
         self.queried_tokens = 0
         self._clock = 0
         self._next_id = 0
+        self.events: PrefixEventLog | None = None
         self._init_tree()
 
     def _init_tree(self) -> None:
         self.root_node = TreeNode([], [], None, self._new_id(), 0)
         self.root_node.lock_ref = 1  # never evictable; inc/dec_lock_ref never touch the root
-        self._lru = LockedLRU(self.root_node)
+        self._lru = LockedLRU(self.root_node, on_evict=self._evicted)
+
+    def record_events(self, log: PrefixEventLog) -> None:
+        """Report every inserted path and every evicted leaf to ``log`` from now on (a router elsewhere keeps an
+        index of what this tree holds: ``raymoe.kvcache.prefix_events``). What the tree holds already is reported
+        as stored now."""
+        self.events = log
+        for node in iter_nodes(self.root_node):
+            if node is not self.root_node and not node.children:
+                path = _path_of(node)
+                log.stored(path, 0)
+
+    def _evicted(self, node: TreeNode) -> None:
+        """``node`` (a leaf, still attached) is about to leave the tree."""
+        if self.events is not None:
+            path = _path_of(node)
+            self.events.removed(path, len(path) - len(node.key))
 
     def _new_id(self) -> int:
         self._next_id += 1
@@ -136,6 +155,8 @@ class RadixCache:
             node.children[ids[matched]] = leaf
             self._lru.added_leaf(leaf)
             node = leaf
+            if self.events is not None:
+                self.events.stored(ids, matched)
         self._lru.touched(node)
         return matched
 
@@ -261,6 +282,8 @@ class RadixCache:
             node.parent = None
         if freed:
             self.allocator.free(freed)
+        if self.events is not None:
+            self.events.cleared()
         self._init_tree()
 
     # ------------------------------------------------------------------------------------------------ debug
@@ -296,3 +319,12 @@ class RadixCache:
         assert nodes == lru.num_nodes
         assert (evictable, protected) == (lru.evictable, lru.protected)
         assert len(slots) == evictable + protected
+
+
+def _path_of(node: TreeNode) -> list[int]:
+    """The token ids from the root to the end of ``node`` (O(depth))."""
+    keys = []
+    while node.parent is not None:
+        keys.append(node.key)
+        node = node.parent
+    return [t for key in reversed(keys) for t in key]

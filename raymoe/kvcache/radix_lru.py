@@ -10,6 +10,7 @@ prefix is never taken. Sizes are in tokens (= slots).
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 from raymoe.kvcache.radix_node import TreeNode, iter_nodes
 
@@ -19,6 +20,7 @@ class LockedLRU:
 
     Args:
         root: the tree's root (always locked, never evicted).
+        on_evict: called with each leaf :meth:`evict` takes, before it is detached (None: nothing is called).
 
     Attributes:
         evictable: tokens in unlocked nodes. protected: tokens in locked nodes.
@@ -27,8 +29,9 @@ class LockedLRU:
             touched, locked, gains a child or is evicted, and are skipped at pop time (see :meth:`is_current`).
     """
 
-    def __init__(self, root: TreeNode):
+    def __init__(self, root: TreeNode, on_evict: Callable[[TreeNode], None] | None = None):
         self.root = root
+        self.on_evict = on_evict
         self.evictable = 0
         self.protected = 0
         self.num_nodes = 1
@@ -86,6 +89,8 @@ class LockedLRU:
             stamp, _, node = heapq.heappop(heap)
             if not self.is_current(node, stamp):
                 continue
+            if self.on_evict is not None:
+                self.on_evict(node)
             parent = node.parent
             del parent.children[node.key[0]]
             node.parent = None
