@@ -24,6 +24,10 @@ class InvalidRequestError(RaymoeError, ValueError):
         self.message = message
         super().__init__(f"{field}: {message}")
 
+    def __reduce__(self):
+        # Rebuilt from its fields, so it crosses processes (Ray, Serve handles) as itself, not as an error about it.
+        return type(self), (self.field, self.message)
+
 
 class ContextLengthError(InvalidRequestError):
     """A prompt fills the context: no room is left for an output token (OpenAI's ``context_length_exceeded``)."""
@@ -40,6 +44,9 @@ class CheckpointError(RaymoeError):
         self.path = str(path)
         self.message = message
         super().__init__(f"{path}: {message}")
+
+    def __reduce__(self):
+        return type(self), (self.path, self.message)
 
 
 class EngineUnhealthyError(RaymoeError, RuntimeError):

@@ -18,6 +18,7 @@ index. Load is requests (running + waiting + routed but not yet seen by the grou
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -83,6 +84,7 @@ class DpRouter:
         self.max_load_ratio = max_load_ratio
         self.block_tokens = block_tokens
         self._held: list[set[int]] = [set() for _ in range(dp_size)]
+        self._lock = threading.Lock()  # the index is read by other threads (held_blocks)
         self._counters = RouteCounters()
 
     @property
@@ -99,15 +101,23 @@ class DpRouter:
         if delta is None:
             return
         held = self._held[group]
-        if delta.cleared:
-            held.clear()
-        held.difference_update(delta.removed)
-        held.update(delta.stored)
+        with self._lock:
+            if delta.cleared:
+                held.clear()
+            held.difference_update(delta.removed)
+            held.update(delta.stored)
 
     def clear(self) -> None:
         """Forget every group's tree (the groups were reset)."""
-        for held in self._held:
-            held.clear()
+        with self._lock:
+            for held in self._held:
+                held.clear()
+
+    def held_blocks(self) -> list[int]:
+        """Every block hash some group's tree holds (the engine's cached prefixes, for a router in front of several
+        engines: ``raymoe.deploy.serve_router``). Safe to call from any thread; O(cached blocks)."""
+        with self._lock:
+            return list(set().union(*self._held))
 
     def cached_tokens(self, input_ids: Sequence[int]) -> list[int]:
         """Per group, the leading tokens of ``input_ids`` its tree holds, in whole blocks (O(len(input_ids)))."""

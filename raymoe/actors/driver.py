@@ -121,10 +121,14 @@ class Driver(StepCoordinator):
         least loaded group; load = running + waiting requests)."""
         if len(self.groups) == 1:
             return 0
-        for g in self.groups:
-            self.router.apply(g.index, g.take_prefix_delta())
+        self._index_prefixes()
         loads = [s.num_running + s.num_waiting for s in self.schedulers]
         return self.router.route(input_ids, loads).group
+
+    def _index_prefixes(self) -> None:
+        """Fold what each group's radix tree stored and evicted into the router's index."""
+        for g in self.groups:
+            self.router.apply(g.index, g.take_prefix_delta())
 
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> Req:
         """Queue a request on a DP group.
@@ -193,6 +197,7 @@ class Driver(StepCoordinator):
             launched, self._launched = self._launched, launched
         if launched is not None:
             updated.extend(self._finish(launched))
+        self._index_prefixes()
         return self._forget_finished(updated)
 
     def _launch_next(self, early: list[Req]) -> _LaunchedStep | None:

@@ -152,6 +152,12 @@ class DriverActor:
         return self.service.stats()
 
     @ray.method(concurrency_group=_CONTROL)
+    def cached_blocks(self) -> list[int]:
+        """The block hashes of every prefix the engine's radix caches hold (``raymoe.kvcache.prefix_events``; empty
+        with ``load_balance_method="shortest_queue"``)."""
+        return self.service.driver.router.held_blocks()
+
+    @ray.method(concurrency_group=_CONTROL)
     def rebalance_experts(self) -> bool:
         """Ask for an expert rebalance at the next step; False when the engine was started without enable_eplb."""
         return self.service.rebalance_experts()

@@ -9,7 +9,9 @@ actor and rank actors on a loopback Ray, the app on 127.0.0.1).
 
 Engines, in this order: dp=1 (one group holds every conversation: the best hit rate routing can reach, every turn
 lands where its prefix is), then dp=``--dp`` with ``load_balance_method=shortest_queue`` and with ``prefix_aware``
-(``raymoe.actors.dp_router``). Reported per engine: the prefix-cache hit rate (prompt tokens served from the radix
+(``raymoe.actors.dp_router``), then ``--serve-replicas`` dp=1 engines behind one Ray Serve ingress
+(``build_app(engine_replicas=N)``) with Serve's default request router and with the prefix-aware one
+(``raymoe.deploy.serve_router``). Reported per engine: the prefix-cache hit rate (prompt tokens served from the radix
 cache over prompt tokens, from each response's ``usage.prompt_tokens_details.cached_tokens``), the same relative to
 the dp=1 engine's, TTFT p50/p99, end-to-end p50 and the routing counters; the routed engines run ``--rounds``
 times in alternating order, and the summary gives each method's mean hit rate and median TTFT p50. A benchmark:
@@ -27,6 +29,7 @@ import statistics
 import time
 from pathlib import Path
 
+from raymoe.actors.dp_router import RouteCounters
 from raymoe.bench.serve import RequestResult, stream_request
 
 
@@ -43,6 +46,9 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-tokens", type=int, default=65536, help="KV slots per DP group (no eviction by default)")
     p.add_argument("--max-running-requests", type=int, default=32, help="per DP group")
     p.add_argument("--no-best", action="store_true", help="skip the dp=1 engine (no best-possible hit rate)")
+    p.add_argument("--serve-replicas", type=int, default=2,
+                   help="also serve the workload from this many dp=1 engine replicas behind one Ray Serve ingress, "
+                        "routed by Serve's default router and by the prefix-aware one (0: skip)")
     p.add_argument("--rounds", type=int, default=3,
                    help="runs of each routed engine, the order alternating per round (the machine is noisy)")
     p.add_argument("--seed", type=int, default=0)
@@ -87,6 +93,39 @@ async def _drive(base: str, model: str, system: str, convs: list[list[str]], a: 
 
 
 @contextlib.contextmanager
+def _serve_app(a: argparse.Namespace, router: str):
+    """``--serve-replicas`` dp=1 engines behind one Ray Serve ingress whose engine handle routes with ``router``;
+    yields (URL, None)."""
+    import httpx
+    from ray import serve
+
+    from raymoe.cli_args import resolve_model
+    from raymoe.cluster.bootstrap import free_port, init_ray
+    from raymoe.deploy.serve_app import build_app
+
+    init_ray(None)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+    serve.run(build_app({"model": resolve_model(a.model), "dp_size": 1, "ep_size": 1,
+                         "max_total_tokens": a.kv_tokens, "max_context_len": 4096,
+                         "max_running_requests": a.max_running_requests, "engine_replicas": a.serve_replicas,
+                         "replica_router": router}), name="raymoe-bench-routing", route_prefix="/", blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError("the Serve app did not become healthy within 600 s")
+            time.sleep(1)
+        yield url, None
+    finally:
+        serve.shutdown()
+
+
+@contextlib.contextmanager
 def _engine(a: argparse.Namespace, dp: int, method: str):
     """An engine with ``dp`` groups routing by ``method`` and the OpenAI app on 127.0.0.1; yields (URL, engine)."""
     from raymoe.cli_args import resolve_model
@@ -119,13 +158,15 @@ def run_one(a: argparse.Namespace, name: str, dp: int, method: str) -> dict:
     import ray
 
     system, convs = conversations(a)
-    with _engine(a, dp, method) as (url, engine):
+    serve_router = method.removeprefix("serve:") if method.startswith("serve:") else None
+    server = _serve_app(a, serve_router) if serve_router else _engine(a, dp, method)
+    with server as (url, engine):
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         results, wall = asyncio.run(_drive(url, model, system, convs, a))
-        stats = ray.get(engine.driver.stats.remote(), timeout=60)
+        stats = ray.get(engine.driver.stats.remote(), timeout=60) if engine is not None else None
     ok = [r for r in results if r.error is None]
     prompt = sum(r.prompt_tokens for r in ok)
-    routing = stats.routing
+    routing = stats.routing if stats is not None else RouteCounters(-1, -1, -1, -1)
     return {
         "engine": name, "dp": dp, "method": method, "requests": len(results), "errors": len(results) - len(ok),
         "error_samples": sorted({r.error for r in results if r.error})[:3], "wall_s": wall,
@@ -145,7 +186,8 @@ def format_table(rows: list[dict], best: float | None) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         rel = f"{r['hit_rate'] / best:.1%}" if best and r["hit_rate"] is not None else "-"
-        routed = (f"{r['routed_by_prefix']}/{r['routed_by_load']}/{r['load_capped']}" if r["dp"] > 1 else "-")
+        routed = (f"{r['routed_by_prefix']}/{r['routed_by_load']}/{r['load_capped']}"
+                  if r["dp"] > 1 and r["routed_by_prefix"] >= 0 else "-")
         lines.append(f"{r['engine']:<28}{r['requests']:>6}{r['errors']:>5}{r['hit_rate'] or 0:>10.1%}{rel:>9}"
                      f"{r['ttft_p50_ms'] or 0:>8.0f}ms{r['ttft_p99_ms'] or 0:>8.0f}ms{r['e2e_p50_ms'] or 0:>8.0f}ms"
                      f"{routed:>20}")
@@ -156,7 +198,7 @@ def summarize_rounds(rows: list[dict], best: float | None) -> dict:
     """Per routing method over the rounds of the routed engines: mean hit rate (and relative to ``best``), median
     TTFT p50 and e2e p50 (ms)."""
     out = {}
-    for method in ("shortest_queue", "prefix_aware"):
+    for method in ("shortest_queue", "prefix_aware", "serve:power_of_two", "serve:prefix_aware"):
         mine = [r for r in rows if r["method"] == method and r["dp"] > 1 and r["hit_rate"] is not None]
         if not mine:
             continue
@@ -174,6 +216,10 @@ def run_routing_bench(a: argparse.Namespace) -> dict:
     use_loopback_environment()
     plan = [] if a.no_best else [("dp=1 (best possible)", 1, "shortest_queue")]
     routed = [(f"dp={a.dp} shortest_queue", a.dp, "shortest_queue"), (f"dp={a.dp} prefix_aware", a.dp, "prefix_aware")]
+    if a.serve_replicas:
+        n = a.serve_replicas
+        routed += [(f"{n} Serve replicas power_of_two", n, "serve:power_of_two"),
+                   (f"{n} Serve replicas prefix_aware", n, "serve:prefix_aware")]
     for r in range(a.rounds):
         plan += routed if r % 2 == 0 else routed[::-1]
     rows = []

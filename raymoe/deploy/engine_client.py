@@ -331,6 +331,17 @@ class EngineClient:
             raise EngineUnhealthyError(self._dead)
         return await self.driver.stats.remote()
 
+    async def cached_blocks(self) -> list[int]:
+        """The block hashes of the prefixes the engine caches (``DriverActor.cached_blocks``; for a prefix-aware
+        router in front of several engines).
+
+        Raises:
+            EngineUnhealthyError: the driver is being reconnected. ray exceptions: the driver actor is gone.
+        """
+        if self._dead is not None:
+            raise EngineUnhealthyError(self._dead)
+        return await self.driver.cached_blocks.remote()
+
     async def rebalance_experts(self) -> bool:
         """Ask the driver for an expert rebalance at its next step (``DriverActor.rebalance_experts``); False when
         the engine was started without ``enable_eplb``.

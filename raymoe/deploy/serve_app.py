@@ -12,17 +12,22 @@ starts the replacement replica first (``max_surge_percent=100``: Serve holds the
 is up, so there is no moment without a replica); then Serve stops routing to the old replica and waits until its
 ongoing requests, streams included, have finished (checked every ``graceful_shutdown_wait_loop_s``) before it calls
 ``__del__`` (engine shutdown); after ``graceful_shutdown_timeout_s`` it kills the replica whatever is left.
+
+With ``engine_replicas`` (``ServeLayout``) the app is laid out differently: an ingress deployment with the OpenAI
+app in front of that many engine replicas, routed by cached prefix (``raymoe.deploy.serve_engines``).
 Serve gives a replica no notice of its drain, so unlike ``raymoe serve`` a stream still running at that point is
 cut, not ended with a ``server_shutdown`` event: the timeout is sized for long streams.
 """
 
 from __future__ import annotations
 
-import asyncio
+from typing import Literal
 
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
 
+from raymoe.deploy.serve_engines import check_engine_health, engine_deployments
 from raymoe.deploy.server_config import ServeOptions
 
 # How long Serve lets a stopping replica finish its streams before it kills it, seconds: a 4096-token answer at
@@ -38,10 +43,28 @@ GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 1.0
 MAX_SURGE_PERCENT = 100
 
 
-@serve.deployment(name="raymoe", max_ongoing_requests=512, health_check_period_s=10.0,
-                  health_check_timeout_s=30.0, graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_TIMEOUT_S,
-                  graceful_shutdown_wait_loop_s=GRACEFUL_SHUTDOWN_WAIT_LOOP_S, max_surge_percent=MAX_SURGE_PERCENT,
-                  ray_actor_options={"num_cpus": 1})
+DEPLOYMENT_OPTIONS = dict(max_ongoing_requests=512, health_check_period_s=10.0, health_check_timeout_s=30.0,
+                          graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_TIMEOUT_S,
+                          graceful_shutdown_wait_loop_s=GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
+                          max_surge_percent=MAX_SURGE_PERCENT, ray_actor_options={"num_cpus": 1})
+"""The stop, update and health options of every raymoe deployment (both layouts)."""
+
+
+class ServeLayout(BaseModel):
+    """How the Serve application is laid out (``build_app`` arguments besides the ``ServeOptions``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine_replicas: int | None = Field(
+        None, ge=1, description="None: each Serve replica is a front end with its own engine (scale with Serve's "
+                                "num_replicas). N: one front-end deployment calling N engine replicas through a "
+                                "handle whose router picks the engine by cached prefix (raymoe.deploy.serve_engines).")
+    replica_router: Literal["prefix_aware", "power_of_two"] = Field(
+        "prefix_aware", description="with engine_replicas: the engine handle's request router (prefix_aware: "
+                                    "raymoe.deploy.serve_router; power_of_two: Serve's default, load only).")
+
+
+@serve.deployment(name="raymoe", **DEPLOYMENT_OPTIONS)
 @serve.ingress()
 class RaymoeDeployment:
     """One engine behind the OpenAI API.
@@ -71,13 +94,7 @@ class RaymoeDeployment:
         Raises:
             RuntimeError: the engine is unhealthy (the message says why).
         """
-        try:
-            ok = await asyncio.wait_for(self.engine.healthy(), timeout=20.0)
-        except asyncio.TimeoutError:
-            raise RuntimeError("the raymoe engine did not answer its health check within 20 s") from None
-        if not ok:
-            detail = await asyncio.wait_for(self.engine.health_detail(), timeout=20.0)
-            raise RuntimeError(f"the raymoe engine is unhealthy: {detail or 'unknown reason'}")
+        await check_engine_health(self.engine)
 
     def __del__(self):
         engine = getattr(self, "engine", None)
@@ -88,8 +105,14 @@ class RaymoeDeployment:
 def build_app(args: dict | None = None) -> Application:
     """Application builder for Ray Serve (``import_path: raymoe.deploy.serve_app:build_app``).
 
+    ``args``: ``ServeOptions`` fields plus the ``ServeLayout`` fields (``engine_replicas``, ``replica_router``).
+
     Raises:
         pydantic.ValidationError: an unknown or out-of-range argument (before any replica starts).
     """
-    options = ServeOptions(**(args or {}))
+    args = dict(args or {})
+    layout = ServeLayout(**{k: args.pop(k) for k in list(args) if k in ServeLayout.model_fields})
+    options = ServeOptions(**args)
+    if layout.engine_replicas is not None:
+        return engine_deployments(options, layout.engine_replicas, layout.replica_router, DEPLOYMENT_OPTIONS)
     return RaymoeDeployment.bind(options.model_dump())
