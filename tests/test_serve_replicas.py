@@ -55,6 +55,9 @@ def test_a_routed_prompt_counts_until_a_later_report_replaces_it():
     assert index.cached_tokens("b", prompt) == 32 and index.load("b") == 0
     index.report("b", prompt, at=11.0)  # older than what we have: ignored
     assert index.cached_tokens("b", prompt) == 32
+    index.routed("r2", "a", prompt)
+    index.routed("r2", "b", prompt)  # Serve fell back to another replica: the request moves
+    assert (index.load("a"), index.load("b")) == (0, 1) and index.cached_tokens("a", prompt) == 0
     index.prune(["a"])
     assert index.cached_tokens("b", prompt) == 0
 

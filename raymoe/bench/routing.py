@@ -46,6 +46,7 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-tokens", type=int, default=65536, help="KV slots per DP group (no eviction by default)")
     p.add_argument("--max-running-requests", type=int, default=32, help="per DP group")
     p.add_argument("--no-best", action="store_true", help="skip the dp=1 engine (no best-possible hit rate)")
+    p.add_argument("--no-dp", action="store_true", help="skip the dp=--dp engines (only the Serve replicas)")
     p.add_argument("--serve-replicas", type=int, default=2,
                    help="also serve the workload from this many dp=1 engine replicas behind one Ray Serve ingress, "
                         "routed by Serve's default router and by the prefix-aware one (0: skip)")
@@ -215,7 +216,8 @@ def run_routing_bench(a: argparse.Namespace) -> dict:
 
     use_loopback_environment()
     plan = [] if a.no_best else [("dp=1 (best possible)", 1, "shortest_queue")]
-    routed = [(f"dp={a.dp} shortest_queue", a.dp, "shortest_queue"), (f"dp={a.dp} prefix_aware", a.dp, "prefix_aware")]
+    routed = [] if a.no_dp else [(f"dp={a.dp} shortest_queue", a.dp, "shortest_queue"),
+                                 (f"dp={a.dp} prefix_aware", a.dp, "prefix_aware")]
     if a.serve_replicas:
         n = a.serve_replicas
         routed += [(f"{n} Serve replicas power_of_two", n, "serve:power_of_two"),

@@ -87,7 +87,14 @@ class ReplicaPrefixIndex:
                 self._forget(rid)
 
     def routed(self, request_id: str, replica: str, prompt_hashes: Sequence[int]) -> None:
-        """A request with these prompt block hashes was sent to ``replica``."""
+        """A request with these prompt block hashes was sent to ``replica`` (again: it moves there)."""
+        old = self._requests.get(request_id)
+        if old is not None:
+            if old.replica == replica:
+                return
+            if old.completed_at is None:
+                self._replica(old.replica).in_flight -= 1
+            self._forget(request_id)
         r = self._replica(replica)
         r.in_flight += 1
         for h in prompt_hashes:
@@ -147,7 +154,7 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def initialize_state(self, max_load_ratio: float = 1.25, **kwargs) -> None:
         self.index = ReplicaPrefixIndex(max_load_ratio)
-        self._prompts: dict[str, list[int]] = {}  # internal request id -> block hashes, until routed
+        self._prompts: dict[str, list[int]] = {}  # internal request id -> block hashes (for a fallback replica)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -159,18 +166,23 @@ class PrefixAwareRequestRouter(RequestRouter):
             if "blocks" in stats:
                 self.index.report(replica.replica_id.unique_id, stats["blocks"], float(stats.get("at", 0.0)))
         hashes = block_hashes(ids, self.index.block_tokens)
-        self._prompts[pending_request.metadata.internal_request_id] = hashes
+        rid = pending_request.metadata.internal_request_id
         names = [r.replica_id.unique_id for r in candidate_replicas]
         chosen = self.index.choose(names, hashes).group
+        # Counted where it is sent now: Serve reports the replica it finally used (on_request_routed) only on its
+        # rejection-protocol path, so this is the router's record unless that moves it.
+        self.index.routed(rid, names[chosen], hashes)
+        self._prompts[rid] = hashes
         return [[candidate_replicas[chosen]], [r for i, r in enumerate(candidate_replicas) if i != chosen]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         rid = pending_request.metadata.internal_request_id
-        hashes = self._prompts.pop(rid, None)
+        hashes = self._prompts.get(rid)
         if hashes is not None:
             self.index.routed(rid, replica_id.unique_id, hashes)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._prompts.pop(internal_request_id, None)
         self.index.completed(internal_request_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
