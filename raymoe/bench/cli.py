@@ -16,6 +16,7 @@ from raymoe.bench.eplb import add_eplb_args, run_eplb_bench
 from raymoe.bench.fanout import run_fanout
 from raymoe.bench.frontend import add_frontend_args, run_frontend
 from raymoe.bench.graph import run_graph_bench
+from raymoe.bench.kv_transfer import add_kv_transfer_args, run_kv_transfer_bench
 from raymoe.bench.offline import run_offline
 from raymoe.bench.overlap import add_overlap_args, run_overlap_bench
 from raymoe.bench.profile_serve import add_profile_args, run_profile
@@ -45,6 +46,8 @@ _MODULE_COMMANDS = (
      add_chaos_args, run_chaos),
     ("driver-scale", "the control plane's CPU per step and bytes per rank as dp and running requests grow, ranks "
                      "answering instantly", add_driver_scale_args, run_driver_scale),
+    ("kv-transfer", "KV rows between two processes' pools: NIXL and the gloo fallback against memcpy (GB/s)",
+     add_kv_transfer_args, run_kv_transfer_bench),
     ("routing", "prefix-aware vs least-loaded DP routing on multi-turn chats: prefix-cache hit rate (against the "
                 "best possible) and TTFT, one run", add_routing_args, run_routing_bench),
 )

@@ -129,15 +129,19 @@ def environment_report() -> dict[str, str]:
         report["vllm.vllm_flash_attn"] = _import_status(("vllm.vllm_flash_attn",))
     for name in ("ray", "transformers"):
         report[name] = _import_status((name,))
+    from raymoe.kvcache.kv_transfer import active_kv_backend, nixl_available
+
+    nixl = _import_status(("nixl._api", "nixl_cu12._api", "nixl_cu13._api")) if nixl_available() else "not installed"
+    report["kv_transfer"] = f"{active_kv_backend()} (prefill -> decode KV transfer; nixl: {nixl})"
     for name in REPORTED_DISTRIBUTIONS:
         report[f"pip {name}"] = _distribution_version(name)
     return report
 
 
-REPORTED_DISTRIBUTIONS = ("torch", "vllm", "sgl-deep-ep", "deep-ep", "ray", "transformers")
+REPORTED_DISTRIBUTIONS = ("torch", "vllm", "sgl-deep-ep", "deep-ep", "ray", "transformers", "nixl-cu12")
 """Installed distributions ``raymoe env`` lists by version: the GPU extras' packages (``pip install
 'raymoe[gpu]'``: vLLM; ``'raymoe[deepep]'``: sgl-deep-ep; a source build of DeepEP installs ``deep_ep``, found
-as ``deep-ep``), and what pins torch."""
+as ``deep-ep``), what pins torch, and NIXL (the KV transfer of prefill/decode disaggregation)."""
 
 
 def _distribution_version(name: str) -> str:
