@@ -100,6 +100,7 @@ class Driver(StepCoordinator):
         self.router = DpRouter(dp_size, config.scheduler.load_balance_method,
                                config.scheduler.prefix_routing_max_load_ratio)
         self._launched: _LaunchedStep | None = None  # overlap scheduling: the step the ranks are computing
+        self._reserved_in: dict[str, int] = {}  # PD decode side: request id -> group holding its KV reservation
 
     @property
     def schedulers(self) -> list[Scheduler]:
@@ -145,17 +146,53 @@ class Driver(StepCoordinator):
         self.group_of[rid] = group
         return req
 
-    def submit(self, rid: str, input_ids: list[int], params: SamplingParams, output_ids: Sequence[int] = ()) -> bool:
-        """Queue a request for the serving loop (``output_ids``: a resumed request's tokens so far, see
-        ``AddRequest``): a refusal ends it in its group's output rows instead of raising. Returns whether it was
-        accepted."""
+    def submit(self, rid: str, input_ids: list[int], params: SamplingParams, output_ids: Sequence[int] = (),
+               export_kv: bool = False, kv_received: bool = False) -> bool:
+        """Queue a request for the serving loop (``output_ids``: a resumed request's tokens so far;
+        ``export_kv``, ``kv_received``: prefill/decode disaggregation; see ``AddRequest``): a refusal ends it in
+        its group's output rows instead of raising. Returns whether it was accepted."""
         if rid in self.group_of:
             raise ValueError(f"duplicate request id {rid!r}")
-        group = self._route(input_ids)
-        if self.groups[group].add(rid, input_ids, params, output_ids=output_ids) is None:
+        if kv_received:
+            group = self._reserved_in.pop(rid, None)
+            if group is None:
+                raise ValueError(f"request {rid!r} holds no KV reservation")
+            self.groups[group].scheduler.state.cache_received(rid, input_ids)
+        else:
+            group = self._route(input_ids)
+        if self.groups[group].add(rid, input_ids, params, output_ids=output_ids, export_kv=export_kv) is None:
             return False
         self.group_of[rid] = group
         return True
+
+    # ------------------------------------------------------------- prefill/decode disaggregation (pd_client)
+    def reserve_kv(self, rid: str, num_tokens: int) -> tuple[int, list[int]] | None:
+        """Decode side: reserve ``num_tokens`` KV slots for ``rid``'s prompt in the least loaded group that can
+        hold them; returns (group, slots), or None when no group can now."""
+        loads = [s.num_running + s.num_waiting + len(s.state.kv_reservations) for s in self.schedulers]
+        for group in sorted(range(len(loads)), key=lambda g: (loads[g], g)):
+            slots = self.groups[group].scheduler.state.reserve_kv(rid, num_tokens)
+            if slots is not None:
+                self._reserved_in[rid] = group
+                return group, slots
+        return None
+
+    def cancel_reservation(self, rid: str) -> bool:
+        """Decode side: free ``rid``'s reservation (its KV will not come). Returns whether one was held."""
+        group = self._reserved_in.pop(rid, None)
+        return group is not None and self.groups[group].scheduler.state.cancel_reservation(rid)
+
+    def kv_export(self, rid: str) -> tuple[int, list[int]] | None:
+        """Prefill side: (group, slots) of ``rid``'s prompt KV held for the decode engine, or None."""
+        for g in self.groups:
+            held = g.scheduler.state.kv_exports.get(rid)
+            if held is not None:
+                return g.index, list(held[1])
+        return None
+
+    def release_export(self, rid: str) -> bool:
+        """Prefill side: unlock ``rid``'s exported prompt KV. Returns whether it was held."""
+        return any(g.scheduler.state.release_export(rid) for g in self.groups)
 
     def abort_request(self, rid: str) -> bool:
         """Abort ``rid`` wherever it is; its KV is freed (its group ends its output row with ``"abort"``).
@@ -170,6 +207,7 @@ class Driver(StepCoordinator):
         self._failed_before_reset += sum(g.failed_requests for g in self.groups)
         self.groups = [GroupScheduler(d, *self._group_args) for d in range(len(self.groups))]
         self.router.clear()
+        self._reserved_in.clear()
         self.group_of.clear()
         self._step_errors_in_a_row = 0
         self._launched = None

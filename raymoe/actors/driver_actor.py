@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 # Restarts Ray gives a driver actor whose process died (-1: unbounded; each restart reloads the ranks).
 DRIVER_MAX_RESTARTS = -1
 _CONTROL = "control"  # concurrency group of the health, state and test-hook calls
+_KV = "kv"  # KV transfers of prefill/decode disaggregation: long calls, kept apart from stats and health
 
 
 def start_driver_actor(config: EngineConfig, max_restarts: int = DRIVER_MAX_RESTARTS):
@@ -57,7 +58,7 @@ def start_driver_actor(config: EngineConfig, max_restarts: int = DRIVER_MAX_REST
     # World size 1: the rank computes in this actor, which then needs the GPU (Ray hides GPUs from actors that
     # do not ask for one, and the rank would fail with RankDeviceError). Otherwise its rank actors ask for theirs.
     gpus = 1 if config.parallel.world_size == 1 and config.device == "cuda" else 0
-    cls = ray.remote(concurrency_groups={_CONTROL: 2}, max_concurrency=4)(DriverActor)
+    cls = ray.remote(concurrency_groups={_CONTROL: 2, _KV: 8}, max_concurrency=4)(DriverActor)
     return cls.options(num_cpus=0, num_gpus=gpus, max_restarts=max_restarts, max_task_retries=0,
                        scheduling_strategy=here).remote(config)
 
@@ -204,6 +205,70 @@ class DriverActor:
         executor = self.service.driver.executor
         groups = executor.pids() if hasattr(executor, "pids") else []
         return [os.getpid(), *ray.get([w.pid.remote() for w in self.rank_actors()], timeout=30), *groups]
+
+    # ------------------------------------------------------------- prefill/decode disaggregation (pd_client)
+    def _on_ranks(self, method: str, calls: list[tuple[int, tuple]], timeout_s: float) -> list:
+        """Call ``method`` on the given ranks (rank index, args) at once and wait for all of them."""
+        workers = self.rank_actors()
+        if not workers:  # a world of one rank computes in this process
+            worker = self.service.driver.executor.worker
+            return [getattr(worker, method)(*args) for _, args in calls]
+        refs = [getattr(workers[rank], method).remote(*args) for rank, args in calls]
+        return ray.get(refs, timeout=timeout_s)
+
+    def _group_ranks(self, group: int) -> list[int]:
+        tp = self.service.driver.config.parallel.tp_size
+        return list(range(group * tp, (group + 1) * tp))
+
+    @ray.method(concurrency_group=_KV)
+    def start_kv_transfer(self, name: str, backend: str = "auto") -> list[bytes]:
+        """Start a KV transfer agent on every rank (named ``{name}-r{rank}``); returns their metadata in rank
+        order (``RankKVTransfer.start_kv_transfer``)."""
+        world = self.service.driver.config.parallel.world_size
+        return self._on_ranks("start_kv_transfer", [(r, (f"{name}-r{r}", backend)) for r in range(world)], 120)
+
+    @ray.method(concurrency_group=_KV)
+    def add_kv_peers(self, metadata: list[bytes]) -> list[list[str]]:
+        """Give every rank the other engine's ranks' metadata; returns each rank's peer names."""
+        world = self.service.driver.config.parallel.world_size
+        return self._on_ranks("add_kv_peers", [(r, (list(metadata),)) for r in range(world)], 120)
+
+    @ray.method(concurrency_group=_KV)
+    def send_kv(self, group: int, peers: list[str], src_slots: list[int], dst_slots: list[int], tag: str,
+                timeout_s: float) -> None:
+        """Each tp rank of ``group`` writes the rows of ``src_slots`` into the same tp rank of the peer group
+        (``peers``: one agent name per tp rank)."""
+        calls = [(r, (peers[t], src_slots, dst_slots, tag, timeout_s)) for t, r in enumerate(self._group_ranks(group))]
+        self._on_ranks("send_kv", calls, timeout_s + 30)
+
+    @ray.method(concurrency_group=_KV)
+    def receive_kv(self, group: int, peers: list[str], dst_slots: list[int], tag: str, timeout_s: float) -> None:
+        """Each tp rank of ``group`` waits for its peer's rows in ``dst_slots``."""
+        calls = [(r, (peers[t], dst_slots, tag, timeout_s)) for t, r in enumerate(self._group_ranks(group))]
+        self._on_ranks("receive_kv", calls, timeout_s + 30)
+
+    @ray.method(concurrency_group=_KV)
+    def reserve_kv(self, rid: str, num_tokens: int) -> tuple[int, list[int]] | None:
+        """Decode side: ``Driver.reserve_kv`` on the loop thread."""
+        return self.service.call(lambda d: d.reserve_kv(rid, num_tokens))
+
+    @ray.method(concurrency_group=_KV)
+    def cancel_reservation(self, rid: str) -> bool:
+        return self.service.call(lambda d: d.cancel_reservation(rid))
+
+    @ray.method(concurrency_group=_KV)
+    def kv_export(self, rid: str) -> tuple[int, list[int]] | None:
+        """Prefill side: ``Driver.kv_export`` on the loop thread."""
+        return self.service.call(lambda d: d.kv_export(rid))
+
+    @ray.method(concurrency_group=_KV)
+    def release_export(self, rid: str) -> bool:
+        return self.service.call(lambda d: d.release_export(rid))
+
+    @ray.method(concurrency_group=_KV)
+    def read_kv(self, rank: int, slots: list[int]):
+        """The rows of ``slots`` of one rank's KV buffers (flat uint8; tests check transfers with it)."""
+        return self._on_ranks("read_kv", [(rank, (slots,))], 60)[0]
 
     @ray.method(concurrency_group=_CONTROL)
     def rank_actors(self) -> list:

@@ -25,6 +25,7 @@ Supervision, from the narrowest scope out:
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -188,10 +189,15 @@ class DriverService:
                 self._out.end(a.request_id, RequestEnd(error=RequestError("unhealthy", self._error)))
                 continue
             try:
-                accepted = self.driver.submit(a.request_id, a.prompt_token_ids, a.params, a.output_ids)
-            except ValueError:  # already in flight
-                self._out.end(a.request_id, RequestEnd(error=RequestError(
-                    "invalid", f"duplicate request id {a.request_id!r}", "request_id")))
+                if a.export_kv or a.kv_received:
+                    if not hasattr(self.driver, "reserve_kv"):
+                        raise ValueError("prefill/decode disaggregation needs group_schedulers=driver")
+                    accepted = self.driver.submit(a.request_id, a.prompt_token_ids, a.params, a.output_ids,
+                                                  export_kv=a.export_kv, kv_received=a.kv_received)
+                else:
+                    accepted = self.driver.submit(a.request_id, a.prompt_token_ids, a.params, a.output_ids)
+            except ValueError as e:  # already in flight, or no reservation to receive into
+                self._out.end(a.request_id, RequestEnd(error=RequestError("invalid", str(e), "request_id")))
                 continue
             if accepted:
                 self._idle = None
@@ -204,11 +210,33 @@ class DriverService:
         except queue.Empty:
             return
         while True:
-            self._apply(*cmd)
+            if cmd[0] == "call":
+                self._run_call(*cmd[1:])
+            else:
+                self._apply(*cmd)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def call(self, fn: Callable, timeout_s: float = 30.0):
+        """Run ``fn(driver)`` on the loop thread (the schedulers' owner) at its next iteration and return its
+        result.
+
+        Raises:
+            whatever ``fn`` raised; TimeoutError: the loop did not run it within ``timeout_s``.
+        """
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, future))
+        return future.result(timeout=timeout_s)
+
+    def _run_call(self, fn: Callable, future: concurrent.futures.Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(self.driver))
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            future.set_exception(e)
 
     def _flush(self) -> None:
         batch, self._out = self._out, OutputBatch()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 
+from raymoe.actors.rank_kv_transfer import RankKVTransfer
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ParallelConfig
 from raymoe.platform.interface import Platform
@@ -24,7 +25,7 @@ from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
 
 
-class RankWorker:
+class RankWorker(RankKVTransfer):
     """Owns a ``ModelRunner``.
 
     Args:

@@ -29,6 +29,11 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--max-in-flight", type=int, default=None, help="HTTP requests served at once before 429")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $RAYMOE_API_KEY)")
     p.add_argument("--demo-request", action="store_true", help="once ready, send one chat completion and print it")
+    p.add_argument("--pd-prefill", default=None, metavar="TOPOLOGY",
+                   help="prefill/decode disaggregation: the prefill engine's layout, e.g. 'dp=1' (with --pd-decode; "
+                        "the engine options apply to both engines)")
+    p.add_argument("--pd-decode", default=None, metavar="TOPOLOGY",
+                   help="prefill/decode disaggregation: the decode engine's layout, e.g. 'dp=2,ep=2'")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     engine = p.add_argument_group("engine options (raymoe.config; Serve config args of the same names)")
     for name, decl in engine_options().items():
@@ -72,7 +77,7 @@ def serve_options_from_args(a: argparse.Namespace):
     try:
         return ServeOptions(model=a.model, served_model_name=a.served_model_name, max_in_flight=a.max_in_flight,
                             api_key=a.api_key or os.environ.get("RAYMOE_API_KEY"), limits=limits_from_args(a),
-                            **given_options(a, engine_options()))
+                            pd_prefill=a.pd_prefill, pd_decode=a.pd_decode, **given_options(a, engine_options()))
     except ValidationError as e:
         first = e.errors()[0]
         cause = first.get("ctx", {}).get("error")

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from multiprocessing.connection import wait
 from pathlib import Path
 
@@ -232,9 +232,14 @@ class EngineClient:
             self._conn.send((adds, aborts))
 
     # ------------------------------------------------------------------ requests and aborts
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestDelta]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       output_ids: Sequence[int] = (), export_kv: bool = False,
+                       kv_received: bool = False) -> AsyncIterator[RequestDelta]:
         """Stream the request's deltas (the last has ``finished=True``). Leaving early aborts the request.
+
+        ``output_ids``, ``export_kv``, ``kv_received``: prefill/decode disaggregation (``AddRequest``;
+        ``raymoe.deploy.pd_client``): the tokens the request has already, keep its prompt KV for a decode engine,
+        its prompt KV is in its reservation.
 
         Raises:
             InvalidRequestError: refused by the scheduler (prompt too long, queue full: field ``"queue"`` ...).
@@ -245,7 +250,8 @@ class EngineClient:
             raise ValueError(f"duplicate request id {request_id!r}")
         q: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        req = ResumableRequest(request_id, list(prompt_token_ids), params)
+        req = ResumableRequest(request_id, list(prompt_token_ids), params, [int(t) for t in output_ids],
+                               export_kv=export_kv, kv_received=kv_received)
         done = False
         try:
             if self._dead is not None:

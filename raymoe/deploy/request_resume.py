@@ -37,6 +37,8 @@ class ResumableRequest:
         prompt_token_ids: the prompt (token ids). params: its sampling parameters.
         output_ids: every token delivered to the stream so far, in order.
         resumes: times it was submitted again after a fault.
+        export_kv, kv_received: prefill/decode disaggregation (``AddRequest``); a resumed request no longer
+            receives KV (its reservation went with the fault): it re-prefills like any resumed request.
     """
 
     request_id: str
@@ -44,10 +46,13 @@ class ResumableRequest:
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     resumes: int = 0
+    export_kv: bool = False
+    kv_received: bool = False
 
     def add(self) -> AddRequest:
         """The record that (re-)submits it: the prompt and, after a fault, the tokens delivered so far."""
-        return AddRequest(self.request_id, self.prompt_token_ids, self.params, tuple(self.output_ids))
+        return AddRequest(self.request_id, self.prompt_token_ids, self.params, tuple(self.output_ids),
+                          export_kv=self.export_kv, kv_received=self.kv_received and self.resumes == 0)
 
     def delivered(self, delta: RequestDelta) -> None:
         """Note the tokens of a delta the stream is about to deliver."""

@@ -133,6 +133,10 @@ class _ServeFields(BaseModel):
                                                               "shown in repr or logs.")
     limits: ServerLimits = Field(default_factory=ServerLimits, description="per-request limits of the HTTP front "
                                                                            "end (ServerLimits).")
+    pd_prefill: str | None = Field(None, description="prefill/decode disaggregation: the prefill engine's layout "
+                                                     "('dp=1'; raymoe.deploy.pd_config), with pd_decode.")
+    pd_decode: str | None = Field(None, description="prefill/decode disaggregation: the decode engine's layout "
+                                                    "('dp=2,ep=2').")
 
     @model_validator(mode="after")
     def _check_engine_options(self) -> _ServeFields:
@@ -140,6 +144,14 @@ class _ServeFields(BaseModel):
         (``raymoe.config.engine_options.check_options``); a bad one raises ``InvalidRequestError`` (naming it),
         which pydantic reports as a ``ValidationError`` holding that error."""
         check_options(self.engine_option_values())
+        if (self.pd_prefill is None) != (self.pd_decode is None):
+            raise InvalidRequestError("pd_decode" if self.pd_decode is None else "pd_prefill",
+                                      "prefill/decode disaggregation needs both pd_prefill and pd_decode")
+        if self.pd_prefill is not None:
+            from raymoe.deploy.pd_config import parse_pd_topology
+
+            parse_pd_topology("pd_prefill", self.pd_prefill)
+            parse_pd_topology("pd_decode", self.pd_decode)
         return self
 
     @property
@@ -181,11 +193,19 @@ class _ServeFields(BaseModel):
         """
         from raymoe.deploy.engine_client import EngineClient
 
-        return EngineClient(self.engine_config(self.resolved_model(progress)), model_name=self.served_model_name)
+        model = self.resolved_model(progress)
+        if self.pd_prefill is not None:
+            from raymoe.deploy.pd_client import PDEngineClient
+            from raymoe.deploy.pd_config import pd_engine_configs
+
+            configs = pd_engine_configs(model, self.engine_option_values(), self.pd_prefill, self.pd_decode)
+            return PDEngineClient(*configs, model_name=self.served_model_name)
+        return EngineClient(self.engine_config(model), model_name=self.served_model_name)
 
 
 SERVE_ONLY_FIELDS = tuple(_ServeFields.model_fields)
-"""ServeOptions fields that are not engine options: model, served_model_name, max_in_flight, api_key, limits."""
+"""ServeOptions fields that are not engine options: model, served_model_name, max_in_flight, api_key, limits,
+pd_prefill, pd_decode."""
 
 SERVE_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "dp_size": (int, Field(2, description="DP-attention groups (each schedules its own requests).")),

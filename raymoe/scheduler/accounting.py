@@ -49,6 +49,8 @@ def idle_report(state: GroupState) -> IdleReport | None:
     (``None`` otherwise). O(1)."""
     if state.unfinished or state.inflight:
         return None
+    if state.kv_reservations or state.kv_exports:  # PD: KV held for the other engine is in use, not leaked
+        return None
     size = state.token_allocator.size
     return IdleReport(
         leaked_kv_slots=size - state.token_allocator.available_size() - state.tree_cache.evictable_size(),
@@ -73,12 +75,15 @@ def check_memory_invariants(state: GroupState) -> None:
         assert r.req_pool_idx is None and not r.kv_slots and r.last_node is None, f"waiting {r.rid!r} holds KV"
     assert 0 not in owned, "dummy slot 0 is owned by a request"
     assert len(set(owned)) == len(owned), "a KV slot is owned by two requests (or twice by one)"
+    reserved = [s for slots in state.kv_reservations.values() for s in slots]
+    assert not set(reserved) & set(owned), "a KV slot is both reserved for a transfer and owned by a request"
+    owned += reserved
     free, tree = state.token_allocator.available_size(), state.tree_cache.total_size()
     size, stranded = state.token_allocator.size, state.token_allocator.stranded_size()
     assert free + tree + len(owned) + stranded == size, (
-        f"KV slots leak or double count: free {free} + tree {tree} + owned {len(owned)} + stranded {stranded} "
-        f"!= size {size}")
+        f"KV slots leak or double count: free {free} + tree {tree} + owned {len(owned)} (reserved "
+        f"{len(reserved)}) + stranded {stranded} != size {size}")
     rows = state.req_allocator.size - state.req_allocator.available_size()
     assert rows == len(live), f"{rows} rows in use for {len(live)} live requests"
-    if not live:
+    if not live and not state.kv_exports:
         assert state.tree_cache.protected_size() == 0, "radix locks held with no live request"

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from raymoe.config import CacheConfig, SchedulerConfig
 from raymoe.kvcache.allocator import ReqSlotAllocator
@@ -98,6 +100,8 @@ class GroupState:
         self.hit_tokens = 0
         self.kv_epoch = 0
         self.eos_token_ids = eos_token_ids
+        self.kv_reservations: dict[str, list[int]] = {}
+        self.kv_exports: dict[str, tuple[Any, list[int]]] = {}
 
     @property
     def num_running(self) -> int:
@@ -143,8 +147,70 @@ class GroupState:
             self.token_allocator.free(slots[req.prefix_len :])
         if req.last_node is not None:
             self.tree_cache.dec_lock_ref(req.last_node)
+        if cache and req.export_kv and req.finished and req.rid not in self.kv_exports:
+            self._export(req)
         self.req_allocator.free(req.req_pool_idx)
         req.reset_kv()
+
+    # ------------------------------------------------------------------ PD disaggregation (raymoe.actors.driver)
+    def _export(self, req: Req) -> None:
+        """Lock the prompt's KV, just cached, for a decode engine (``kv_exports``); nothing when the cache does
+        not hold the whole prompt (radix cache disabled)."""
+        prompt = req.origin_input_ids
+        m = self.tree_cache.match_prefix(prompt)
+        if len(m.slots) == len(prompt):
+            self.tree_cache.inc_lock_ref(m.last_node)
+            self.kv_exports[req.rid] = (m.last_node, m.slots)
+
+    def release_export(self, rid: str) -> bool:
+        """Unlock an exported prompt's KV (the decode engine has it, or gave up). Returns whether one was held."""
+        held = self.kv_exports.pop(rid, None)
+        if held is None:
+            return False
+        self.tree_cache.dec_lock_ref(held[0])
+        return True
+
+    def reserve_kv(self, rid: str, num_tokens: int) -> list[int] | None:
+        """Set aside ``num_tokens`` KV slots for a prompt's KV that a prefill engine will send (evicting unlocked
+        cached prefixes if needed); None when the pool cannot hold them now.
+
+        Raises:
+            ValueError: ``rid`` holds a reservation already, or ``num_tokens < 1``.
+        """
+        if rid in self.kv_reservations or num_tokens < 1:
+            raise ValueError(f"reserve_kv: {rid!r} already holds a reservation, or {num_tokens} < 1 tokens")
+        slots = self.token_allocator.alloc(num_tokens)
+        if slots is None and self.tree_cache.evictable_size() > 0:
+            self.tree_cache.evict(num_tokens - self.token_allocator.available_size())
+            slots = self.token_allocator.alloc(num_tokens)
+        if slots is not None:
+            self.kv_reservations[rid] = slots
+        return slots
+
+    def cancel_reservation(self, rid: str) -> bool:
+        """Free a reservation whose KV will not come. Returns whether one was held."""
+        slots = self.kv_reservations.pop(rid, None)
+        if slots is None:
+            return False
+        self.token_allocator.free(slots)
+        return True
+
+    def cache_received(self, rid: str, prompt: Sequence[int]) -> int:
+        """The reserved slots of ``rid`` now hold ``prompt``'s KV: hand them to the radix cache (a request with
+        this prompt then finds it cached and computes only what follows). Returns the prompt tokens cached.
+
+        Raises:
+            KeyError: ``rid`` holds no reservation.
+            ValueError: the reservation does not match the prompt's length.
+        """
+        slots = self.kv_reservations[rid]
+        if len(slots) != len(prompt):
+            raise ValueError(f"cache_received: {len(slots)} reserved slots for a prompt of {len(prompt)} tokens")
+        del self.kv_reservations[rid]
+        n = self.tree_cache.insert(list(prompt), slots)
+        if n:  # the tree held the first n tokens already: ours are duplicates
+            self.token_allocator.free(slots[:n])
+        return len(prompt)
 
     def detach(self, req: Req) -> None:
         """Take an unfinished request out of every queue and release its KV, row and radix lock (not cached)."""

@@ -125,6 +125,8 @@ class Req:
             ``None`` before the first.
         sampling_row: its sampling numbers as a step row carries them, ``(temperature, top_p, top_k, min_p, seed,
             logprobs)``, taken when its parameters were last checked (the first step after each admission).
+        export_kv: prefill side of PD disaggregation: when it finishes, its prompt's KV stays locked in the radix
+            cache for a decode engine to fetch (``GroupState.kv_exports``) until released.
     """
 
     rid: str
@@ -137,6 +139,7 @@ class Req:
     kv_slots: list[int] = field(default_factory=list)
     prefix_len: int = 0
     last_node: Any = None
+    export_kv: bool = False
     arrival: int = -1
     admit_seq: int = -1
     cached_tokens: int = 0

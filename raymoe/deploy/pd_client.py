@@ -1,0 +1,208 @@
+"""Prefill/decode disaggregation: a prefill engine and a decode engine (each its own driver actor and ranks) behind
+one front end, with the prompt's KV moved rank to rank between them.
+
+Why: under DP attention every rank enters every MoE collective, so one group's long prefill stalls every group's
+decode step (SGLang's reason for PD with DP attention; DeepSeek's own deployment, llm-d and Dynamo's wide-EP recipes
+split the same way). With the prefill on engines of its own, the decode engine's steps stay decode steps.
+
+A request (:meth:`PDEngineClient.generate`):
+
+1. **Decode side first**: the decode engine reserves KV slots for the prompt in its least loaded DP group
+   (``Driver.reserve_kv``); the prefill starts only once it has (retried until ``reserve_timeout_s``, then 429).
+2. **Prefill**: the prefill engine runs the request for one token with ``export_kv``: when it finishes, its
+   prompt's KV stays locked in the prefill group's radix cache (``GroupState.kv_exports``). Its token is the
+   stream's first. A request that ends there (a stop token, ``max_tokens=1``) ends the stream.
+3. **Transfer**: each tp rank of the prefill group writes the prompt's rows into the same tp rank of the decode
+   group's reserved slots (``raymoe.kvcache.kv_transfer``: NIXL, else gloo; agents started by the ranks, metadata
+   passed through the driver actors), then the prefill side's lock is released.
+4. **Decode**: the request joins the decode group that holds the reservation with ``kv_received``: the reserved
+   slots go to that group's radix cache as the prompt's KV, so the request computes only its first token's KV and
+   decodes on (TBO, graphs and MIXED batches as usual; its rows continue from the first token).
+
+Faults end in a stream that goes on or a clear error, and leave no KV held: a transfer that fails or times out
+(``transfer_timeout_s``) falls back to the decode engine re-prefilling prompt + first token (the path of a resumed
+request); a client that leaves aborts whichever side holds the request, and the reservation is freed only once the
+transfer calls have returned (a late write must not land in slots another request got); a fault of either engine
+is resumed by that engine's ``EngineClient`` as for any request.
+
+Restrictions (checked at start-up, ``InvalidRequestError`` naming ``pd_decode``): both engines have the same TP
+size, KV dtype and page size (rows move one for one), and run their DP groups' schedulers in the driver
+(``group_schedulers="driver"``); the prefill engine keeps its radix cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+from raymoe.actors.records import RequestDelta
+from raymoe.config import EngineConfig
+from raymoe.deploy.engine_client import EngineClient
+from raymoe.errors import InvalidRequestError
+from raymoe.scheduler.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class PDEngineClient:
+    """The two engines behind the OpenAI app (``EngineClient``'s interface; module docstring).
+
+    Args:
+        prefill, decode: the engines' configurations (``raymoe.deploy.pd_config.pd_engine_configs``).
+        model_name: served model name. transfer_timeout_s: bound on one request's KV transfer, seconds.
+        reserve_timeout_s: how long a request waits for KV room on the decode side, seconds.
+        kv_backend: ``auto`` | ``nixl`` | ``gloo`` (``raymoe.kvcache.kv_transfer``).
+
+    Raises:
+        InvalidRequestError: the engines cannot exchange KV (TP size, dtype, page size; names ``pd_decode``).
+        EngineUnhealthyError: an engine failed to start.
+    """
+
+    def __init__(self, prefill: EngineConfig, decode: EngineConfig, model_name: str | None = None,
+                 transfer_timeout_s: float = 30.0, reserve_timeout_s: float = 60.0, kv_backend: str = "auto"):
+        import ray
+
+        for name, mine, theirs in (("tp_size", prefill.parallel.tp_size, decode.parallel.tp_size),
+                                   ("page_size", prefill.cache.page_size, decode.cache.page_size)):
+            if mine != theirs:
+                raise InvalidRequestError("pd_decode", f"the prefill and decode engines need the same {name} "
+                                                       f"(KV rows move one for one), got {mine} and {theirs}")
+        self.prefill = EngineClient(prefill, model_name)
+        try:
+            self.decode = EngineClient(decode, model_name)
+        except BaseException:
+            self.prefill.shutdown()
+            raise
+        self.transfer_timeout_s, self.reserve_timeout_s = transfer_timeout_s, reserve_timeout_s
+        self.config, self.model_config = self.decode.config, self.decode.model_config
+        self.model_name, self.tokenizer = self.decode.model_name, self.decode.tokenizer
+        self.device_choice = self.decode.device_choice
+        self.tp = self.decode.config.parallel.tp_size
+        self.transfers_failed = 0
+        tag = uuid.uuid4().hex[:8]
+        metas_p = ray.get(self.prefill.driver.start_kv_transfer.remote(f"pd{tag}-prefill", kv_backend), timeout=300)
+        metas_d = ray.get(self.decode.driver.start_kv_transfer.remote(f"pd{tag}-decode", kv_backend), timeout=300)
+        self._decode_ranks = ray.get(self.prefill.driver.add_kv_peers.remote(metas_d), timeout=300)[0]
+        self._prefill_ranks = ray.get(self.decode.driver.add_kv_peers.remote(metas_p), timeout=300)[0]
+        self._cleanups: set[asyncio.Task] = set()
+
+    @property
+    def max_context_len(self) -> int:
+        return min(self.prefill.max_context_len, self.decode.max_context_len)
+
+    async def _reserve(self, rid: str, n: int) -> tuple[int, list[int]]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.reserve_timeout_s
+        while True:
+            got = await self.decode.driver.reserve_kv.remote(rid, n)
+            if got is not None:
+                return got
+            if loop.time() > deadline:
+                raise InvalidRequestError("queue", "the decode engine has had no KV room for this prompt for "
+                                                   f"{self.reserve_timeout_s:.0f} s; retry later")
+            await asyncio.sleep(0.05)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+                       ) -> AsyncIterator[RequestDelta]:
+        """Stream the request's deltas: the first from the prefill engine, the rest from the decode engine.
+
+        Raises:
+            InvalidRequestError: refused by either engine, or no KV room on the decode side in time (``queue``).
+            EngineUnhealthyError: an engine failed and the request could not be resumed.
+        """
+        prompt = list(prompt_token_ids)
+        group, slots = await self._reserve(request_id, len(prompt))
+        held = {"reservation": True, "export": False}
+        transfer: list = []
+        try:
+            last = None
+            async for delta in self.prefill.generate(request_id, prompt, dataclasses.replace(params, max_tokens=1),
+                                                     export_kv=True):
+                last = delta
+            held["export"] = True
+            if params.max_tokens == 1 or last.finish_reason != "length" or not last.token_ids:
+                yield last  # the request ended at its first token
+                return
+            yield dataclasses.replace(last, finished=False, finish_reason=None)
+            first, prefill_cached = last.token_ids[-1], last.cached_tokens
+            received = await self._transfer(request_id, group, slots, transfer)
+            held["reservation"] = not received
+            await self.prefill.driver.release_export.remote(request_id)
+            held["export"] = False
+            if not received:  # the decode engine re-prefills prompt + first token instead
+                self.transfers_failed += 1
+                await self.decode.driver.cancel_reservation.remote(request_id)
+                held["reservation"] = False
+            async for delta in self.decode.generate(request_id, prompt, params, output_ids=[first],
+                                                    kv_received=received):
+                if delta.finished:  # usage: the prompt's cache hits were the prefill engine's
+                    delta = dataclasses.replace(delta, cached_tokens=prefill_cached)
+                yield delta
+        finally:
+            if held["reservation"] or held["export"]:
+                self._clean_up(request_id, held, transfer)
+
+    async def _transfer(self, rid: str, group: int, slots: list[int], calls: list) -> bool:
+        """Move the prompt's KV from the prefill group holding it into ``slots`` of decode group ``group``;
+        returns False when it could not (the caller falls back to a re-prefill)."""
+        export = await self.prefill.driver.kv_export.remote(rid)
+        if export is None:
+            log.warning("request %s: the prefill engine kept no KV to send", rid)
+            return False
+        pgroup, src = export
+        tp = self.tp
+        decode_peers = self._decode_ranks[group * tp:(group + 1) * tp]
+        prefill_peers = self._prefill_ranks[pgroup * tp:(pgroup + 1) * tp]
+        t = self.transfer_timeout_s
+        calls += [self.prefill.driver.send_kv.remote(pgroup, decode_peers, src, slots, rid, t),
+                  self.decode.driver.receive_kv.remote(group, prefill_peers, slots, rid, t)]
+        try:
+            await asyncio.gather(*calls)
+        except Exception as e:  # noqa: BLE001 - a failed transfer falls back to a re-prefill on the decode side
+            log.warning("request %s: KV transfer failed (%s); the decode engine re-prefills it", rid, e)
+            await asyncio.gather(*calls, return_exceptions=True)
+            calls.clear()
+            return False
+        calls.clear()  # (cancelled: the calls stay, and the clean-up waits for them before freeing the slots)
+        return True
+
+    def _clean_up(self, rid: str, held: dict, transfer: list) -> None:
+        """Free what ``rid`` still holds on both engines once its transfer calls (if any) have returned."""
+        async def clean() -> None:
+            if transfer:
+                await asyncio.gather(*transfer, return_exceptions=True)
+            if held["export"]:
+                await self.prefill.driver.release_export.remote(rid)
+            if held["reservation"]:
+                await self.decode.driver.cancel_reservation.remote(rid)
+
+        task = asyncio.get_running_loop().create_task(clean())
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
+    async def abort(self, request_id: str) -> None:
+        """Nothing to send: the stream's exit aborts the side holding the request (``generate``)."""
+
+    async def stats(self):
+        """The decode engine's counters (where the streams run)."""
+        return await self.decode.stats()
+
+    async def healthy(self) -> bool:
+        return await self.prefill.healthy() and await self.decode.healthy()
+
+    async def health_detail(self) -> str:
+        parts = [f"{name}: {d}" for name, d in (("prefill", await self.prefill.health_detail()),
+                                                ("decode", await self.decode.health_detail())) if d]
+        return "; ".join(parts)
+
+    async def rebalance_experts(self) -> bool:
+        return await self.decode.rebalance_experts()
+
+    def shutdown(self) -> None:
+        try:
+            self.prefill.shutdown()
+        finally:
+            self.decode.shutdown()
