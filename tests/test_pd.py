@@ -5,9 +5,11 @@ rank to rank (NIXL where installed, else gloo), Qwen3-MoE and DeepSeek-V3 (MLA: 
 Checked: greedy streams equal the colocated engine's (the same requests on one dp=2 x ep=2 engine), for prompts
 long enough to be chunked and for a prompt whose prefix the prefill engine caches; the decode engine received the
 KV (it computed only the first token's, its radix counter says so) and no transfer fell back; a transfer that
-times out falls back to a re-prefill and the stream still gives the colocated tokens; a client that leaves
-mid-stream, and one that leaves while its KV is in flight, leave both engines idle (no slot reserved or locked,
-the idle invariant on both).
+fails (no such peer; the receiver times out) falls back to a re-prefill and the stream still gives the colocated
+tokens, as does one whose decode rank is SIGKILLed mid-transfer (the decode engine restarts its ranks); a client
+that leaves during the transfer leaves both sides holding their KV until the transfer calls return, then nothing;
+clients that leave at the first token or mid-stream leave both engines idle (no slot reserved or locked, the idle
+invariant on both); ``raymoe serve --pd-prefill --pd-decode`` streams what it answers whole.
 """
 
 from __future__ import annotations
@@ -116,6 +118,89 @@ def test_a_transfer_that_fails_falls_back_to_a_reprefill(engines):
     finally:
         pd.transfer_timeout_s, pd._decode_ranks = 30.0, ranks
     assert got == want and pd.transfers_failed == failed + 1
+    _idle(pd.prefill)
+    _idle(pd.decode)
+
+
+def test_a_client_that_leaves_during_the_transfer_frees_both_sides_once_the_transfer_calls_return(engines):
+    """The transfer is held in flight (the prefill ranks send to an agent that does not exist, the decode ranks wait
+    2 s for rows that never come); the client leaves meanwhile. The reservation must outlive the transfer calls (a
+    late write must not land in slots another request got) and then be freed, as the prefill side's lock."""
+    import ray
+
+    _, pd = engines
+    ranks = pd._decode_ranks
+    pd.transfer_timeout_s, pd._decode_ranks = 2.0, ["nobody"] * len(ranks)
+
+    async def main():
+        first = asyncio.Event()
+
+        async def consume():
+            gen = pd.generate("leave-transfer", PROMPTS[2], SamplingParams(max_tokens=50, temperature=0.0,
+                                                                         ignore_eos=True))
+            async for _ in gen:
+                first.set()
+
+        task = asyncio.create_task(consume())
+        await first.wait()
+        await asyncio.sleep(0.3)  # inside the transfer now
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.5)
+        # No request runs on either side, but the reservation and the export are still held: neither engine is
+        # idle until the transfer calls return.
+        for engine in (pd.decode, pd.prefill):
+            stats = ray.get(engine.driver.stats.remote(), timeout=30)
+            assert stats.num_running == stats.num_waiting == 0 and not stats.idle_checked
+        await asyncio.sleep(3.0)  # the transfer calls time out; the clean-up frees both sides
+
+    try:
+        asyncio.run(main())
+    finally:
+        pd.transfer_timeout_s, pd._decode_ranks = 30.0, ranks
+    _idle(pd.prefill)
+    _idle(pd.decode)
+
+
+def test_a_decode_rank_killed_mid_transfer_costs_the_stream_a_pause(engines):
+    """SIGKILL of a decode rank while a request's KV is in flight: the transfer fails, the decode engine restarts
+    its ranks, and the request, submitted again to re-prefill there, gives the colocated engine's tokens."""
+    import os
+    import signal
+
+    import ray
+
+    colocated, pd = engines
+    want = asyncio.run(_run(colocated, "kill-ref", PROMPTS[2], 16))
+    ranks = ray.get(pd.decode.driver.rank_actors.remote(), timeout=60)
+    pid = ray.get(ranks[-1].pid.remote(), timeout=60)
+    restarts = ray.get(pd.decode.driver.stats.remote(), timeout=30).rank_restarts
+    peers = pd._decode_ranks
+    pd.transfer_timeout_s, pd._decode_ranks = 3.0, ["nobody"] * len(peers)  # hold the transfer in flight
+
+    async def main():
+        first, out = asyncio.Event(), []
+
+        async def consume():
+            async for delta in pd.generate("kill", PROMPTS[2], SamplingParams(max_tokens=16, temperature=0.0,
+                                                                           ignore_eos=True)):
+                out.extend(delta.token_ids)
+                first.set()
+
+        task = asyncio.create_task(consume())
+        await first.wait()
+        await asyncio.sleep(0.3)
+        os.kill(pid, signal.SIGKILL)
+        await asyncio.wait_for(task, timeout=180)
+        return out
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        pd.transfer_timeout_s, pd._decode_ranks = 30.0, peers
+    assert got == want
+    assert ray.get(pd.decode.driver.stats.remote(), timeout=30).rank_restarts == restarts + 1
     _idle(pd.prefill)
     _idle(pd.decode)
 

@@ -233,6 +233,7 @@ class DriverService:
     def _run_call(self, fn: Callable, future: concurrent.futures.Future) -> None:
         if not future.set_running_or_notify_cancel():
             return
+        self._idle = None  # a call may reserve or free KV: measure the idle invariant again
         try:
             future.set_result(fn(self.driver))
         except Exception as e:  # noqa: BLE001 - handed to the caller

@@ -19,6 +19,7 @@ from raymoe.bench.graph import run_graph_bench
 from raymoe.bench.kv_transfer import add_kv_transfer_args, run_kv_transfer_bench
 from raymoe.bench.offline import run_offline
 from raymoe.bench.overlap import add_overlap_args, run_overlap_bench
+from raymoe.bench.pd import add_pd_args, run_pd_bench
 from raymoe.bench.profile_serve import add_profile_args, run_profile
 from raymoe.bench.routing import add_routing_args, run_routing_bench
 from raymoe.bench.serve import add_serve_bench_args, run_serve_bench
@@ -48,6 +49,8 @@ _MODULE_COMMANDS = (
                      "answering instantly", add_driver_scale_args, run_driver_scale),
     ("kv-transfer", "KV rows between two processes' pools: NIXL and the gloo fallback against memcpy (GB/s)",
      add_kv_transfer_args, run_kv_transfer_bench),
+    ("pd", "prefill/decode disaggregation vs colocated: KV transfer GB/s, decode ITL under long-prompt arrivals",
+     add_pd_args, run_pd_bench),
     ("routing", "prefix-aware vs least-loaded DP routing on multi-turn chats: prefix-cache hit rate (against the "
                 "best possible) and TTFT, one run", add_routing_args, run_routing_bench),
 )
