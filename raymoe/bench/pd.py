@@ -7,7 +7,8 @@
     ``--long-rate`` per second (Poisson, seeded), on a colocated dp=``--dp`` ep=``--dp`` engine with MIXED batches
     (a prefill shares the step with every running decode) and on ``--pd-prefill`` + ``--pd-decode`` engines
     (``raymoe.deploy.pd_client``), each with the OpenAI app on 127.0.0.1. Reported: the decode streams' ITL
-    p50/p99 (gaps between streamed chunks after their first), the long prompts' TTFT p50/p99, errors, and the PD
+    p50/p99 (gaps between streamed chunks after their first; a chunk may carry several tokens) and TPOT p50 (a
+    stream's time per output token after its first), the long prompts' TTFT p50/p99, errors, and the PD
     engine's fallback count. On a machine with few cores both engines share the CPUs with the client and the front
     end, so PD's separation of prefill from decode cannot show as it does on separate GPUs; the figures say what
     it costs here.
@@ -35,10 +36,10 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd-prefill", default="dp=1")
     p.add_argument("--pd-decode", default="dp=2,ep=2")
     p.add_argument("--decoders", type=int, default=16, help="long-running decode streams")
-    p.add_argument("--decode-tokens", type=int, default=256)
+    p.add_argument("--decode-tokens", type=int, default=1024)
     p.add_argument("--long-words", type=int, default=600, help="words of each long prompt")
     p.add_argument("--long-tokens", type=int, default=8, help="answer tokens of each long prompt")
-    p.add_argument("--long-rate", type=float, default=2.0, help="long prompts per second (Poisson)")
+    p.add_argument("--long-rate", type=float, default=4.0, help="long prompts per second (Poisson)")
     p.add_argument("--no-transfer", action="store_true", help="skip part (a)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default="bench_results/pd.json")
@@ -78,7 +79,7 @@ async def _load(url: str, a: argparse.Namespace) -> tuple[list[RequestResult], l
         decoders = [asyncio.create_task(stream_request(client, f"{url}/v1/completions", {
             **common, "prompt": f"stream {i}: def f{i}(x):", "max_tokens": a.decode_tokens}))
             for i in range(a.decoders)]
-        await asyncio.sleep(1.0)  # the decode streams are running
+        await asyncio.sleep(0.3)  # the decode streams are running
         longs = []
         while not all(t.done() for t in decoders):
             prompt = " ".join(rng.choice(_WORDS) for _ in range(a.long_words))
@@ -118,17 +119,18 @@ def run_pd_bench(a: argparse.Namespace) -> dict:
         ok_d = [r for r in decoders if r.error is None]
         ok_l = [r for r in longs if r.error is None]
         itl = [g for r in ok_d for g in r.itl]
+        tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok_d if r.output_tokens > 1]
         rows.append({"engine": name, "wall_s": wall, "decoders": len(decoders), "long_prompts": len(longs),
                      "errors": len(decoders) + len(longs) - len(ok_d) - len(ok_l),
-                     "itl_p50_ms": _q(itl, 0.5), "itl_p99_ms": _q(itl, 0.99),
+                     "itl_p50_ms": _q(itl, 0.5), "itl_p99_ms": _q(itl, 0.99), "tpot_p50_ms": _q(tpot, 0.5),
                      "long_ttft_p50_ms": _q([r.ttft for r in ok_l], 0.5),
                      "long_ttft_p99_ms": _q([r.ttft for r in ok_l], 0.99), "transfers_failed": failed})
         print(json.dumps(rows[-1]), flush=True)
-    print(f"{'engine':<11}{'long prompts':>13}{'err':>5}{'ITL p50':>9}{'ITL p99':>9}{'long TTFT p50':>15}"
-          f"{'long TTFT p99':>15}")
+    print(f"{'engine':<11}{'long prompts':>13}{'err':>5}{'ITL p50':>9}{'ITL p99':>9}{'TPOT p50':>10}"
+          f"{'long TTFT p50':>15}{'long TTFT p99':>15}")
     for r in rows:
         print(f"{r['engine']:<11}{r['long_prompts']:>13}{r['errors']:>5}{r['itl_p50_ms'] or 0:>7.1f}ms"
-              f"{r['itl_p99_ms'] or 0:>7.1f}ms{r['long_ttft_p50_ms'] or 0:>13.0f}ms"
+              f"{r['itl_p99_ms'] or 0:>7.1f}ms{r['tpot_p50_ms'] or 0:>8.1f}ms{r['long_ttft_p50_ms'] or 0:>13.0f}ms"
               f"{r['long_ttft_p99_ms'] or 0:>13.0f}ms")
     report["decode_under_arrivals"] = rows
     out = Path(a.output_json)
