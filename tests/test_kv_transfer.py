@@ -11,12 +11,12 @@ whole pages are refused.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 
 import pytest
 import torch
 
+from raymoe.bench.kv_transfer import run_pair
 from raymoe.kvcache.kv_layout import KVLayout, KVLayoutMismatch
 from raymoe.kvcache.kv_transfer import GlooKVTransfer, KVTransferError, active_kv_backend, nixl_available
 from raymoe.kvcache.mla_pool import MLATokenToKVPool
@@ -81,22 +81,7 @@ def _side(role: str, backend: str, conn, results) -> None:
 def test_rows_move_between_processes_and_a_missing_send_times_out(backend):
     if backend == "nixl" and not nixl_available():
         pytest.skip("NIXL is not installed (pip install nixl-cu12)")
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()  # the sides' metadata crosses here (the driver actors' part in the engine)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_side, args=(role, backend, end, results), daemon=True)
-             for role, end in (("send", a), ("recv", b))]
-    for p in procs:
-        p.start()
-    try:
-        out = results.get(timeout=120)
-        for p in procs:
-            p.join(timeout=60)
-            assert p.exitcode == 0, f"a transfer process failed or hung (exit code {p.exitcode})"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    out = run_pair(_side, (backend,), 120)  # the sides' metadata crosses their pipe (the driver actors' part)
     assert out["moved"] and out["untouched"], out
     waited, message = out["timed_out"]
     assert 0.5 <= waited < 5.0 and "never-sent" in message and "0.5 s" in message

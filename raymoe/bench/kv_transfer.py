@@ -96,24 +96,35 @@ def _side(role: str, backend: str, a: argparse.Namespace, conn, results) -> None
     agent.close()
 
 
-def _measure(backend: str, a: argparse.Namespace) -> list[list[float]]:
-    """Seconds per transfer, per plan, for one backend (two processes)."""
+def run_pair(target, args: tuple, timeout_s: float):
+    """Run ``target(role, *args, conn, results)`` in two spawned processes, roles ``"send"`` and ``"recv"``, joined
+    by one pipe (``conn``); returns the first item either puts on ``results``, once both exited.
+
+    Raises:
+        AssertionError: a process failed or did not exit. queue.Empty: nothing reported within ``timeout_s``.
+    """
     ctx = mp.get_context("spawn")
     one, two = ctx.Pipe()
     results = ctx.Queue()
-    procs = [ctx.Process(target=_side, args=(role, backend, a, end, results), daemon=True)
+    procs = [ctx.Process(target=target, args=(role, *args, end, results), daemon=True)
              for role, end in (("send", one), ("recv", two))]
     for p in procs:
         p.start()
     try:
-        times = results.get(timeout=900)
+        out = results.get(timeout=timeout_s)
         for p in procs:
             p.join(timeout=60)
+            assert p.exitcode == 0, f"a transfer process failed or hung (exit code {p.exitcode})"
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
-    return times
+    return out
+
+
+def _measure(backend: str, a: argparse.Namespace) -> list[list[float]]:
+    """Seconds per transfer, per plan, for one backend (two processes)."""
+    return run_pair(_side, (backend, a), 900)
 
 
 def _memcpy(a: argparse.Namespace) -> list[tuple[float, float]]:

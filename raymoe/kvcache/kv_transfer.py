@@ -104,6 +104,20 @@ def make_kv_transfer(name: str, layout: KVLayout, backend: str = "auto", host: s
     return GlooKVTransfer(name, layout, host)
 
 
+def peer_metadata(metadata: bytes, backend: str, layout: KVLayout) -> dict:
+    """A peer's metadata, checked against this agent's backend and layout.
+
+    Raises:
+        KVTransferError: the peer runs another backend. KVLayoutMismatch: its KV rows differ from ``layout``'s.
+    """
+    meta = pickle.loads(metadata)
+    if meta["backend"] != backend:
+        raise KVTransferError(f"peer {meta['name']!r} runs KV transfer backend {meta['backend']!r}, this rank "
+                              f"{backend!r}: both engines need the same one")
+    layout.check_peer(meta["layout"])
+    return meta
+
+
 def tag_number(tag: str) -> int:
     """A gloo message tag for ``tag`` (a stable 31-bit hash)."""
     return zlib.crc32(tag.encode()) & 0x7FFFFFFF
@@ -132,11 +146,7 @@ class GlooKVTransfer:
                              "port": self._store.port, "layout": self.layout.signature()})
 
     def add_peer(self, metadata: bytes) -> str:
-        meta = pickle.loads(metadata)
-        if meta["backend"] != self.backend:
-            raise KVTransferError(f"peer {meta['name']!r} runs KV transfer backend {meta['backend']!r}, this rank "
-                                  f"{self.backend!r}: both engines need the same one")
-        self.layout.check_peer(meta["layout"])
+        meta = peer_metadata(metadata, self.backend, self.layout)
         self._peers[meta["name"]] = meta
         return meta["name"]
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 
 from raymoe.kvcache.kv_layout import KVLayout
-from raymoe.kvcache.kv_transfer import KVTransferError
+from raymoe.kvcache.kv_transfer import KVTransferError, peer_metadata
 
 _POLL_S = 0.0002
 
@@ -78,11 +78,7 @@ class NixlKVTransfer:
                              "pages": self._pages, "layout": self.layout.signature()})
 
     def add_peer(self, metadata: bytes) -> str:
-        meta = pickle.loads(metadata)
-        if meta["backend"] != self.backend:
-            raise KVTransferError(f"peer {meta['name']!r} runs KV transfer backend {meta['backend']!r}, this rank "
-                                  f"{self.backend!r}: both engines need the same one")
-        self.layout.check_peer(meta["layout"])
+        meta = peer_metadata(metadata, self.backend, self.layout)
         peer = self._agent.add_remote_agent(meta["agent"])
         peer = peer.decode() if isinstance(peer, bytes) else peer  # notifications name agents as str
         remote = self._agent.prep_xfer_dlist(peer, self._agent.deserialize_descs(meta["pages"]), self._mem)
