@@ -15,6 +15,7 @@ invariant on both); ``raymoe serve --pd-prefill --pd-decode`` streams what it an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -69,6 +70,20 @@ async def _run(engine, rid: str, prompt: list[int], max_tokens: int, stop_after:
     return out
 
 
+@contextlib.contextmanager
+def _failing_transfers(pd, timeout_s: float):
+    """Transfers in the block fail after ``timeout_s``: the prefill ranks send to an agent that does not exist and
+    the decode ranks wait for rows that never come (the agents are started again first if a transfer failed before,
+    so the block's own names are the ones in use)."""
+    asyncio.run(pd._reconnect_if_stale())
+    ranks = pd._decode_ranks
+    pd.transfer_timeout_s, pd._decode_ranks = timeout_s, ["nobody"] * len(ranks)
+    try:
+        yield
+    finally:
+        pd.transfer_timeout_s, pd._decode_ranks = 30.0, ranks
+
+
 def _idle(engine) -> None:
     """Wait until the engine reports its idle invariant, and check it (nothing leaked, nothing locked)."""
     import time
@@ -110,13 +125,9 @@ def test_pd_streams_equal_the_colocated_engines(engines):
 def test_a_transfer_that_fails_falls_back_to_a_reprefill(engines):
     colocated, pd = engines
     want = asyncio.run(_run(colocated, "t-ref", PROMPTS[2], 16))
-    # The prefill ranks send to an agent that does not exist; the decode ranks wait for rows that never come.
-    failed, ranks = pd.transfers_failed, pd._decode_ranks
-    pd.transfer_timeout_s, pd._decode_ranks = 0.5, ["nobody"] * len(ranks)
-    try:
+    failed = pd.transfers_failed
+    with _failing_transfers(pd, 0.5):
         got = asyncio.run(_run(pd, "t-pd", PROMPTS[2], 16))
-    finally:
-        pd.transfer_timeout_s, pd._decode_ranks = 30.0, ranks
     assert got == want and pd.transfers_failed == failed + 1
     _idle(pd.prefill)
     _idle(pd.decode)
@@ -129,8 +140,6 @@ def test_a_client_that_leaves_during_the_transfer_frees_both_sides_once_the_tran
     import ray
 
     _, pd = engines
-    ranks = pd._decode_ranks
-    pd.transfer_timeout_s, pd._decode_ranks = 2.0, ["nobody"] * len(ranks)
 
     async def main():
         first = asyncio.Event()
@@ -155,10 +164,8 @@ def test_a_client_that_leaves_during_the_transfer_frees_both_sides_once_the_tran
             assert stats.num_running == stats.num_waiting == 0 and not stats.idle_checked
         await asyncio.sleep(3.0)  # the transfer calls time out; the clean-up frees both sides
 
-    try:
+    with _failing_transfers(pd, 2.0):
         asyncio.run(main())
-    finally:
-        pd.transfer_timeout_s, pd._decode_ranks = 30.0, ranks
     _idle(pd.prefill)
     _idle(pd.decode)
 
@@ -176,8 +183,6 @@ def test_a_decode_rank_killed_mid_transfer_costs_the_stream_a_pause(engines):
     ranks = ray.get(pd.decode.driver.rank_actors.remote(), timeout=60)
     pid = ray.get(ranks[-1].pid.remote(), timeout=60)
     restarts = ray.get(pd.decode.driver.stats.remote(), timeout=30).rank_restarts
-    peers = pd._decode_ranks
-    pd.transfer_timeout_s, pd._decode_ranks = 3.0, ["nobody"] * len(peers)  # hold the transfer in flight
 
     async def main():
         first, out = asyncio.Event(), []
@@ -195,12 +200,14 @@ def test_a_decode_rank_killed_mid_transfer_costs_the_stream_a_pause(engines):
         await asyncio.wait_for(task, timeout=180)
         return out
 
-    try:
+    with _failing_transfers(pd, 3.0):  # the transfer stays in flight until the kill
         got = asyncio.run(main())
-    finally:
-        pd.transfer_timeout_s, pd._decode_ranks = 30.0, peers
     assert got == want
     assert ray.get(pd.decode.driver.stats.remote(), timeout=30).rank_restarts == restarts + 1
+    # The restarted decode ranks have no agents: the next transfer starts them again and succeeds.
+    failed, reconnects = pd.transfers_failed, pd.reconnects
+    assert asyncio.run(_run(pd, "after-kill", PROMPTS[2], 16)) == want
+    assert pd.transfers_failed == failed and pd.reconnects == reconnects + 1
     _idle(pd.prefill)
     _idle(pd.decode)
 

@@ -23,7 +23,9 @@ Faults end in a stream that goes on or a clear error, and leave no KV held: a tr
 (``transfer_timeout_s``) falls back to the decode engine re-prefilling prompt + first token (the path of a resumed
 request); a client that leaves aborts whichever side holds the request, and the reservation is freed only once the
 transfer calls have returned (a late write must not land in slots another request got); a fault of either engine
-is resumed by that engine's ``EngineClient`` as for any request.
+is resumed by that engine's ``EngineClient`` as for any request. After a failed transfer the ranks' agents are
+started again before the next one (a restarted rank group has none), and a clean-up call to an engine that went away
+is logged, not raised (the engine took what it held with it).
 
 Restrictions (checked at start-up, ``InvalidRequestError`` naming ``pd_decode``): both engines have the same TP
 size, KV dtype and page size (rows move one for one), and run their DP groups' schedulers in the driver
@@ -45,6 +47,14 @@ from raymoe.errors import InvalidRequestError
 from raymoe.scheduler.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+async def _quietly(ref, what: str) -> None:
+    """Await a clean-up call to an engine's driver; an engine that went away took what it held with it."""
+    try:
+        await ref
+    except Exception as e:  # noqa: BLE001
+        log.warning("PD clean-up call %s failed (%s); the engine that held it was restarted", what, e)
 
 
 class PDEngineClient:
@@ -82,12 +92,45 @@ class PDEngineClient:
         self.device_choice = self.decode.device_choice
         self.tp = self.decode.config.parallel.tp_size
         self.transfers_failed = 0
-        tag = uuid.uuid4().hex[:8]
-        metas_p = ray.get(self.prefill.driver.start_kv_transfer.remote(f"pd{tag}-prefill", kv_backend), timeout=300)
-        metas_d = ray.get(self.decode.driver.start_kv_transfer.remote(f"pd{tag}-decode", kv_backend), timeout=300)
-        self._decode_ranks = ray.get(self.prefill.driver.add_kv_peers.remote(metas_d), timeout=300)[0]
-        self._prefill_ranks = ray.get(self.decode.driver.add_kv_peers.remote(metas_p), timeout=300)[0]
+        self.kv_backend = kv_backend
+        self.reconnects = 0
+        self._stale = False  # the ranks' agents must be started again (a rank group or driver was restarted)
+        self._connect_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        metas = ray.get(self._start_refs(), timeout=300)
+        self._decode_ranks, self._prefill_ranks = (n[0] for n in ray.get(self._peer_refs(*metas), timeout=300))
         self._cleanups: set[asyncio.Task] = set()
+
+    def _start_refs(self) -> list:
+        """Start every rank's agent on both engines (fresh names each time): refs of (prefill, decode) metadata."""
+        tag = uuid.uuid4().hex[:8]
+        return [self.prefill.driver.start_kv_transfer.remote(f"pd{tag}-prefill", self.kv_backend),
+                self.decode.driver.start_kv_transfer.remote(f"pd{tag}-decode", self.kv_backend)]
+
+    def _peer_refs(self, metas_p: list[bytes], metas_d: list[bytes]) -> list:
+        """Give each side's ranks the other's metadata (once both have started): refs of the peer names each
+        prefill rank and each decode rank knows (decode rank names, prefill rank names), in rank order."""
+        return [self.prefill.driver.add_kv_peers.remote(metas_d), self.decode.driver.add_kv_peers.remote(metas_p)]
+
+    async def _reconnect_if_stale(self) -> None:
+        """After a failed transfer, start the agents again before the next one (a restarted rank group has none;
+        one request reconnects, the others wait for it)."""
+        if not self._stale:
+            return
+        loop = asyncio.get_running_loop()
+        if self._connect_lock is None or self._connect_lock[0] is not loop:
+            self._connect_lock = (loop, asyncio.Lock())
+        async with self._connect_lock[1]:
+            if not self._stale:
+                return
+            try:
+                metas = await asyncio.gather(*self._start_refs())
+                names = await asyncio.gather(*self._peer_refs(*metas))
+                self._decode_ranks, self._prefill_ranks = names[0][0], names[1][0]
+            except Exception as e:  # noqa: BLE001 - an engine is still restarting: this request re-prefills
+                log.warning("reconnecting the KV transfer agents failed (%s); trying again at the next transfer", e)
+                return
+            self._stale = False
+            self.reconnects += 1
 
     @property
     def max_context_len(self) -> int:
@@ -130,12 +173,12 @@ class PDEngineClient:
             first, prefill_cached = last.token_ids[-1], last.cached_tokens
             received = await self._transfer(request_id, group, slots, transfer)
             held["reservation"] = not received
-            await self.prefill.driver.release_export.remote(request_id)
             held["export"] = False
+            await _quietly(self.prefill.driver.release_export.remote(request_id), "release_export")
             if not received:  # the decode engine re-prefills prompt + first token instead
                 self.transfers_failed += 1
-                await self.decode.driver.cancel_reservation.remote(request_id)
                 held["reservation"] = False
+                await _quietly(self.decode.driver.cancel_reservation.remote(request_id), "cancel_reservation")
             async for delta in self.decode.generate(request_id, prompt, params, output_ids=[first],
                                                     kv_received=received):
                 if delta.finished:  # usage: the prompt's cache hits were the prefill engine's
@@ -148,7 +191,13 @@ class PDEngineClient:
     async def _transfer(self, rid: str, group: int, slots: list[int], calls: list) -> bool:
         """Move the prompt's KV from the prefill group holding it into ``slots`` of decode group ``group``;
         returns False when it could not (the caller falls back to a re-prefill)."""
-        export = await self.prefill.driver.kv_export.remote(rid)
+        await self._reconnect_if_stale()
+        try:
+            export = await self.prefill.driver.kv_export.remote(rid)
+        except Exception as e:  # noqa: BLE001 - the prefill engine's driver went away: re-prefill on decode
+            log.warning("request %s: the prefill engine cannot be asked for its KV (%s)", rid, e)
+            self._stale = True
+            return False
         if export is None:
             log.warning("request %s: the prefill engine kept no KV to send", rid)
             return False
@@ -165,6 +214,7 @@ class PDEngineClient:
             log.warning("request %s: KV transfer failed (%s); the decode engine re-prefills it", rid, e)
             await asyncio.gather(*calls, return_exceptions=True)
             calls.clear()
+            self._stale = True
             return False
         calls.clear()  # (cancelled: the calls stay, and the clean-up waits for them before freeing the slots)
         return True
@@ -175,9 +225,9 @@ class PDEngineClient:
             if transfer:
                 await asyncio.gather(*transfer, return_exceptions=True)
             if held["export"]:
-                await self.prefill.driver.release_export.remote(rid)
+                await _quietly(self.prefill.driver.release_export.remote(rid), "release_export")
             if held["reservation"]:
-                await self.decode.driver.cancel_reservation.remote(rid)
+                await _quietly(self.decode.driver.cancel_reservation.remote(rid), "cancel_reservation")
 
         task = asyncio.get_running_loop().create_task(clean())
         self._cleanups.add(task)

@@ -10,15 +10,17 @@ receiver polls for.
 
 Metadata goes through the caller (``get_agent_metadata`` / ``add_remote_agent``, ``get_serialized_descs`` /
 ``deserialize_descs``): the agent's metadata listener stays off, so nothing listens on 0.0.0.0; on 127.0.0.1 UCX is
-held to the loopback device (``UCX_NET_DEVICES=lo``, unless set) so it opens no listener on other interfaces. The
-agent runs NIXL's progress thread, without which a write to an agent that is not inside a NIXL call does not
-complete.
+held to the loopback device (``UCX_NET_DEVICES=lo``, unless set) so it opens no listener on other interfaces.
+NIXL's progress thread stays off: it busy-polls (measured: three idle agents kept two cores busy), and the transfers
+here are two-sided, so the receiver is inside a NIXL call (``get_new_notifs``, which progresses UCX) for as long as
+a write to it runs.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import threading
 import time
 from collections.abc import Sequence
 
@@ -60,7 +62,9 @@ class NixlKVTransfer:
             os.environ.setdefault("UCX_NET_DEVICES", "lo")
         api = _nixl_api()
         self.name, self.layout, self.host = name, layout, host
-        config = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"])
+        config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"],
+                                       sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        self._lock = threading.Lock()  # one NIXL call at a time: transfers of several requests share the agent
         self._agent = api.nixl_agent(name, config)
         cuda = layout.device_type == "cuda"
         self._mem = "VRAM" if cuda else "DRAM"
@@ -92,27 +96,33 @@ class NixlKVTransfer:
         if peer not in self._remote:
             raise KVTransferError(f"KV send {tag!r}: unknown peer {peer!r} (add_peer first)")
         remote, signature = self._remote[peer]
-        handle = self._agent.make_prepped_xfer(
-            "WRITE", self._local, self.layout.page_indices(src_slots), remote,
-            self.layout.page_indices(dst_slots, signature["num_slots"]), tag.encode())
+        with self._lock:
+            handle = self._agent.make_prepped_xfer(
+                "WRITE", self._local, self.layout.page_indices(src_slots), remote,
+                self.layout.page_indices(dst_slots, signature["num_slots"]), tag.encode())
         try:
-            state = self._agent.transfer(handle)
+            with self._lock:
+                state = self._agent.transfer(handle)
             deadline = time.monotonic() + timeout_s
             while state not in ("DONE", "ERR"):
                 if time.monotonic() > deadline:
                     raise KVTransferError(f"KV send {tag!r} with {peer!r} did not complete within {timeout_s} s")
                 time.sleep(_POLL_S)
-                state = self._agent.check_xfer_state(handle)
+                with self._lock:
+                    state = self._agent.check_xfer_state(handle)
             if state == "ERR":
                 raise KVTransferError(f"KV send {tag!r} to {peer!r} failed in NIXL")
         finally:
-            self._agent.release_xfer_handle(handle)
+            with self._lock:
+                self._agent.release_xfer_handle(handle)
 
     def receive(self, peer: str, dst_slots: Sequence[int], tag: str, timeout_s: float) -> None:
         want = tag.encode()
         deadline = time.monotonic() + timeout_s
         while True:
-            for agent, notes in self._agent.get_new_notifs().items():
+            with self._lock:
+                new = self._agent.get_new_notifs()
+            for agent, notes in new.items():
                 agent = agent.decode() if isinstance(agent, bytes) else agent
                 self._notes.setdefault(agent, []).extend(notes)
             seen = self._notes.get(peer, [])
