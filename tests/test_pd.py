@@ -19,6 +19,7 @@ import contextlib
 import json
 
 import pytest
+from server_harness import wait_for
 
 from raymoe.scheduler.sampling_params import SamplingParams
 
@@ -86,17 +87,13 @@ def _failing_transfers(pd, timeout_s: float):
 
 def _idle(engine) -> None:
     """Wait until the engine reports its idle invariant, and check it (nothing leaked, nothing locked)."""
-    import time
-
     import ray
 
-    deadline = time.monotonic() + 30
-    while True:
+    def idle_stats():
         s = ray.get(engine.driver.stats.remote(), timeout=30)
-        if s.idle_checked and s.num_running == s.num_waiting == 0:
-            break
-        assert time.monotonic() < deadline, "the engine did not become idle"
-        time.sleep(0.2)
+        return s if s.idle_checked and s.num_running == s.num_waiting == 0 else None
+
+    s = wait_for(idle_stats, timeout_s=30, interval_s=0.2)  # TimeoutError: the engine never became idle
     assert (s.kv_leaked_slots, s.req_rows_leaked, s.cache_tokens_locked) == (0, 0, 0), s
 
 

@@ -13,10 +13,10 @@ refusal reaches the ingress through the handle as the ``InvalidRequestError`` it
 from __future__ import annotations
 
 import pickle
-import time
 
 import httpx
 import pytest
+from server_harness import wait_for
 
 from raymoe.cluster.bootstrap import free_port
 from raymoe.deploy.serve_router import ReplicaPrefixIndex
@@ -56,7 +56,7 @@ def test_a_routed_prompt_counts_until_a_later_report_replaces_it():
     index.report("b", prompt, at=11.0)  # older than what we have: ignored
     assert index.cached_tokens("b", prompt) == 32
     index.routed("r2", "a", prompt)
-    index.routed("r2", "b", prompt)  # Serve fell back to another replica: the request moves
+    index.move("r2", "b")  # Serve fell back to another replica: the request moves
     assert (index.load("a"), index.load("b")) == (0, 1) and index.cached_tokens("a", prompt) == 0
     index.prune(["a"])
     assert index.cached_tokens("b", prompt) == 0
@@ -87,15 +87,15 @@ def two_engines(ray_cluster, tiny_model):
                      "max_running_requests": 8, "engine_replicas": 2})
     serve.run(app, name="raymoe-replicas", route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
+
+    def healthy() -> bool:
         try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                break
+            return httpx.get(f"{url}/health", timeout=5).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(1)
+            return False
+
     try:
+        wait_for(healthy, timeout_s=240, interval_s=1.0)
         yield url
     finally:
         serve.delete("raymoe-replicas")
@@ -144,10 +144,7 @@ def test_a_client_that_hangs_up_leaves_nothing_running_and_refusals_are_openai_e
         stats = [handle.stats.remote().result(timeout_s=60) for _ in range(8)]  # both replicas, by chance
         return all(s.num_running == 0 and s.num_waiting == 0 for s in stats)
 
-    deadline = time.monotonic() + 30
-    while not all_idle():
-        assert time.monotonic() < deadline, "a request kept running after its client hung up"
-        time.sleep(0.5)
+    wait_for(all_idle, timeout_s=30, interval_s=0.5)  # TimeoutError: a request kept running after its client left
 
     r = httpx.post(f"{two_engines}/v1/completions", timeout=60,
                    json={"model": "tiny", "prompt": [10_000_000], "max_tokens": 4})

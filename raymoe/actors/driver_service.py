@@ -189,13 +189,8 @@ class DriverService:
                 self._out.end(a.request_id, RequestEnd(error=RequestError("unhealthy", self._error)))
                 continue
             try:
-                if a.export_kv or a.kv_received:
-                    if not hasattr(self.driver, "reserve_kv"):
-                        raise ValueError("prefill/decode disaggregation needs group_schedulers=driver")
-                    accepted = self.driver.submit(a.request_id, a.prompt_token_ids, a.params, a.output_ids,
-                                                  export_kv=a.export_kv, kv_received=a.kv_received)
-                else:
-                    accepted = self.driver.submit(a.request_id, a.prompt_token_ids, a.params, a.output_ids)
+                accepted = self.driver.submit(a.request_id, a.prompt_token_ids, a.params, a.output_ids,
+                                              export_kv=a.export_kv, kv_received=a.kv_received)
             except ValueError as e:  # already in flight, or no reservation to receive into
                 self._out.end(a.request_id, RequestEnd(error=RequestError("invalid", str(e), "request_id")))
                 continue

@@ -103,13 +103,17 @@ class HostedDriver(StepCoordinator):
         loads = [s.num_running + s.num_waiting + len(a) for s, a in zip(self._stats, self._adds, strict=True)]
         return self.router.route(input_ids, loads).group
 
-    def submit(self, rid: str, input_ids: list[int], params: SamplingParams, output_ids: Sequence[int] = ()) -> bool:
+    def submit(self, rid: str, input_ids: list[int], params: SamplingParams, output_ids: Sequence[int] = (),
+               export_kv: bool = False, kv_received: bool = False) -> bool:
         """Route a request to a group (sent with the next exchange; a refusal ends it in the group's rows);
         ``output_ids``: a resumed request's tokens so far (``AddRequest``). Returns True (queued).
 
         Raises:
-            ValueError: ``rid`` is in flight already.
+            ValueError: ``rid`` is in flight already, or ``export_kv`` / ``kv_received`` (prefill/decode
+                disaggregation reserves and receives KV in the driver's own groups: ``group_schedulers="driver"``).
         """
+        if export_kv or kv_received:
+            raise ValueError("prefill/decode disaggregation needs group_schedulers=driver")
         if rid in self.group_of:
             raise ValueError(f"duplicate request id {rid!r}")
         group = self._route(input_ids)

@@ -29,7 +29,6 @@ import statistics
 import time
 from pathlib import Path
 
-from raymoe.actors.dp_router import RouteCounters
 from raymoe.bench.serve import RequestResult, stream_request
 
 
@@ -167,7 +166,7 @@ def run_one(a: argparse.Namespace, name: str, dp: int, method: str) -> dict:
         stats = ray.get(engine.driver.stats.remote(), timeout=60) if engine is not None else None
     ok = [r for r in results if r.error is None]
     prompt = sum(r.prompt_tokens for r in ok)
-    routing = stats.routing if stats is not None else RouteCounters(-1, -1, -1, -1)
+    routing = stats.routing if stats is not None else None  # Serve rows: the router's counters are not exported
     return {
         "engine": name, "dp": dp, "method": method, "requests": len(results), "errors": len(results) - len(ok),
         "error_samples": sorted({r.error for r in results if r.error})[:3], "wall_s": wall,
@@ -175,8 +174,8 @@ def run_one(a: argparse.Namespace, name: str, dp: int, method: str) -> dict:
         "hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else None,
         "ttft_p50_ms": _q([r.ttft for r in ok], 0.5), "ttft_p99_ms": _q([r.ttft for r in ok], 0.99),
         "e2e_p50_ms": _q([r.latency for r in ok], 0.5),
-        "routed_by_prefix": routing.by_prefix, "routed_by_load": routing.by_load, "load_capped": routing.capped,
-        "expected_cached_tokens": routing.expected_cached_tokens,
+        "routed_by_prefix": routing and routing.by_prefix, "routed_by_load": routing and routing.by_load,
+        "load_capped": routing and routing.capped, "expected_cached_tokens": routing and routing.expected_cached_tokens,
     }
 
 
@@ -188,7 +187,7 @@ def format_table(rows: list[dict], best: float | None) -> str:
     for r in rows:
         rel = f"{r['hit_rate'] / best:.1%}" if best and r["hit_rate"] is not None else "-"
         routed = (f"{r['routed_by_prefix']}/{r['routed_by_load']}/{r['load_capped']}"
-                  if r["dp"] > 1 and r["routed_by_prefix"] >= 0 else "-")
+                  if r["dp"] > 1 and r["routed_by_prefix"] is not None else "-")
         lines.append(f"{r['engine']:<28}{r['requests']:>6}{r['errors']:>5}{r['hit_rate'] or 0:>10.1%}{rel:>9}"
                      f"{r['ttft_p50_ms'] or 0:>8.0f}ms{r['ttft_p99_ms'] or 0:>8.0f}ms{r['e2e_p50_ms'] or 0:>8.0f}ms"
                      f"{routed:>20}")

@@ -101,6 +101,12 @@ class ReplicaPrefixIndex:
             r.pending[h] = r.pending.get(h, 0) + 1
         self._requests[request_id] = _Routed(replica, list(prompt_hashes))
 
+    def move(self, request_id: str, replica: str) -> None:
+        """The request went to ``replica`` after all (Serve fell back to another one): count it there."""
+        old = self._requests.get(request_id)
+        if old is not None:
+            self.routed(request_id, replica, old.hashes)
+
     def completed(self, request_id: str, now: float | None = None) -> None:
         """The request finished (or failed) on its replica at ``now`` (default: the current time)."""
         routed = self._requests.get(request_id)
@@ -154,7 +160,6 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def initialize_state(self, max_load_ratio: float = 1.25, **kwargs) -> None:
         self.index = ReplicaPrefixIndex(max_load_ratio)
-        self._prompts: dict[str, list[int]] = {}  # internal request id -> block hashes (for a fallback replica)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -172,17 +177,12 @@ class PrefixAwareRequestRouter(RequestRouter):
         # Counted where it is sent now: Serve reports the replica it finally used (on_request_routed) only on its
         # rejection-protocol path, so this is the router's record unless that moves it.
         self.index.routed(rid, names[chosen], hashes)
-        self._prompts[rid] = hashes
         return [[candidate_replicas[chosen]], [r for i, r in enumerate(candidate_replicas) if i != chosen]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        rid = pending_request.metadata.internal_request_id
-        hashes = self._prompts.get(rid)
-        if hashes is not None:
-            self.index.routed(rid, replica_id.unique_id, hashes)
+        self.index.move(pending_request.metadata.internal_request_id, replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._prompts.pop(internal_request_id, None)
         self.index.completed(internal_request_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:

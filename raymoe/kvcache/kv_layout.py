@@ -132,9 +132,9 @@ class KVLayout:
             ValueError: ``slots`` are not whole pages in order (each aligned run of ``page_tokens`` slots).
         """
         p = self.page_tokens
-        if len(slots) % p or any(slots[i] != slots[i - i % p] + i % p or slots[i - i % p] % p
-                                 for i in range(len(slots))):
+        starts = [slots[j] // p for j in range(0, len(slots), p)]
+        if p > 1 and (len(slots) % p or any(list(slots[j * p:(j + 1) * p]) != list(range(s * p, (s + 1) * p))
+                                            for j, s in enumerate(starts))):
             raise ValueError(f"KV transfer slots must be whole pages of {p} in order")
         pages = ((self.num_slots if num_slots is None else num_slots) + 1) // p
-        starts = [slots[i] // p for i in range(0, len(slots), p)]
         return [k * pages + s for k in range(len(self.buffers)) for s in starts]

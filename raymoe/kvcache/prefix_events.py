@@ -81,23 +81,22 @@ class PrefixEventLog:
         self._stored: set[int] = set()
         self._removed: set[int] = set()
 
+    def _ending_past(self, path: Sequence[int], start: int) -> list[int]:
+        """Hashes of the whole blocks of ``path`` that end past token ``start`` (block ``start // block_tokens``
+        is the first: its end is the first past ``start``)."""
+        return block_hashes(path, self.block_tokens)[start // self.block_tokens:]
+
     def stored(self, path: Sequence[int], start: int) -> None:
         """The tree now holds ``path`` (token ids from the root), of which tokens ``[start, len(path))`` are new:
         every block ending past ``start`` is recorded as stored."""
-        b = self.block_tokens
-        first = start // b  # block index whose end, (first + 1) * b, is the first end past start
-        hashes = block_hashes(path, b)
-        for h in hashes[first:]:
+        for h in self._ending_past(path, start):
             self._removed.discard(h)
             self._stored.add(h)
 
     def removed(self, path: Sequence[int], start: int) -> None:
         """The tree dropped tokens ``[start, len(path))`` of ``path`` (an evicted leaf): every block ending past
         ``start`` is recorded as removed."""
-        b = self.block_tokens
-        first = start // b
-        hashes = block_hashes(path, b)
-        for h in hashes[first:]:
+        for h in self._ending_past(path, start):
             self._stored.discard(h)
             self._removed.add(h)
 

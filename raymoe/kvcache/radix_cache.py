@@ -253,6 +253,17 @@ class RadixCache:
             self.allocator.free(freed)
         return len(freed)
 
+    def alloc_evicting(self, n: int, after: int | None = None) -> list[int] | None:
+        """``n`` slots from the allocator (continuing after slot ``after``, which only the paged allocator reads),
+        evicting least-recently-used unlocked prefixes while short; None when even eviction cannot free enough. With
+        pages, evicted tokens free a page only once all of its tokens are gone, hence the loop."""
+        alloc = self.allocator
+        slots = alloc.alloc(n, after)
+        while slots is None and self.evictable_size() > 0:
+            self.evict(max(1, n - alloc.available_size()))
+            slots = alloc.alloc(n, after)
+        return slots
+
     def evictable_size(self) -> int:
         """Tokens in unlocked nodes (what ``evict`` could free)."""
         return self._lru.evictable

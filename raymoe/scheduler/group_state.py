@@ -179,10 +179,7 @@ class GroupState:
         """
         if rid in self.kv_reservations or num_tokens < 1:
             raise ValueError(f"reserve_kv: {rid!r} already holds a reservation, or {num_tokens} < 1 tokens")
-        slots = self.token_allocator.alloc(num_tokens)
-        if slots is None and self.tree_cache.evictable_size() > 0:
-            self.tree_cache.evict(num_tokens - self.token_allocator.available_size())
-            slots = self.token_allocator.alloc(num_tokens)
+        slots = self.tree_cache.alloc_evicting(num_tokens)
         if slots is not None:
             self.kv_reservations[rid] = slots
         return slots

@@ -104,14 +104,9 @@ class PrefillAdder:
         return self.token_allocator.available_size() + self.tree.evictable_size()
 
     def _alloc_slots(self, n: int, after: int | None = None) -> list[int] | None:
-        """``n`` slots continuing after slot ``after``, evicting cached prefixes while short (with pages, evicted
-        tokens free a page only once all of its tokens are gone, hence the loop)."""
-        alloc = self.token_allocator
-        slots = alloc.alloc(n, after)
-        while slots is None and self.tree.evictable_size() > 0:
-            self.tree.evict(max(1, n - alloc.available_size()))
-            slots = alloc.alloc(n, after)
-        return slots
+        """``n`` slots continuing after slot ``after``, evicting cached prefixes while short
+        (``RadixCache.alloc_evicting``)."""
+        return self.tree.alloc_evicting(n, after)
 
     def _record(self, req: Req, extend: int, remaining: int) -> AddResult:
         """Book ``extend`` of the ``remaining`` prompt tokens of an admitted request."""
