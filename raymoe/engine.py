@@ -2,16 +2,23 @@
 
 ``Engine(model, **options)`` loads a Hugging Face MoE folder and serves ``generate`` calls. With world size 1 the
 driver and the single rank run in this process; larger worlds run the rank actors on a Ray cluster.
+
+``Engine(model, pd_prefill="dp=1", pd_decode="dp=2,ep=2", **options)`` runs prefill/decode disaggregation instead:
+a prefill engine and a decode engine, each its own driver actor and ranks on Ray, the prompt's KV moved between them
+(``raymoe.client.pd_client``, the same client ``raymoe serve --pd-prefill --pd-decode`` serves through).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from raymoe.actors.factory import build_driver
+from raymoe.actors.records import RequestDelta
+from raymoe.client.blocking import BlockingClient, StreamRequest
 from raymoe.cluster.device_choice import resolve_engine_config
 from raymoe.config import EngineConfig, ModelConfig, engine_config_from_options
 from raymoe.errors import EngineUnhealthyError, InvalidRequestError
@@ -60,10 +67,15 @@ class Engine:
             Each is declared once, with its help, choices and default, in ``raymoe.config``;
             ``raymoe.config.engine_options()`` lists them and ``raymoe serve --help`` prints them. World size
             ``dp_size * tp_size`` > 1 runs the ranks as Ray actors, on ``ray_address`` or a local cluster.
+        pd_prefill, pd_decode: prefill/decode disaggregation (both or neither): the prefill and the decode engine's
+            layouts as ``raymoe bench compare`` takes them (``"dp=1"``, ``"dp=2,ep=2"``; ``raymoe.client.pd_config``),
+            overriding the layout options for each side. Requests then run as a front end runs them: an engine
+            fault is resumed by the clients, never seen by ``generate`` unless it outlasts their bounds.
 
     Attributes:
         config: the resolved ``EngineConfig`` (device and per-device defaults decided: ``raymoe.config.
-            device_defaults``). device_choice: the device and why (``raymoe.cluster.device_choice.DeviceChoice``).
+            device_defaults``; in PD mode the decode engine's). device_choice: the device and why
+            (``raymoe.cluster.device_choice.DeviceChoice``). pd: the ``PDEngineClient`` in PD mode, else None.
 
     Raises:
         CheckpointError: missing or broken model folder. InvalidRequestError: a bad option (names it), including
@@ -71,7 +83,14 @@ class Engine:
         EngineUnhealthyError: the ranks did not start (e.g. a rank that sees no GPU: ``RankDeviceError``).
     """
 
-    def __init__(self, model: str | Path, **options):
+    def __init__(self, model: str | Path, *, pd_prefill: str | None = None, pd_decode: str | None = None,
+                 **options):
+        self._closed = False
+        self._unhealthy: str | None = None
+        self.pd = self._blocking = None
+        if pd_prefill is not None or pd_decode is not None:
+            self._start_pd(str(model), pd_prefill, pd_decode, options)
+            return
         config = _split_options(str(model), options)
         self.model_config = ModelConfig.from_hf(model)
         cache = config.cache
@@ -83,8 +102,23 @@ class Engine:
         self.config, self.device_choice = resolve_engine_config(config, serving=False)
         self.tokenizer = load_tokenizer(model)
         self.driver = build_driver(self.config, self.model_config, self.tokenizer, allow_hosted=False)
-        self._closed = False
-        self._unhealthy: str | None = None
+
+    def _start_pd(self, model: str, pd_prefill: str | None, pd_decode: str | None, options: dict) -> None:
+        """Start the prefill and the decode engine (``raymoe.client.pd_client``).
+
+        Raises:
+            InvalidRequestError: only one of ``pd_prefill`` / ``pd_decode``, a bad topology or option (names it).
+        """
+        from raymoe.client.pd_client import PDEngineClient
+        from raymoe.client.pd_config import pd_engine_configs
+
+        if pd_prefill is None or pd_decode is None:
+            raise InvalidRequestError("pd_decode" if pd_decode is None else "pd_prefill",
+                                      "prefill/decode disaggregation needs both pd_prefill and pd_decode")
+        self.pd = PDEngineClient(*pd_engine_configs(model, options, pd_prefill, pd_decode))
+        self._blocking = BlockingClient(self.pd)
+        self.config, self.device_choice = self.pd.config, self.pd.device_choice
+        self.model_config, self.tokenizer, self.driver = self.pd.model_config, self.pd.tokenizer, None
 
     def _detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -108,6 +142,9 @@ class Engine:
             self.recover()
         ids_list = self._prompt_ids(prompts, prompt_token_ids)
         params = self._params(sampling_params, len(ids_list))
+        if self._blocking is not None:
+            reqs = [StreamRequest(f"pd-{uuid.uuid4().hex}", ids, p) for ids, p in zip(ids_list, params, strict=True)]
+            return [self._stream_output(r, d) for r, d in zip(reqs, self._blocking.generate(reqs), strict=True)]
         rids = []
         try:
             for ids, p in zip(ids_list, params, strict=True):
@@ -143,9 +180,13 @@ class Engine:
     def recover(self) -> None:
         """Restart the rank group after a failure (requests in flight were already failed).
 
+        In PD mode the clients resume faults themselves: nothing to do.
+
         Raises:
             EngineUnhealthyError: the rank group could not be restarted.
         """
+        if self.pd is not None:
+            return
         self.driver.executor.restart()
         self.driver.reset()
         if self.driver.eplb is not None:  # the new ranks loaded the initial expert placement
@@ -179,22 +220,39 @@ class Engine:
             raise InvalidRequestError("sampling_params", f"{len(params)} given for {n} prompts")
         return params
 
-    def _output(self, req: Req) -> RequestOutput:
-        reason = req.finished_reason
-        text = self._detokenize(req.output_ids)
-        if reason is not None and reason.kind == FinishKind.STOP and isinstance(reason.matched, str):
-            cut = text.find(reason.matched)
+    def _text(self, ids: Sequence[int], stopped_by: object) -> str:
+        """The decoded text of ``ids``, cut before the stop string that ended it (if one did)."""
+        text = self._detokenize(ids)
+        if isinstance(stopped_by, str):
+            cut = text.find(stopped_by)
             if cut >= 0:
                 text = text[:cut]
+        return text
+
+    def _output(self, req: Req) -> RequestOutput:
+        reason = req.finished_reason
+        stopped_by = reason.matched if reason is not None and reason.kind == FinishKind.STOP else None
         logprobs = req.output_logprobs if req.sampling_params.logprobs is not None else None
-        return RequestOutput(req.rid, list(req.origin_input_ids), list(req.output_ids), text,
-                             reason.kind.value if reason else "abort", logprobs, req.cached_tokens)
+        return RequestOutput(req.rid, list(req.origin_input_ids), list(req.output_ids),
+                             self._text(req.output_ids, stopped_by), reason.kind.value if reason else "abort",
+                             logprobs, req.cached_tokens)
+
+    def _stream_output(self, req: StreamRequest, deltas: list[RequestDelta]) -> RequestOutput:
+        """The output of a request run through a client (PD mode): its deltas joined."""
+        ids = [t for d in deltas for t in d.token_ids]
+        last = deltas[-1]
+        logprobs = [lp for d in deltas for lp in d.logprobs] if req.params.logprobs is not None else None
+        return RequestOutput(req.request_id, list(req.prompt_token_ids), ids, self._text(ids, last.matched_stop),
+                             last.finish_reason or "abort", logprobs, last.cached_tokens)
 
     def shutdown(self) -> None:
         """Release the ranks; further calls raise."""
         if not self._closed:
             self._closed = True
-            self.driver.executor.shutdown()
+            if self._blocking is not None:
+                self._blocking.shutdown()
+            else:
+                self.driver.executor.shutdown()
 
     def __enter__(self) -> "Engine":
         return self

@@ -50,7 +50,7 @@ def assert_own_outputs(got: Mapping[Hashable, str], want: Mapping[Hashable, str]
 
 
 class SwapTwoStreams:
-    """A stand-in for ``raymoe.deploy.engine_client._deliver`` that exchanges the tokens of two requests.
+    """A stand-in for ``raymoe.client.engine_client._deliver`` that exchanges the tokens of two requests.
 
     The first delivery that carries tokens for two requests picks them (lowest request ids); from then on, in every
     delivery that carries both, each gets the other's ``token_ids`` and ``logprobs`` (finish flags and usage stay),

@@ -16,7 +16,7 @@ STEP_BOUND_S = 4.0
 @pytest.fixture(scope="module")
 def harness(ray_cluster, tiny_model):
     from raymoe.bench.chaos_faults import ChaosHarness
-    from raymoe.deploy.engine_client import EngineClient
+    from raymoe.client.engine_client import EngineClient
     from raymoe.deploy.openai_api import build_openai_app
     from raymoe.engine import _split_options
 

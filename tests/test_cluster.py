@@ -173,8 +173,8 @@ def test_group_scheduler_processes_serve_the_single_rank_tokens_and_survive_faul
     import ray
     from idle import assert_idle
 
+    from raymoe.client.engine_client import EngineClient
     from raymoe.config import EngineConfig, ParallelConfig
-    from raymoe.deploy.engine_client import EngineClient
     from raymoe.errors import RequestFailedError
 
     config = EngineConfig(model=tiny_model, parallel=ParallelConfig(dp_size=2, ep_size=2), group_schedulers="actors",

@@ -48,7 +48,7 @@ def test_cuda_on_emulated_gpus_fails_the_start_naming_the_rank_error(ray_cluster
 def test_served_cuda_one_rank_fails_the_start_naming_the_rank_error(ray_cluster, tiny_model):
     """One rank, served: the driver actor asks Ray for this node's GPU and computes the rank itself; its
     constructor's RankDeviceError ends the start at once (Ray does not restart an actor whose constructor raised)."""
-    from raymoe.deploy.engine_client import EngineClient
+    from raymoe.client.engine_client import EngineClient
 
     config = EngineConfig(model=tiny_model, device="cuda", graph=GraphConfig(disable_cuda_graph=True))
     with pytest.raises(EngineUnhealthyError, match="RankDeviceError: rank 0 is configured for CUDA but sees no GPU"):

@@ -5,7 +5,7 @@ or an SSE error event, never a hang or a traceback), and the idle invariant hold
 stream got its own tokens: its text equals (or, cut short by a hang-up or a fault, is a prefix of) the same greedy
 request run undisturbed before the load or the fault (``references``). Kills:
 the driver loop thread (test hook), a rank process (SIGKILL; also under 64 streams), the driver actor itself; the
-streams pause and are resumed (``raymoe.deploy.request_resume``) with their whole undisturbed text, ``/health``
+streams pause and are resumed (``raymoe.client.request_resume``) with their whole undisturbed text, ``/health``
 goes 503 and comes back, and later requests succeed. Load: 1,000 concurrent streams, and 200 clients that
 disconnect at random points. Counts and times are bounded (the whole module takes a few minutes on 2 cores).
 """
@@ -33,7 +33,7 @@ NO_EOS = {"ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def engine(ray_cluster, tiny_model):
-    from raymoe.deploy.engine_client import EngineClient
+    from raymoe.client.engine_client import EngineClient
     from raymoe.engine import _split_options
 
     config = _split_options(tiny_model, {"dp_size": 2, "ep_size": 2, "max_running_requests": 64,
@@ -269,7 +269,7 @@ def test_a_step_every_rank_raises_in_fails_its_requests_and_keeps_the_ranks(engi
 
 
 def resumed_streams_got_all_their_own(outs: list[Outcome], want: dict[Spec, str]) -> None:
-    """Every ``MID`` stream a fault interrupted was resumed (``raymoe.deploy.request_resume``): it ended normally
+    """Every ``MID`` stream a fault interrupted was resumed (``raymoe.client.request_resume``): it ended normally
     with the whole text of its undisturbed run."""
     assert all(o.finish_reason == "length" and o.error is None for o in outs), outs
     assert_own_outputs({spec: o.text for spec, o in zip(MID, outs, strict=True)}, want)

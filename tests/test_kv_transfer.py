@@ -6,7 +6,7 @@ Checked: the rows of scattered source slots land in the chosen destination slots
 else changes (MHA pool: key and value per layer; MLA pool: latent rows); several transfers in a row keep their
 tags apart; a receive whose send never comes raises ``KVTransferError`` within its bound (no hang); pools that
 differ (a TP size or dtype apart) are refused when the peer is added, naming the difference; slots that are not
-whole pages are refused.
+pages in order are refused (a partial last page moves whole).
 """
 
 from __future__ import annotations
@@ -102,14 +102,17 @@ def test_pools_that_differ_are_refused_when_the_peer_is_added():
         here.add_peer(fewer.metadata())
 
 
-def test_slots_must_be_whole_pages_and_the_backend_is_reported():
+def test_slots_must_be_pages_in_order_and_the_backend_is_reported():
     pool = TokenToKVPool(63, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32)  # 64 rows: 4 pages
     layout = KVLayout.of_pool(pool, page_tokens=16)
     assert layout.page_indices(list(range(16, 48))) == [1, 2, 5, 6]  # pages 1, 2 of the key and value buffers
-    with pytest.raises(ValueError, match="whole pages"):
-        layout.page_indices(list(range(8, 24)))
-    with pytest.raises(ValueError, match="whole pages"):
+    assert layout.page_indices(list(range(16, 37))) == [1, 2, 5, 6]  # page 2 partial: it moves whole
+    with pytest.raises(ValueError, match="pages of 16"):
+        layout.page_indices(list(range(8, 24)))  # starts mid-page
+    with pytest.raises(ValueError, match="pages of 16"):
         layout.page_indices([16, 18] + list(range(18, 32)))
+    with pytest.raises(ValueError, match="pages of 16"):
+        layout.page_indices(list(range(16, 31)) + [48, 49])  # a partial page before the last
     with pytest.raises(ValueError, match="whole pages"):
         KVLayout.of_pool(TokenToKVPool(62, 1, 1, 4, dtype=torch.float32), page_tokens=16)
     assert active_kv_backend("auto") == ("nixl" if nixl_available() else "gloo")

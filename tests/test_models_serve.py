@@ -20,7 +20,7 @@ def folder(request, tmp_path_factory) -> str:
 
 
 def test_chat_and_completions_over_http(ray_cluster, folder):
-    from raymoe.deploy.engine_client import EngineClient
+    from raymoe.client.engine_client import EngineClient
     from raymoe.deploy.openai_api import build_openai_app
     from raymoe.engine import _split_options
 

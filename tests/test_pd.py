@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation on the session cluster (``raymoe.deploy.pd_client``): a prefill engine (dp=1) and a
+"""Prefill/decode disaggregation on the session cluster (``raymoe.client.pd_client``): a prefill engine (dp=1) and a
 decode engine (dp=2 x ep=2, TBO and decode graphs on), each its own driver actor and ranks, the prompt's KV moved
 rank to rank (NIXL where installed, else gloo), Qwen3-MoE and DeepSeek-V3 (MLA: latent rows only).
 
@@ -9,13 +9,16 @@ fails (no such peer; the receiver times out) falls back to a re-prefill and the 
 tokens, as does one whose decode rank is SIGKILLed mid-transfer (the decode engine restarts its ranks); a client
 that leaves during the transfer leaves both sides holding their KV until the transfer calls return, then nothing;
 clients that leave at the first token or mid-stream leave both engines idle (no slot reserved or locked, the idle
-invariant on both); ``raymoe serve --pd-prefill --pd-decode`` streams what it answers whole.
+invariant on both); a prefill rank SIGKILLed mid-transfer costs a pause too; the Engine API in PD mode (with KV
+pages of 4 tokens) gives the colocated tokens; ``raymoe serve --pd-prefill --pd-decode`` answers the colocated
+engine's text and streams what it answers whole.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 
 import pytest
@@ -40,10 +43,10 @@ def model(request, tmp_path_factory, tiny_model):
 
 @pytest.fixture(scope="module")
 def engines(ray_cluster, model):
+    from raymoe.client.engine_client import EngineClient
+    from raymoe.client.pd_client import PDEngineClient
+    from raymoe.client.pd_config import pd_engine_configs
     from raymoe.config import engine_config_from_options
-    from raymoe.deploy.engine_client import EngineClient
-    from raymoe.deploy.pd_client import PDEngineClient
-    from raymoe.deploy.pd_config import pd_engine_configs
 
     colocated = EngineClient(engine_config_from_options(model, {**OPTIONS, "dp_size": 2, "ep_size": 2}))
     try:
@@ -209,6 +212,88 @@ def test_a_decode_rank_killed_mid_transfer_costs_the_stream_a_pause(engines):
     _idle(pd.decode)
 
 
+def test_a_prefill_rank_killed_mid_transfer_costs_the_stream_a_pause(engines):
+    """SIGKILL of the prefill rank while a request's KV is in flight from it: the transfer fails, the decode engine
+    re-prefills prompt + first token (the colocated tokens), the prefill engine comes back (its export went with
+    it: the release is a no-op there), and the next request's transfer starts the agents again and succeeds. The
+    prefill engine here has one rank, which runs in its driver actor's process: the kill takes the driver too, Ray
+    restarts the actor and the prefill side's ``EngineClient`` reconnects."""
+    import os
+    import signal
+
+    import ray
+
+    colocated, pd = engines
+    want = asyncio.run(_run(colocated, "pkill-ref", PROMPTS[2], 16))
+    assert ray.get(pd.prefill.driver.rank_actors.remote(), timeout=60) == []  # the rank is the driver's process
+    pid = ray.get(pd.prefill.driver.pids.remote(), timeout=60)[0]
+    failed, driver_reconnects = pd.transfers_failed, pd.prefill.reconnects
+
+    async def main():
+        first, out = asyncio.Event(), []
+
+        async def consume():
+            async for delta in pd.generate("pkill", PROMPTS[2], SamplingParams(max_tokens=16, temperature=0.0,
+                                                                            ignore_eos=True)):
+                out.extend(delta.token_ids)
+                first.set()
+
+        task = asyncio.create_task(consume())
+        await first.wait()
+        await asyncio.sleep(0.3)
+        os.kill(pid, signal.SIGKILL)
+        await asyncio.wait_for(task, timeout=180)
+        return out
+
+    with _failing_transfers(pd, 3.0):  # the transfer stays in flight until the kill
+        got = asyncio.run(main())
+    assert got == want and pd.transfers_failed == failed + 1
+    wait_for(lambda: pd.prefill.reconnects == driver_reconnects + 1, timeout_s=180, interval_s=0.5)
+    wait_for(lambda: asyncio.run(pd.prefill.healthy()), timeout_s=120, interval_s=0.5)
+    reconnects = pd.reconnects
+    assert asyncio.run(_run(pd, "after-pkill", PROMPTS[2], 16)) == want
+    assert pd.transfers_failed == failed + 1 and pd.reconnects == reconnects + 1
+    _idle(pd.prefill)
+    _idle(pd.decode)
+
+
+def test_the_engine_api_in_pd_mode_gives_the_colocated_tokens(engines, model):
+    """``Engine(model, pd_prefill=..., pd_decode=...)``, with KV pages of 4 tokens on both sides (prompts of 7 and
+    303 tokens end in a partial page, which moves whole): the same greedy tokens as the colocated engine (one-token
+    pages), no transfer fell back, a radix hit on the prefill side; both engines idle afterwards; one of the two
+    keywords alone is refused."""
+    from raymoe.engine import Engine
+    from raymoe.errors import InvalidRequestError
+
+    colocated, _ = engines
+    with pytest.raises(InvalidRequestError) as e:
+        Engine(model, pd_prefill="dp=1", **OPTIONS)
+    assert e.value.field == "pd_decode"
+
+    # A prompt of its own, then it extended: the second finds the first's whole pages cached on the prefill side
+    # (PROMPTS share prefixes and run together, so their cached paths mix requests' slots inside a page).
+    alone = [7 + i % 80 for i in range(200)]
+
+    async def reference():
+        return await asyncio.gather(*(_run(colocated, f"e{i}", p, 24) for i, p in enumerate(PROMPTS)),
+                                    _run(colocated, "e-alone", alone + [1, 2], 24))
+
+    *want, want_alone = asyncio.run(reference())
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with Engine(model, pd_prefill="dp=1", pd_decode="dp=2,ep=2", page_size=4, **OPTIONS) as engine:
+        assert engine.config.cache.page_tokens == engine.pd.prefill.config.cache.page_tokens == 4
+        assert engine.config.parallel.dp_size == 2 and engine.pd.prefill.config.parallel.dp_size == 1
+        outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+        assert [o.token_ids for o in outs] == want
+        assert all(o.finish_reason == "length" and o.prompt_token_ids == p for o, p in zip(outs, PROMPTS, strict=True))
+        engine.generate(prompt_token_ids=[alone], sampling_params=dataclasses.replace(params, max_tokens=2))
+        again = engine.generate(prompt_token_ids=[alone + [1, 2]], sampling_params=params)[0]
+        assert again.token_ids == want_alone and again.cached_tokens == 200 and engine.pd.transfers_failed == 0
+        assert outs[0].text == engine.tokenizer.decode(want[0], skip_special_tokens=True)
+        _idle(engine.pd.prefill)
+        _idle(engine.pd.decode)
+
+
 def test_clients_that_leave_leave_both_engines_idle(engines):
     _, pd = engines
 
@@ -222,15 +307,20 @@ def test_clients_that_leave_leave_both_engines_idle(engines):
     _idle(pd.decode)
 
 
-def test_raymoe_serve_with_pd_flags_streams_what_it_answers_whole(tiny_model, ray_cluster):
-    """``raymoe serve --pd-prefill dp=1 --pd-decode dp=2,ep=2`` (its own process and Ray): a streamed completion
-    equals the same request answered whole, and the usage counts are the request's."""
+def test_raymoe_serve_with_pd_flags_answers_what_the_colocated_engine_gives(engines, model):
+    """``raymoe serve --pd-prefill dp=1 --pd-decode dp=2,ep=2`` (its own process and Ray): the greedy text of a
+    prompt (as token ids) is the colocated engine's, a streamed completion equals the same request answered whole,
+    and the usage counts are the request's."""
     import httpx
     from serve_process import serve_process
 
-    body = {"model": "tiny", "prompt": "def fib(n):\n    return", "max_tokens": 12, "temperature": 0,
-            "ignore_eos": True}
-    with serve_process(tiny_model, "--pd-prefill", "dp=1", "--pd-decode", "dp=2,ep=2") as server:
+    from raymoe.tokenizer import load_tokenizer
+
+    colocated, _ = engines
+    want = load_tokenizer(model).decode(asyncio.run(_run(colocated, "serve-ref", PROMPTS[1], 12)),
+                                        skip_special_tokens=True)
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with serve_process(model, "--pd-prefill", "dp=1", "--pd-decode", "dp=2,ep=2", "--enable-tbo") as server:
         whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
         assert whole.status_code == 200, whole.text
         text = ""
@@ -239,4 +329,5 @@ def test_raymoe_serve_with_pd_flags_streams_what_it_answers_whole(tiny_model, ra
                 if line.startswith("data: {"):
                     text += "".join(c.get("text") or "" for c in json.loads(line[6:])["choices"])
         usage = whole.json()["usage"]
-        assert text == whole.json()["choices"][0]["text"] and usage["completion_tokens"] == 12
+        assert text == whole.json()["choices"][0]["text"] == want
+        assert usage["completion_tokens"] == 12 and usage["prompt_tokens"] == len(PROMPTS[1])

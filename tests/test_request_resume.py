@@ -1,4 +1,4 @@
-"""Resuming requests after an engine fault, without Ray or a model (``raymoe.deploy.request_resume``): a fake
+"""Resuming requests after an engine fault, without Ray or a model (``raymoe.client.request_resume``): a fake
 executor stands in for the ranks (``test_supervision``). A request submitted with the tokens it delivered goes on
 from there (its rows carry only the new tokens, its seeded draws continue at its position, ``max_tokens`` counts
 from the start); a rank fault mid-stream then costs the streams a pause and no token; the bounds on resuming hold;
@@ -13,8 +13,8 @@ from test_supervision import Collector, FakeExecutor, adds, expected_tokens, mak
 from raymoe.actors.driver_service import AddRequest, DriverService, RequestDelta
 from raymoe.actors.executor import RankFailure
 from raymoe.actors.records import RequestError
+from raymoe.client.request_resume import ResumableRequest
 from raymoe.config import FaultConfig
-from raymoe.deploy.request_resume import ResumableRequest
 from raymoe.errors import InvalidRequestError
 from raymoe.scheduler.sampling_params import SamplingParams
 

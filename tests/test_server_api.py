@@ -23,7 +23,7 @@ NO_EOS = {"ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def engine(ray_cluster, tiny_model):
-    from raymoe.deploy.engine_client import EngineClient
+    from raymoe.client.engine_client import EngineClient
     from raymoe.engine import _split_options
 
     e = EngineClient(_split_options(tiny_model, {"max_running_requests": 16, "max_context_len": 160}))

@@ -72,3 +72,45 @@ def test_streaming_chat_through_ray_serve_on_dp2_ep2_ranks(serve_url):
     assert m["raymoe:num_requests_running"] == 0 and m["raymoe:kv_cache_usage_perc"] == 0
     assert httpx.get(f"{serve_url}/health").status_code == 200
     assert httpx.get(f"{serve_url}/v1/models").status_code == 401
+
+
+def test_a_pd_app_beside_it_answers_what_the_colocated_app_answers(serve_url, tiny_model):
+    """The Serve app config's ``pd_prefill`` / ``pd_decode``: a second application (a prefill engine dp=1 and a
+    decode engine dp=2 x ep=2 behind one replica) gives the same greedy text as the colocated dp=2 x ep=2 app, whole
+    whole, and deleting it releases the decode engine's rank placement groups."""
+    import time
+
+    import ray
+    from ray import serve
+
+    from raymoe.deploy.serve_app import build_app
+
+    def rank_groups() -> int:
+        return sum(1 for pg in ray.util.placement_group_table().values()
+                   if pg["state"] == "CREATED" and pg["name"].startswith("raymoe-tp"))
+
+    body = {"model": "tiny-moe", "prompt": "def fib(n):\n    return", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    want = httpx.post(f"{serve_url}/v1/completions", json=body, headers=headers, timeout=120)
+    assert want.status_code == 200, want.text
+    before = rank_groups()
+    app = build_app({"model": tiny_model, "served_model_name": "tiny-moe", "pd_prefill": "dp=1",
+                     "pd_decode": "dp=2,ep=2", "enable_tbo": True, "max_running_requests": 8, "api_key": KEY})
+    serve.run(app, name="pd", route_prefix="/pd", blocking=False)
+    try:
+        deadline = time.monotonic() + 240
+        while serve.status().applications["pd"].status != "RUNNING":
+            assert time.monotonic() < deadline, serve.status().applications["pd"].message
+            time.sleep(0.5)
+        got = httpx.post(f"{serve_url}/pd/v1/completions", json=body, headers=headers, timeout=120)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+        assert got.json()["usage"]["completion_tokens"] == 12
+        assert rank_groups() == before + 2  # the decode engine's two TP groups (the prefill rank is its driver's)
+    finally:
+        serve.delete("pd")
+    deadline = time.monotonic() + 60
+    while rank_groups() != before:
+        assert time.monotonic() < deadline, "the PD app's rank placement groups outlived it"
+        time.sleep(0.5)

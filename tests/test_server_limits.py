@@ -27,7 +27,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def _engine(model: str, **options):
-    from raymoe.deploy.engine_client import EngineClient
+    from raymoe.client.engine_client import EngineClient
     from raymoe.engine import _split_options
 
     return EngineClient(_split_options(model, options))

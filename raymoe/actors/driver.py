@@ -187,7 +187,7 @@ class Driver(StepCoordinator):
         for g in self.groups:
             held = g.scheduler.state.kv_exports.get(rid)
             if held is not None:
-                return g.index, list(held[1])
+                return g.index, list(held.slots)
         return None
 
     def release_export(self, rid: str) -> bool:

@@ -2,7 +2,7 @@
 
 The actor owns a :class:`~raymoe.actors.driver_service.DriverService` (the step loop thread, the schedulers, the
 radix caches) and, through its executor, the ranks: in-process for a world of one rank, else ``RankWorker``
-actors that are its children. It runs on the front end's node (``raymoe.deploy.engine_client.EngineClient``), and
+actors that are its children. It runs on the front end's node (``raymoe.client.engine_client.EngineClient``), and
 the hot traffic between the two goes over one Unix-domain socket (``raymoe.actors.channel``), never one Ray call
 per request or token:
 
@@ -15,7 +15,7 @@ their own concurrency group (``"control"``), so a busy default group can never s
 
 The actor is restarted by Ray when its process dies (``max_restarts``; the ranks, its children, die with it and
 the new instance starts fresh ones). The front end sees its channel close, fails its in-flight requests and
-reconnects (``raymoe.deploy.engine_client``).
+reconnects (``raymoe.client.engine_client``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Supervision, from the narrowest scope out:
   ``"invalid"`` or ``"failed"``);
 * a rank fault (``RankFailure``) ends every in-flight request with an ``"unhealthy"`` error, restarts the rank
   group and counts ``rank_restarts``; the front end resumes those requests once the engine is healthy again, from
-  the tokens they delivered (``raymoe.deploy.request_resume``: the client sees a pause, not an error);
+  the tokens they delivered (``raymoe.client.request_resume``: the client sees a pause, not an error);
 * any other exception in a loop iteration fails every in-flight request (``"failed"``), clears the schedulers and
   keeps the ranks;
 * if the loop thread dies anyway, a supervisor thread fails the in-flight requests, refuses new ones while it

@@ -80,12 +80,12 @@ class RequestDelta:
 class AddRequest:
     """A request handed to the driver: the caller's id, prompt token ids and validated sampling parameters.
 
-    ``output_ids`` resumes a request a fault interrupted (``raymoe.deploy.request_resume``): the tokens it had
+    ``output_ids`` resumes a request a fault interrupted (``raymoe.client.request_resume``): the tokens it had
     generated and streamed already. The engine re-prefills ``prompt_token_ids + output_ids`` and goes on from there:
     stop checks, ``max_tokens`` and a seeded request's draws (a function of seed and position) continue as if the
     request had never stopped, and its rows carry only the tokens after them.
 
-    Prefill/decode disaggregation (``raymoe.deploy.pd_client``): ``export_kv`` asks a prefill engine to keep the
+    Prefill/decode disaggregation (``raymoe.client.pd_client``): ``export_kv`` asks a prefill engine to keep the
     prompt's KV locked when the request finishes, for the decode engine to fetch; ``kv_received`` tells a decode
     engine that the request's reservation (``Driver.reserve_kv``) now holds the prompt's KV, so the request joins the
     group that reserved it and computes only what follows the prompt (``output_ids`` holds the prefill's token).

@@ -49,9 +49,9 @@ def run_chaos(a: argparse.Namespace) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
+    from raymoe.client.engine_client import EngineClient
     from raymoe.cluster.bootstrap import free_port
     from raymoe.config import engine_config_from_options
-    from raymoe.deploy.engine_client import EngineClient
     from raymoe.deploy.openai_api import build_openai_app
     from raymoe.deploy.thread_server import serve_in_thread
     from raymoe.models.checkpoint import make_checkpoint

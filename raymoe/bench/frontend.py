@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from raymoe.actors.driver_service import AddRequest, RequestDelta
-from raymoe.deploy.engine_client import EngineClient
+from raymoe.client.engine_client import EngineClient
 
 
 class SyntheticEngineClient(EngineClient):

@@ -6,7 +6,7 @@
     each (short prompts) run while long prompts (``--long-words`` words, ``--long-tokens`` answer tokens) arrive at
     ``--long-rate`` per second (Poisson, seeded), on a colocated dp=``--dp`` ep=``--dp`` engine with MIXED batches
     (a prefill shares the step with every running decode) and on ``--pd-prefill`` + ``--pd-decode`` engines
-    (``raymoe.deploy.pd_client``), each with the OpenAI app on 127.0.0.1. Reported: the decode streams' ITL
+    (``raymoe.client.pd_client``), each with the OpenAI app on 127.0.0.1. Reported: the decode streams' ITL
     p50/p99 (gaps between streamed chunks after their first; a chunk may carry several tokens) and TPOT p50 (a
     stream's time per output token after its first), the long prompts' TTFT p50/p99, errors, and the PD
     engine's fallback count. On a machine with few cores both engines share the CPUs with the client and the front

@@ -129,8 +129,8 @@ def _serve_app(a: argparse.Namespace, router: str):
 def _engine(a: argparse.Namespace, dp: int, method: str):
     """An engine with ``dp`` groups routing by ``method`` and the OpenAI app on 127.0.0.1; yields (URL, engine)."""
     from raymoe.cli_args import resolve_model
+    from raymoe.client.engine_client import EngineClient
     from raymoe.config import engine_config_from_options
-    from raymoe.deploy.engine_client import EngineClient
     from raymoe.deploy.openai_api import build_openai_app
     from raymoe.deploy.thread_server import serve_in_thread
 

@@ -103,8 +103,8 @@ def _percentile(values: list[float], q: float) -> float:
 def _local_server(a: argparse.Namespace):
     """An engine and the OpenAI app on 127.0.0.1 in this process; yields (base URL, engine)."""
     from raymoe.cli_args import resolve_model
+    from raymoe.client.engine_client import EngineClient
     from raymoe.config import engine_config_from_options
-    from raymoe.deploy.engine_client import EngineClient
     from raymoe.deploy.openai_api import build_openai_app
     from raymoe.deploy.thread_server import serve_in_thread
 

@@ -1,5 +1,5 @@
 """Fault-tolerance options: how the front end resumes requests an engine fault interrupted
-(``raymoe.deploy.request_resume``). The bound that turns a stalled rank into a fault is
+(``raymoe.client.request_resume``). The bound that turns a stalled rank into a fault is
 ``EngineConfig.step_timeout_s``."""
 
 from __future__ import annotations

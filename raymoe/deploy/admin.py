@@ -20,7 +20,7 @@ import asyncio
 from fastapi import APIRouter, Depends, Request
 from ray.exceptions import RayError
 
-from raymoe.deploy.engine_client import EngineClient
+from raymoe.client.engine_client import EngineClient
 from raymoe.deploy.http_errors import APIError
 from raymoe.deploy.http_guard import _auth_error
 from raymoe.deploy.protocol import ErrorResponse

@@ -18,8 +18,8 @@ from typing import TypeVar
 import anyio
 from starlette.requests import Request
 
+from raymoe.client.engine_client import EngineClient
 from raymoe.deploy.detokenizer import IncrementalDetokenizer, StopStringFilter
-from raymoe.deploy.engine_client import EngineClient
 from raymoe.deploy.http_errors import ClientDisconnected
 from raymoe.deploy.metrics import RequestMetrics
 from raymoe.deploy.request_prep import PreparedRequest

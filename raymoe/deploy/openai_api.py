@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over an :class:`~raymoe.deploy.engine_client.EngineClient` (FastAPI).
+"""The OpenAI-compatible HTTP API over an :class:`~raymoe.client.engine_client.EngineClient` (FastAPI).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stream``), ``GET /v1/models`` (these
 three need ``Authorization: Bearer KEY`` when an API key is set), ``GET /ready`` and ``GET /health`` (readiness: 503
@@ -27,9 +27,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from raymoe.client.engine_client import EngineClient
 from raymoe.deploy.admin import admin_router
 from raymoe.deploy.drain import Drain, DrainConfig, DrainGuard
-from raymoe.deploy.engine_client import EngineClient
 from raymoe.deploy.generation import ClientDisconnected, Piece, collect, stream_pieces, until_disconnected
 from raymoe.deploy.http_errors import APIError, from_raymoe_error, install_error_handlers, request_id_of
 from raymoe.deploy.http_guard import RequestGuard

@@ -23,8 +23,8 @@ import asyncio
 
 from starlette.responses import JSONResponse
 
+from raymoe.client.engine_client import EngineClient
 from raymoe.deploy.drain import Drain, shutdown_error
-from raymoe.deploy.engine_client import EngineClient
 from raymoe.deploy.http_errors import APIError
 
 # How long a probe waits for the driver actor's answer, seconds (a stalled driver counts as unhealthy; Kubernetes'

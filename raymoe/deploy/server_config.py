@@ -134,7 +134,7 @@ class _ServeFields(BaseModel):
     limits: ServerLimits = Field(default_factory=ServerLimits, description="per-request limits of the HTTP front "
                                                                            "end (ServerLimits).")
     pd_prefill: str | None = Field(None, description="prefill/decode disaggregation: the prefill engine's layout "
-                                                     "('dp=1'; raymoe.deploy.pd_config), with pd_decode.")
+                                                     "('dp=1'; raymoe.client.pd_config), with pd_decode.")
     pd_decode: str | None = Field(None, description="prefill/decode disaggregation: the decode engine's layout "
                                                     "('dp=2,ep=2').")
 
@@ -148,7 +148,7 @@ class _ServeFields(BaseModel):
             raise InvalidRequestError("pd_decode" if self.pd_decode is None else "pd_prefill",
                                       "prefill/decode disaggregation needs both pd_prefill and pd_decode")
         if self.pd_prefill is not None:
-            from raymoe.deploy.pd_config import parse_pd_topology
+            from raymoe.client.pd_config import parse_pd_topology
 
             parse_pd_topology("pd_prefill", self.pd_prefill)
             parse_pd_topology("pd_decode", self.pd_decode)
@@ -191,12 +191,12 @@ class _ServeFields(BaseModel):
             InvalidRequestError: a bad option, or ``device="cuda"`` where Ray declares no GPU (names CUDA).
             EngineUnhealthyError: the driver or its ranks failed to start.
         """
-        from raymoe.deploy.engine_client import EngineClient
+        from raymoe.client.engine_client import EngineClient
 
         model = self.resolved_model(progress)
         if self.pd_prefill is not None:
-            from raymoe.deploy.pd_client import PDEngineClient
-            from raymoe.deploy.pd_config import pd_engine_configs
+            from raymoe.client.pd_client import PDEngineClient
+            from raymoe.client.pd_config import pd_engine_configs
 
             configs = pd_engine_configs(model, self.engine_option_values(), self.pd_prefill, self.pd_decode)
             return PDEngineClient(*configs, model_name=self.served_model_name)

@@ -128,13 +128,20 @@ class KVLayout:
         """The :meth:`page_ranges` entries holding ``slots`` in every buffer, buffer-major, for a pool of
         ``num_slots`` slots (default: this one's; a peer's when indexing its list).
 
+        ``slots`` are a prompt's slots as a paged allocator lays them out (``raymoe.kvcache.paged_allocator``):
+        whole pages in position order, the last one possibly partial (the first ``len(slots) % page_tokens`` slots
+        of its page). That page moves whole: the rows past the prompt are the rest of the same page, which the
+        allocator hands to no one else (on the receiving side, the reservation's own unused slots), and no kernel
+        reads them (they lie past the sequence).
+
         Raises:
-            ValueError: ``slots`` are not whole pages in order (each aligned run of ``page_tokens`` slots).
+            ValueError: ``slots`` are not laid out so (whole pages in order, then at most one partial page).
         """
         p = self.page_tokens
         starts = [slots[j] // p for j in range(0, len(slots), p)]
-        if p > 1 and (len(slots) % p or any(list(slots[j * p:(j + 1) * p]) != list(range(s * p, (s + 1) * p))
-                                            for j, s in enumerate(starts))):
-            raise ValueError(f"KV transfer slots must be whole pages of {p} in order")
+        if p > 1 and any(list(slots[j * p:(j + 1) * p]) != list(range(s * p, min((s + 1) * p, s * p + len(slots)
+                                                                                    - j * p)))
+                         for j, s in enumerate(starts)):
+            raise ValueError(f"KV transfer slots must be pages of {p} in order (the last one may be partial)")
         pages = ((self.num_slots if num_slots is None else num_slots) + 1) // p
         return [k * pages + s for k in range(len(self.buffers)) for s in starts]

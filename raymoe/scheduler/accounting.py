@@ -51,9 +51,10 @@ def idle_report(state: GroupState) -> IdleReport | None:
         return None
     if state.kv_reservations or state.kv_exports:  # PD: KV held for the other engine is in use, not leaked
         return None
-    size = state.token_allocator.size
+    alloc = state.token_allocator
+    # A paged allocator's stranded slots (the rest of a page whose handed-out slots are cached) hold no token.
     return IdleReport(
-        leaked_kv_slots=size - state.token_allocator.available_size() - state.tree_cache.evictable_size(),
+        leaked_kv_slots=alloc.size - alloc.available_size() - alloc.stranded_size() - state.tree_cache.evictable_size(),
         leaked_req_rows=state.req_allocator.size - state.req_allocator.available_size(),
         locked_cache_tokens=state.tree_cache.protected_size())
 
@@ -76,6 +77,7 @@ def check_memory_invariants(state: GroupState) -> None:
     assert 0 not in owned, "dummy slot 0 is owned by a request"
     assert len(set(owned)) == len(owned), "a KV slot is owned by two requests (or twice by one)"
     reserved = [s for slots in state.kv_reservations.values() for s in slots]
+    reserved += [s for export in state.kv_exports.values() for s in export.held]  # outside the tree, held for PD
     assert not set(reserved) & set(owned), "a KV slot is both reserved for a transfer and owned by a request"
     owned += reserved
     free, tree = state.token_allocator.available_size(), state.tree_cache.total_size()

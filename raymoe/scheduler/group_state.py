@@ -29,6 +29,22 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class KVExport:
+    """A finished prefill's prompt KV held for a decode engine (prefill/decode disaggregation).
+
+    Attributes:
+        node: the radix node locked for it (its path holds the prompt). slots: the prompt's slots as the request
+            laid them out (``[prompt_len]`` slot indices: with a paged allocator, pages in position order, the last
+            possibly partial, so they move page by page). held: the request's slots the radix cache did not take
+            (it held those positions already), kept until the export is released so that ``slots`` stay valid.
+    """
+
+    node: Any
+    slots: list[int]
+    held: list[int]
+
+
+@dataclass(frozen=True)
 class TokenRatioPolicy:
     """How much of a request's remaining ``max_tokens`` admission reserves in KV, as a fraction of those tokens.
 
@@ -101,7 +117,7 @@ class GroupState:
         self.kv_epoch = 0
         self.eos_token_ids = eos_token_ids
         self.kv_reservations: dict[str, list[int]] = {}
-        self.kv_exports: dict[str, tuple[Any, list[int]]] = {}
+        self.kv_exports: dict[str, KVExport] = {}
 
     @property
     def num_running(self) -> int:
@@ -134,40 +150,47 @@ class GroupState:
         if req.req_pool_idx is None:
             return
         self.kv_epoch += 1
-        slots = req.kv_slots
+        slots = list(req.kv_slots)
+        duplicates: list[int] = []
         if cache:
             fill = req.fill_ids
             k = min(len(slots), len(fill))  # slots past the real tokens (a step in flight) are not cached
             n = self.tree_cache.insert(fill[:k], slots[:k])
-            if n > req.prefix_len:
-                self.token_allocator.free(slots[req.prefix_len : n])
+            duplicates = slots[req.prefix_len : n]
             if len(slots) > k:
                 self.token_allocator.free(slots[k:])
         elif len(slots) > req.prefix_len:
             self.token_allocator.free(slots[req.prefix_len :])
         if req.last_node is not None:
             self.tree_cache.dec_lock_ref(req.last_node)
-        if cache and req.export_kv and req.finished and req.rid not in self.kv_exports:
-            self._export(req)
+        if not (cache and req.export_kv and req.finished and req.rid not in self.kv_exports
+                and self._export(req, slots, duplicates)) and duplicates:
+            self.token_allocator.free(duplicates)
         self.req_allocator.free(req.req_pool_idx)
         req.reset_kv()
 
     # ------------------------------------------------------------------ PD disaggregation (raymoe.actors.driver)
-    def _export(self, req: Req) -> None:
-        """Lock the prompt's KV, just cached, for a decode engine (``kv_exports``); nothing when the cache does
-        not hold the whole prompt (radix cache disabled)."""
+    def _export(self, req: Req, slots: list[int], duplicates: list[int]) -> bool:
+        """Hold the prompt's KV, just cached, for a decode engine (``kv_exports``): lock its radix path and keep
+        ``duplicates`` (the request's slots for positions the tree held already) so that the request's own
+        layout ``slots[:prompt_len]`` stays valid. Returns False, holding nothing, when the cache does not hold the
+        whole prompt (radix cache disabled)."""
         prompt = req.origin_input_ids
         m = self.tree_cache.match_prefix(prompt)
-        if len(m.slots) == len(prompt):
-            self.tree_cache.inc_lock_ref(m.last_node)
-            self.kv_exports[req.rid] = (m.last_node, m.slots)
+        if len(m.slots) != len(prompt) or len(slots) < len(prompt):
+            return False
+        self.tree_cache.inc_lock_ref(m.last_node)
+        self.kv_exports[req.rid] = KVExport(m.last_node, slots[: len(prompt)], duplicates)
+        return True
 
     def release_export(self, rid: str) -> bool:
         """Unlock an exported prompt's KV (the decode engine has it, or gave up). Returns whether one was held."""
         held = self.kv_exports.pop(rid, None)
         if held is None:
             return False
-        self.tree_cache.dec_lock_ref(held[0])
+        self.tree_cache.dec_lock_ref(held.node)
+        if held.held:
+            self.token_allocator.free(held.held)
         return True
 
     def reserve_kv(self, rid: str, num_tokens: int) -> list[int] | None:

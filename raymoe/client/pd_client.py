@@ -41,8 +41,8 @@ import uuid
 from collections.abc import AsyncIterator
 
 from raymoe.actors.records import RequestDelta
+from raymoe.client.engine_client import EngineClient
 from raymoe.config import EngineConfig
-from raymoe.deploy.engine_client import EngineClient
 from raymoe.errors import InvalidRequestError
 from raymoe.scheduler.sampling_params import SamplingParams
 
@@ -61,7 +61,7 @@ class PDEngineClient:
     """The two engines behind the OpenAI app (``EngineClient``'s interface; module docstring).
 
     Args:
-        prefill, decode: the engines' configurations (``raymoe.deploy.pd_config.pd_engine_configs``).
+        prefill, decode: the engines' configurations (``raymoe.client.pd_config.pd_engine_configs``).
         model_name: served model name. transfer_timeout_s: bound on one request's KV transfer, seconds.
         reserve_timeout_s: how long a request waits for KV room on the decode side, seconds.
         kv_backend: ``auto`` | ``nixl`` | ``gloo`` (``raymoe.kvcache.kv_transfer``).
@@ -239,6 +239,11 @@ class PDEngineClient:
     async def stats(self):
         """The decode engine's counters (where the streams run)."""
         return await self.decode.stats()
+
+    async def cached_blocks(self) -> list[int]:
+        """The prefill engine's cached prefix blocks (where a prompt's cache hits are; for a prefix-aware router in
+        front of several PD pairs, ``raymoe.deploy.serve_router``)."""
+        return await self.prefill.cached_blocks()
 
     async def healthy(self) -> bool:
         return await self.prefill.healthy() and await self.decode.healthy()

@@ -1,6 +1,6 @@
 """Resuming a request that an engine fault interrupted: the front end's half of "a lost rank costs a pause".
 
-Ownership: the :class:`~raymoe.deploy.engine_client.EngineClient` keeps one :class:`ResumableRequest` per stream it
+Ownership: the :class:`~raymoe.client.engine_client.EngineClient` keeps one :class:`ResumableRequest` per stream it
 serves. The front end is the one place that knows exactly which tokens a client has received, and it outlives every
 engine fault (a rank killed, stopped or cut off with its node; the driver loop or the driver actor dying): the
 driver's and the groups' request state may be gone with the fault, the stream's is not.

@@ -13,7 +13,7 @@ When the driver actor's process dies, the channel reaches EOF: the reader ends e
 fresh one when Ray gave up on it). New requests arriving meanwhile are refused as unhealthy.
 
 An in-flight request that ends with an ``"unhealthy"`` error (that, a rank fault, a dead driver loop) is resumed
-(``raymoe.deploy.request_resume``): its stream waits until the engine is healthy again and the request goes on from
+(``raymoe.client.request_resume``): its stream waits until the engine is healthy again and the request goes on from
 the tokens it delivered, up to ``FaultConfig.max_request_resumes`` times.
 """
 
@@ -29,8 +29,8 @@ from pathlib import Path
 
 from raymoe.actors.channel import ChannelListener
 from raymoe.actors.driver_service import AddRequest, EngineStats, OutputBatch, RequestDelta, RequestError
+from raymoe.client.request_resume import ResumableRequest
 from raymoe.config import EngineConfig, ModelConfig
-from raymoe.deploy.request_resume import ResumableRequest
 from raymoe.errors import EngineUnhealthyError
 from raymoe.scheduler.sampling_params import SamplingParams
 from raymoe.tokenizer import load_tokenizer
@@ -238,7 +238,7 @@ class EngineClient:
         """Stream the request's deltas (the last has ``finished=True``). Leaving early aborts the request.
 
         ``output_ids``, ``export_kv``, ``kv_received``: prefill/decode disaggregation (``AddRequest``;
-        ``raymoe.deploy.pd_client``): the tokens the request has already, keep its prompt KV for a decode engine,
+        ``raymoe.client.pd_client``): the tokens the request has already, keep its prompt KV for a decode engine,
         its prompt KV is in its reservation.
 
         Raises:
