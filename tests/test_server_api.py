@@ -199,7 +199,7 @@ def test_the_stream_check_catches_two_streams_that_swap_tokens(base_url, model, 
     """A test of the check above: a front end that hands two requests each other's tokens (the routing step
     patched, ``stream_check.SwapTwoStreams``) keeps every stream's length and finish reason, so counting passes;
     comparing each stream with its own reference fails, and passes again without the swap."""
-    from raymoe.deploy import engine_client
+    from raymoe.client import engine_client
 
     same_length = {i: stream_body(model, i) for i in range(0, NUM_STREAMS, 8)[:4]}  # 8 tokens each
     refs = {i: stream_refs[i] for i in same_length}
