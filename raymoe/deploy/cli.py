@@ -34,6 +34,8 @@ def add_serve_parser(sub) -> None:
                         "the engine options apply to both engines)")
     p.add_argument("--pd-decode", default=None, metavar="TOPOLOGY",
                    help="prefill/decode disaggregation: the decode engine's layout, e.g. 'dp=2,ep=2'")
+    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="split a reasoning model's <think>...</think> into the chat answer's reasoning_content")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     engine = p.add_argument_group("engine options (raymoe.config; Serve config args of the same names)")
     for name, decl in engine_options().items():
@@ -77,7 +79,8 @@ def serve_options_from_args(a: argparse.Namespace):
     try:
         return ServeOptions(model=a.model, served_model_name=a.served_model_name, max_in_flight=a.max_in_flight,
                             api_key=a.api_key or os.environ.get("RAYMOE_API_KEY"), limits=limits_from_args(a),
-                            pd_prefill=a.pd_prefill, pd_decode=a.pd_decode, **given_options(a, engine_options()))
+                            pd_prefill=a.pd_prefill, pd_decode=a.pd_decode, reasoning_parser=a.reasoning_parser,
+                            **given_options(a, engine_options()))
     except ValidationError as e:
         first = e.errors()[0]
         cause = first.get("ctx", {}).get("error")

@@ -37,6 +37,7 @@ from raymoe.deploy.metrics import ServerMetrics
 from raymoe.deploy.parse_pool import POOL
 from raymoe.deploy.probes import liveness, readiness
 from raymoe.deploy.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from raymoe.deploy.reasoning import ReasoningSplitter
 from raymoe.deploy.request_body import body_schema, document_request_bodies, request_model
 from raymoe.deploy.request_prep import PreparedRequest, prepare
 from raymoe.deploy.responses import ResponseBuilder, TokenTexts
@@ -67,6 +68,7 @@ class OpenAIServing:
         engine: the engine client.
         max_in_flight: generation requests served at once before 429 (None: derived from the scheduler limits).
         limits: per-request limits (None: the ``ServerLimits`` defaults).
+        reasoning_parser: split chat answers' thinking into ``reasoning_content`` (``raymoe.deploy.reasoning``).
 
     Why the default ``max_in_flight`` is ``dp_size * (max_running_requests + max_queued_requests)``: that is
     exactly how many requests the engine can hold at once (running plus queued over all DP groups); one more
@@ -78,8 +80,10 @@ class OpenAIServing:
     before the scheduler sees it. A larger explicit value lets the scheduler's own 429 (``queue_full``) answer.
     """
 
-    def __init__(self, engine: EngineClient, max_in_flight: int | None = None, limits: ServerLimits | None = None):
+    def __init__(self, engine: EngineClient, max_in_flight: int | None = None, limits: ServerLimits | None = None,
+                 reasoning_parser: str | None = None):
         self.engine = engine
+        self.reasoning_parser = reasoning_parser
         self.limits = limits or ServerLimits()
         sched, dp = engine.config.scheduler, engine.config.parallel.dp_size
         self.max_in_flight = max_in_flight or dp * (sched.max_running_requests + sched.max_queued_requests)
@@ -117,8 +121,10 @@ class OpenAIServing:
         try:
             prep = await self._prepare(request, body)
             deadline = arrival + prep.timeout_s
+            splitter = None if prep.in_reasoning is None else ReasoningSplitter(self.reasoning_parser,
+                                                                                prep.in_reasoning)
             builder = ResponseBuilder(isinstance(body, ChatCompletionRequest), engine.model_name, self.token_texts,
-                                      prep.logprobs, request_id)
+                                      prep.logprobs, request_id, splitter)
             pieces = stream_pieces(engine, builder.id, prep, self.metrics.request())
             with anyio.CancelScope(deadline=deadline) as scope:
                 if body.stream:
@@ -161,7 +167,8 @@ class OpenAIServing:
             APIError: 400 naming the field (from ``prepare``).
         """
         engine = self.engine
-        args = (body, engine.tokenizer, engine.model_config.vocab_size, engine.max_context_len, self.limits)
+        args = (body, engine.tokenizer, engine.model_config.vocab_size, engine.max_context_len, self.limits,
+                self.reasoning_parser)
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) <= INLINE_PREP_MAX_BODY_BYTES:
             return prepare(*args)
@@ -214,18 +221,20 @@ async def _close(pieces) -> None:
 
 
 def build_openai_app(engine: EngineClient, api_key: str | None = None, max_in_flight: int | None = None,
-                     limits: ServerLimits | None = None, drain: DrainConfig | None = None) -> FastAPI:
+                     limits: ServerLimits | None = None, drain: DrainConfig | None = None,
+                     reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (see the module docstring for routes and status codes).
 
     Args:
         engine: the engine client. api_key: bearer token required on ``/v1/*`` and ``/admin/*`` (None: open).
         max_in_flight: see :class:`OpenAIServing`. limits: per-request limits (None: the defaults).
         drain: how a stop drains the app (None: the ``DrainConfig`` defaults).
+        reasoning_parser: ``qwen3`` | ``deepseek_r1`` | None (``raymoe.deploy.reasoning``).
     """
     from raymoe import __version__
 
     limits = limits or ServerLimits()
-    serving = OpenAIServing(engine, max_in_flight=max_in_flight, limits=limits)
+    serving = OpenAIServing(engine, max_in_flight=max_in_flight, limits=limits, reasoning_parser=reasoning_parser)
     app = FastAPI(title="raymoe", version=__version__, description="OpenAI-compatible API of a raymoe engine")
     app.state.serving = serving
     app.state.drain = draining = Drain(drain)

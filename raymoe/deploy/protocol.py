@@ -205,6 +205,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = Field(None, description="not supported (must be empty)")
+    # raymoe extension (``extra_body``), as vLLM and SGLang name it.
+    chat_template_kwargs: Annotated[dict[Name, bool | int | float | Name | None],
+                                    Field(max_length=16)] | None = Field(
+        None, description="extra variables for the chat template, e.g. {\"enable_thinking\": false}")
 
 
 class ErrorInfo(BaseModel):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from raymoe.deploy.http_errors import APIError
 from raymoe.deploy.protocol import ChatCompletionRequest, CompletionRequest
+from raymoe.deploy.reasoning import starts_in_reasoning
 from raymoe.deploy.server_config import ServerLimits
 from raymoe.errors import ContextLengthError, InvalidRequestError
 from raymoe.scheduler.request_rules import RequestLimits
@@ -35,12 +36,15 @@ class PreparedRequest:
         prompt_ids: prompt token ids. params: sampling parameters (``max_tokens`` fits the context).
         logprobs: top log-probabilities per token to return (None: none).
         timeout_s: the request's deadline, seconds from its arrival.
+        in_reasoning: with a reasoning parser, whether the output starts inside the thinking (the rendered prompt
+            left a ``<think>`` open; ``raymoe.deploy.reasoning``); None without one (or for text completions).
     """
 
     prompt_ids: list[int]
     params: SamplingParams
     logprobs: int | None
     timeout_s: float
+    in_reasoning: bool | None = None
 
 
 def _check_combinations(req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -73,14 +77,25 @@ def _completion_prompt(req: CompletionRequest, tokenizer) -> list[int]:
     return list(req.prompt)
 
 
+# Arguments of ``apply_chat_template`` that ``chat_template_kwargs`` may not set (the server's own).
+_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                            "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                            "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+                            "sanitize_control_tokens"})
+
+
 def _chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
     from jinja2 import TemplateError
 
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
                 for m in req.messages]
+    extra = dict(req.chat_template_kwargs or {})
+    if taken := sorted(_TEMPLATE_ARGS & set(extra)):
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)} (the server sets it)",
+                       param="chat_template_kwargs")
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            return_dict=False, sanitize_control_tokens=True)
+                                            return_dict=False, sanitize_control_tokens=True, **extra)
     except TemplateError as e:  # a template's raise_exception() refusing the conversation; its text is for users
         reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         raise APIError(400, f"the chat template refused the messages: {reason}", param="messages") from e
@@ -102,8 +117,9 @@ def _check_prompt(ids: list[int], asked: int | None, vocab_size: int, max_contex
 
 
 def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_size: int,
-            max_context_len: int, limits: ServerLimits) -> PreparedRequest:
-    """Tokenize and validate ``req`` (blocking CPU work: call it from a worker thread).
+            max_context_len: int, limits: ServerLimits, reasoning_parser: str | None = None) -> PreparedRequest:
+    """Tokenize and validate ``req`` (blocking CPU work: call it from a worker thread). ``reasoning_parser``
+    (``raymoe.deploy.reasoning``): a chat request's output is split into reasoning and answer.
 
     Raises:
         APIError: 400 naming the field (empty or too long prompt, prompt + max_tokens over the context, bad sampling
@@ -133,4 +149,8 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_siz
             ignore_eos=req.ignore_eos, logprobs=logprobs)
     except InvalidRequestError as e:
         raise APIError(400, e.message, param=e.field, code="invalid_value") from e
-    return PreparedRequest(ids, params, logprobs, timeout_s)
+    in_reasoning = None
+    if chat and reasoning_parser is not None:
+        tail = tokenizer.decode(ids[-16:], skip_special_tokens=False)
+        in_reasoning = starts_in_reasoning(reasoning_parser, tail)
+    return PreparedRequest(ids, params, logprobs, timeout_s, in_reasoning)

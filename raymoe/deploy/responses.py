@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from raymoe.deploy.generation import Piece
+from raymoe.deploy.reasoning import ReasoningSplit, ReasoningSplitter
 from raymoe.step.step_output import TokenLogprobs
 
 
@@ -55,12 +56,14 @@ class ResponseBuilder:
         chat: chat completion (else text completion). model: the served model name. token_text: token id ->
             its text, for logprobs (a :class:`TokenTexts`). top_logprobs: alternatives asked per token (None: no
             logprobs). request_id: the HTTP request's id; the answer's ``id`` is ``cmpl-<request_id>`` or
-            ``chatcmpl-<request_id>``.
+            ``chatcmpl-<request_id>``. reasoning: for a chat answer, the splitter that moves the thinking to
+            ``reasoning_content`` (``raymoe.deploy.reasoning``; None: all text is ``content``).
     """
 
     def __init__(self, chat: bool, model: str, token_text: Callable[[int], str], top_logprobs: int | None,
-                 request_id: str):
+                 request_id: str, reasoning: ReasoningSplitter | None = None):
         self.chat = chat
+        self.reasoning = reasoning
         self.model = model
         self._token = token_text
         self.top_logprobs = top_logprobs
@@ -106,8 +109,13 @@ class ResponseBuilder:
         merged = Piece(text, [t for p in pieces for t in p.token_ids], [lp for p in pieces for lp in p.logprobs])
         logprobs = self._logprobs(merged)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": last.finish_reason}
+            message = {"role": "assistant", "content": text}
+            if self.reasoning is not None:
+                split = self.reasoning.feed(text)
+                rest = self.reasoning.finish()
+                message = {"role": "assistant", "content": split.content + rest.content,
+                           "reasoning_content": (split.reasoning + rest.reasoning) or None}
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": last.finish_reason}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
@@ -126,6 +134,8 @@ class ResponseBuilder:
         """The stream chunk of ``piece``; ``None`` when it carries nothing to show (text held back)."""
         if not piece.text and piece.finish_reason is None and self.top_logprobs is None:
             return None
+        if self.chat and self.reasoning is not None:
+            return self._reasoning_chunk(piece)
         logprobs = self._logprobs(piece)
         if self.chat:
             delta = {"content": piece.text} if piece.text else {}
@@ -133,6 +143,19 @@ class ResponseBuilder:
             return {**self._header("chat.completion.chunk"), "choices": [choice]}
         choice = {"index": 0, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
         return {**self._header("text_completion"), "choices": [choice]}
+
+    def _reasoning_chunk(self, piece: Piece) -> dict | None:
+        """A chat chunk whose text is split into ``reasoning_content`` and ``content`` (a partial tag held back)."""
+        split = self.reasoning.feed(piece.text)
+        if piece.finish_reason is not None:
+            rest = self.reasoning.finish()
+            split = ReasoningSplit(split.reasoning + rest.reasoning, split.content + rest.content)
+        if not (split.reasoning or split.content) and piece.finish_reason is None and self.top_logprobs is None:
+            return None
+        delta = {**({"reasoning_content": split.reasoning} if split.reasoning else {}),
+                 **({"content": split.content} if split.content else {})}
+        choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(piece), "finish_reason": piece.finish_reason}
+        return {**self._header("chat.completion.chunk"), "choices": [choice]}
 
     def usage_chunk(self, last: Piece) -> dict:
         """The last chunk when ``stream_options.include_usage``: no choices, the request's usage."""

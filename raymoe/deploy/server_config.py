@@ -137,6 +137,9 @@ class _ServeFields(BaseModel):
                                                      "('dp=1'; raymoe.client.pd_config), with pd_decode.")
     pd_decode: str | None = Field(None, description="prefill/decode disaggregation: the decode engine's layout "
                                                     "('dp=2,ep=2').")
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
+        None, description="split a reasoning model's thinking (<think>...</think>) into the chat answer's "
+                          "reasoning_content (raymoe.deploy.reasoning; None: all text is content).")
 
     @model_validator(mode="after")
     def _check_engine_options(self) -> _ServeFields:
@@ -205,7 +208,7 @@ class _ServeFields(BaseModel):
 
 SERVE_ONLY_FIELDS = tuple(_ServeFields.model_fields)
 """ServeOptions fields that are not engine options: model, served_model_name, max_in_flight, api_key, limits,
-pd_prefill, pd_decode."""
+pd_prefill, pd_decode, reasoning_parser."""
 
 SERVE_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "dp_size": (int, Field(2, description="DP-attention groups (each schedules its own requests).")),
