@@ -58,6 +58,11 @@ BEHAVIOUR = {
     "user": "test_identity_fields_change_nothing",
     "safety_identifier": "test_identity_fields_change_nothing",
     "prompt_cache_key": "test_identity_fields_change_nothing",
+    "tools": "test_tool_fields_reach_the_template_and_shape_the_answer",
+    "tool_choice": "test_tool_fields_reach_the_template_and_shape_the_answer",
+    "parallel_tool_calls": "test_tool_fields_reach_the_template_and_shape_the_answer",
+    "tool_calls": "test_tool_fields_reach_the_template_and_shape_the_answer",
+    "tool_call_id": "test_tool_fields_reach_the_template_and_shape_the_answer",
 }
 
 
@@ -67,9 +72,11 @@ class _RecordingTokenizer:
     def __init__(self, tokenizer):
         self._tok = tokenizer
         self.templated: list[list[dict]] = []
+        self.template_tools: list[list[dict] | None] = []
 
     def apply_chat_template(self, messages, **kwargs):
         self.templated.append(messages)
+        self.template_tools.append(kwargs.get("tools"))
         return self._tok.apply_chat_template(messages, **kwargs)
 
     def __getattr__(self, name):
@@ -184,6 +191,69 @@ def test_messages_reach_the_chat_template(served):
                                  {"role": "assistant", "content": ""}, {"role": "tool", "content": "r"}]
     assert engine.seen[-1][0] == tok.apply_chat_template(tok.templated[-1], add_generation_prompt=True,
                                                          tokenize=True, return_dict=False)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather of a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+CALLS_TEXT = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+
+
+def _stream_answer(r: httpx.Response) -> tuple[str, list[dict], str | None]:
+    """(content, tool calls, finish reason) of a streamed chat answer, its deltas joined."""
+    content, calls, finish = "", {}, None
+    for line in r.text.splitlines():
+        if not line.startswith("data: {"):
+            continue
+        for choice in json.loads(line[6:])["choices"]:
+            content += choice["delta"].get("content") or ""
+            for call in choice["delta"].get("tool_calls") or []:
+                calls.setdefault(call["index"], {"name": "", "arguments": ""})
+                calls[call["index"]]["name"] += call["function"].get("name") or ""
+                calls[call["index"]]["arguments"] += call["function"].get("arguments") or ""
+            finish = choice["finish_reason"] or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def test_tool_fields_reach_the_template_and_shape_the_answer(served):
+    """The tools reach the chat template with the history's calls and results; the model's calls (the fake engine
+    writes two in Qwen3's format) come back as ``tool_calls`` with ``finish_reason`` tool_calls, streamed deltas
+    joining to the same calls; ``parallel_tool_calls`` false keeps the first; ``tool_choice`` none leaves the text
+    alone; required, named, a choice without tools and two tools of one name are 400s naming the field."""
+    engine, post = served
+    tok = engine.tokenizer
+    engine.token_cycle = tok.encode(CALLS_TEXT, add_special_tokens=False)
+    n = len(engine.token_cycle)
+    history = [USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}, USER]
+    r = post(CHAT, {"messages": history, "tools": TOOLS, "max_tokens": n})
+    assert r.status_code == 200, r.text
+    assert tok.templated[-1][1]["tool_calls"][0]["function"]["name"] == "get_time"
+    assert tok.templated[-1][2]["tool_call_id"] == "call_1" and tok.template_tools[-1] == TOOLS
+    choice = r.json()["choices"][0]
+    calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+             for c in choice["message"]["tool_calls"]]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me check."
+    assert [c["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris"}
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in choice["message"]["tool_calls"])
+    streamed = post(CHAT, {"messages": [USER], "tools": TOOLS, "max_tokens": n, "stream": True})
+    assert _stream_answer(streamed) == ("Let me check.", calls, "tool_calls")
+    one = post(CHAT, {"messages": [USER], "tools": TOOLS, "max_tokens": n, "parallel_tool_calls": False})
+    assert [c["function"]["name"] for c in one.json()["choices"][0]["message"]["tool_calls"]] == ["get_weather"]
+    none = post(CHAT, {"messages": [USER], "tools": TOOLS, "max_tokens": n, "tool_choice": "none"})
+    assert none.json()["choices"][0]["message"] == {"role": "assistant", "content": CALLS_TEXT}
+    assert tok.template_tools[-1] is None
+    for fields, param in (({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+                          ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+                           "tool_choice"),
+                          ({"tool_choice": "auto"}, "tool_choice"),
+                          ({"tools": [TOOLS[0], TOOLS[0]]}, "tools")):
+        r = post(CHAT, _body(CHAT, **fields))
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
 
 
 def test_sampling_fields_reach_the_engine(served):

@@ -1,6 +1,7 @@
 """Reasoning content through the OpenAI app (``--reasoning-parser qwen3``) with a checkpoint whose chat template
 opens the thinking in the prompt (``<think>`` after the assistant header, Qwen3's ``enable_thinking``; an empty
-thinking block when it is false): the split of the answer, streamed and not, and ``chat_template_kwargs``.
+thinking block when it is false) and renders ``tools``: the split of the answer, streamed and not,
+``chat_template_kwargs``, and tools reaching the template of a real engine through the ``openai`` client.
 
 The tiny model writes noise that never closes the thinking, so with thinking on its whole answer is reasoning
 (``content`` empty) and with ``enable_thinking: false`` its whole answer is content; the split at a ``</think>``
@@ -18,6 +19,7 @@ from openai import OpenAI
 from server_harness import uvicorn_server
 
 THINKING_TEMPLATE = (
+    "{%- if tools %}{{- '<tools>' + (tools | tojson) + '</tools>\\n' }}{%- endif %}"
     "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
     "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
@@ -71,6 +73,20 @@ def test_thinking_goes_to_reasoning_content_streamed_or_not(base_url):
     off = _ask(client, stream=False, chat_template_kwargs={"enable_thinking": False})
     assert off[0] is None and off[1]  # an empty thinking block in the prompt: all answer
     assert _ask(client, stream=True, chat_template_kwargs={"enable_thinking": False}) == off
+
+
+def test_tools_reach_the_template_and_a_plain_answer_stays_content(base_url):
+    """The tiny model writes no call: the answer is content (here: reasoning, thinking on), finish_reason length;
+    the tools made the prompt longer by their rendering."""
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=60)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    kw = dict(model="think", messages=[{"role": "user", "content": "weather?"}], max_tokens=6, temperature=0,
+              extra_body={"ignore_eos": True})
+    plain = client.chat.completions.create(**kw)
+    with_tools = client.chat.completions.create(**kw, tools=tools, tool_choice="auto")
+    assert with_tools.choices[0].finish_reason == "length" and not with_tools.choices[0].message.tool_calls
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 10
 
 
 def test_chat_template_kwargs_may_not_set_the_servers_own_arguments(base_url):

@@ -36,6 +36,8 @@ def add_serve_parser(sub) -> None:
                    help="prefill/decode disaggregation: the decode engine's layout, e.g. 'dp=2,ep=2'")
     p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                    help="split a reasoning model's <think>...</think> into the chat answer's reasoning_content")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "qwen3", "deepseek_v3", "mistral"],
+                   help="the model's tool-call format (auto: from the model family)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     engine = p.add_argument_group("engine options (raymoe.config; Serve config args of the same names)")
     for name, decl in engine_options().items():
@@ -80,6 +82,7 @@ def serve_options_from_args(a: argparse.Namespace):
         return ServeOptions(model=a.model, served_model_name=a.served_model_name, max_in_flight=a.max_in_flight,
                             api_key=a.api_key or os.environ.get("RAYMOE_API_KEY"), limits=limits_from_args(a),
                             pd_prefill=a.pd_prefill, pd_decode=a.pd_decode, reasoning_parser=a.reasoning_parser,
+                            tool_call_parser=a.tool_call_parser,
                             **given_options(a, engine_options()))
     except ValidationError as e:
         first = e.errors()[0]

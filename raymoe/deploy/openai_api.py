@@ -43,6 +43,7 @@ from raymoe.deploy.request_prep import PreparedRequest, prepare
 from raymoe.deploy.responses import ResponseBuilder, TokenTexts
 from raymoe.deploy.server_config import ServerLimits
 from raymoe.deploy.sse import EventRelay, SSEResponse, StreamBounds, sse
+from raymoe.deploy.tool_calls import ToolCallStreamer, default_tool_parser
 from raymoe.errors import RaymoeError
 
 # Largest request body prepared on the event loop rather than a worker thread (bytes). Handing a short prompt to
@@ -69,6 +70,8 @@ class OpenAIServing:
         max_in_flight: generation requests served at once before 429 (None: derived from the scheduler limits).
         limits: per-request limits (None: the ``ServerLimits`` defaults).
         reasoning_parser: split chat answers' thinking into ``reasoning_content`` (``raymoe.deploy.reasoning``).
+        tool_call_parser: the model's tool-call format (``raymoe.deploy.tool_calls``; ``auto``: from the model's
+            family, none when unknown, and then requests with tools are refused).
 
     Why the default ``max_in_flight`` is ``dp_size * (max_running_requests + max_queued_requests)``: that is
     exactly how many requests the engine can hold at once (running plus queued over all DP groups); one more
@@ -81,9 +84,11 @@ class OpenAIServing:
     """
 
     def __init__(self, engine: EngineClient, max_in_flight: int | None = None, limits: ServerLimits | None = None,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, tool_call_parser: str | None = "auto"):
         self.engine = engine
         self.reasoning_parser = reasoning_parser
+        self.tool_call_parser = (default_tool_parser(engine.model_config.model_type) if tool_call_parser == "auto"
+                                 else tool_call_parser)
         self.limits = limits or ServerLimits()
         sched, dp = engine.config.scheduler, engine.config.parallel.dp_size
         self.max_in_flight = max_in_flight or dp * (sched.max_running_requests + sched.max_queued_requests)
@@ -123,8 +128,9 @@ class OpenAIServing:
             deadline = arrival + prep.timeout_s
             splitter = None if prep.in_reasoning is None else ReasoningSplitter(self.reasoning_parser,
                                                                                 prep.in_reasoning)
+            tools = None if prep.tool_names is None else ToolCallStreamer(self.tool_call_parser, prep.tool_names)
             builder = ResponseBuilder(isinstance(body, ChatCompletionRequest), engine.model_name, self.token_texts,
-                                      prep.logprobs, request_id, splitter)
+                                      prep.logprobs, request_id, splitter, tools, prep.parallel_tool_calls)
             pieces = stream_pieces(engine, builder.id, prep, self.metrics.request())
             with anyio.CancelScope(deadline=deadline) as scope:
                 if body.stream:
@@ -168,7 +174,7 @@ class OpenAIServing:
         """
         engine = self.engine
         args = (body, engine.tokenizer, engine.model_config.vocab_size, engine.max_context_len, self.limits,
-                self.reasoning_parser)
+                self.reasoning_parser, self.tool_call_parser)
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) <= INLINE_PREP_MAX_BODY_BYTES:
             return prepare(*args)
@@ -222,7 +228,7 @@ async def _close(pieces) -> None:
 
 def build_openai_app(engine: EngineClient, api_key: str | None = None, max_in_flight: int | None = None,
                      limits: ServerLimits | None = None, drain: DrainConfig | None = None,
-                     reasoning_parser: str | None = None) -> FastAPI:
+                     reasoning_parser: str | None = None, tool_call_parser: str | None = "auto") -> FastAPI:
     """The FastAPI app serving ``engine`` (see the module docstring for routes and status codes).
 
     Args:
@@ -230,11 +236,13 @@ def build_openai_app(engine: EngineClient, api_key: str | None = None, max_in_fl
         max_in_flight: see :class:`OpenAIServing`. limits: per-request limits (None: the defaults).
         drain: how a stop drains the app (None: the ``DrainConfig`` defaults).
         reasoning_parser: ``qwen3`` | ``deepseek_r1`` | None (``raymoe.deploy.reasoning``).
+        tool_call_parser: ``auto`` | ``qwen3`` | ``deepseek_v3`` | ``mistral`` | None (``raymoe.deploy.tool_calls``).
     """
     from raymoe import __version__
 
     limits = limits or ServerLimits()
-    serving = OpenAIServing(engine, max_in_flight=max_in_flight, limits=limits, reasoning_parser=reasoning_parser)
+    serving = OpenAIServing(engine, max_in_flight=max_in_flight, limits=limits, reasoning_parser=reasoning_parser,
+                            tool_call_parser=tool_call_parser)
     app = FastAPI(title="raymoe", version=__version__, description="OpenAI-compatible API of a raymoe engine")
     app.state.serving = serving
     app.state.drain = draining = Drain(drain)

@@ -92,9 +92,11 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "safety_identifier": _h("an end-user id (for the operator's logs, as in OpenAI); it does not change the output"),
     "prompt_cache_key": _h("a prompt-cache hint; raymoe caches every prompt prefix by content, so it changes "
                            "nothing"),
-    "tools": _n("tool calling is not supported; only an empty list is accepted", []),
-    "tool_choice": _n("tool calling is not supported; only \"none\" is accepted", "none"),
-    "parallel_tool_calls": _n("tool calling is not supported (without tools this flag has no effect)", True, False),
+    "tools": _h("shown to the model through the chat template; its calls are parsed from the output "
+                "(raymoe.deploy.tool_calls) into message.tool_calls"),
+    "tool_choice": _h("none or auto; required and a named function are a 400 (they need grammar-constrained "
+                      "decoding)"),
+    "parallel_tool_calls": _h("false keeps only the first call of an answer"),
     "functions": _n("function calling is not supported; only an empty list is accepted", []),
     "function_call": _n("function calling is not supported; only \"none\" is accepted", "none"),
     "response_format": _n("structured output is not supported; only {\"type\": \"text\"} is accepted",
@@ -118,9 +120,9 @@ MESSAGE_FIELDS: dict[str, FieldRule] = {
     "role": _h("system, developer, user, assistant or tool"),
     "content": _h("a string or a list of text parts (joined)"),
     "name": _h("passed to the chat template with the message"),
-    "tool_calls": _n("tool calls are not supported; only an empty list is accepted", []),
+    "tool_calls": _h("an assistant turn's calls, passed to the chat template"),
     "function_call": _r("function calls are not supported"),
-    "tool_call_id": _r("tool results are not supported (tool calling is not)"),
+    "tool_call_id": _h("the call a tool turn answers, passed to the chat template"),
     "refusal": _r("assistant refusals in the history are not supported"),
     "audio": _r("audio is not supported"),
 }

@@ -176,14 +176,76 @@ class TextPart(BaseModel):
     text: Text
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+"""A tool's function name, as OpenAI allows it (letters, digits, ``_`` and ``-``, at most 64)."""
+MAX_TOOLS = 128
+
+
+class FunctionDef(BaseModel):
+    """A tool's function: its name, what it does, its parameters' JSON schema."""
+
+    model_config = _STRICT
+
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    """One entry of ``tools``."""
+
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming one function."""
+
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(BaseModel):
+    """The function of an earlier assistant turn's call: its name and its arguments as JSON text."""
+
+    model_config = _STRICT
+
+    name: FunctionName
+    arguments: Text
+
+
+class MessageToolCall(BaseModel):
+    """A call in an earlier assistant turn (``messages[i].tool_calls``)."""
+
+    model_config = _STRICT
+
+    id: Name
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    """One chat message. ``content`` may be a string or a list of text parts (joined)."""
+    """One chat message. ``content`` may be a string or a list of text parts (joined); an assistant turn may carry
+    its ``tool_calls``, a ``tool`` turn the ``tool_call_id`` it answers (both passed to the chat template)."""
 
     model_config = _STRICT
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | Annotated[list[TextPart], Field(max_length=CAP_MESSAGE_PARTS)] | None = None
     name: Name | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Name | None = None
 
     def text(self) -> str:
         """The message text (text parts concatenated, ``None`` as empty)."""
@@ -204,7 +266,12 @@ class ChatCompletionRequest(_SamplingFields):
                                               description="default: the rest of the context")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict] | None = Field(None, description="not supported (must be empty)")
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="functions the model may call (shown to it through the chat template)")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, or auto (the default with tools): the model decides; required and a named function "
+                          "need grammar-constrained decoding (refused until raymoe has it)")
+    parallel_tool_calls: bool | None = Field(None, description="false keeps only the first call of an answer")
     # raymoe extension (``extra_body``), as vLLM and SGLang name it.
     chat_template_kwargs: Annotated[dict[Name, bool | int | float | Name | None],
                                     Field(max_length=16)] | None = Field(

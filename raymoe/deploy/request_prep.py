@@ -5,8 +5,9 @@ forge a turn), checks the prompt against the vocabulary and the context length, 
 (``ServerLimits``: stop strings, ``timeout``) and fills the defaults (completions: 16 tokens; chat: the rest of the
 context; the deadline: ``default_timeout_s``). An explicit ``max_tokens`` (or ``max_completion_tokens``) that does
 not fit beside the prompt is a 400 ``context_length_exceeded`` with both numbers; a default is cut to the room
-left. Fields the engine does not have (``echo``, ``logit_bias``, tools ...) were already refused by the body
-parser (``openai_fields``).
+left. Fields the engine does not have (``echo``, ``logit_bias`` ...) were already refused by the body
+parser (``openai_fields``). With ``tools`` (and ``tool_choice`` auto) the template is shown the tools and the
+answer is parsed for calls (``raymoe.deploy.tool_calls``).
 
 :func:`prepare` is CPU work proportional to the prompt (templating, tokenizing): ``openai_api`` runs it in a
 worker thread, never on the event loop, so a huge prompt does not stall other requests' streams. The cheap
@@ -38,6 +39,8 @@ class PreparedRequest:
         timeout_s: the request's deadline, seconds from its arrival.
         in_reasoning: with a reasoning parser, whether the output starts inside the thinking (the rendered prompt
             left a ``<think>`` open; ``raymoe.deploy.reasoning``); None without one (or for text completions).
+        tool_names: the request's tools when the output is parsed for calls (``tools`` with ``tool_choice``
+            ``auto``; ``raymoe.deploy.tool_calls``), else None. parallel_tool_calls: False keeps the first call.
     """
 
     prompt_ids: list[int]
@@ -45,6 +48,8 @@ class PreparedRequest:
     logprobs: int | None
     timeout_s: float
     in_reasoning: bool | None = None
+    tool_names: frozenset[str] | None = None
+    parallel_tool_calls: bool = True
 
 
 def _check_combinations(req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -84,13 +89,52 @@ _TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "c
                             "sanitize_control_tokens"})
 
 
-def _chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
+def _tool_names(req: ChatCompletionRequest, tool_parser: str | None) -> frozenset[str] | None:
+    """The tools whose calls the output is parsed for (None: no tools, or ``tool_choice`` none).
+
+    Raises:
+        APIError: 400 for ``tool_choice`` required or named (they need grammar-constrained decoding), a
+            ``tool_choice`` without tools, two tools of one name, or tools for a model without a tool-call parser.
+    """
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        return None
+    if choice == "none":
+        return None
+    if choice not in (None, "auto"):
+        raise APIError(400, "tool_choice 'required' and a named function need grammar-constrained decoding, which "
+                            "this server does not have yet; use 'auto'", param="tool_choice", code="unsupported_value")
+    names = [t.function.name for t in req.tools]
+    if len(set(names)) != len(names):
+        raise APIError(400, "two tools have the same function name", param="tools")
+    if tool_parser is None:
+        raise APIError(400, "this server has no tool-call parser for its model; start it with --tool-call-parser",
+                       param="tools", code="unsupported_value")
+    return frozenset(names)
+
+
+def _message(m) -> dict:
+    """A chat message as the chat template takes it (OpenAI's shape; ``None`` fields left out)."""
+    out = {"role": m.role, "content": m.text()}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _chat_prompt(req: ChatCompletionRequest, tokenizer, with_tools: bool) -> list[int]:
     from jinja2 import TemplateError
 
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
-                for m in req.messages]
+    messages = [_message(m) for m in req.messages]
     extra = dict(req.chat_template_kwargs or {})
-    if taken := sorted(_TEMPLATE_ARGS & set(extra)):
+    if with_tools:
+        extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+    if taken := sorted(_TEMPLATE_ARGS & set(req.chat_template_kwargs or {})):
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)} (the server sets it)",
                        param="chat_template_kwargs")
     try:
@@ -117,9 +161,11 @@ def _check_prompt(ids: list[int], asked: int | None, vocab_size: int, max_contex
 
 
 def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_size: int,
-            max_context_len: int, limits: ServerLimits, reasoning_parser: str | None = None) -> PreparedRequest:
+            max_context_len: int, limits: ServerLimits, reasoning_parser: str | None = None,
+            tool_parser: str | None = None) -> PreparedRequest:
     """Tokenize and validate ``req`` (blocking CPU work: call it from a worker thread). ``reasoning_parser``
-    (``raymoe.deploy.reasoning``): a chat request's output is split into reasoning and answer.
+    (``raymoe.deploy.reasoning``): a chat request's output is split into reasoning and answer. ``tool_parser``
+    (``raymoe.deploy.tool_calls``): the model family's tool-call format (None: tools are refused).
 
     Raises:
         APIError: 400 naming the field (empty or too long prompt, prompt + max_tokens over the context, bad sampling
@@ -134,7 +180,8 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_siz
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         asked, logprobs = req.max_tokens, req.logprobs
-    ids = _chat_prompt(req, tokenizer) if chat else _completion_prompt(req, tokenizer)
+    tool_names = _tool_names(req, tool_parser) if chat else None
+    ids = _chat_prompt(req, tokenizer, tool_names is not None) if chat else _completion_prompt(req, tokenizer)
     _check_prompt(ids, asked, vocab_size, max_context_len, "messages" if chat else "prompt")
     room = max_context_len - len(ids)
     if asked is not None:
@@ -153,4 +200,5 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_siz
     if chat and reasoning_parser is not None:
         tail = tokenizer.decode(ids[-16:], skip_special_tokens=False)
         in_reasoning = starts_in_reasoning(reasoning_parser, tail)
-    return PreparedRequest(ids, params, logprobs, timeout_s, in_reasoning)
+    return PreparedRequest(ids, params, logprobs, timeout_s, in_reasoning, tool_names,
+                           not chat or req.parallel_tool_calls is not False)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from raymoe.deploy.generation import Piece
 from raymoe.deploy.reasoning import ReasoningSplit, ReasoningSplitter
+from raymoe.deploy.tool_calls import ToolCall, ToolCallStreamer
 from raymoe.step.step_output import TokenLogprobs
 
 
@@ -57,13 +58,18 @@ class ResponseBuilder:
             its text, for logprobs (a :class:`TokenTexts`). top_logprobs: alternatives asked per token (None: no
             logprobs). request_id: the HTTP request's id; the answer's ``id`` is ``cmpl-<request_id>`` or
             ``chatcmpl-<request_id>``. reasoning: for a chat answer, the splitter that moves the thinking to
-            ``reasoning_content`` (``raymoe.deploy.reasoning``; None: all text is ``content``).
+            ``reasoning_content`` (``raymoe.deploy.reasoning``; None: all text is ``content``). tools: for a chat
+            answer with tools, the parser of the model's tool calls (``raymoe.deploy.tool_calls``; applied to the
+            content, after the reasoning split). parallel_tool_calls: False keeps only the first call.
     """
 
     def __init__(self, chat: bool, model: str, token_text: Callable[[int], str], top_logprobs: int | None,
-                 request_id: str, reasoning: ReasoningSplitter | None = None):
+                 request_id: str, reasoning: ReasoningSplitter | None = None, tools: ToolCallStreamer | None = None,
+                 parallel_tool_calls: bool = True):
         self.chat = chat
         self.reasoning = reasoning
+        self.tools = tools
+        self.parallel_tool_calls = parallel_tool_calls
         self.model = model
         self._token = token_text
         self.top_logprobs = top_logprobs
@@ -109,13 +115,14 @@ class ResponseBuilder:
         merged = Piece(text, [t for p in pieces for t in p.token_ids], [lp for p in pieces for lp in p.logprobs])
         logprobs = self._logprobs(merged)
         if self.chat:
-            message = {"role": "assistant", "content": text}
+            reasoning, content, calls = self._split_chat(text, final=True)
+            message = {"role": "assistant", "content": None if calls and not content.strip() else content}
             if self.reasoning is not None:
-                split = self.reasoning.feed(text)
-                rest = self.reasoning.finish()
-                message = {"role": "assistant", "content": split.content + rest.content,
-                           "reasoning_content": (split.reasoning + rest.reasoning) or None}
-            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": last.finish_reason}
+                message["reasoning_content"] = reasoning or None
+            if calls:
+                message["tool_calls"] = [c.to_openai() for c in calls]
+            choice = {"index": 0, "message": message, "logprobs": logprobs,
+                      "finish_reason": "tool_calls" if calls else last.finish_reason}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
@@ -134,8 +141,8 @@ class ResponseBuilder:
         """The stream chunk of ``piece``; ``None`` when it carries nothing to show (text held back)."""
         if not piece.text and piece.finish_reason is None and self.top_logprobs is None:
             return None
-        if self.chat and self.reasoning is not None:
-            return self._reasoning_chunk(piece)
+        if self.chat and (self.reasoning is not None or self.tools is not None):
+            return self._split_chunk(piece)
         logprobs = self._logprobs(piece)
         if self.chat:
             delta = {"content": piece.text} if piece.text else {}
@@ -144,17 +151,35 @@ class ResponseBuilder:
         choice = {"index": 0, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
         return {**self._header("text_completion"), "choices": [choice]}
 
-    def _reasoning_chunk(self, piece: Piece) -> dict | None:
-        """A chat chunk whose text is split into ``reasoning_content`` and ``content`` (a partial tag held back)."""
-        split = self.reasoning.feed(piece.text)
-        if piece.finish_reason is not None:
-            rest = self.reasoning.finish()
-            split = ReasoningSplit(split.reasoning + rest.reasoning, split.content + rest.content)
-        if not (split.reasoning or split.content) and piece.finish_reason is None and self.top_logprobs is None:
+    def _split_chat(self, text: str, final: bool) -> tuple[str, str, tuple[ToolCall, ...]]:
+        """The next piece of a chat answer's text as (reasoning, content, tool calls); ``final``: the answer ended
+        (what the splitters held back is placed, the held tool-call text parsed)."""
+        reasoning, content, calls = "", text, ()
+        if self.reasoning is not None:
+            split = self.reasoning.feed(text)
+            if final:
+                rest = self.reasoning.finish()
+                split = ReasoningSplit(split.reasoning + rest.reasoning, split.content + rest.content)
+            reasoning, content = split.reasoning, split.content
+        if self.tools is not None:
+            content = self.tools.feed(content)
+            if final:
+                parsed = self.tools.finish()
+                content += parsed.content
+                calls = parsed.calls if self.parallel_tool_calls else parsed.calls[:1]
+        return reasoning, content, calls
+
+    def _split_chunk(self, piece: Piece) -> dict | None:
+        """A chat chunk whose text is split into ``reasoning_content``, ``content`` and, at the end, ``tool_calls``
+        (partial tags and call text held back until they are whole)."""
+        final = piece.finish_reason is not None
+        reasoning, content, calls = self._split_chat(piece.text, final)
+        if not (reasoning or content) and not final and self.top_logprobs is None:
             return None
-        delta = {**({"reasoning_content": split.reasoning} if split.reasoning else {}),
-                 **({"content": split.content} if split.content else {})}
-        choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(piece), "finish_reason": piece.finish_reason}
+        delta = {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": content} if content else {}),
+                 **({"tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]} if calls else {})}
+        choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(piece),
+                  "finish_reason": "tool_calls" if calls else piece.finish_reason}
         return {**self._header("chat.completion.chunk"), "choices": [choice]}
 
     def usage_chunk(self, last: Piece) -> dict:

@@ -82,7 +82,8 @@ class RaymoeDeployment:
         from raymoe.deploy.openai_api import build_openai_app
 
         app = build_openai_app(self.engine, api_key=self.options.api_key, max_in_flight=self.options.max_in_flight,
-                               limits=self.options.limits, reasoning_parser=self.options.reasoning_parser)
+                               limits=self.options.limits, reasoning_parser=self.options.reasoning_parser,
+                               tool_call_parser=self.options.tool_call_parser)
         freeze_startup_heap()  # the replica's process is ours: no full-heap GC pause under the streams
         return app
 

@@ -190,7 +190,8 @@ class RaymoeIngress:
         max_in_flight = self.options.max_in_flight or (
             self.engine.replicas * dp * (sched.max_running_requests + sched.max_queued_requests))
         return build_openai_app(self.engine, api_key=self.options.api_key, max_in_flight=max_in_flight,
-                                limits=self.options.limits, reasoning_parser=self.options.reasoning_parser)
+                                limits=self.options.limits, reasoning_parser=self.options.reasoning_parser,
+                                tool_call_parser=self.options.tool_call_parser)
 
     async def check_health(self) -> None:
         """Raise unless some engine replica answers healthy.

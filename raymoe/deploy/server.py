@@ -109,7 +109,8 @@ def run_server(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, de
     server = None
     try:
         app = build_openai_app(engine, api_key=opts.api_key, max_in_flight=opts.max_in_flight, limits=opts.limits,
-                               drain=drain, reasoning_parser=opts.reasoning_parser)
+                               drain=drain, reasoning_parser=opts.reasoning_parser,
+                               tool_call_parser=opts.tool_call_parser)
         freeze_startup_heap()  # tokenizer, app and Ray client are built: no full-heap GC pause under the streams
         base_url = f"http://{host}:{port}"
         cfg = engine.config

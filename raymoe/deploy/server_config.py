@@ -140,6 +140,9 @@ class _ServeFields(BaseModel):
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
         None, description="split a reasoning model's thinking (<think>...</think>) into the chat answer's "
                           "reasoning_content (raymoe.deploy.reasoning; None: all text is content).")
+    tool_call_parser: Literal["auto", "qwen3", "deepseek_v3", "mistral"] | None = Field(
+        "auto", description="the model's tool-call format (raymoe.deploy.tool_calls; auto: from the model family; "
+                            "None: requests with tools are refused).")
 
     @model_validator(mode="after")
     def _check_engine_options(self) -> _ServeFields:
@@ -208,7 +211,7 @@ class _ServeFields(BaseModel):
 
 SERVE_ONLY_FIELDS = tuple(_ServeFields.model_fields)
 """ServeOptions fields that are not engine options: model, served_model_name, max_in_flight, api_key, limits,
-pd_prefill, pd_decode, reasoning_parser."""
+pd_prefill, pd_decode, reasoning_parser, tool_call_parser."""
 
 SERVE_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "dp_size": (int, Field(2, description="DP-attention groups (each schedules its own requests).")),
