@@ -170,26 +170,18 @@ def test_a_client_that_leaves_during_the_transfer_frees_both_sides_once_the_tran
     _idle(pd.decode)
 
 
-def test_a_decode_rank_killed_mid_transfer_costs_the_stream_a_pause(engines):
-    """SIGKILL of a decode rank while a request's KV is in flight: the transfer fails, the decode engine restarts
-    its ranks, and the request, submitted again to re-prefill there, gives the colocated engine's tokens."""
+def _stream_through_a_kill(pd, rid: str, pid: int) -> list[int]:
+    """Stream ``PROMPTS[2]`` through ``pd`` with its transfer held in flight (``_failing_transfers``), SIGKILL
+    process ``pid`` once the first token came, and return every token the stream gave."""
     import os
     import signal
-
-    import ray
-
-    colocated, pd = engines
-    want = asyncio.run(_run(colocated, "kill-ref", PROMPTS[2], 16))
-    ranks = ray.get(pd.decode.driver.rank_actors.remote(), timeout=60)
-    pid = ray.get(ranks[-1].pid.remote(), timeout=60)
-    restarts = ray.get(pd.decode.driver.stats.remote(), timeout=30).rank_restarts
 
     async def main():
         first, out = asyncio.Event(), []
 
         async def consume():
-            async for delta in pd.generate("kill", PROMPTS[2], SamplingParams(max_tokens=16, temperature=0.0,
-                                                                           ignore_eos=True)):
+            params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+            async for delta in pd.generate(rid, PROMPTS[2], params):
                 out.extend(delta.token_ids)
                 first.set()
 
@@ -201,7 +193,22 @@ def test_a_decode_rank_killed_mid_transfer_costs_the_stream_a_pause(engines):
         return out
 
     with _failing_transfers(pd, 3.0):  # the transfer stays in flight until the kill
-        got = asyncio.run(main())
+        return asyncio.run(main())
+
+
+def test_a_decode_rank_killed_mid_transfer_costs_the_stream_a_pause(engines):
+    """SIGKILL of a decode rank while a request's KV is in flight: the transfer fails, the decode engine restarts
+    its ranks, and the request, submitted again to re-prefill there, gives the colocated engine's tokens."""
+
+    import ray
+
+    colocated, pd = engines
+    want = asyncio.run(_run(colocated, "kill-ref", PROMPTS[2], 16))
+    ranks = ray.get(pd.decode.driver.rank_actors.remote(), timeout=60)
+    pid = ray.get(ranks[-1].pid.remote(), timeout=60)
+    restarts = ray.get(pd.decode.driver.stats.remote(), timeout=30).rank_restarts
+
+    got = _stream_through_a_kill(pd, "kill", pid)
     assert got == want
     assert ray.get(pd.decode.driver.stats.remote(), timeout=30).rank_restarts == restarts + 1
     # The restarted decode ranks have no agents: the next transfer starts them again and succeeds.
@@ -218,8 +225,6 @@ def test_a_prefill_rank_killed_mid_transfer_costs_the_stream_a_pause(engines):
     it: the release is a no-op there), and the next request's transfer starts the agents again and succeeds. The
     prefill engine here has one rank, which runs in its driver actor's process: the kill takes the driver too, Ray
     restarts the actor and the prefill side's ``EngineClient`` reconnects."""
-    import os
-    import signal
 
     import ray
 
@@ -229,24 +234,7 @@ def test_a_prefill_rank_killed_mid_transfer_costs_the_stream_a_pause(engines):
     pid = ray.get(pd.prefill.driver.pids.remote(), timeout=60)[0]
     failed, driver_reconnects = pd.transfers_failed, pd.prefill.reconnects
 
-    async def main():
-        first, out = asyncio.Event(), []
-
-        async def consume():
-            async for delta in pd.generate("pkill", PROMPTS[2], SamplingParams(max_tokens=16, temperature=0.0,
-                                                                            ignore_eos=True)):
-                out.extend(delta.token_ids)
-                first.set()
-
-        task = asyncio.create_task(consume())
-        await first.wait()
-        await asyncio.sleep(0.3)
-        os.kill(pid, signal.SIGKILL)
-        await asyncio.wait_for(task, timeout=180)
-        return out
-
-    with _failing_transfers(pd, 3.0):  # the transfer stays in flight until the kill
-        got = asyncio.run(main())
+    got = _stream_through_a_kill(pd, "pkill", pid)
     assert got == want and pd.transfers_failed == failed + 1
     wait_for(lambda: pd.prefill.reconnects == driver_reconnects + 1, timeout_s=180, interval_s=0.5)
     wait_for(lambda: asyncio.run(pd.prefill.healthy()), timeout_s=120, interval_s=0.5)
