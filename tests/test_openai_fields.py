@@ -221,7 +221,8 @@ def test_tool_fields_reach_the_template_and_shape_the_answer(served):
     """The tools reach the chat template with the history's calls and results; the model's calls (the fake engine
     writes two in Qwen3's format) come back as ``tool_calls`` with ``finish_reason`` tool_calls, streamed deltas
     joining to the same calls; ``parallel_tool_calls`` false keeps the first; ``tool_choice`` none leaves the text
-    alone; required, named, a choice without tools and two tools of one name are 400s naming the field."""
+    alone; required, named, a choice without tools, two tools of one name, a tool without a name or with a name
+    OpenAI does not allow are 400s naming the field."""
     engine, post = served
     tok = engine.tokenizer
     engine.token_cycle = tok.encode(CALLS_TEXT, add_special_tokens=False)
@@ -251,7 +252,9 @@ def test_tool_fields_reach_the_template_and_shape_the_answer(served):
                           ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
                            "tool_choice"),
                           ({"tool_choice": "auto"}, "tool_choice"),
-                          ({"tools": [TOOLS[0], TOOLS[0]]}, "tools")):
+                          ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+                          ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+                          ({"tools": [{"type": "function", "function": {"name": "two words"}}]}, "tools")):
         r = post(CHAT, _body(CHAT, **fields))
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
 
