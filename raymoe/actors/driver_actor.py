@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import ray
 
@@ -61,6 +62,24 @@ def start_driver_actor(config: EngineConfig, max_restarts: int = DRIVER_MAX_REST
     cls = ray.remote(concurrency_groups={_CONTROL: 2, _KV: 8}, max_concurrency=4)(DriverActor)
     return cls.options(num_cpus=0, num_gpus=gpus, max_restarts=max_restarts, max_task_retries=0,
                        scheduling_strategy=here).remote(config)
+
+
+def _inject_same_step_error(workers: list) -> None:
+    """Make every rank raise in the same step: the first step after now when the ranks are idle (their counts do
+    not move), else one well ahead of the furthest rank (the ranks step on their own threads while the injection
+    arrives, so "the next step" would not be the same step everywhere and the ranks would fall out of step).
+
+    Raises:
+        RuntimeError: a rank had passed the chosen step when the injection reached it (the steps ran faster than
+            the margin assumed; nothing is injected anywhere).
+    """
+    counts = ray.get([w.step_count.remote() for w in workers], timeout=30)
+    time.sleep(0.05)
+    again = ray.get([w.step_count.remote() for w in workers], timeout=30)
+    at = max(again) + (1 if again == counts else 256)
+    if not all(ray.get([w.inject_step_errors.remote(1, at) for w in workers], timeout=30)):
+        ray.get([w.inject_step_errors.remote(0) for w in workers], timeout=30)
+        raise RuntimeError(f"a rank passed step {at} before the injected error reached it")
 
 
 class DriverActor:
@@ -195,7 +214,7 @@ class DriverActor:
             if workers is None:
                 executor.worker.inject_step_errors(1)
             else:
-                ray.get([w.inject_step_errors.remote(1) for w in workers], timeout=30)
+                _inject_same_step_error(workers)
             return
         self.service.inject_fault(kind)
 

@@ -42,6 +42,8 @@ class RankWorker(RankKVTransfer):
         self.runner: ModelRunner | None = None
         self._platform: Platform | None = None
         self._injected_step_errors = 0
+        self._inject_from_step = 0  # the injected errors start at this step number (steps_launched counts from 1)
+        self.steps_launched = 0  # steps this rank launched (every rank launches the same steps, IDLE included)
         self._step_delay = (0.0, 0)  # (seconds, steps left): inject_step_delay
         if self.parallel.world_size == 1:
             self.load()
@@ -154,10 +156,11 @@ class RankWorker(RankKVTransfer):
         Raises:
             RuntimeError: an error injected by :meth:`inject_step_errors`; otherwise whatever the runner raises.
         """
+        self.steps_launched += 1
         if self._step_delay[1] > 0:
             self._step_delay = (self._step_delay[0], self._step_delay[1] - 1)
             time.sleep(self._step_delay[0])
-        if self._injected_step_errors > 0:
+        if self._injected_step_errors > 0 and self.steps_launched >= self._inject_from_step:
             self._injected_step_errors -= 1
             # a fault inside the step: the step's expert update, applied first thing by every rank, is in place
             self.runner.apply_expert_update(batch.expert_update)
@@ -205,10 +208,21 @@ class RankWorker(RankKVTransfer):
         threading.Thread(target=serve, name="raymoe-step-channel", daemon=True).start()
         return True
 
-    def inject_step_errors(self, n: int = 1) -> None:
-        """Fault injection for tests: the next ``n`` steps raise ``RuntimeError`` before computing anything (on
-        every rank at once, the ranks stay in step: none enters a collective)."""
+    def inject_step_errors(self, n: int = 1, from_step: int = 0) -> bool:
+        """Fault injection for tests: ``n`` steps raise ``RuntimeError`` before computing anything, from step
+        number ``from_step`` on (``steps_launched``; 0: the next). Injected on every rank for the same steps, the
+        ranks stay in step (none enters a collective the others skip): while steps run, the caller picks a
+        ``from_step`` no rank has reached (the step thread runs beside this call, so "the next step" could differ
+        between ranks). Returns False, injecting nothing, when this rank has launched ``from_step`` already."""
+        if from_step and self.steps_launched >= from_step:
+            return False
+        self._inject_from_step = int(from_step)
         self._injected_step_errors = int(n)
+        return True
+
+    def step_count(self) -> int:
+        """Steps this rank has launched (``inject_step_errors``)."""
+        return self.steps_launched
 
     def inject_step_delay(self, delay_s: float, steps: int) -> None:
         """Fault injection for the chaos harness (``raymoe.bench.chaos_faults``): the next ``steps`` steps of this
