@@ -142,7 +142,7 @@ class Engine:
             self.recover()
         ids_list = self._prompt_ids(prompts, prompt_token_ids)
         params = self._params(sampling_params, len(ids_list))
-        if self._blocking is not None:
+        if self.pd is not None:
             reqs = [StreamRequest(f"pd-{uuid.uuid4().hex}", ids, p) for ids, p in zip(ids_list, params, strict=True)]
             return [self._stream_output(r, d) for r, d in zip(reqs, self._blocking.generate(reqs), strict=True)]
         rids = []
@@ -249,7 +249,7 @@ class Engine:
         """Release the ranks; further calls raise."""
         if not self._closed:
             self._closed = True
-            if self._blocking is not None:
+            if self.pd is not None:
                 self._blocking.shutdown()
             else:
                 self.driver.executor.shutdown()

@@ -130,13 +130,13 @@ def _message(m) -> dict:
 def _chat_prompt(req: ChatCompletionRequest, tokenizer, with_tools: bool) -> list[int]:
     from jinja2 import TemplateError
 
-    messages = [_message(m) for m in req.messages]
     extra = dict(req.chat_template_kwargs or {})
-    if with_tools:
-        extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
-    if taken := sorted(_TEMPLATE_ARGS & set(req.chat_template_kwargs or {})):
+    if taken := sorted(_TEMPLATE_ARGS & set(extra)):
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)} (the server sets it)",
                        param="chat_template_kwargs")
+    if with_tools:
+        extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+    messages = [_message(m) for m in req.messages]
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                             return_dict=False, sanitize_control_tokens=True, **extra)

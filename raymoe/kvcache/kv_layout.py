@@ -138,10 +138,9 @@ class KVLayout:
             ValueError: ``slots`` are not laid out so (whole pages in order, then at most one partial page).
         """
         p = self.page_tokens
-        starts = [slots[j] // p for j in range(0, len(slots), p)]
-        if p > 1 and any(list(slots[j * p:(j + 1) * p]) != list(range(s * p, min((s + 1) * p, s * p + len(slots)
-                                                                                    - j * p)))
-                         for j, s in enumerate(starts)):
+        runs = [list(slots[j:j + p]) for j in range(0, len(slots), p)]  # one per page; the last may be shorter
+        starts = [run[0] // p for run in runs]
+        if p > 1 and any(run != list(range(s * p, s * p + len(run))) for run, s in zip(runs, starts, strict=True)):
             raise ValueError(f"KV transfer slots must be pages of {p} in order (the last one may be partial)")
         pages = ((self.num_slots if num_slots is None else num_slots) + 1) // p
         return [k * pages + s for k in range(len(self.buffers)) for s in starts]

@@ -150,8 +150,8 @@ class GroupState:
         if req.req_pool_idx is None:
             return
         self.kv_epoch += 1
-        slots = list(req.kv_slots)
-        duplicates: list[int] = []
+        slots = req.kv_slots
+        duplicates: list[int] = []  # the request's slots for positions the tree held already
         if cache:
             fill = req.fill_ids
             k = min(len(slots), len(fill))  # slots past the real tokens (a step in flight) are not cached
@@ -163,8 +163,9 @@ class GroupState:
             self.token_allocator.free(slots[req.prefix_len :])
         if req.last_node is not None:
             self.tree_cache.dec_lock_ref(req.last_node)
-        if not (cache and req.export_kv and req.finished and req.rid not in self.kv_exports
-                and self._export(req, slots, duplicates)) and duplicates:
+        exported = (cache and req.export_kv and req.finished and req.rid not in self.kv_exports
+                    and self._export(req, slots, duplicates))
+        if duplicates and not exported:
             self.token_allocator.free(duplicates)
         self.req_allocator.free(req.req_pool_idx)
         req.reset_kv()
