@@ -22,6 +22,7 @@ from raymoe.client.blocking import BlockingClient, StreamRequest
 from raymoe.cluster.device_choice import resolve_engine_config
 from raymoe.config import EngineConfig, ModelConfig, engine_config_from_options
 from raymoe.errors import EngineUnhealthyError, InvalidRequestError
+from raymoe.runner.grammar_compiler import compiler_for_model
 from raymoe.scheduler.req import FinishKind, Req
 from raymoe.scheduler.sampling_params import SamplingParams
 from raymoe.step.step_output import TokenLogprobs
@@ -142,6 +143,7 @@ class Engine:
             self.recover()
         ids_list = self._prompt_ids(prompts, prompt_token_ids)
         params = self._params(sampling_params, len(ids_list))
+        self._check_grammars(params)
         if self.pd is not None:
             reqs = [StreamRequest(f"pd-{uuid.uuid4().hex}", ids, p) for ids, p in zip(ids_list, params, strict=True)]
             return [self._stream_output(r, d) for r, d in zip(reqs, self._blocking.generate(reqs), strict=True)]
@@ -171,6 +173,17 @@ class Engine:
             if not self.driver.has_unfinished() and len(done) < len(rids):
                 raise RuntimeError("scheduler went idle with unfinished requests")
         return [self._output(done[rid]) for rid in rids]
+
+    def _check_grammars(self, params: list[SamplingParams]) -> None:
+        """Compile each distinct output grammar once here, so a bad one is this call's ``InvalidRequestError``
+        (naming its field) before any request starts (``raymoe.runner.grammar_compiler``)."""
+        specs = {p.grammar for p in params if p.grammar is not None}
+        if not specs:
+            return
+        mc = self.model_config
+        compiler = compiler_for_model(str(self.config.model), mc.vocab_size, tuple(mc.eos_token_ids))
+        for spec in specs:
+            compiler.compile(spec)
 
     @property
     def healthy(self) -> bool:

@@ -19,7 +19,7 @@ class FakeEngine:
     def __init__(self, tokenizer, delay_s: float = 0.0, max_context_len: int = 4096):
         self.config = SimpleNamespace(scheduler=SimpleNamespace(max_running_requests=4, max_queued_requests=4),
                                       parallel=SimpleNamespace(dp_size=1))
-        self.model_config = SimpleNamespace(vocab_size=len(tokenizer), model_type="qwen3_moe")
+        self.model_config = SimpleNamespace(vocab_size=len(tokenizer), model_type="qwen3_moe", eos_token_ids=())
         self.model_name = "fake"
         self.tokenizer = tokenizer
         self.max_context_len = max_context_len

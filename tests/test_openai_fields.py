@@ -63,6 +63,7 @@ BEHAVIOUR = {
     "parallel_tool_calls": "test_tool_fields_reach_the_template_and_shape_the_answer",
     "tool_calls": "test_tool_fields_reach_the_template_and_shape_the_answer",
     "tool_call_id": "test_tool_fields_reach_the_template_and_shape_the_answer",
+    "response_format": "test_output_constraints_reach_the_engine_and_bad_ones_are_400s",
 }
 
 
@@ -84,6 +85,10 @@ class _RecordingTokenizer:
 
     def __len__(self):
         return len(self._tok)
+
+    @property
+    def __class__(self):  # isinstance() sees the real tokenizer's class (xgrammar's TokenizerInfo checks it)
+        return type(self._tok)
 
 
 @pytest.fixture(scope="module")
@@ -248,9 +253,15 @@ def test_tool_fields_reach_the_template_and_shape_the_answer(served):
     none = post(CHAT, {"messages": [USER], "tools": TOOLS, "max_tokens": n, "tool_choice": "none"})
     assert none.json()["choices"][0]["message"] == {"role": "assistant", "content": CALLS_TEXT}
     assert tok.template_tools[-1] is None
-    for fields, param in (({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-                          ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+    required = post(CHAT, {"messages": [USER], "tools": TOOLS, "max_tokens": n, "tool_choice": "required"})
+    assert required.status_code == 200 and engine.seen[-1][1].grammar.field == "tool_choice"
+    assert "get_weather" in engine.seen[-1][1].grammar.source and "get_time" in engine.seen[-1][1].grammar.source
+    named = post(CHAT, {"messages": [USER], "tools": TOOLS, "max_tokens": n,
+                        "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
+    assert named.status_code == 200 and "get_weather" not in engine.seen[-1][1].grammar.source
+    for fields, param in (({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
                            "tool_choice"),
+                          ({"tools": TOOLS, "tool_choice": "required", "regex": "a+"}, "tool_choice"),
                           ({"tool_choice": "auto"}, "tool_choice"),
                           ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
                           ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
@@ -309,3 +320,39 @@ def test_identity_fields_change_nothing(served):
     plain = engine.seen[-1]
     assert post(COMPLETIONS, _body(COMPLETIONS, seed=1, user="id-7")).status_code == 200
     assert engine.seen[-1] == plain
+
+
+def test_output_constraints_reach_the_engine_and_bad_ones_are_400s(served):
+    """``response_format`` json_object / json_schema (with ``strict``) and the ``regex`` / ``ebnf`` extensions reach
+    the engine as the request's grammar (text: none); a schema, regular expression or grammar that does not compile
+    against the model's vocabulary, a json_schema format without its schema object, two constraints at once and a
+    tool whose parameters cannot be enforced under ``tool_choice`` required are 400s naming the field."""
+    engine, post = served
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert post(CHAT, _body(CHAT, response_format={"type": "text"})).status_code == 200
+    assert engine.seen[-1][1].grammar is None
+    assert post(CHAT, _body(CHAT, response_format={"type": "json_object"})).status_code == 200
+    assert engine.seen[-1][1].grammar.kind == "json_object"
+    fmt = {"type": "json_schema", "json_schema": {"name": "A", "schema": schema, "strict": True}}
+    assert post(CHAT, _body(CHAT, response_format=fmt)).status_code == 200
+    spec = engine.seen[-1][1].grammar
+    assert (spec.kind, json.loads(spec.source), spec.strict, spec.field) == ("json_schema", schema, True,
+                                                                            "response_format")
+    for path in (COMPLETIONS, CHAT):
+        assert post(path, _body(path, regex="[a-z]+@x\\.com")).status_code == 200
+        assert (engine.seen[-1][1].grammar.kind, engine.seen[-1][1].grammar.field) == ("regex", "regex")
+        assert post(path, _body(path, ebnf='root ::= "yes" | "no"')).status_code == 200
+        assert engine.seen[-1][1].grammar.kind == "ebnf"
+    bad_tool = [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]
+    for path, fields, param in (
+            (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "A", "schema": {
+                "type": "object", "properties": {"a": {"type": "strin"}}}}}}, "response_format"),
+            (CHAT, {"response_format": {"type": "json_schema"}}, "response_format"),
+            (CHAT, {"response_format": {"type": "xml"}}, "response_format"),
+            (CHAT, {"response_format": {"type": "json_object"}, "regex": "a"}, "regex"),
+            (COMPLETIONS, {"regex": "(ab"}, "regex"),
+            (COMPLETIONS, {"ebnf": "root ::= b"}, "ebnf"),
+            (CHAT, {"ebnf": "root ::= "}, "ebnf"),
+            (CHAT, {"tools": bad_tool, "tool_choice": "required"}, "tools")):
+        r = post(path, _body(path, **fields))
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), (fields, r.text)

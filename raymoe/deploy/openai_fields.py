@@ -8,7 +8,7 @@ of the tables below, and ``tests/test_openai_fields.py`` walks those parameter t
 - ``honoured``: the server implements the field (the note says how); the pydantic models of ``protocol`` check
   its values.
 - ``neutral``: accepted only at a value that asks for nothing the engine lacks (``n`` 1, ``tools`` empty,
-  ``response_format`` text ...); any other value is a 400 naming the field, code ``unsupported_value``.
+  ``logit_bias`` empty ...); any other value is a 400 naming the field, code ``unsupported_value``.
 - ``refused``: any value but ``null`` is a 400 naming the field, code ``unsupported_value``.
 
 :func:`refusal_of` applies the rule of one field to its raw JSON bytes, as the body parser (``body_shape``) holds
@@ -94,13 +94,13 @@ CHAT_FIELDS: dict[str, FieldRule] = {
                            "nothing"),
     "tools": _h("shown to the model through the chat template; its calls are parsed from the output "
                 "(raymoe.deploy.tool_calls) into message.tool_calls"),
-    "tool_choice": _h("none or auto; required and a named function are a 400 (they need grammar-constrained "
-                      "decoding)"),
+    "tool_choice": _h("none, auto (the model decides), required or a named function (the answer is constrained "
+                      "to calls whose arguments follow the tools' schemas: raymoe.deploy.tool_grammar)"),
     "parallel_tool_calls": _h("false keeps only the first call of an answer"),
     "functions": _n("function calling is not supported; only an empty list is accepted", []),
     "function_call": _n("function calling is not supported; only \"none\" is accepted", "none"),
-    "response_format": _n("structured output is not supported; only {\"type\": \"text\"} is accepted",
-                          {"type": "text"}),
+    "response_format": _h("text, json_object or json_schema, enforced on the ranks by grammar-constrained "
+                          "decoding (raymoe.runner.grammar)"),
     "modalities": _n("only text output is supported", ["text"]),
     "store": _n("completions are not stored; only false is accepted", False),
     "metadata": _n("completions are not stored, so metadata has no use; only an empty object is accepted", {}),

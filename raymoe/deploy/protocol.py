@@ -38,6 +38,7 @@ from raymoe.scheduler.sampling_params import (
     MAX_TOKENS,
     MAX_TOP_K,
 )
+from raymoe.step.grammar import MAX_GRAMMAR_CHARS
 
 # Longest model id, user tag and message name accepted (characters).
 MAX_NAME_CHARS = 256
@@ -150,6 +151,10 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS,
                                                  description="token ids that end generation")
     ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token")
+    regex: Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = Field(
+        None, description="the output must match this regular expression (grammar-constrained decoding)")
+    ebnf: Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = Field(
+        None, description="the output must follow this EBNF grammar (xgrammar's dialect, start rule root)")
     timeout: float | None = Field(None, gt=0.0, le=MAX_REQUEST_TIMEOUT_S,
                                   description="deadline in seconds from arrival (default and ceiling: server "
                                               "limits); when it passes the request is aborted: 408, or an "
@@ -216,6 +221,28 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema the answer must be valid under (any JSON object without one)."""
+
+    model_config = _STRICT
+
+    name: FunctionName
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = Field(None, description="true: properties the schema does not list are refused (the "
+                                                  "schema is enforced either way)")
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: free text, any JSON object, or JSON valid under a schema (enforced by
+    grammar-constrained decoding, ``raymoe.runner.grammar``)."""
+
+    model_config = _STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class FunctionCall(BaseModel):
     """The function of an earlier assistant turn's call: its name and its arguments as JSON text."""
 
@@ -269,8 +296,10 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = Field(
         None, description="functions the model may call (shown to it through the chat template)")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, description="none, or auto (the default with tools): the model decides; required and a named function "
-                          "need grammar-constrained decoding (refused until raymoe has it)")
+        None, description="none; auto (the default with tools): the model decides; required or a named function: "
+                          "the answer is one or more calls whose arguments follow the tools' schemas (grammar)")
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object or json_schema (enforced by grammar-constrained decoding)")
     parallel_tool_calls: bool | None = Field(None, description="false keeps only the first call of an answer")
     # raymoe extension (``extra_body``), as vLLM and SGLang name it.
     chat_template_kwargs: Annotated[dict[Name, bool | int | float | Name | None],

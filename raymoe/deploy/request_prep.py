@@ -6,8 +6,10 @@ forge a turn), checks the prompt against the vocabulary and the context length, 
 context; the deadline: ``default_timeout_s``). An explicit ``max_tokens`` (or ``max_completion_tokens``) that does
 not fit beside the prompt is a 400 ``context_length_exceeded`` with both numbers; a default is cut to the room
 left. Fields the engine does not have (``echo``, ``logit_bias`` ...) were already refused by the body
-parser (``openai_fields``). With ``tools`` (and ``tool_choice`` auto) the template is shown the tools and the
-answer is parsed for calls (``raymoe.deploy.tool_calls``).
+parser (``openai_fields``). With ``tools`` the template is shown the tools and the answer is parsed for calls
+(``raymoe.deploy.tool_calls``); ``tool_choice`` required or a named function also constrains the answer to calls
+(``raymoe.deploy.tool_grammar``), as ``response_format`` json_object / json_schema and the ``regex`` / ``ebnf``
+extensions constrain it to their language (a ``GrammarSpec`` in ``SamplingParams.grammar``).
 
 :func:`prepare` is CPU work proportional to the prompt (templating, tokenizing): ``openai_api`` runs it in a
 worker thread, never on the event loop, so a huge prompt does not stall other requests' streams. The cheap
@@ -16,15 +18,18 @@ checks run before the tokenizer, so a request refused for its options costs no t
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from raymoe.deploy.http_errors import APIError
 from raymoe.deploy.protocol import ChatCompletionRequest, CompletionRequest
 from raymoe.deploy.reasoning import starts_in_reasoning
 from raymoe.deploy.server_config import ServerLimits
+from raymoe.deploy.tool_grammar import tool_call_grammar
 from raymoe.errors import ContextLengthError, InvalidRequestError
 from raymoe.scheduler.request_rules import RequestLimits
 from raymoe.scheduler.sampling_params import SamplingParams
+from raymoe.step.grammar import GrammarSpec
 
 _COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -93,8 +98,8 @@ def _tool_names(req: ChatCompletionRequest, tool_parser: str | None) -> frozense
     """The tools whose calls the output is parsed for (None: no tools, or ``tool_choice`` none).
 
     Raises:
-        APIError: 400 for ``tool_choice`` required or named (they need grammar-constrained decoding), a
-            ``tool_choice`` without tools, two tools of one name, or tools for a model without a tool-call parser.
+        APIError: 400 for a ``tool_choice`` without tools, a named function that is not among them, two tools of
+            one name, or tools for a model without a tool-call parser.
     """
     choice = req.tool_choice
     if not req.tools:
@@ -103,16 +108,65 @@ def _tool_names(req: ChatCompletionRequest, tool_parser: str | None) -> frozense
         return None
     if choice == "none":
         return None
-    if choice not in (None, "auto"):
-        raise APIError(400, "tool_choice 'required' and a named function need grammar-constrained decoding, which "
-                            "this server does not have yet; use 'auto'", param="tool_choice", code="unsupported_value")
     names = [t.function.name for t in req.tools]
     if len(set(names)) != len(names):
         raise APIError(400, "two tools have the same function name", param="tools")
     if tool_parser is None:
         raise APIError(400, "this server has no tool-call parser for its model; start it with --tool-call-parser",
                        param="tools", code="unsupported_value")
+    if not isinstance(choice, str) and choice is not None:
+        if choice.function.name not in names:
+            raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which is not among the "
+                                "tools", param="tool_choice")
+        return frozenset((choice.function.name,))
     return frozenset(names)
+
+
+def constrained(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Whether ``req`` asks for an output constraint (its grammar is built and compiled: CPU work of milliseconds
+    that the caller keeps off the event loop)."""
+    fmt = getattr(req, "response_format", None)
+    choice = getattr(req, "tool_choice", None)
+    return (req.regex is not None or req.ebnf is not None or (fmt is not None and fmt.type != "text")
+            or (bool(getattr(req, "tools", None)) and choice not in (None, "none", "auto")))
+
+
+def _grammar(req: CompletionRequest | ChatCompletionRequest, tool_parser: str | None) -> GrammarSpec | None:
+    """The request's output constraint (None: free text): ``response_format`` json_object / json_schema, the
+    ``regex`` or ``ebnf`` extension, or a forced tool call (``tool_choice`` required or named, after
+    :func:`_tool_names` accepted the tools). Its compilation is checked later (``OpenAIServing``).
+
+    Raises:
+        APIError: 400 naming the second of two constraints, or a field whose value cannot be a constraint.
+    """
+    found: list[GrammarSpec] = []
+    try:
+        fmt = getattr(req, "response_format", None)
+        if fmt is not None and fmt.type == "json_object":
+            found.append(GrammarSpec("json_object", field="response_format"))
+        elif fmt is not None and fmt.type == "json_schema":
+            js = fmt.json_schema
+            if js is None:
+                raise InvalidRequestError("response_format", "type json_schema needs a json_schema object")
+            schema = js.schema_ if js.schema_ is not None else {"type": "object"}
+            found.append(GrammarSpec("json_schema", json.dumps(schema), field="response_format",
+                                     strict=bool(js.strict)))
+        if req.regex is not None:
+            found.append(GrammarSpec("regex", req.regex, field="regex"))
+        if req.ebnf is not None:
+            found.append(GrammarSpec("ebnf", req.ebnf, field="ebnf"))
+        choice = getattr(req, "tool_choice", None)
+        if getattr(req, "tools", None) and (choice == "required" or not (choice is None or isinstance(choice, str))):
+            found.append(tool_call_grammar(tool_parser, req.tools, choice, req.parallel_tool_calls is not False))
+    except InvalidRequestError as e:
+        raise APIError(400, e.message, param=e.field, code="invalid_value") from None
+    for spec in found:
+        if (problem := spec.problem()) is not None:
+            raise APIError(400, problem, param=spec.field, code="invalid_value")
+    if len(found) > 1:
+        raise APIError(400, f"{found[1].field} cannot be combined with {found[0].field}: one output constraint per "
+                            "request", param=found[1].field)
+    return found[0] if found else None
 
 
 def _message(m) -> dict:
@@ -181,6 +235,7 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_siz
     else:
         asked, logprobs = req.max_tokens, req.logprobs
     tool_names = _tool_names(req, tool_parser) if chat else None
+    grammar = _grammar(req, tool_parser)
     ids = _chat_prompt(req, tokenizer, tool_names is not None) if chat else _completion_prompt(req, tokenizer)
     _check_prompt(ids, asked, vocab_size, max_context_len, "messages" if chat else "prompt")
     room = max_context_len - len(ids)
@@ -193,7 +248,7 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_siz
             max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
             min_p=req.min_p or 0.0, seed=req.seed, stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos, logprobs=logprobs)
+            ignore_eos=req.ignore_eos, logprobs=logprobs, grammar=grammar)
     except InvalidRequestError as e:
         raise APIError(400, e.message, param=e.field, code="invalid_value") from e
     in_reasoning = None

@@ -29,6 +29,8 @@ from raymoe.platform.interface import Platform
 from raymoe.platform.selector import select_platform
 from raymoe.runner.forward_batch import ForwardBatch
 from raymoe.runner.future_tokens import FutureTokenMap
+from raymoe.runner.grammar import RankGrammars
+from raymoe.runner.grammar_compiler import compiler_for_model
 from raymoe.runner.runner_config import DTYPES, RunnerConfig
 from raymoe.runner.sampler import Sampler
 from raymoe.runner.step_result import PendingStep
@@ -84,6 +86,9 @@ class ModelRunner:
 
         self.attn_backend = TboAttnBackend.create(make_backend) if cfg.overlap.enable_tbo else make_backend()
         self.sampler = Sampler(self.ops, cfg.seed, self.device)
+        mc = self.model_config
+        self.grammars = RankGrammars(
+            lambda: compiler_for_model(cfg.model_path, mc.vocab_size, tuple(mc.eos_token_ids)), self.device)
         self.future_tokens = FutureTokenMap(cfg.max_req_rows, self.device)
         self.graph_runner = self.build_graph_runner() if cfg.graph_capture_sizes and capture_graphs else None
 
@@ -214,9 +219,12 @@ class ModelRunner:
             load = self.ops.copy_to_host([snapshot]) if snapshot is not None else None
         if fb.batch_size == 0:
             return PendingStep(None, None, t0, load)
+        if batch.grammar_rows:  # constrained rows only (raymoe.runner.grammar); others pay nothing
+            logits, constrained = self.grammars.mask(batch.grammar_rows, batch.req_pool_indices, logits)
         sampled = self.sampler.sample(logits, fb.sampling)
+        grammar = self.grammars.accept(constrained, sampled.next_ids) if batch.grammar_rows else None
         self.future_tokens.store(sampled.next_ids)
-        return PendingStep(sampled, self.ops.copy_to_host(sampled.device_tensors()), t0, load)
+        return PendingStep(sampled, self.ops.copy_to_host(sampled.device_tensors()), t0, load, grammar)
 
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> StepOutput:
         """One step, answered: :meth:`launch_step`, then wait for its tokens (``PendingStep.result``)."""

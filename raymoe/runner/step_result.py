@@ -29,14 +29,17 @@ class PendingStep:
         copy: their host copy (None with ``sampled``).
         started: ``time.perf_counter()`` when the step began on the rank, seconds.
         load: the expert-load counters' host copy ([L, E] int64), when the step's update asked for them.
+        grammar: ``(done, dead)`` rows of the step's constrained requests (``raymoe.runner.grammar``), known at
+            launch.
     """
 
     def __init__(self, sampled: SampledTokens | None, copy: HostCopy | None, started: float,
-                 load: HostCopy | None = None):
+                 load: HostCopy | None = None, grammar: tuple[list[int], list[int]] | None = None):
         self.sampled = sampled
         self.copy = copy
         self.load = load
         self.started = started
+        self.grammar = grammar
         # a copy that is complete at launch (a CPU rank) ends the step's time here, not when it is collected
         self._done_at = time.perf_counter() if copy is None or copy.ready() else None
         self._output: StepOutput | None = None
@@ -64,6 +67,7 @@ class PendingStep:
         if self.load is not None:
             self.load.wait()
             load = self.load.tensors[0].reshape(-1).tolist()
-        self._output = StepOutput(ids, logprobs, done_at - self.started, load)
+        done, dead = self.grammar or ((), ())
+        self._output = StepOutput(ids, logprobs, done_at - self.started, load, tuple(done), tuple(dead))
         self.sampled = self.copy = self.load = None
         return self._output

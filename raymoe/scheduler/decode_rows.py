@@ -22,6 +22,7 @@ from raymoe.scheduler.group_state import GroupState
 from raymoe.scheduler.req import Req
 from raymoe.scheduler.schedule_batch import ScheduleBatch, sampling_columns
 from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.grammar import GrammarRow
 from raymoe.step.sampling_inputs import SamplingInputs
 from raymoe.step.worker_batch import ModelWorkerBatch
 
@@ -39,6 +40,7 @@ class DecodeRows:
         self._epoch = -1
         self._pool_rows: list[int] = []  # [bs] ReqToTokenPool rows
         self._sampling: list[list] = []  # six [bs] columns (``schedule_batch.sampling_columns``)
+        self._grammar_rows: tuple[GrammarRow, ...] = ()  # the constrained rows (their matchers are on the ranks)
 
     def _columns_for(self, reqs: list[Req]) -> bool:
         """Make the kept columns those of ``reqs``; False when a request lacks a row or its sampling numbers, or has
@@ -50,8 +52,16 @@ class DecodeRows:
         rows = [r.sampling_row for r in reqs]
         if None in pool_rows or None in rows or any(r.table_len == 0 for r in reqs):
             return False  # a request build has to check first (its table length only grows until it gives KV back)
+        grammar_rows = []
+        for i, r in enumerate(reqs):
+            spec = r.sampling_params.grammar
+            if spec is not None:
+                if not r.grammar_synced:
+                    return False  # its first sampling row: build sends its tokens
+                grammar_rows.append(GrammarRow(i, r.rid, spec))
         self._reqs, self._epoch, self._pool_rows = list(reqs), epoch, pool_rows
         self._sampling = sampling_columns(rows)
+        self._grammar_rows = tuple(grammar_rows)
         return True
 
     def build(self, reqs: list[Req]) -> ScheduleBatch | None:
@@ -83,5 +93,5 @@ class DecodeRows:
         worker_batch = ModelWorkerBatch(
             forward_mode=ForwardMode.DECODE, input_ids=input_ids, req_pool_indices=self._pool_rows[:],
             seq_lens=seq_lens, prefix_lens=[n - 1 for n in seq_lens], extend_lens=[1] * bs,
-            out_cache_loc=out_cache_loc, sampling=sampling)
+            out_cache_loc=out_cache_loc, sampling=sampling, grammar_rows=self._grammar_rows)
         return ScheduleBatch(reqs=list(reqs), partial=[False] * bs, worker_batch=worker_batch)

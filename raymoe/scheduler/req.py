@@ -125,6 +125,9 @@ class Req:
             ``None`` before the first.
         sampling_row: its sampling numbers as a step row carries them, ``(temperature, top_p, top_k, min_p, seed,
             logprobs)``, taken when its parameters were last checked (the first step after each admission).
+        grammar_synced: the ranks hold this request's grammar matcher with every output token it has accepted
+            (``raymoe.runner.grammar``): set once a sampling row sent them its ``output_ids``, cleared with its KV
+            (a re-admitted request sends them again).
         export_kv: prefill side of PD disaggregation: when it finishes, its prompt's KV stays locked in the radix
             cache for a decode engine to fetch (``GroupState.kv_exports``) until released.
     """
@@ -146,6 +149,7 @@ class Req:
     num_retractions: int = 0
     pending_ids: list[int] = field(default_factory=list)
     table_len: int = 0
+    grammar_synced: bool = False
     limits: StopLimits | None = field(default=None, repr=False)
     sampling_row: tuple[float, float, int, float, int | None, int | None] | None = field(default=None, repr=False)
 
@@ -274,3 +278,4 @@ class Req:
         self.prefix_len = 0
         self.last_node = None
         self.table_len = 0
+        self.grammar_synced = False

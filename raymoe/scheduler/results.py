@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from raymoe.scheduler.group_state import GroupState
-from raymoe.scheduler.req import Req, RequestFault
+from raymoe.scheduler.req import FinishKind, Req, RequestFault
 from raymoe.scheduler.schedule_batch import ScheduleBatch
 from raymoe.step.step_output import StepOutput
 
@@ -45,8 +45,10 @@ def apply_batch_result(state: GroupState, batch: ScheduleBatch, output: StepOutp
     """Apply the tokens of ``batch`` (the oldest batch in flight), ``output.next_token_ids`` [bs].
 
     A non-final prefill chunk's token is discarded. Rows of requests that finished or were aborted while the batch
-    was in flight are skipped. A request whose own post-processing raises (its stop-string check, say) fails alone
-    (``FinishKind.ERROR``, kind ``"failed"``, its KV released) and is returned with the others.
+    was in flight are skipped. A row whose grammar completed (``output.grammar_done``) ends with ``stop`` after
+    its token; one whose grammar allowed no token (``output.grammar_dead``) ends with ``abort`` without it. A request
+    whose own post-processing raises (its stop-string check, say) fails alone (``FinishKind.ERROR``, kind
+    ``"failed"``, its KV released) and is returned with the others.
 
     Returns:
         the requests that got a new token (finished or not), in batch order.
@@ -63,9 +65,16 @@ def apply_batch_result(state: GroupState, batch: ScheduleBatch, output: StepOutp
     ctx, pool = state.cache_config.max_context_len, state.token_allocator.size
     logprobs = output.logprobs or [None] * batch.batch_size
     out: list[Req] = []
+    grammar_ended = (set(output.grammar_done), set(output.grammar_dead)) if (
+        output.grammar_done or output.grammar_dead) else None
     rows = zip(batch.reqs, batch.partial, output.next_token_ids, logprobs, strict=True)
-    for req, partial, token, lp in rows:
+    for i, (req, partial, token, lp) in enumerate(rows):
         if req.finished_reason is not None or partial:
+            continue
+        if grammar_ended is not None and i in grammar_ended[1]:
+            req.finish(FinishKind.ABORT, message="the output's grammar allows no further token")
+            _finished(state, req)
+            out.append(req)
             continue
         try:
             req.pending_ids.pop(0)
@@ -77,6 +86,9 @@ def apply_batch_result(state: GroupState, batch: ScheduleBatch, output: StepOutp
                 finished = req.check_finished(stop.eos_token_ids, stop.detokenize, ctx, kv_pool_size=pool)
             else:
                 finished = False
+            if not finished and grammar_ended is not None and i in grammar_ended[0]:
+                req.finish(FinishKind.STOP, matched=token)
+                finished = True
         except Exception as e:  # noqa: BLE001 - this request's own check failed: fail it, keep the others
             log.exception("post-processing request %s failed", req.rid)
             state.fail(req, RequestFault("failed", f"checking the request's stop conditions failed "
@@ -84,11 +96,16 @@ def apply_batch_result(state: GroupState, batch: ScheduleBatch, output: StepOutp
             out.append(req)
             continue
         if finished:
-            state.unfinished.pop(req.rid, None)
-            if req in state.running:
-                state.running.remove(req)
-                state.release(req, cache=True)
-            else:  # retracted while this batch was in flight: it holds no KV
-                state.waiting.remove(req)
+            _finished(state, req)
         out.append(req)
     return out
+
+
+def _finished(state: GroupState, req: Req) -> None:
+    """Take a request that just finished out of its group: its KV goes to the radix cache."""
+    state.unfinished.pop(req.rid, None)
+    if req in state.running:
+        state.running.remove(req)
+        state.release(req, cache=True)
+    else:  # retracted while this batch was in flight: it holds no KV
+        state.waiting.remove(req)

@@ -15,6 +15,7 @@ import operator
 from dataclasses import dataclass, field
 
 from raymoe.errors import InvalidRequestError
+from raymoe.step.grammar import GrammarSpec
 
 MAX_TOP_K = 2**31 - 1  # ranks hold top_k in an int64 tensor; anything past the vocabulary means "off" anyway
 # Largest max_tokens: the scheduler caps a request at the context length anyway; this keeps tensors int32-safe.
@@ -61,6 +62,9 @@ class SamplingParams:
         ignore_eos: keep generating past EOS until ``max_tokens``.
         logprobs: number of top log-probabilities to return per generated token, in [0, ``MAX_LOGPROBS``]
             (None: none).
+        grammar: a constraint on the output (JSON object, JSON schema, regular expression, EBNF grammar;
+            ``raymoe.step.grammar``), enforced on the ranks by masking the logits; None: unconstrained. A completed
+            grammar ends the request (``stop``).
 
     Raises:
         InvalidRequestError: naming the field that is out of range or of the wrong type.
@@ -76,6 +80,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         self._normalize_sequences()
@@ -106,6 +111,12 @@ class SamplingParams:
             raise InvalidRequestError("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.grammar is not None:
+            if not isinstance(self.grammar, GrammarSpec):
+                raise InvalidRequestError("grammar", f"must be a GrammarSpec or None, got "
+                                                     f"{type(self.grammar).__name__}")
+            if (problem := self.grammar.problem()) is not None:
+                raise InvalidRequestError(self.grammar.field, problem)
         self._check_stops()
 
     def _normalize_sequences(self) -> None:

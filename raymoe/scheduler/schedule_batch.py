@@ -19,6 +19,7 @@ from raymoe.errors import InvalidRequestError
 from raymoe.scheduler.req import Req, RequestFault, RequestFaultError
 from raymoe.scheduler.sampling_params import SamplingParams
 from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.grammar import GrammarRow
 from raymoe.step.sampling_inputs import SamplingInputs
 from raymoe.step.worker_batch import ModelWorkerBatch
 
@@ -73,6 +74,7 @@ class ScheduleBatch:
         prefix_lens: list[int] = []
         table_lens: list[int] = []
         partial: list[bool] = []
+        grammar_rows: list[GrammarRow] = []
         for req, e in zip(reqs, extend_lens, strict=True):
             end = req.kv_len
             start = end - e
@@ -92,6 +94,10 @@ class ScheduleBatch:
                 table_lens.append(held)
             prefix_lens.append(start)
             partial.append(end < total)
+            spec = req.sampling_params.grammar
+            if spec is not None and end == total:  # a row that samples: the rank masks it
+                sync = None if req.grammar_synced else tuple(req.output_ids)
+                grammar_rows.append(GrammarRow(len(partial) - 1, req.rid, spec, sync))
         worker_batch = ModelWorkerBatch(
             forward_mode=forward_mode,
             input_ids=input_ids,
@@ -103,6 +109,7 @@ class ScheduleBatch:
             prefix_slots=prefix_slots,
             sampling=_sampling_inputs(reqs),
             table_lens=table_lens,
+            grammar_rows=tuple(grammar_rows),
         )
         return cls(reqs=list(reqs), partial=partial, worker_batch=worker_batch)
 
@@ -115,6 +122,8 @@ class ScheduleBatch:
             req.table_len = kv_len
             if not partial:
                 req.pending_ids.append(-i)
+        for g in self.worker_batch.grammar_rows:  # the ranks now hold these matchers
+            self.reqs[g.row].grammar_synced = True
 
     @property
     def batch_size(self) -> int:

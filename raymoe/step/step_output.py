@@ -30,6 +30,10 @@ class StepOutput:
         forward_seconds: wall time of forward + sampling on the rank, seconds.
         expert_load: the rank's cumulative routed pairs per MoE layer and logical expert, flattened [L * E]
             (``raymoe.eplb``; only when the step's ``ExpertUpdate.report_load`` asked), else None.
+        grammar_done: rows whose grammar completed with this step's token (``raymoe.runner.grammar``): the request
+            ends with ``stop`` after it.
+        grammar_dead: rows whose grammar allowed no token: the token is discarded and the request ends
+            (``abort``).
     Raises:
         ValueError: ``logprobs`` is neither empty nor one entry per token.
     """
@@ -38,6 +42,8 @@ class StepOutput:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     forward_seconds: float = 0.0
     expert_load: list[int] | None = None
+    grammar_done: tuple[int, ...] = ()
+    grammar_dead: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.logprobs) not in (0, len(self.next_token_ids)):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from raymoe.step.expert_update import ExpertUpdate
 from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.grammar import GrammarRow
 from raymoe.step.sampling_inputs import SamplingInputs
 
 
@@ -43,10 +44,12 @@ class ModelWorkerBatch:
             rank (``raymoe.comm.a2a_plan``); None: normal-mode dispatch.
         expert_update: the step's expert load balancing work, the same on every rank (``raymoe.step.expert_update``;
             the rank applies it before the forward), or None.
+        grammar_rows: the rows whose requests constrain their output (``raymoe.step.grammar``), ascending; empty
+            when none does.
     Raises:
         ValueError: a per-request list or ``sampling`` does not have ``bs`` entries, ``out_cache_loc`` does not
-            have ``T``, ``prefix_slots`` does not match ``prefix_lens - table_lens``, or an IDLE batch carries
-            requests or tokens.
+            have ``T``, ``prefix_slots`` does not match ``prefix_lens - table_lens``, an IDLE batch carries
+            requests or tokens, or a grammar row is outside the batch.
     """
 
     forward_mode: ForwardMode
@@ -64,6 +67,7 @@ class ModelWorkerBatch:
     dispatch_capacity: int | None = None
     table_lens: list[int] = field(default_factory=list)
     expert_update: ExpertUpdate | None = None
+    grammar_rows: tuple[GrammarRow, ...] = ()
 
     def __post_init__(self) -> None:
         bs = len(self.req_pool_indices)
@@ -85,6 +89,8 @@ class ModelWorkerBatch:
         if self.forward_mode == ForwardMode.IDLE and (bs or num_tokens):
             raise ValueError("an IDLE ModelWorkerBatch carries no requests")
         _check_capacity(self.dispatch_capacity, num_tokens)
+        if self.grammar_rows and any(not 0 <= g.row < bs for g in self.grammar_rows):
+            raise ValueError(f"ModelWorkerBatch.grammar_rows names a row outside [0, {bs})")
 
     def with_step_decisions(self, global_num_tokens: tuple[int, ...], use_tbo: bool, graph_bs: int | None,
                             dispatch_capacity: int | None, expert_update: ExpertUpdate | None = None

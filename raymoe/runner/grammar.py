@@ -1,0 +1,240 @@
+"""Grammar-constrained rows on a rank: one xgrammar matcher per constrained request, masks applied to the logits
+before the sampler, each matcher advanced by its sampled token.
+
+A step's constrained rows arrive as ``ModelWorkerBatch.grammar_rows`` (``raymoe.step.grammar``). For each, the rank
+keeps a matcher under the request's ReqToTokenPool row (tagged with its id). Per step:
+
+1. :meth:`RankGrammars.mask` (after the forward, before the sampler): a row that carries ``output_ids`` (its first
+   sampling step since an admission) gets a fresh matcher advanced over them; every row's next-token bitmask (the
+   grammar's tokens that also keep the output well-formed UTF-8, ``raymoe.runner.utf8_mask``)
+   (prepared in the background after the previous step, else filled now) is copied into a ``[bs, ceil(V/32)]``
+   int32 bitmask and applied to the logits in place (``xgrammar.apply_token_bitmask_inplace``: disallowed tokens
+   get ``-inf``), so greedy, top-k/p and seeded sampling all draw from the grammar's tokens.
+2. :meth:`RankGrammars.accept` (after the sampler): the constrained rows' ids come to the host (the one host
+   sync a constrained step adds), each matcher accepts its token, and the masks for the next step are filled on a
+   background thread while the rank answers and runs that step's forward: the mask for step N+1 is computed while
+   step N+1's forward runs (xgrammar fills outside the GIL), the overlap SGLang gets by filling between launching
+   a forward and sampling.
+
+A row whose grammar allows no token (a dead end) is sampled unmasked and reported in ``dead``: the driver ends the
+request (``finish_reason`` ``abort``) without its token. A row whose grammar completed (it accepted a stop token)
+is reported in ``done``: the driver ends it with ``stop`` even when the request ignores EOS. A spec that fails to
+compile here (an ``Engine`` caller skipped validation) makes its row a dead end, never a failed step.
+
+Rows without a grammar are never touched, and a step without constrained rows does nothing here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from raymoe.errors import InvalidRequestError
+from raymoe.runner.grammar_compiler import GrammarCompiler
+from raymoe.runner.utf8_mask import Utf8Masks
+from raymoe.step.grammar import GrammarRow
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Matcher:
+    """A request's grammar state on this rank: its matcher, its UTF-8 decoding state (``raymoe.runner.utf8_mask``)
+    and the bitmask of its next token ([1, W] int32) once filled (``pending``: the background fill that writes it)."""
+
+    rid: str
+    matcher: Any
+    mask: torch.Tensor
+    utf8: Utf8Masks
+    utf8_state: int = 0
+    filled: bool = False
+    allows_any: bool = True
+    pending: Future | None = field(default=None, repr=False)
+
+    def fill(self) -> None:
+        """Fill ``mask`` for the next token: the grammar's tokens that keep the output well-formed UTF-8 (the
+        grammar's alone if none does); idempotent until the matcher advances."""
+        if not self.filled:
+            self.matcher.fill_next_token_bitmask(self.mask)
+            # numpy views: the bitmask may be an inference-mode tensor, and this may run on the fill thread
+            mask = self.mask.numpy()
+            both = mask & self.utf8.words[self.utf8_state]
+            if both.any():
+                mask[...] = both
+            self.allows_any = bool(mask.any())
+            self.filled = True
+
+    def accept(self, token: int) -> bool:
+        """Advance by ``token``; False (nothing changed) when the grammar refuses it."""
+        if not self.matcher.accept_token(token):
+            return False
+        self.utf8_state = self.utf8.after(self.utf8_state, token)
+        self.filled = False
+        return True
+
+    def wait(self) -> None:
+        """Wait for a background fill, then make sure the mask is filled."""
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+        self.fill()
+
+
+@dataclass(frozen=True)
+class GrammarStep:
+    """The constrained rows of one step, between :meth:`RankGrammars.mask` and :meth:`RankGrammars.accept`.
+
+    Attributes:
+        rows: batch rows whose logits were masked (their matchers in ``matchers``, same order).
+        dead: batch rows whose grammar allowed no token (sampled unmasked; the driver ends them).
+    """
+
+    rows: list[int]
+    matchers: list[_Matcher]
+    dead: list[int]
+
+
+class RankGrammars:
+    """The rank's matchers (module docstring).
+
+    Args:
+        compiler: builds the :class:`GrammarCompiler` for the rank's model on first use (loading the tokenizer).
+        device: the logits' device.
+    """
+
+    def __init__(self, compiler: Callable[[], GrammarCompiler], device: torch.device):
+        self._make_compiler = compiler
+        self._compiler: GrammarCompiler | None = None
+        self._utf8: Utf8Masks | None = None
+        self.device = device
+        self._by_pool_row: dict[int, _Matcher] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        """The model's compiler (built on the first constrained row)."""
+        if self._compiler is None:
+            self._compiler = self._make_compiler()
+        return self._compiler
+
+    @property
+    def utf8(self) -> Utf8Masks:
+        """The vocabulary's UTF-8 state masks (built on the first constrained row)."""
+        if self._utf8 is None:
+            info = self.compiler.info
+            words = int(xgrammar_bitmask_words(info.vocab_size))
+            self._utf8 = Utf8Masks(info.decoded_vocab, info.special_token_ids, words)
+        return self._utf8
+
+    def _matcher_for(self, g: GrammarRow, pool_row: int) -> _Matcher | None:
+        """The row's matcher: rebuilt and advanced over ``g.output_ids`` when sent, else the one kept for this
+        request (None: it cannot be built, or a token it was given does not fit its grammar)."""
+        import xgrammar as xgr
+
+        m = self._by_pool_row.get(pool_row)
+        if g.output_ids is None and m is not None and m.rid == g.rid:
+            return m
+        if g.output_ids is None:
+            log.error("grammar row %d of request %s arrived without its tokens and no matcher is kept", g.row, g.rid)
+            return None
+        self._by_pool_row.pop(pool_row, None)
+        try:
+            compiled = self.compiler.compile(g.spec)
+        except InvalidRequestError as e:
+            log.warning("request %s: %s", g.rid, e)
+            return None
+        m = _Matcher(g.rid, xgr.GrammarMatcher(compiled), xgr.allocate_token_bitmask(1, self.compiler.vocab_size),
+                     self.utf8)
+        for t in g.output_ids:
+            if not m.accept(t):
+                log.warning("request %s: its output token %d does not fit its grammar", g.rid, t)
+                return None
+        self._by_pool_row[pool_row] = m
+        return m
+
+    def mask(self, rows: Sequence[GrammarRow], pool_rows: Sequence[int],
+             logits: torch.Tensor) -> tuple[torch.Tensor, GrammarStep]:
+        """Mask the constrained rows of ``logits``.
+
+        Args:
+            rows: the step's constrained rows. pool_rows: [bs] the batch's ReqToTokenPool rows (host list).
+            logits: [bs, V] float logits on the rank's device.
+        Returns:
+            the masked logits ([bs, V] float32: ``logits`` itself, masked in place, when it is a contiguous float32
+            tensor, else a masked copy) and the step's constrained rows, for :meth:`accept`.
+        """
+        import xgrammar as xgr
+
+        masked: list[int] = []
+        matchers: list[_Matcher] = []
+        dead: list[int] = []
+        for g in rows:
+            m = self._matcher_for(g, pool_rows[g.row])
+            if m is None or m.matcher.is_terminated():
+                if m is None:
+                    dead.append(g.row)
+                continue  # a completed grammar's row is in flight after its request ended: the driver skips it
+            m.wait()
+            if not m.allows_any:
+                dead.append(g.row)
+                continue
+            masked.append(g.row)
+            matchers.append(m)
+        if masked:
+            if logits.dtype != torch.float32 or not logits.is_contiguous():
+                logits = logits.float().contiguous()
+            bitmask = torch.full((logits.shape[0], matchers[0].mask.shape[1]), -1, dtype=torch.int32)
+            bitmask[masked] = torch.cat([m.mask for m in matchers])  # xgrammar indexes logits and bitmask alike
+            bitmask = bitmask.to(self.device, non_blocking=True) if self.device.type != "cpu" else bitmask
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(logits.shape[-1],
+                                                                            self.compiler.vocab_size),
+                                            indices=masked)
+        return logits, GrammarStep(masked, matchers, dead)
+
+    def accept(self, step: GrammarStep, next_ids: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Advance each masked row's matcher by its sampled token and start filling the next step's masks.
+
+        Args:
+            step: what :meth:`mask` answered for this step. next_ids: [bs] int64 sampled ids (any device).
+        Returns:
+            ``(done, dead)`` batch rows: grammars that completed with this token, and rows that reached a dead end
+            (this step's, and any whose sampled token the matcher refused).
+        """
+        done: list[int] = []
+        dead = list(step.dead)
+        if not step.rows:
+            return done, dead
+        ids = next_ids[torch.tensor(step.rows, device=next_ids.device)].tolist()  # host sync: constrained rows
+        advancing: list[_Matcher] = []
+        for row, m, t in zip(step.rows, step.matchers, ids, strict=True):
+            if not m.accept(int(t)):
+                dead.append(row)
+                continue
+            if m.matcher.is_terminated():
+                done.append(row)
+            else:
+                advancing.append(m)
+        if advancing:
+            future = self._pool.submit(_fill_all, advancing)
+            for m in advancing:
+                m.pending = future
+        return done, dead
+
+    def close(self) -> None:
+        """Stop the background thread (pending fills are finished first)."""
+        self._pool.shutdown(wait=True)
+
+
+def xgrammar_bitmask_words(vocab_size: int) -> int:
+    """int32 words of one token bitmask over ``vocab_size`` tokens (xgrammar's layout)."""
+    return (vocab_size + 31) // 32
+
+
+def _fill_all(matchers: list[_Matcher]) -> None:
+    for m in matchers:
+        m.fill()
