@@ -20,11 +20,13 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import re
 
 import pytest
 from server_harness import wait_for
 
 from raymoe.scheduler.sampling_params import SamplingParams
+from raymoe.step.grammar import GrammarSpec
 
 PROMPTS = [[5 + i % 90 for i in range(n)] for n in (7, 40, 300)] + [[5 + i % 90 for i in range(300)] + [1, 2, 3]]
 OPTIONS = {"max_running_requests": 8, "chunked_prefill_size": 128, "max_total_tokens": 4096,
@@ -61,9 +63,11 @@ def engines(ray_cluster, model):
         colocated.shutdown()
 
 
-async def _run(engine, rid: str, prompt: list[int], max_tokens: int, stop_after: int | None = None) -> list[int]:
+async def _run(engine, rid: str, prompt: list[int], max_tokens: int, stop_after: int | None = None,
+               params: SamplingParams | None = None) -> list[int]:
     out: list[int] = []
-    gen = engine.generate(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    gen = engine.generate(rid, prompt, params or SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                ignore_eos=True))
     try:
         async for delta in gen:
             out += delta.token_ids
@@ -248,8 +252,10 @@ def test_a_prefill_rank_killed_mid_transfer_costs_the_stream_a_pause(engines):
 def test_the_engine_api_in_pd_mode_gives_the_colocated_tokens(engines, model):
     """``Engine(model, pd_prefill=..., pd_decode=...)``, with KV pages of 4 tokens on both sides (prompts of 7 and
     303 tokens end in a partial page, which moves whole): the same greedy tokens as the colocated engine (one-token
-    pages), no transfer fell back, a radix hit on the prefill side; both engines idle afterwards; one of the two
-    keywords alone is refused."""
+    pages), no transfer fell back, a radix hit on the prefill side; a grammar-constrained request (its first token
+    sampled under the grammar on the prefill side, the matcher rebuilt from it on the decode side) gives the
+    colocated engine's constrained tokens; both engines idle afterwards; one of the two keywords alone is
+    refused."""
     from raymoe.engine import Engine
     from raymoe.errors import InvalidRequestError
 
@@ -267,6 +273,9 @@ def test_the_engine_api_in_pd_mode_gives_the_colocated_tokens(engines, model):
                                     _run(colocated, "e-alone", alone + [1, 2], 24))
 
     *want, want_alone = asyncio.run(reference())
+    constrained = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                 grammar=GrammarSpec("regex", "[a-z]{4,12}@(foo|bar)\\.(com|org)", field="regex"))
+    want_constrained = asyncio.run(_run(colocated, "e-regex", PROMPTS[0], 40, params=constrained))
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     with Engine(model, pd_prefill="dp=1", pd_decode="dp=2,ep=2", page_size=4, **OPTIONS) as engine:
         assert engine.config.cache.page_tokens == engine.pd.prefill.config.cache.page_tokens == 4
@@ -278,6 +287,9 @@ def test_the_engine_api_in_pd_mode_gives_the_colocated_tokens(engines, model):
         again = engine.generate(prompt_token_ids=[alone + [1, 2]], sampling_params=params)[0]
         assert again.token_ids == want_alone and again.cached_tokens == 200 and engine.pd.transfers_failed == 0
         assert outs[0].text == engine.tokenizer.decode(want[0], skip_special_tokens=True)
+        got = engine.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=constrained)[0]
+        assert got.token_ids == want_constrained and got.finish_reason == "stop"
+        assert re.fullmatch("[a-z]{4,12}@(foo|bar)\\.(com|org)", got.text), got.text
         _idle(engine.pd.prefill)
         _idle(engine.pd.decode)
 

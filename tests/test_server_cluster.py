@@ -114,3 +114,19 @@ def test_a_pd_app_beside_it_answers_what_the_colocated_app_answers(serve_url, ti
     while rank_groups() != before:
         assert time.monotonic() < deadline, "the PD app's rank placement groups outlived it"
         time.sleep(0.5)
+
+
+def test_structured_output_through_ray_serve(serve_url):
+    """``response_format`` with a pydantic model (``chat.completions.parse``) through the Serve proxy to the dp=2 x
+    ep=2 ranks with two-batch overlap: every answer validates (the grammar runs on the ranks of either group)."""
+
+    class Point(pydantic.BaseModel):
+        label: str = pydantic.Field(max_length=6)
+        x: int = pydantic.Field(ge=-9, le=9)
+        ok: bool
+
+    client = OpenAI(base_url=f"{serve_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    for seed in range(4):
+        r = client.chat.completions.parse(model="tiny-moe", messages=[{"role": "user", "content": f"p{seed}"}],
+                                          response_format=Point, temperature=1.0, seed=seed, max_tokens=80)
+        assert isinstance(r.choices[0].message.parsed, Point) and r.choices[0].finish_reason == "stop"

@@ -3,6 +3,10 @@
 Workloads: random prompts (``--input-len`` words each, ``--output-len`` tokens with ``ignore_eos`` so every
 request generates the same number of tokens), or an MT-Bench style ``question.jsonl`` (``--dataset-path``): each
 question is a two-turn chat, where turn 2 resends turn 1 and its answer, a natural prefix-cache workload.
+``--chat`` sends random prompts as one-turn chats; ``--json-schema builtin|PATH`` adds a ``response_format``
+json_schema to every chat request (grammar-constrained decoding; ``builtin``: a nested record with strings, an
+enum, numbers and arrays) and reports how many finished answers parse as JSON; run once with ``--chat`` and once
+with ``--json-schema`` to measure what constraints cost.
 Requests start at ``--request-rate`` per second (Poisson arrivals; ``inf``: all at once) with at most
 ``--concurrency`` conversations in flight. Reported: request and token throughput, time to first token (TTFT),
 inter-token latency (ITL: gaps between streamed chunks), time per output token (TPOT), end-to-end latency
@@ -36,6 +40,7 @@ class RequestResult:
     output_tokens: int = 0
     cached_tokens: int = 0
     text: str = ""
+    finish_reason: str | None = None
     error: str | None = None
 
 
@@ -79,6 +84,7 @@ async def stream_request(client, url: str, body: dict) -> RequestResult:
                     res.output_tokens = chunk["usage"]["completion_tokens"]
                     res.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 for choice in chunk.get("choices", []):
+                    res.finish_reason = choice.get("finish_reason") or res.finish_reason
                     text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
                     if not text:
                         continue
@@ -128,6 +134,42 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     }
 
 
+BUILTIN_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
+        "role": {"enum": ["admin", "editor", "viewer"]},
+        "address": {"type": "object", "properties": {"street": {"type": "string"}, "city": {"type": "string"}},
+                    "required": ["street", "city"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "scores": {"type": "array", "items": {"type": "number"}},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "address", "tags", "active"], "additionalProperties": False,
+}
+"""``--json-schema builtin``: a realistic extraction record (nested object, enum, arrays, numbers, free strings)."""
+
+
+def json_schema_format(spec: str | None) -> dict | None:
+    """The ``response_format`` of ``--json-schema`` (None: none): ``builtin`` or a path to a schema file."""
+    if spec is None or spec == "none":
+        return None
+    schema = BUILTIN_SCHEMA if spec == "builtin" else json.loads(Path(spec).read_text())
+    return {"type": "json_schema", "json_schema": {"name": "record", "schema": schema, "strict": True}}
+
+
+def _json_valid(results: list[RequestResult]) -> int:
+    n = 0
+    for r in results:
+        if r.error is None and r.finish_reason == "stop":
+            try:
+                json.loads(r.text)
+                n += 1
+            except ValueError:
+                pass
+    return n
+
+
 async def _first_model(client, base_url: str) -> str:
     r = await client.get(f"{base_url}/v1/models")
     r.raise_for_status()
@@ -144,11 +186,14 @@ async def run_benchmark(a: argparse.Namespace) -> dict:
     limits = httpx.Limits(max_connections=a.concurrency + 4, max_keepalive_connections=a.concurrency + 4)
     async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(a.timeout), limits=limits) as client:
         model = a.model or await _first_model(client, base)
-        chat = a.dataset_path is not None
-        ignore_eos = (not chat) if a.ignore_eos is None else a.ignore_eos
+        fmt = json_schema_format(a.json_schema)
+        chat = a.dataset_path is not None or a.chat or fmt is not None
+        ignore_eos = (a.dataset_path is None) if a.ignore_eos is None else a.ignore_eos
         common = {"model": model, "max_tokens": a.output_len, "temperature": a.temperature, "stream": True,
                   "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
-        work = (load_conversations(a.dataset_path, a.num_prompts) if chat
+        if fmt is not None:
+            common["response_format"] = fmt
+        work = (load_conversations(a.dataset_path, a.num_prompts) if a.dataset_path is not None
                 else [[p] for p in random_prompts(a.num_prompts, a.input_len, a.seed)])
         sem = asyncio.Semaphore(a.concurrency)
         bar = tqdm(total=sum(len(w) for w in work), desc="bench serve", unit="req")
@@ -179,7 +224,12 @@ async def run_benchmark(a: argparse.Namespace) -> dict:
         duration = time.perf_counter() - start
         bar.close()
     summary = summarize(results, duration)
-    return {"base_url": base, "model": model, "workload": "mt_bench_two_turn" if chat else "random",
+    if fmt is not None:
+        summary["json_schema"] = a.json_schema
+        summary["json_valid"] = _json_valid(results)
+        summary["finished_stop"] = sum(r.error is None and r.finish_reason == "stop" for r in results)
+    workload = "mt_bench_two_turn" if a.dataset_path is not None else "random_chat" if chat else "random"
+    return {"base_url": base, "model": model, "workload": workload,
             "concurrency": a.concurrency, "num_prompts": a.num_prompts,
             "request_rate": None if a.request_rate == float("inf") else a.request_rate,
             "output_len": a.output_len, "input_len_words": None if chat else a.input_len, **summary}
@@ -201,6 +251,9 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
                    help="generate exactly --output-len tokens (default: on for random prompts)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action="store_true", help="send random prompts as one-turn chats")
+    p.add_argument("--json-schema", default=None, metavar="builtin|PATH",
+                   help="constrain every chat answer to a JSON schema (response_format json_schema)")
     p.add_argument("--output-json", default="bench_results/serve.json")
 
 
@@ -214,6 +267,9 @@ def run_serve_bench(a: argparse.Namespace) -> dict:
         q = s[name]
         if q["p50"] is not None:
             print(f"{name:>15}: mean {q['mean']:.1f}  p50 {q['p50']:.1f}  p90 {q['p90']:.1f}  p99 {q['p99']:.1f}")
+    if "json_valid" in s:
+        print(f"json_schema {s['json_schema']}: {s['finished_stop']} answers completed their document, "
+              f"{s['json_valid']} of them parse as JSON")
     if s["error_samples"]:
         print("errors:", *s["error_samples"], sep="\n  ")
     if a.output_json:

@@ -180,13 +180,17 @@ class OpenAIServing:
         args = (body, engine.tokenizer, engine.model_config.vocab_size, engine.max_context_len, self.limits,
                 self.reasoning_parser, self.tool_call_parser)
         size = request.headers.get("content-length")
-        if constrained(body):  # building and compiling a grammar: milliseconds, off the event loop
-            prep = await anyio.to_thread.run_sync(prepare, *args)
-            await anyio.to_thread.run_sync(self._check_grammar, prep.params.grammar)
-            return prep
+        if constrained(body):  # building and compiling a grammar: milliseconds, off the event loop (one hop)
+            return await anyio.to_thread.run_sync(self._prepare_constrained, args)
         if size is not None and size.isdigit() and int(size) <= INLINE_PREP_MAX_BODY_BYTES:
             return prepare(*args)
         return await anyio.to_thread.run_sync(prepare, *args)
+
+    def _prepare_constrained(self, args: tuple) -> PreparedRequest:
+        """``prepare`` and :meth:`_check_grammar` in one worker-thread call."""
+        prep = prepare(*args)
+        self._check_grammar(prep.params.grammar)
+        return prep
 
     def _check_grammar(self, spec: GrammarSpec) -> None:
         """Compile ``spec`` against the model's vocabulary (``raymoe.runner.grammar_compiler``; cached per source),

@@ -11,10 +11,10 @@ keeps a matcher under the request's ReqToTokenPool row (tagged with its id). Per
    int32 bitmask and applied to the logits in place (``xgrammar.apply_token_bitmask_inplace``: disallowed tokens
    get ``-inf``), so greedy, top-k/p and seeded sampling all draw from the grammar's tokens.
 2. :meth:`RankGrammars.accept` (after the sampler): the constrained rows' ids come to the host (the one host
-   sync a constrained step adds), each matcher accepts its token, and the masks for the next step are filled on a
-   background thread while the rank answers and runs that step's forward: the mask for step N+1 is computed while
-   step N+1's forward runs (xgrammar fills outside the GIL), the overlap SGLang gets by filling between launching
-   a forward and sampling.
+   sync a constrained step adds), each matcher accepts its token, and the masks for the next step are filled. On
+   a GPU rank they are filled on a background thread while the host answers and launches step N+1's forward, so
+   the mask for step N+1 is ready when that forward's logits are (the overlap SGLang gets by filling between
+   launching a forward and sampling); a CPU rank fills them at once (its forward is host work itself).
 
 A row whose grammar allows no token (a dead end) is sampled unmasked and reported in ``dead``: the driver ends the
 request (``finish_reason`` ``abort``) without its token. A row whose grammar completed (it accepted a stop token)
@@ -32,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from raymoe.errors import InvalidRequestError
@@ -54,7 +55,11 @@ class _Matcher:
     utf8_state: int = 0
     filled: bool = False
     allows_any: bool = True
+    terminated: bool = False
     pending: Future | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.words = self.mask.numpy()  # [1, W] int32 view: read and written without torch's dispatch
 
     def fill(self) -> None:
         """Fill ``mask`` for the next token: the grammar's tokens that keep the output well-formed UTF-8 (the
@@ -62,7 +67,7 @@ class _Matcher:
         if not self.filled:
             self.matcher.fill_next_token_bitmask(self.mask)
             # numpy views: the bitmask may be an inference-mode tensor, and this may run on the fill thread
-            mask = self.mask.numpy()
+            mask = self.words
             both = mask & self.utf8.words[self.utf8_state]
             if both.any():
                 mask[...] = both
@@ -75,6 +80,7 @@ class _Matcher:
             return False
         self.utf8_state = self.utf8.after(self.utf8_state, token)
         self.filled = False
+        self.terminated = self.matcher.is_terminated()
         return True
 
     def wait(self) -> None:
@@ -105,15 +111,20 @@ class RankGrammars:
     Args:
         compiler: builds the :class:`GrammarCompiler` for the rank's model on first use (loading the tokenizer).
         device: the logits' device.
+        fill_in_background: fill the next step's masks on a thread (None: on GPU ranks, whose host goes on to
+            launch the next step while it fills; a CPU rank's forward is its own host work, so there a thread only
+            adds GIL and core contention: measured no faster on the CI machine, and it fills right after sampling).
     """
 
-    def __init__(self, compiler: Callable[[], GrammarCompiler], device: torch.device):
+    def __init__(self, compiler: Callable[[], GrammarCompiler], device: torch.device,
+                 fill_in_background: bool | None = None):
         self._make_compiler = compiler
         self._compiler: GrammarCompiler | None = None
         self._utf8: Utf8Masks | None = None
         self.device = device
         self._by_pool_row: dict[int, _Matcher] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        self.fill_in_background = device.type != "cpu" if fill_in_background is None else fill_in_background
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -134,8 +145,6 @@ class RankGrammars:
     def _matcher_for(self, g: GrammarRow, pool_row: int) -> _Matcher | None:
         """The row's matcher: rebuilt and advanced over ``g.output_ids`` when sent, else the one kept for this
         request (None: it cannot be built, or a token it was given does not fit its grammar)."""
-        import xgrammar as xgr
-
         m = self._by_pool_row.get(pool_row)
         if g.output_ids is None and m is not None and m.rid == g.rid:
             return m
@@ -148,6 +157,7 @@ class RankGrammars:
         except InvalidRequestError as e:
             log.warning("request %s: %s", g.rid, e)
             return None
+        xgr = _xgrammar()
         m = _Matcher(g.rid, xgr.GrammarMatcher(compiled), xgr.allocate_token_bitmask(1, self.compiler.vocab_size),
                      self.utf8)
         for t in g.output_ids:
@@ -168,14 +178,12 @@ class RankGrammars:
             the masked logits ([bs, V] float32: ``logits`` itself, masked in place, when it is a contiguous float32
             tensor, else a masked copy) and the step's constrained rows, for :meth:`accept`.
         """
-        import xgrammar as xgr
-
         masked: list[int] = []
         matchers: list[_Matcher] = []
         dead: list[int] = []
         for g in rows:
             m = self._matcher_for(g, pool_rows[g.row])
-            if m is None or m.matcher.is_terminated():
+            if m is None or m.terminated:
                 if m is None:
                     dead.append(g.row)
                 continue  # a completed grammar's row is in flight after its request ended: the driver skips it
@@ -188,10 +196,11 @@ class RankGrammars:
         if masked:
             if logits.dtype != torch.float32 or not logits.is_contiguous():
                 logits = logits.float().contiguous()
-            bitmask = torch.full((logits.shape[0], matchers[0].mask.shape[1]), -1, dtype=torch.int32)
-            bitmask[masked] = torch.cat([m.mask for m in matchers])  # xgrammar indexes logits and bitmask alike
+            words = np.full((logits.shape[0], matchers[0].words.shape[1]), -1, dtype=np.int32)
+            words[masked] = np.concatenate([m.words for m in matchers])  # xgrammar indexes logits and masks alike
+            bitmask = torch.from_numpy(words)
             bitmask = bitmask.to(self.device, non_blocking=True) if self.device.type != "cpu" else bitmask
-            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(logits.shape[-1],
+            _xgrammar().apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(logits.shape[-1],
                                                                             self.compiler.vocab_size),
                                             indices=masked)
         return logits, GrammarStep(masked, matchers, dead)
@@ -209,17 +218,19 @@ class RankGrammars:
         dead = list(step.dead)
         if not step.rows:
             return done, dead
-        ids = next_ids[torch.tensor(step.rows, device=next_ids.device)].tolist()  # host sync: constrained rows
+        ids = next_ids.tolist()  # the host sync a constrained step adds
         advancing: list[_Matcher] = []
-        for row, m, t in zip(step.rows, step.matchers, ids, strict=True):
-            if not m.accept(int(t)):
+        for row, m in zip(step.rows, step.matchers, strict=True):
+            if not m.accept(ids[row]):
                 dead.append(row)
                 continue
-            if m.matcher.is_terminated():
+            if m.terminated:
                 done.append(row)
             else:
                 advancing.append(m)
-        if advancing:
+        if advancing and not self.fill_in_background:
+            _fill_all(advancing)
+        elif advancing:
             future = self._pool.submit(_fill_all, advancing)
             for m in advancing:
                 m.pending = future
@@ -228,6 +239,12 @@ class RankGrammars:
     def close(self) -> None:
         """Stop the background thread (pending fills are finished first)."""
         self._pool.shutdown(wait=True)
+
+
+def _xgrammar():
+    import xgrammar
+
+    return xgrammar
 
 
 def xgrammar_bitmask_words(vocab_size: int) -> int:

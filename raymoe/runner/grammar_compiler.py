@@ -79,12 +79,13 @@ class GrammarCompiler:
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=list(stop_token_ids) or None)
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        self._vocab_size = int(self.info.vocab_size)
         self._lock = threading.Lock()  # the front end compiles from several request threads
 
     @property
     def vocab_size(self) -> int:
         """Tokens a mask covers."""
-        return self.info.vocab_size
+        return self._vocab_size
 
     def compile(self, spec: GrammarSpec) -> Any:
         """The ``xgrammar.CompiledGrammar`` of ``spec`` (cached by xgrammar per source text).

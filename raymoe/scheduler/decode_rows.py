@@ -58,7 +58,7 @@ class DecodeRows:
             if spec is not None:
                 if not r.grammar_synced:
                     return False  # its first sampling row: build sends its tokens
-                grammar_rows.append(GrammarRow(i, r.rid, spec))
+                grammar_rows.append(GrammarRow(i, r.rid))
         self._reqs, self._epoch, self._pool_rows = list(reqs), epoch, pool_rows
         self._sampling = sampling_columns(rows)
         self._grammar_rows = tuple(grammar_rows)

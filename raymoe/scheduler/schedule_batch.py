@@ -96,8 +96,10 @@ class ScheduleBatch:
             partial.append(end < total)
             spec = req.sampling_params.grammar
             if spec is not None and end == total:  # a row that samples: the rank masks it
-                sync = None if req.grammar_synced else tuple(req.output_ids)
-                grammar_rows.append(GrammarRow(len(partial) - 1, req.rid, spec, sync))
+                if req.grammar_synced:
+                    grammar_rows.append(GrammarRow(len(partial) - 1, req.rid))
+                else:
+                    grammar_rows.append(GrammarRow(len(partial) - 1, req.rid, spec, tuple(req.output_ids)))
         worker_batch = ModelWorkerBatch(
             forward_mode=forward_mode,
             input_ids=input_ids,

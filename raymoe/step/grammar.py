@@ -78,20 +78,21 @@ class GrammarRow:
     Attributes:
         row: the row in the step's batch (``0 <= row < bs``).
         rid: the request's id (the rank keeps its matcher under it).
-        spec: the request's constraint.
-        output_ids: the tokens the request has generated so far, sent on its first sampling step since each
-            admission to the group (the rank then builds the matcher and advances it over them: a resumed or
-            migrated request continues its grammar); ``None`` on later steps, where the rank's matcher already
-            holds them.
+        spec: the request's constraint, and output_ids: the tokens it has generated so far, both sent on its first
+            sampling step since each admission to the group (the rank then builds the matcher and advances it over
+            them: a resumed or migrated request continues its grammar); both ``None`` on later steps, where the
+            rank's matcher already holds them (a step's payload stays a few bytes per constrained row).
     Raises:
-        ValueError: ``row`` is negative.
+        ValueError: ``row`` is negative, or only one of ``spec`` and ``output_ids`` is given.
     """
 
     row: int
     rid: str
-    spec: GrammarSpec
+    spec: GrammarSpec | None = None
     output_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.row < 0:
             raise ValueError(f"GrammarRow.row must be >= 0, got {self.row}")
+        if (self.spec is None) != (self.output_ids is None):
+            raise ValueError("GrammarRow carries its spec and output_ids together (a sync row) or neither")
