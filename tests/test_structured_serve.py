@@ -11,8 +11,8 @@ close it, under any engine).
 from __future__ import annotations
 
 import json
-from typing import Annotated
 from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated
 
 import jsonschema
 import pytest
