@@ -82,3 +82,22 @@ def test_a_sync_row_rebuilds_the_matcher_and_bad_rows_are_dead_ends(compiler, ca
     # the matcher of "a" is kept under pool row 3; another request in that row must sync first
     _, gs = g.mask([GrammarRow(0, "other")], [3], torch.zeros(1, compiler.vocab_size))
     assert gs.dead == [0]
+
+
+def test_ignore_eos_allows_a_stop_token_only_where_nothing_else_fits(compiler):
+    stop = set(compiler.info.stop_token_ids)
+    enc = {bytes(v): t for t, v in enumerate(compiler.info.decoded_vocab)}
+    spec = GrammarSpec("regex", "a{0,2}", field="regex")
+    for ignore_eos in (False, True):
+        g = RankGrammars(lambda: compiler, torch.device("cpu"))
+        allowed_stops = []
+        for step in range(3):
+            row = GrammarRow(0, "r", spec, (), ignore_eos) if step == 0 else GrammarRow(0, "r")
+            logits, gs = g.mask([row], [0], torch.zeros(1, compiler.vocab_size))
+            allowed = {int(i) for i in torch.nonzero(logits[0] > float("-inf"))}
+            allowed_stops.append(bool(allowed & stop))
+            token = enc[b"a"] if step < 2 else min(stop)
+            assert g.accept(gs, torch.tensor([token])) == (([0], []) if step == 2 else ([], []))
+        # "a{0,2}" may end before each "a": a stop token is allowed at every step unless the request ignores EOS;
+        # after two "a" only a stop token fits, ignore_eos or not
+        assert allowed_stops == ([True, True, True] if not ignore_eos else [False, False, True])

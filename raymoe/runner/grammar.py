@@ -18,7 +18,8 @@ keeps a matcher under the request's ReqToTokenPool row (tagged with its id). Per
 
 A row whose grammar allows no token (a dead end) is sampled unmasked and reported in ``dead``: the driver ends the
 request (``finish_reason`` ``abort``) without its token. A row whose grammar completed (it accepted a stop token)
-is reported in ``done``: the driver ends it with ``stop`` even when the request ignores EOS. A spec that fails to
+is reported in ``done``: the driver ends it with ``stop`` even when the request ignores EOS (such a request is
+allowed a stop token only where its grammar allows nothing else). A spec that fails to
 compile here (an ``Engine`` caller skipped validation) makes its row a dead end, never a failed step.
 
 Rows without a grammar are never touched, and a step without constrained rows does nothing here.
@@ -46,33 +47,24 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Matcher:
     """A request's grammar state on this rank: its matcher, its UTF-8 decoding state (``raymoe.runner.utf8_mask``)
-    and the bitmask of its next token ([1, W] int32) once filled (``pending``: the background fill that writes it)."""
+    and the bitmask of its next token (``words``: [1, W] int32, numpy, once filled; ``pending``: the background fill
+    that writes it)."""
 
     rid: str
     matcher: Any
-    mask: torch.Tensor
     utf8: Utf8Masks
+    stop_words: np.ndarray | None = None  # [1, W] int32 mask of the stop tokens, for a request that ignores EOS
+    words: np.ndarray | None = None
     utf8_state: int = 0
     filled: bool = False
     allows_any: bool = True
     terminated: bool = False
     pending: Future | None = field(default=None, repr=False)
 
-    def __post_init__(self) -> None:
-        self.words = self.mask.numpy()  # [1, W] int32 view: read and written without torch's dispatch
-
     def fill(self) -> None:
-        """Fill ``mask`` for the next token: the grammar's tokens that keep the output well-formed UTF-8 (the
-        grammar's alone if none does); idempotent until the matcher advances."""
+        """Fill the mask of the next token (idempotent until the matcher advances; :func:`_fill_all`)."""
         if not self.filled:
-            self.matcher.fill_next_token_bitmask(self.mask)
-            # numpy views: the bitmask may be an inference-mode tensor, and this may run on the fill thread
-            mask = self.words
-            both = mask & self.utf8.words[self.utf8_state]
-            if both.any():
-                mask[...] = both
-            self.allows_any = bool(mask.any())
-            self.filled = True
+            _fill_all([self])
 
     def accept(self, token: int) -> bool:
         """Advance by ``token``; False (nothing changed) when the grammar refuses it."""
@@ -121,6 +113,7 @@ class RankGrammars:
         self._make_compiler = compiler
         self._compiler: GrammarCompiler | None = None
         self._utf8: Utf8Masks | None = None
+        self._stop_words: np.ndarray | None = None
         self.device = device
         self._by_pool_row: dict[int, _Matcher] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
@@ -132,6 +125,17 @@ class RankGrammars:
         if self._compiler is None:
             self._compiler = self._make_compiler()
         return self._compiler
+
+    @property
+    def stop_words(self) -> np.ndarray:
+        """[1, W] int32: the bits of the model's stop tokens (xgrammar's bitmask layout)."""
+        if self._stop_words is None:
+            info = self.compiler.info
+            words = np.zeros((1, xgrammar_bitmask_words(info.vocab_size)), dtype=np.uint32)
+            for t in info.stop_token_ids:
+                words[0, t // 32] |= np.uint32(1 << (t % 32))
+            self._stop_words = words.view(np.int32)
+        return self._stop_words
 
     @property
     def utf8(self) -> Utf8Masks:
@@ -157,9 +161,8 @@ class RankGrammars:
         except InvalidRequestError as e:
             log.warning("request %s: %s", g.rid, e)
             return None
-        xgr = _xgrammar()
-        m = _Matcher(g.rid, xgr.GrammarMatcher(compiled), xgr.allocate_token_bitmask(1, self.compiler.vocab_size),
-                     self.utf8)
+        m = _Matcher(g.rid, _xgrammar().GrammarMatcher(compiled), self.utf8,
+                     self.stop_words if g.ignore_eos else None)
         for t in g.output_ids:
             if not m.accept(t):
                 log.warning("request %s: its output token %d does not fit its grammar", g.rid, t)
@@ -253,5 +256,26 @@ def xgrammar_bitmask_words(vocab_size: int) -> int:
 
 
 def _fill_all(matchers: list[_Matcher]) -> None:
-    for m in matchers:
-        m.fill()
+    """Fill the next-token masks of ``matchers`` (those not filled yet) at once: each grammar's tokens (xgrammar,
+    one row of a shared [n, W] int32 array each), ANDed with the tokens that keep the text well-formed UTF-8 from
+    each one's decoding state (the grammar's alone where none does), and for a request that ignores EOS without
+    the stop tokens unless nothing else is allowed. The array is numpy: it may be filled on the fill thread, outside
+    the rank's inference mode."""
+    todo = [m for m in matchers if not m.filled]
+    if not todo:
+        return
+    utf8 = todo[0].utf8
+    words = np.empty((len(todo), utf8.words.shape[1]), dtype=np.int32)
+    for i, m in enumerate(todo):
+        m.matcher.fill_next_token_bitmask(words, i)
+    both = words & utf8.words[[m.utf8_state for m in todo]]
+    fits = both.any(axis=1)
+    words[fits] = both[fits]
+    ignoring = [i for i, m in enumerate(todo) if m.stop_words is not None]
+    if ignoring:
+        other = words[ignoring] & ~todo[ignoring[0]].stop_words
+        keep = other.any(axis=1)
+        words[np.asarray(ignoring)[keep]] = other[keep]
+    allows = words.any(axis=1).tolist()
+    for i, m in enumerate(todo):
+        m.words, m.allows_any, m.filled = words[i:i + 1], allows[i], True

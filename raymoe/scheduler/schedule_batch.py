@@ -99,7 +99,8 @@ class ScheduleBatch:
                 if req.grammar_synced:
                     grammar_rows.append(GrammarRow(len(partial) - 1, req.rid))
                 else:
-                    grammar_rows.append(GrammarRow(len(partial) - 1, req.rid, spec, tuple(req.output_ids)))
+                    grammar_rows.append(GrammarRow(len(partial) - 1, req.rid, spec, tuple(req.output_ids),
+                                                   req.sampling_params.ignore_eos))
         worker_batch = ModelWorkerBatch(
             forward_mode=forward_mode,
             input_ids=input_ids,

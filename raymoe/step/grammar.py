@@ -82,6 +82,9 @@ class GrammarRow:
             sampling step since each admission to the group (the rank then builds the matcher and advances it over
             them: a resumed or migrated request continues its grammar); both ``None`` on later steps, where the
             rank's matcher already holds them (a step's payload stays a few bytes per constrained row).
+        ignore_eos: with a sync row, the request's ``ignore_eos``: the rank then allows a stop token only where the
+            grammar allows nothing else (where it is complete), so the request goes on to ``max_tokens`` as far
+            as its grammar lets it.
     Raises:
         ValueError: ``row`` is negative, or only one of ``spec`` and ``output_ids`` is given.
     """
@@ -90,6 +93,7 @@ class GrammarRow:
     rid: str
     spec: GrammarSpec | None = None
     output_ids: tuple[int, ...] | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.row < 0:
