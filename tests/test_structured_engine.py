@@ -185,3 +185,22 @@ def test_constrained_decoding_in_topologies(ray_cluster, tiny_model, reference, 
         graph_steps = e.driver.num_graph_steps
     _check(outs, specs, reference)
     assert graph_steps > 0
+
+
+def test_log_probs_of_constrained_rows_are_the_models_and_finite(tiny_model):
+    """A constrained request asking for log-probs gets the model's own distribution (unmasked, as vLLM answers by
+    default): every value finite, ``k`` alternatives even where the grammar allows one token, and the chosen token's
+    log-prob the unconstrained engine's for the same prefix."""
+    import math
+
+    spec = GrammarSpec("regex", "Alive", field="regex")
+    with Engine(tiny_model, **OPTS) as e:
+        out = e.generate("x", SamplingParams(max_tokens=8, temperature=0.0, logprobs=10, grammar=spec))[0]
+        free = e.generate(prompt_token_ids=[e.encode("x")], sampling_params=SamplingParams(
+            max_tokens=1, temperature=0.0, logprobs=10))[0]
+    assert out.text == "Alive" and out.finish_reason == "stop"
+    for lp in out.logprobs:
+        assert math.isfinite(lp.logprob) and len(lp.top_logprobs) == 10
+        assert all(math.isfinite(v) for v in lp.top_logprobs)
+    assert out.logprobs[0].top_token_ids == free.logprobs[0].top_token_ids
+    assert out.logprobs[0].top_logprobs == pytest.approx(free.logprobs[0].top_logprobs, abs=1e-5)

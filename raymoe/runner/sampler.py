@@ -111,12 +111,16 @@ class Sampler:
             u.index_copy_(0, to_device(rows, torch.int64, self.device), to_device(draws, torch.float32, self.device))
         return u
 
-    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampledTokens:
+    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo,
+               logprob_logits: torch.Tensor | None = None) -> SampledTokens:
         """Sample, without reading anything back from the device.
 
         Args:
             logits: [bs, V] (any float dtype; computed in float32).
             info: per-row parameters.
+            logprob_logits: [bs, V] the logits the log-probs are taken from, when they differ from the ones sampled
+                (a grammar-constrained step samples masked logits and answers the model's own log-probs, as vLLM
+                does by default: no ``-inf`` alternatives); None: ``logits``.
         Returns:
             the ids and requested log-probs of the model distribution, on the logits' device.
         """
@@ -128,7 +132,8 @@ class Sampler:
                                                 self._uniforms(logits.shape[0], info))
         else:
             next_ids = self.ops.sample_rows(logits, info.temperatures, self._uniforms(logits.shape[0], info))
-        return self._with_logprobs(logits, next_ids, info.logprobs)
+        return self._with_logprobs(logits if logprob_logits is None else logprob_logits.float(), next_ids,
+                                   info.logprobs)
 
     def __call__(self, logits: torch.Tensor,
                  info: SamplingBatchInfo) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
