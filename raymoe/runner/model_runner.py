@@ -224,7 +224,8 @@ class ModelRunner:
             if any(n is not None for n in batch.sampling.logprobs):  # log-probs are the model's, unmasked
                 raw = logits.float().clone()
             logits, constrained = self.grammars.mask(batch.grammar_rows, batch.req_pool_indices, logits)
-        sampled = self.sampler.sample(logits, fb.sampling, logprob_logits=raw)
+        sampled = (self.sampler.sample(logits, fb.sampling) if raw is None
+                   else self.sampler.sample(logits, fb.sampling, logprob_logits=raw))
         grammar = self.grammars.accept(constrained, sampled.next_ids) if batch.grammar_rows else None
         self.future_tokens.store(sampled.next_ids)
         return PendingStep(sampled, self.ops.copy_to_host(sampled.device_tensors()), t0, load, grammar)
