@@ -63,7 +63,6 @@ def test_masks_follow_the_grammar_and_the_matcher_advances(compiler, background)
         assert dead == []
         assert done == ([1] if step == len(path) else [])
         text += compiler.info.decoded_vocab[token].decode() if step < len(path) else ""
-    g.close()
 
 
 def test_a_sync_row_rebuilds_the_matcher_and_bad_rows_are_dead_ends(compiler, caplog):

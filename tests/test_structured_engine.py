@@ -17,7 +17,7 @@ import re
 
 import pytest
 import torch
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 
 from raymoe import Engine, SamplingParams
 from raymoe.errors import InvalidRequestError
@@ -167,12 +167,22 @@ def test_a_grammar_the_ranks_cannot_build_ends_its_request_not_the_step(tiny_mod
         assert reqs[1].finished_reason.kind == "length" and len(reqs[1].output_ids) == 8
 
 
-def test_schema_json_errors_name_the_field():
+def test_a_schema_that_is_not_a_json_object_is_refused_naming_its_field(tiny_model):
+    """``SamplingParams`` checks only a spec's shape (it runs again at every admission in the step loop); a
+    schema that is not the JSON text of an object is refused when it is compiled, naming the spec's field."""
+    from raymoe.runner.grammar_compiler import compiler_for_model
+
     with pytest.raises(InvalidRequestError) as err:
-        SamplingParams(grammar=GrammarSpec("json_schema", "[1, 2]", field="response_format"))
-    assert err.value.field == "response_format"
-    with pytest.raises(ValidationError):
-        Order.model_validate_json("{}")
+        SamplingParams(grammar=GrammarSpec("regex", "", field="regex"))
+    assert err.value.field == "regex"
+    from pathlib import Path
+
+    cfg = json.loads((Path(tiny_model) / "config.json").read_text())
+    compiler = compiler_for_model(tiny_model, cfg["vocab_size"], (cfg["eos_token_id"],))
+    for source in ("[1, 2]", "{not json", '"a string"'):
+        with pytest.raises(InvalidRequestError) as err:
+            compiler.compile(GrammarSpec("json_schema", source, field="response_format"))
+        assert err.value.field == "response_format", source
 
 
 @pytest.mark.parametrize(("tp", "dp", "ep", "tbo"), [(1, 2, 2, True), (2, 1, 1, False)])

@@ -327,15 +327,23 @@ class EngineClient:
                 pass
 
     # ------------------------------------------------------------------ state
-    async def stats(self) -> EngineStats:
-        """Counters and gauges for /metrics, health and the idle invariant (``EngineStats``).
+    async def _ask_driver(self, method: str):
+        """Call one of the driver actor's control methods (``DriverActor.<method>``) and return its answer.
 
         Raises:
             EngineUnhealthyError: the driver is being reconnected. ray exceptions: the driver actor is gone.
         """
         if self._dead is not None:
             raise EngineUnhealthyError(self._dead)
-        return await self.driver.stats.remote()
+        return await getattr(self.driver, method).remote()
+
+    async def stats(self) -> EngineStats:
+        """Counters and gauges for /metrics, health and the idle invariant (``EngineStats``).
+
+        Raises:
+            EngineUnhealthyError: the driver is being reconnected. ray exceptions: the driver actor is gone.
+        """
+        return await self._ask_driver("stats")
 
     async def cached_blocks(self) -> list[int]:
         """The block hashes of the prefixes the engine caches (``DriverActor.cached_blocks``; for a prefix-aware
@@ -344,9 +352,7 @@ class EngineClient:
         Raises:
             EngineUnhealthyError: the driver is being reconnected. ray exceptions: the driver actor is gone.
         """
-        if self._dead is not None:
-            raise EngineUnhealthyError(self._dead)
-        return await self.driver.cached_blocks.remote()
+        return await self._ask_driver("cached_blocks")
 
     async def rebalance_experts(self) -> bool:
         """Ask the driver for an expert rebalance at its next step (``DriverActor.rebalance_experts``); False when
@@ -355,9 +361,7 @@ class EngineClient:
         Raises:
             EngineUnhealthyError: the driver is being reconnected. ray exceptions: the driver actor is gone.
         """
-        if self._dead is not None:
-            raise EngineUnhealthyError(self._dead)
-        return await self.driver.rebalance_experts.remote()
+        return await self._ask_driver("rebalance_experts")
 
     async def healthy(self) -> bool:
         """False while a rank failure is being recovered, while the driver loop or actor is down or being

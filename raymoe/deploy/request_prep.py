@@ -98,8 +98,8 @@ def _tool_names(req: ChatCompletionRequest, tool_parser: str | None) -> frozense
     """The tools whose calls the output is parsed for (None: no tools, or ``tool_choice`` none).
 
     Raises:
-        APIError: 400 for a ``tool_choice`` without tools, a named function that is not among them, two tools of
-            one name, or tools for a model without a tool-call parser.
+        APIError: 400 for a ``tool_choice`` without tools, two tools of one name, or tools for a model without a
+            tool-call parser.
     """
     choice = req.tool_choice
     if not req.tools:
@@ -114,21 +114,21 @@ def _tool_names(req: ChatCompletionRequest, tool_parser: str | None) -> frozense
     if tool_parser is None:
         raise APIError(400, "this server has no tool-call parser for its model; start it with --tool-call-parser",
                        param="tools", code="unsupported_value")
-    if not isinstance(choice, str) and choice is not None:
-        if choice.function.name not in names:
-            raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which is not among the "
-                                "tools", param="tool_choice")
-        return frozenset((choice.function.name,))
-    return frozenset(names)
+    # a named function that is not among the tools is refused where its grammar is built (tool_grammar)
+    return frozenset(names) if isinstance(choice, str) or choice is None else frozenset((choice.function.name,))
+
+
+def _forces_a_call(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    """``tools`` with ``tool_choice`` required or a named function: the answer must be calls."""
+    return bool(getattr(req, "tools", None)) and getattr(req, "tool_choice", None) not in (None, "none", "auto")
 
 
 def constrained(req: CompletionRequest | ChatCompletionRequest) -> bool:
     """Whether ``req`` asks for an output constraint (its grammar is built and compiled: CPU work of milliseconds
     that the caller keeps off the event loop)."""
     fmt = getattr(req, "response_format", None)
-    choice = getattr(req, "tool_choice", None)
     return (req.regex is not None or req.ebnf is not None or (fmt is not None and fmt.type != "text")
-            or (bool(getattr(req, "tools", None)) and choice not in (None, "none", "auto")))
+            or _forces_a_call(req))
 
 
 def _grammar(req: CompletionRequest | ChatCompletionRequest, tool_parser: str | None) -> GrammarSpec | None:
@@ -155,14 +155,11 @@ def _grammar(req: CompletionRequest | ChatCompletionRequest, tool_parser: str | 
             found.append(GrammarSpec("regex", req.regex, field="regex"))
         if req.ebnf is not None:
             found.append(GrammarSpec("ebnf", req.ebnf, field="ebnf"))
-        choice = getattr(req, "tool_choice", None)
-        if getattr(req, "tools", None) and (choice == "required" or not (choice is None or isinstance(choice, str))):
-            found.append(tool_call_grammar(tool_parser, req.tools, choice, req.parallel_tool_calls is not False))
+        if _forces_a_call(req):
+            parallel = req.parallel_tool_calls is not False
+            found.append(tool_call_grammar(tool_parser, req.tools, req.tool_choice, parallel))
     except InvalidRequestError as e:
         raise APIError(400, e.message, param=e.field, code="invalid_value") from None
-    for spec in found:
-        if (problem := spec.problem()) is not None:
-            raise APIError(400, problem, param=spec.field, code="invalid_value")
     if len(found) > 1:
         raise APIError(400, f"{found[1].field} cannot be combined with {found[0].field}: one output constraint per "
                             "request", param=found[1].field)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from raymoe.errors import InvalidRequestError
-from raymoe.runner.grammar_compiler import xgrammar_schema
+from raymoe.runner.grammar_compiler import COMPILE_ERRORS, compile_reason, xgrammar_schema
 from raymoe.step.grammar import GrammarSpec
 
 
@@ -35,10 +35,9 @@ def _json(xgr, schema: dict):
     try:
         return xgr.Grammar.from_json_schema(json.dumps(xgrammar_schema(schema)), any_whitespace=False,
                                             strict_mode=True)
-    except (RuntimeError, ValueError) as e:
-        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise InvalidRequestError("tools", f"a tool's parameters schema does not compile: "
-                                           f"{reason.split(': ', 1)[-1][:300]}") from None
+    except COMPILE_ERRORS as e:
+        raise InvalidRequestError("tools", f"a tool's parameters schema does not compile: {compile_reason(e)}") \
+            from None
 
 
 def _call_schema(name: str, parameters: dict | None) -> dict:

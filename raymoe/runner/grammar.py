@@ -142,8 +142,7 @@ class RankGrammars:
         """The vocabulary's UTF-8 state masks (built on the first constrained row)."""
         if self._utf8 is None:
             info = self.compiler.info
-            words = int(xgrammar_bitmask_words(info.vocab_size))
-            self._utf8 = Utf8Masks(info.decoded_vocab, info.special_token_ids, words)
+            self._utf8 = Utf8Masks(info.decoded_vocab, info.special_token_ids, xgrammar_bitmask_words(info.vocab_size))
         return self._utf8
 
     def _matcher_for(self, g: GrammarRow, pool_row: int) -> _Matcher | None:
@@ -238,10 +237,6 @@ class RankGrammars:
             for m in advancing:
                 m.pending = future
         return done, dead
-
-    def close(self) -> None:
-        """Stop the background thread (pending fills are finished first)."""
-        self._pool.shutdown(wait=True)
 
 
 def _xgrammar():

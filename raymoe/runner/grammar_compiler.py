@@ -65,6 +65,20 @@ def xgrammar_schema(schema: dict) -> dict:
     return _bound_strings(schema)
 
 
+COMPILE_ERRORS = (RuntimeError, ValueError, TypeError)
+"""What xgrammar (and the JSON parsing before it) raise for a source that does not compile."""
+
+
+def compile_reason(e: BaseException) -> str:
+    """The reason of a compile error, for a client: its last line without xgrammar's ``[time] file.cc:line:``
+    prefix, at most 300 characters."""
+    text = str(e).strip()
+    reason = text.splitlines()[-1] if text else type(e).__name__
+    if "] " in reason:
+        reason = reason.split(": ", 1)[-1]
+    return reason[:300]
+
+
 class GrammarCompiler:
     """Compiles specs against one model's vocabulary.
 
@@ -100,18 +114,15 @@ class GrammarCompiler:
             with self._lock:
                 if spec.kind == "json_object":
                     return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-                if spec.kind == "json_schema":
+                if spec.kind == "json_schema":  # a source that is not JSON: a ValueError, refused below
                     schema = json.dumps(xgrammar_schema(json.loads(spec.source)))
                     return c.compile_json_schema(schema, any_whitespace=False, strict_mode=spec.strict)
                 if spec.kind == "regex":
                     return c.compile_regex(spec.source)
                 return c.compile_grammar(spec.source)
-        except (RuntimeError, ValueError, TypeError) as e:
-            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            if "] " in reason:  # xgrammar prefixes "[time] file.cc:line: "; the reason follows the last ": "
-                reason = reason.split(": ", 1)[-1]
+        except COMPILE_ERRORS as e:
             raise InvalidRequestError(spec.field, f"the {spec.kind.replace('_', ' ')} does not compile: "
-                                                  f"{reason[:300]}") from None
+                                                  f"{compile_reason(e)}") from None
 
 
 @lru_cache(maxsize=4)

@@ -65,13 +65,12 @@ def apply_batch_result(state: GroupState, batch: ScheduleBatch, output: StepOutp
     ctx, pool = state.cache_config.max_context_len, state.token_allocator.size
     logprobs = output.logprobs or [None] * batch.batch_size
     out: list[Req] = []
-    grammar_ended = (set(output.grammar_done), set(output.grammar_dead)) if (
-        output.grammar_done or output.grammar_dead) else None
+    done, dead = output.grammar_done, output.grammar_dead  # constrained rows that end (usually none)
     rows = zip(batch.reqs, batch.partial, output.next_token_ids, logprobs, strict=True)
     for i, (req, partial, token, lp) in enumerate(rows):
         if req.finished_reason is not None or partial:
             continue
-        if grammar_ended is not None and i in grammar_ended[1]:
+        if dead and i in dead:
             req.finish(FinishKind.ABORT, message="the output's grammar allows no further token")
             _finished(state, req)
             out.append(req)
@@ -86,7 +85,7 @@ def apply_batch_result(state: GroupState, batch: ScheduleBatch, output: StepOutp
                 finished = req.check_finished(stop.eos_token_ids, stop.detokenize, ctx, kv_pool_size=pool)
             else:
                 finished = False
-            if not finished and grammar_ended is not None and i in grammar_ended[0]:
+            if not finished and done and i in done:
                 req.finish(FinishKind.STOP, matched=token)
                 finished = True
         except Exception as e:  # noqa: BLE001 - this request's own check failed: fail it, keep the others

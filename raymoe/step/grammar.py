@@ -10,7 +10,6 @@ step carries an empty tuple and the rank does no grammar work.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
@@ -46,29 +45,18 @@ class GrammarSpec:
             raise ValueError(f"{self.field}: unknown grammar kind {self.kind!r}; one of {GRAMMAR_KINDS}")
 
     def problem(self) -> str | None:
-        """Why this spec cannot be a constraint, before compiling it (None: it may compile): a source that is not a
-        string or is too long, an empty regex or grammar, a ``json_schema`` that is not the JSON text of an object.
-        ``SamplingParams.validate`` raises it as an ``InvalidRequestError`` naming ``field``; whether it compiles is
-        ``raymoe.runner.grammar_compiler``'s."""
+        """Why this spec cannot be a constraint, from its shape alone (None: it may compile): a source that is not
+        a string or is too long, an empty regex or grammar. ``SamplingParams.validate`` raises it as an
+        ``InvalidRequestError`` naming ``field``; it runs again at each admission in the driver's step loop, so it
+        reads nothing of the source. Whether the source parses and compiles (a schema that is not JSON included)
+        is ``raymoe.runner.grammar_compiler``'s, checked once by the front end or ``Engine``."""
         if not isinstance(self.source, str) or len(self.source) > MAX_GRAMMAR_CHARS:
             return f"must be a string of at most {MAX_GRAMMAR_CHARS} characters"
         if not isinstance(self.strict, bool):
             return "strict must be a bool"
-        if self.kind == "json_schema":
-            try:
-                schema = json.loads(self.source)
-            except ValueError:
-                return "the JSON schema is not valid JSON"
-            if not isinstance(schema, dict):
-                return "the JSON schema must be an object"
-        elif self.kind in ("regex", "ebnf") and not self.source:
+        if self.kind in ("regex", "ebnf") and not self.source:
             return f"an empty {self.kind} allows nothing"
         return None
-
-    @property
-    def key(self) -> tuple[str, str, bool]:
-        """What identifies the compiled grammar (the compile cache's key)."""
-        return self.kind, self.source, self.strict
 
 
 @dataclass(frozen=True)
