@@ -89,7 +89,8 @@ def test_steady_decode_reuses_its_columns_and_matches_a_fresh_build():
     assert counts["built"] >= 15 and counts["declined"] == 0
     a, b = seen[3].worker_batch, seen[4].worker_batch
     assert a.req_pool_indices == b.req_pool_indices and a.req_pool_indices is not b.req_pool_indices
-    assert a.sampling.temperatures == [0.1 * i for i in range(6)] and a.seq_lens == [n - 1 for n in b.seq_lens]
+    assert a.sampling is None and not a.sampling_rows  # the ranks hold every row's numbers since its first step
+    assert a.seq_lens == [n - 1 for n in b.seq_lens]
 
 
 def test_kept_columns_are_read_again_once_a_request_gave_its_kv_back():
@@ -106,9 +107,8 @@ def test_kept_columns_are_read_again_once_a_request_gave_its_kv_back():
     rows = DecodeRows(s.state)
     assert rows.build([a, b]).worker_batch == ScheduleBatch.build([a, b], ForwardMode.DECODE, [1, 1]).worker_batch
     s.abort_request("c")  # gives its KV back: whatever a and b hold now is read again
-    b.sampling_row, b.req_pool_idx = (0.5, 1.0, -1, 0.0, 7, None), b.req_pool_idx + 100
+    b.req_pool_idx += 100
     again = rows.build([a, b]).worker_batch
-    assert again.sampling.temperatures[1] == 0.5 and again.sampling.seeds[1] == 7
     assert again.req_pool_indices[1] == b.req_pool_idx
 
 

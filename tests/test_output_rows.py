@@ -17,6 +17,7 @@ from raymoe.actors.group_scheduler import GroupScheduler
 from raymoe.actors.output_batch import OutputBatch
 from raymoe.config import CacheConfig, EngineConfig, SchedulerConfig
 from raymoe.scheduler.sampling_params import SamplingParams
+from raymoe.step.sampling_table import SamplingTable
 from raymoe.step.step_output import StepOutput, TokenLogprobs
 
 EOS = 0
@@ -28,13 +29,15 @@ class VariedExecutor:
 
     def __init__(self):
         self.steps = 0
+        self.tables: dict[int, SamplingTable] = {}  # each group's, as its ranks keep them
 
     def execute(self, batches):
         self.steps += 1
         outs = []
-        for b in batches:
+        for g, b in enumerate(batches):
             tokens = [(self.steps * 7 + i * 5) % 23 for i in range(b.batch_size)]
-            asked = [k is not None for k in b.sampling.logprobs]
+            sampling = self.tables.setdefault(g, SamplingTable()).resolve(b)
+            asked = [k is not None for k in sampling.logprobs] if sampling else []
             lps = [TokenLogprobs(-0.1 * t, [t], [-0.1 * t]) if a else None for t, a in zip(tokens, asked, strict=True)]
             outs.append(StepOutput(tokens, lps if any(asked) else []))
         return outs

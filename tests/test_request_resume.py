@@ -17,6 +17,7 @@ from raymoe.client.request_resume import ResumableRequest
 from raymoe.config import FaultConfig
 from raymoe.errors import InvalidRequestError
 from raymoe.scheduler.sampling_params import SamplingParams
+from raymoe.step.sampling_table import SamplingTable
 
 
 def test_a_resumed_request_streams_only_the_tokens_after_those_it_carries():
@@ -39,8 +40,9 @@ def test_a_resumed_seeded_request_draws_at_its_own_position():
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=7)
     driver.submit("r", prompt_of(1), params, output_ids=[5, 6, 7])
     batch = driver.groups[0].scheduler.get_next_batch_to_run()
-    assert batch.worker_batch.sampling.output_lens == [3]
-    assert batch.worker_batch.sampling.seeds == [7]
+    sampling = SamplingTable().resolve(batch.worker_batch)  # as the ranks assemble it
+    assert sampling.output_lens == [3]
+    assert sampling.seeds == [7]
 
 
 @pytest.mark.parametrize("output_ids", [[4] * 12, [4] * 130, [100]])

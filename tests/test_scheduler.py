@@ -21,6 +21,7 @@ from raymoe.scheduler.req import FinishKind, Req
 from raymoe.scheduler.sampling_params import SamplingParams
 from raymoe.scheduler.scheduler import Scheduler
 from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.sampling_table import SamplingTable
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
 
@@ -65,13 +66,33 @@ class FakeRank:
         self.extend_lens_seen: list[int] = []
         self.modes_seen: list[ForwardMode] = []
         self.last_out: list[int] = []
+        self.sampling = SamplingTable()
+
+    def check_sampling(self, b: ModelWorkerBatch) -> None:
+        """The sampling record this rank assembles from the rows it was sent once per admission equals each
+        request's numbers, and every row that samples reads the index of the token it samples
+        (tokens generated + placeholders of older steps still in flight)."""
+        rec = self.sampling.resolve(b)
+        inflight = list(self.sched.state.inflight)
+        mine = next((k for k, sb in enumerate(inflight) if sb.worker_batch is b), None)
+        if mine is None:  # a batch the test made itself
+            return
+        sb = inflight[mine]
+        for i, (req, partial) in enumerate(zip(sb.reqs, sb.partial, strict=True)):
+            p = req.sampling_params
+            assert (rec.temperatures[i], rec.top_ps[i], rec.top_ks[i], rec.min_ps[i], rec.seeds[i],
+                    rec.logprobs[i]) == (p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.logprobs), req.rid
+            if not partial and req.req_pool_idx == b.req_pool_indices[i]:
+                older = sum(r is req and not q for ob in inflight[:mine]
+                            for r, q in zip(ob.reqs, ob.partial, strict=True))
+                assert rec.output_lens[i] == len(req.output_ids) + older, req.rid
 
     def check_batch(self, b: ModelWorkerBatch) -> None:
         s = self.sched
         bs = b.batch_size
         assert b.forward_mode in (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED) and bs > 0
         assert len(b.input_ids) == sum(b.extend_lens) == len(b.out_cache_loc)
-        assert b.sampling.batch_size == bs
+        self.check_sampling(b)
         assert all(sl == p + e and e >= 1 for sl, p, e in zip(b.seq_lens, b.prefix_lens, b.extend_lens, strict=True))
         assert all(sl <= s.cache_config.max_context_len for sl in b.seq_lens)
         assert bs <= s.config.max_running_requests and s.num_running <= s.config.max_running_requests
@@ -468,7 +489,10 @@ def test_two_batches_in_flight_at_most_and_results_oldest_first():
     s.add_request(Req("a", [1, 2], SamplingParams(max_tokens=3)))
     b = s.get_next_batch_to_run()
     b2 = s.get_next_batch_to_run()  # overlap: formed before b's token is known, it reads it through a placeholder
-    assert b2.worker_batch.input_ids == [-1] and b2.worker_batch.sampling.output_lens == [1]
+    table = SamplingTable()
+    assert table.resolve(b.worker_batch).output_lens == [0] and b.worker_batch.sampling_rows
+    assert b2.worker_batch.input_ids == [-1] and table.resolve(b2.worker_batch).output_lens == [1]
+    assert not b2.worker_batch.sampling_rows  # sent once, with the request's first step
     with pytest.raises(RuntimeError, match="^process_batch_result must be called for the oldest batch in flight "
                                            "first$"):
         s.get_next_batch_to_run()

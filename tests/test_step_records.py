@@ -35,7 +35,7 @@ def test_worker_batch_carries_one_sampling_row_per_request():
     b = _decode([0, 1], [5, 6])
     with pytest.raises(ValueError, match="ModelWorkerBatch.sampling has 1 rows, expected 2"):
         dataclasses.replace(b, sampling=SamplingInputs.greedy(1))
-    assert ModelWorkerBatch.idle().sampling.batch_size == 0
+    assert ModelWorkerBatch.idle().sampling is None
 
 
 def test_step_decisions_copy_equals_a_validated_replace_and_checks_the_capacity():

@@ -144,9 +144,18 @@ class ForwardBatch:
         return dataclasses.replace(self, batch_size=s1 - s0, **{**sliced, **changes})
 
     @classmethod
-    def from_worker_batch(cls, b: ModelWorkerBatch, device: torch.device | str) -> ForwardBatch:
+    def from_worker_batch(cls, b: ModelWorkerBatch, device: torch.device | str,
+                          sampling: SamplingInputs | None = None) -> ForwardBatch:
         """Tensorize ``b`` (copies to ``device`` without a host sync, ``raymoe.step.host_transfer``); positions
-        are ``[prefix_len, seq_len)`` per request."""
+        are ``[prefix_len, seq_len)`` per request. ``sampling``: the step's sampling record (the rank's
+        ``SamplingTable.resolve``), default ``b.sampling``.
+
+        Raises:
+            ValueError: a batch with requests and no sampling record.
+        """
+        sampling = b.sampling if sampling is None else sampling
+        if b.batch_size and sampling is None:
+            raise ValueError("a ModelWorkerBatch with requests needs a sampling record (SamplingTable.resolve)")
         def t(x: list[int]) -> torch.Tensor:
             return to_device(x, torch.int64, device)
 
@@ -168,6 +177,6 @@ class ForwardBatch:
             sample_indices=sample_indices, req_pool_indices_cpu=list(b.req_pool_indices),
             seq_lens_cpu=list(b.seq_lens), prefix_lens_cpu=list(b.prefix_lens),
             extend_lens_cpu=list(b.extend_lens),
-            sampling=SamplingBatchInfo.from_inputs(b.sampling, device) if b.batch_size else None,
+            sampling=SamplingBatchInfo.from_inputs(sampling, device) if b.batch_size else None,
             use_tbo=b.use_tbo, graph_bs=b.graph_bs, dispatch_capacity=b.dispatch_capacity,
         )

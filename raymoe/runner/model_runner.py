@@ -35,6 +35,7 @@ from raymoe.runner.runner_config import DTYPES, RunnerConfig
 from raymoe.runner.sampler import Sampler
 from raymoe.runner.step_result import PendingStep
 from raymoe.step.host_transfer import to_device
+from raymoe.step.sampling_table import SamplingTable
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
 
@@ -86,6 +87,7 @@ class ModelRunner:
 
         self.attn_backend = TboAttnBackend.create(make_backend) if cfg.overlap.enable_tbo else make_backend()
         self.sampler = Sampler(self.ops, cfg.seed, self.device)
+        self.sampling_table = SamplingTable()  # each request's sampling numbers, sent once per admission
         mc = self.model_config
         self.grammars = RankGrammars(
             lambda: compiler_for_model(cfg.model_path, mc.vocab_size, tuple(mc.eos_token_ids)), self.device)
@@ -151,7 +153,7 @@ class ModelRunner:
         """Write the slot table for ``batch`` and build its ForwardBatch with attention metadata and TBO children.
         ``for_graph``: only the table and tensors (a graph replay has its own metadata and its own TBO split of
         the padded batch)."""
-        fb = ForwardBatch.from_worker_batch(batch, self.device)
+        fb = ForwardBatch.from_worker_batch(batch, self.device, self.sampling_table.resolve(batch))
         if batch.input_ids and min(batch.input_ids) < 0:  # overlap scheduling: tokens of the previous step
             fb.input_ids = self.future_tokens.resolve(fb.input_ids)
         if batch.forward_mode.is_extend():
@@ -221,7 +223,7 @@ class ModelRunner:
             return PendingStep(None, None, t0, load)
         raw = None
         if batch.grammar_rows:  # constrained rows only (raymoe.runner.grammar); others pay nothing
-            if any(n is not None for n in batch.sampling.logprobs):  # log-probs are the model's, unmasked
+            if any(n is not None for n in fb.sampling.logprobs):  # log-probs are the model's, unmasked
                 raw = logits.float().clone()
             logits, constrained = self.grammars.mask(batch.grammar_rows, batch.req_pool_indices, logits)
         sampled = (self.sampler.sample(logits, fb.sampling) if raw is None

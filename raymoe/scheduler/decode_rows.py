@@ -4,15 +4,15 @@ decoding requests kept from the previous decode step.
 Ownership: the group's ``BatchFormation`` (``raymoe.scheduler.batch_formation``) owns one and asks it for each DECODE
 batch, after the step's slots were appended to the requests' ``kv_slots``. A DECODE batch of ``bs`` requests has,
 per row: the newest token (a placeholder while a step in flight samples it), the slot of its position, its
-sequence length, and the request's ReqToTokenPool row and sampling numbers. The last two stay the same while the
-request holds its KV, so the batch keeps them as columns and reuses them (copied) as long as the decoding requests
-are the same list and no request gave its KV back since (``GroupState.kv_epoch``); otherwise it takes them again
-from the requests (``Req.req_pool_idx``, ``Req.sampling_row``). The per-step columns are read from each request in
-one loop.
+sequence length, and the request's ReqToTokenPool row (its sampling numbers are on the ranks already,
+``raymoe.step.sampling_table``). The row stays the same while the request holds its KV, so the batch keeps the
+rows as a column and reuses it (copied) as long as the decoding requests are the same list and no request gave
+its KV back since (``GroupState.kv_epoch``); otherwise it takes them again from the requests
+(``Req.req_pool_idx``). The per-step columns are read from each request in one loop.
 
 The result equals ``ScheduleBatch.build(reqs, ForwardMode.DECODE, [1] * bs)`` field for field (the tests check it
 over random request sequences). Rows that build has to check or may refuse (the first step since an admission,
-whose sampling parameters are validated; a row whose KV does not end at its newest token; a row without a
+whose sampling numbers are validated and sent; a row whose KV does not end at its newest token; a row without a
 ReqToTokenPool row) make :meth:`DecodeRows.build` answer ``None``, and the caller uses ``ScheduleBatch.build``.
 """
 
@@ -20,10 +20,9 @@ from __future__ import annotations
 
 from raymoe.scheduler.group_state import GroupState
 from raymoe.scheduler.req import Req
-from raymoe.scheduler.schedule_batch import ScheduleBatch, sampling_columns
+from raymoe.scheduler.schedule_batch import ScheduleBatch
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.grammar import GrammarRow
-from raymoe.step.sampling_inputs import SamplingInputs
 from raymoe.step.worker_batch import ModelWorkerBatch
 
 
@@ -39,18 +38,16 @@ class DecodeRows:
         self._reqs: list[Req] = []  # the decoding requests the kept columns belong to
         self._epoch = -1
         self._pool_rows: list[int] = []  # [bs] ReqToTokenPool rows
-        self._sampling: list[list] = []  # six [bs] columns (``schedule_batch.sampling_columns``)
         self._grammar_rows: tuple[GrammarRow, ...] = ()  # the constrained rows (their matchers are on the ranks)
 
     def _columns_for(self, reqs: list[Req]) -> bool:
-        """Make the kept columns those of ``reqs``; False when a request lacks a row or its sampling numbers, or has
-        not been sent since its admission (``table_len == 0``)."""
+        """Make the kept columns those of ``reqs``; False when a request lacks a row, or has not been sent since its
+        admission (``table_len == 0``)."""
         epoch = self.state.kv_epoch
         if epoch == self._epoch and reqs == self._reqs:  # the same requests (compared by identity)
             return True
         pool_rows = [r.req_pool_idx for r in reqs]
-        rows = [r.sampling_row for r in reqs]
-        if None in pool_rows or None in rows or any(r.table_len == 0 for r in reqs):
+        if None in pool_rows or any(r.table_len == 0 for r in reqs):
             return False  # a request build has to check first (its table length only grows until it gives KV back)
         grammar_rows = []
         for i, r in enumerate(reqs):
@@ -60,7 +57,6 @@ class DecodeRows:
                     return False  # its first sampling row: build sends its tokens
                 grammar_rows.append(GrammarRow(i, r.rid))
         self._reqs, self._epoch, self._pool_rows = list(reqs), epoch, pool_rows
-        self._sampling = sampling_columns(rows)
         self._grammar_rows = tuple(grammar_rows)
         return True
 
@@ -72,7 +68,6 @@ class DecodeRows:
         input_ids: list[int] = []
         out_cache_loc: list[int] = []
         seq_lens: list[int] = []
-        output_lens: list[int] = []
         for req in reqs:
             slots = req.kv_slots
             n = len(slots)
@@ -85,13 +80,9 @@ class DecodeRows:
             input_ids.append(pending[-1] if pending else outputs[-1] if outputs else req.origin_input_ids[-1])
             out_cache_loc.append(slots[-1])
             seq_lens.append(n)
-            output_lens.append(k)
         bs = len(reqs)
-        temperatures, top_ps, top_ks, min_ps, seeds, logprobs = (c[:] for c in self._sampling)
-        sampling = SamplingInputs(temperatures=temperatures, top_ps=top_ps, top_ks=top_ks, min_ps=min_ps,
-                                  seeds=seeds, output_lens=output_lens, logprobs=logprobs)
         worker_batch = ModelWorkerBatch(
             forward_mode=ForwardMode.DECODE, input_ids=input_ids, req_pool_indices=self._pool_rows[:],
             seq_lens=seq_lens, prefix_lens=[n - 1 for n in seq_lens], extend_lens=[1] * bs,
-            out_cache_loc=out_cache_loc, sampling=sampling, grammar_rows=self._grammar_rows)
+            out_cache_loc=out_cache_loc, grammar_rows=self._grammar_rows)
         return ScheduleBatch(reqs=list(reqs), partial=[False] * bs, worker_batch=worker_batch)

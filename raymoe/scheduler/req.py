@@ -123,8 +123,6 @@ class Req:
             (their slots are not sent again); 0 after every (re-)admission.
         limits: what ends the request in its group (``raymoe.scheduler.stop_limits``), set at each admission;
             ``None`` before the first.
-        sampling_row: its sampling numbers as a step row carries them, ``(temperature, top_p, top_k, min_p, seed,
-            logprobs)``, taken when its parameters were last checked (the first step after each admission).
         grammar_synced: the ranks hold this request's grammar matcher with every output token it has accepted
             (``raymoe.runner.grammar``): set once a sampling row sent them its ``output_ids``, cleared with its KV
             (a re-admitted request sends them again).
@@ -151,7 +149,6 @@ class Req:
     table_len: int = 0
     grammar_synced: bool = False
     limits: StopLimits | None = field(default=None, repr=False)
-    sampling_row: tuple[float, float, int, float, int | None, int | None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.origin_input_ids = [int(t) for t in self.origin_input_ids]

@@ -17,10 +17,9 @@ from dataclasses import dataclass
 
 from raymoe.errors import InvalidRequestError
 from raymoe.scheduler.req import Req, RequestFault, RequestFaultError
-from raymoe.scheduler.sampling_params import SamplingParams
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.grammar import GrammarRow
-from raymoe.step.sampling_inputs import SamplingInputs
+from raymoe.step.sampling_inputs import SamplingRow
 from raymoe.step.worker_batch import ModelWorkerBatch
 
 
@@ -32,8 +31,9 @@ class ScheduleBatch:
         reqs: the ``bs`` requests, in batch order.
         partial: ``bs`` flags, true for a prefill chunk that does not reach the end of ``fill_ids`` (its sampled
             token is discarded).
-        worker_batch: the step as plain data (token ids, lengths, rows, KV slots, sampling inputs), EXTEND
-            (prefill or a prefill chunk), DECODE, or MIXED (prefill chunks and decode rows in one forward).
+        worker_batch: the step as plain data (token ids, lengths, rows, KV slots, the sampling rows of newly
+            admitted requests), EXTEND (prefill or a prefill chunk), DECODE, or MIXED (prefill chunks and decode
+            rows in one forward).
     Raises:
         ValueError: ``reqs``, ``partial`` and ``worker_batch`` disagree on ``bs``.
     """
@@ -55,7 +55,9 @@ class ScheduleBatch:
         its tokens (``r.tokens``: the prompt, the output, then placeholders of tokens still being sampled) into
         slots ``r.kv_slots[-e:]``. An EXTEND or MIXED step also carries the slots of positions
         ``[r.table_len, r.kv_len - e)`` that the ranks' table lacks. In a MIXED batch the decode rows
-        (``e == 1``, prefix already on the ranks) follow the extend rows.
+        (``e == 1``, prefix already on the ranks) follow the extend rows. A request's first row since its
+        admission (``table_len == 0``) carries its ``SamplingRow`` (``ModelWorkerBatch.sampling_rows``); later ones
+        carry none (``raymoe.step.sampling_table``).
 
         Raises:
             ValueError: ``forward_mode`` is IDLE, or the lengths do not match the requests.
@@ -75,7 +77,8 @@ class ScheduleBatch:
         table_lens: list[int] = []
         partial: list[bool] = []
         grammar_rows: list[GrammarRow] = []
-        for req, e in zip(reqs, extend_lens, strict=True):
+        sampling_rows: list[tuple[int, SamplingRow]] = []
+        for i, (req, e) in enumerate(zip(reqs, extend_lens, strict=True)):
             end = req.kv_len
             start = end - e
             total = req.sched_seq_len
@@ -84,8 +87,8 @@ class ScheduleBatch:
                     "failed", f"bad extend length {e} for kv_len {end}, seq_len {total}"))
             if req.req_pool_idx is None:
                 raise RequestFaultError(req, RequestFault("failed", "the request holds no KV row"))
-            if req.table_len == 0:  # first step since (re-)admission: its parameters are frozen from here on
-                _check_sampling_row(req)
+            if req.table_len == 0:  # first step since (re-)admission: the ranks keep its numbers from here on
+                sampling_rows.append((i, _checked_sampling_row(req)))
             input_ids += req.tokens(start, end)
             out_cache_loc += req.kv_slots[start:end]
             if not decode:
@@ -97,9 +100,9 @@ class ScheduleBatch:
             spec = req.sampling_params.grammar
             if spec is not None and end == total:  # a row that samples: the rank masks it
                 if req.grammar_synced:
-                    grammar_rows.append(GrammarRow(len(partial) - 1, req.rid))
+                    grammar_rows.append(GrammarRow(i, req.rid))
                 else:
-                    grammar_rows.append(GrammarRow(len(partial) - 1, req.rid, spec, tuple(req.output_ids),
+                    grammar_rows.append(GrammarRow(i, req.rid, spec, tuple(req.output_ids),
                                                    req.sampling_params.ignore_eos))
         worker_batch = ModelWorkerBatch(
             forward_mode=forward_mode,
@@ -110,9 +113,9 @@ class ScheduleBatch:
             extend_lens=list(extend_lens),
             out_cache_loc=out_cache_loc,
             prefix_slots=prefix_slots,
-            sampling=_sampling_inputs(reqs),
             table_lens=table_lens,
             grammar_rows=tuple(grammar_rows),
+            sampling_rows=tuple(sampling_rows),
         )
         return cls(reqs=list(reqs), partial=partial, worker_batch=worker_batch)
 
@@ -134,38 +137,18 @@ class ScheduleBatch:
         return len(self.reqs)
 
 
-def _check_sampling_row(req: Req) -> None:
-    """Re-check ``req``'s sampling parameters (``SamplingParams.validate``: the bounds include what the ranks'
-    float32/int64 tensors and generators hold) before its first row leaves the driver, so that a value changed
-    after construction fails this one request instead of the whole step on every rank.
+def _checked_sampling_row(req: Req) -> SamplingRow:
+    """``req``'s numbers as the ranks keep them, re-checked (``SamplingParams.validate``: the bounds include what the
+    ranks' float32/int64 tensors and generators hold) before its first row leaves the scheduler, so that a value
+    changed after construction fails this one request instead of the whole step on every rank.
 
     Raises:
         RequestFaultError: kind ``"invalid"``, naming the field.
     """
+    p = req.sampling_params
     try:
-        req.sampling_params.validate()
+        p.validate()
     except InvalidRequestError as e:
         raise RequestFaultError(req, RequestFault("invalid", e.message, field=e.field)) from None
-    req.sampling_row = sampling_row(req.sampling_params)
-
-
-def sampling_row(p: SamplingParams) -> tuple[float, float, int, float, int | None, int | None]:
-    """``p`` as one row of :class:`SamplingInputs`: ``(temperature, top_p, top_k, min_p, seed, logprobs)``."""
-    return float(p.temperature), float(p.top_p), int(p.top_k), float(p.min_p), p.seed, p.logprobs
-
-
-def sampling_columns(rows: Sequence[tuple]) -> list[list]:
-    """:func:`sampling_row` rows as six columns (temperatures, top_ps, top_ks, min_ps, seeds, logprobs)."""
-    return [list(c) for c in zip(*rows, strict=True)] if rows else [[] for _ in range(6)]
-
-
-def _sampling_inputs(reqs: Sequence[Req]) -> SamplingInputs:
-    """Each request's sampling numbers (``Req.sampling_row``, taken when its parameters were checked) and the
-    tokens it has generated so far, one row per request."""
-    rows = [r.sampling_row if r.sampling_row is not None else sampling_row(r.sampling_params) for r in reqs]
-    temperatures, top_ps, top_ks, min_ps, seeds, logprobs = sampling_columns(rows)
-    return SamplingInputs(
-        temperatures=temperatures, top_ps=top_ps, top_ks=top_ks, min_ps=min_ps, seeds=seeds,
-        output_lens=[len(r.output_ids) + len(r.pending_ids) for r in reqs],  # index of the token sampled now
-        logprobs=logprobs,
-    )
+    return SamplingRow(float(p.temperature), float(p.top_p), int(p.top_k), float(p.min_p), p.seed, p.logprobs,
+                       len(req.origin_input_ids))

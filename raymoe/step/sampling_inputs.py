@@ -1,9 +1,13 @@
-"""SamplingInputs: the per-row sampling numbers of one step, as one record (plain data, no tensors).
+"""SamplingInputs: the per-row sampling numbers of one step, as one record (plain data, no tensors), and
+SamplingRow, one request's numbers as a step carries them to the ranks once per admission.
 
-Ownership: the scheduler builds it from each request's ``SamplingParams`` (``ScheduleBatch.build``)
-and ships it inside the ``ModelWorkerBatch``; the rank's ``SamplingBatchInfo.from_inputs`` turns it into tensors
-for the ``Sampler``. The values themselves are validated once, in ``SamplingParams``; this record only checks
-that every list has one entry per row.
+Ownership: the scheduler turns each request's ``SamplingParams`` into a :class:`SamplingRow` on the first step
+after its admission (``ScheduleBatch.build``) and ships it inside that step's ``ModelWorkerBatch``; each rank keeps
+it for the request's ReqToTokenPool row (``raymoe.step.sampling_table``) and assembles every step's
+:class:`SamplingInputs` from those rows, so later steps carry no sampling numbers at all (vLLM's cached request
+data follows the same idea). The rank's ``SamplingBatchInfo.from_inputs`` turns the record into tensors for the
+``Sampler``. The values themselves are validated once, in ``SamplingParams``; this record only checks that every
+list has one entry per row.
 
 The per-row fields are declared once, in :class:`SamplingRows`, generic in how a column of floats (``FloatRows``)
 and of integers (``IntRows``) is held: Python lists here, tensors in ``raymoe.runner.forward_batch``'s
@@ -13,7 +17,7 @@ and of integers (``IntRows``) is held: Python lists here, tensors in ``raymoe.ru
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 FloatRows = TypeVar("FloatRows")
 """How a column of per-row floats is held (``list[float]``, or a [bs] float32 tensor on the rank)."""
@@ -78,3 +82,23 @@ class SamplingInputs(SamplingRows[list[float], list[int]]):
         """``bs`` greedy rows without seeds or log-probs (``bs = 0``: the empty record of an IDLE batch)."""
         return cls(temperatures=[0.0] * bs, top_ps=[1.0] * bs, top_ks=[-1] * bs, min_ps=[0.0] * bs,
                    seeds=[None] * bs, output_lens=[0] * bs, logprobs=[None] * bs)
+
+
+class SamplingRow(NamedTuple):
+    """One request's sampling numbers as they reach the ranks, once per admission (module docstring).
+
+    Attributes:
+        temperature, top_p, top_k, min_p, seed, logprobs: as in :class:`SamplingRows` (one row of each column).
+        prompt_len: the request's prompt length, tokens. A row that samples this step has ``seq_len =
+            prompt_len + tokens generated so far`` (its sequence ends at its newest token), so the rank derives
+            each step's ``output_lens`` (the position a seeded draw is made at) from ``seq_lens`` without being
+            sent it.
+    """
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    logprobs: int | None
+    prompt_len: int

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from raymoe.step.expert_update import ExpertUpdate
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.grammar import GrammarRow
-from raymoe.step.sampling_inputs import SamplingInputs
+from raymoe.step.sampling_inputs import SamplingInputs, SamplingRow
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,10 @@ class ModelWorkerBatch:
         table_lens: for EXTEND/MIXED, ``bs`` counts of leading positions each request's table row already holds
             from earlier steps (a continued prefill chunk, or a decode row of a MIXED batch), whose slots are not
             resent; empty means all zeros.
-        sampling: ``bs`` rows of sampling parameters (default: zero rows, for IDLE).
+        sampling: ``bs`` rows of sampling parameters, or None (what schedulers send): the ranks assemble them
+            from the rows they were sent (``raymoe.step.sampling_table``).
+        sampling_rows: ``(row, SamplingRow)`` for the rows whose requests were admitted since their last step
+            (their first step), ascending by row; the ranks keep each under its ReqToTokenPool row.
         use_tbo: run this step with two-batch overlap (decided once by the driver for all ranks).
         graph_bs: padded batch size of the captured graph to replay, or ``None`` for eager.
         global_num_tokens: tokens per DP group this step (all ranks agree; used for MoE buffer sizing).
@@ -49,7 +52,7 @@ class ModelWorkerBatch:
     Raises:
         ValueError: a per-request list or ``sampling`` does not have ``bs`` entries, ``out_cache_loc`` does not
             have ``T``, ``prefix_slots`` does not match ``prefix_lens - table_lens``, an IDLE batch carries
-            requests or tokens, or a grammar row is outside the batch.
+            requests or tokens, or a grammar or sampling row is outside the batch.
     """
 
     forward_mode: ForwardMode
@@ -60,7 +63,7 @@ class ModelWorkerBatch:
     extend_lens: list[int]
     out_cache_loc: list[int]
     prefix_slots: list[int] = field(default_factory=list)
-    sampling: SamplingInputs = field(default_factory=SamplingInputs.greedy)
+    sampling: SamplingInputs | None = None
     use_tbo: bool = False
     graph_bs: int | None = None
     global_num_tokens: tuple[int, ...] = ()
@@ -68,6 +71,7 @@ class ModelWorkerBatch:
     table_lens: list[int] = field(default_factory=list)
     expert_update: ExpertUpdate | None = None
     grammar_rows: tuple[GrammarRow, ...] = ()
+    sampling_rows: tuple[tuple[int, SamplingRow], ...] = ()
 
     def __post_init__(self) -> None:
         bs = len(self.req_pool_indices)
@@ -81,7 +85,7 @@ class ModelWorkerBatch:
         for name in ("seq_lens", "prefix_lens", "extend_lens"):
             if len(getattr(self, name)) != bs:
                 raise ValueError(f"ModelWorkerBatch.{name} has {len(getattr(self, name))} entries, expected {bs}")
-        if self.sampling.batch_size != bs:
+        if self.sampling is not None and self.sampling.batch_size != bs:
             raise ValueError(f"ModelWorkerBatch.sampling has {self.sampling.batch_size} rows, expected {bs}")
         num_tokens = len(self.input_ids)
         if len(self.out_cache_loc) != num_tokens:
@@ -91,6 +95,8 @@ class ModelWorkerBatch:
         _check_capacity(self.dispatch_capacity, num_tokens)
         if self.grammar_rows and any(not 0 <= g.row < bs for g in self.grammar_rows):
             raise ValueError(f"ModelWorkerBatch.grammar_rows names a row outside [0, {bs})")
+        if self.sampling_rows and not 0 <= self.sampling_rows[0][0] <= self.sampling_rows[-1][0] < bs:
+            raise ValueError(f"ModelWorkerBatch.sampling_rows names a row outside [0, {bs})")
 
     def with_step_decisions(self, global_num_tokens: tuple[int, ...], use_tbo: bool, graph_bs: int | None,
                             dispatch_capacity: int | None, expert_update: ExpertUpdate | None = None
