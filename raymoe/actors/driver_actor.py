@@ -9,6 +9,10 @@ per request or token:
 * the step loop sends one :data:`OutputBatch` per iteration (every request's new tokens, finishes, refusals);
 * a reader thread takes ``(adds, aborts)`` messages from the front end and hands them to the loop.
 
+Several front ends may serve one engine (``raymoe.actors.frontends``): each connects with its id, gets the rows of
+its own requests only (from this actor and from each DP group process), and when its channel closes its in-flight
+requests are aborted.
+
 Ray calls remain for the rest: :meth:`connect` (once per front-end connection), :meth:`stats`, :meth:`healthy`,
 :meth:`ready`, :meth:`shutdown`. The health and state calls (and the fault-injection hooks of the tests) run in
 their own concurrency group (``"control"``), so a busy default group can never starve them.
@@ -29,6 +33,7 @@ import ray
 
 from raymoe.actors.channel import connect_channel
 from raymoe.actors.driver_service import DriverService, EngineStats, RequestError
+from raymoe.actors.frontends import OutputFanout, frontend_of
 from raymoe.actors.output_batch import OutputBatch, RequestEnd
 from raymoe.config import EngineConfig, ModelConfig
 
@@ -41,14 +46,19 @@ _CONTROL = "control"  # concurrency group of the health, state and test-hook cal
 _KV = "kv"  # KV transfers of prefill/decode disaggregation: long calls, kept apart from stats and health
 
 
-def start_driver_actor(config: EngineConfig, max_restarts: int = DRIVER_MAX_RESTARTS):
+ENGINE_NAMESPACE = "raymoe"
+"""The Ray namespace of named engines (a front end in another Ray job finds them there: ``find_driver_actor``)."""
+
+
+def start_driver_actor(config: EngineConfig, max_restarts: int = DRIVER_MAX_RESTARTS, name: str | None = None):
     """Create the driver actor for ``config`` (resolved: ``raymoe.cluster.device_choice``) on this node (the channel
     is a local socket; no CPU reservation: its ranks reserve theirs); returns its handle. The caller waits for
     ``ready`` (loading the ranks may take minutes). Ray restarts the actor up to ``max_restarts`` times (-1:
-    always) when its process dies.
+    always) when its process dies. ``name``: register it under this name in :data:`ENGINE_NAMESPACE`, so more
+    front ends can attach to the engine (``EngineClient.attach``).
 
     Raises:
-        ValueError: ``config`` is not resolved.
+        ValueError: ``config`` is not resolved, or ``name`` is taken by a live actor (Ray's message).
     """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -60,8 +70,26 @@ def start_driver_actor(config: EngineConfig, max_restarts: int = DRIVER_MAX_REST
     # do not ask for one, and the rank would fail with RankDeviceError). Otherwise its rank actors ask for theirs.
     gpus = 1 if config.parallel.world_size == 1 and config.device == "cuda" else 0
     cls = ray.remote(concurrency_groups={_CONTROL: 2, _KV: 8}, max_concurrency=4)(DriverActor)
+    named = {"name": name, "namespace": ENGINE_NAMESPACE} if name else {}
     return cls.options(num_cpus=0, num_gpus=gpus, max_restarts=max_restarts, max_task_retries=0,
-                       scheduling_strategy=here).remote(config)
+                       scheduling_strategy=here, **named).remote(config)
+
+
+def find_driver_actor(name: str):
+    """The driver actor of the engine started under ``name`` (``start_driver_actor``).
+
+    Raises:
+        ValueError: no live engine has that name (Ray's message).
+    """
+    return ray.get_actor(name, namespace=ENGINE_NAMESPACE)
+
+
+def _abort_frontend(driver, frontend: str) -> int:
+    """Abort every in-flight request of front end ``frontend`` (on the driver loop's thread); returns how many."""
+    rids = [rid for rid in driver.group_of if frontend_of(rid) == frontend]
+    for rid in rids:
+        driver.abort_request(rid)
+    return len(rids)
 
 
 def _inject_same_step_error(workers: list) -> None:
@@ -100,33 +128,28 @@ class DriverActor:
             from raymoe.platform.selector import select_platform
 
             select_platform(config.device).set_rank_threads(config.cpu_threads, ranks_on_node=1)
-        self._lock = threading.Lock()
-        self._conn = None
-        self._early = OutputBatch()  # published before the front end connected
+        self.config = config
+        self._outputs = OutputFanout(self._send_batch)  # one connection per front end (raymoe.actors.frontends)
         model_config = ModelConfig.from_hf(config.model)
         self.service = DriverService(build_driver(config, model_config, load_tokenizer(config.model)),
-                                     publish=self._publish)
+                                     publish=self._outputs.publish)
         configure_driver_gc()  # ranks (and a one-rank world's model) are up: start-up heap frozen, rarer collections
 
-    def _publish(self, batch: OutputBatch) -> None:  # on the step loop thread
-        with self._lock:
-            if self._conn is None:
-                self._early.extend(batch)
-                return
-            try:
-                self._conn.send(batch)
-            except OSError:  # the front end went away; its requests are aborted by the reader
-                pass
-            except Exception:  # noqa: BLE001 - a row that cannot be pickled: send the others, fail that one
-                log.exception("an output batch could not be sent; sending its rows one by one")
-                self._send_one_by_one(batch)
+    def _send_batch(self, conn, batch: OutputBatch) -> None:  # on the step loop thread, under the fanout's lock
+        try:
+            conn.send(batch)
+        except OSError:
+            raise
+        except Exception:  # noqa: BLE001 - a row that cannot be pickled: send the others, fail that one
+            log.exception("an output batch could not be sent; sending its rows one by one")
+            self._send_one_by_one(conn, batch)
 
-    def _send_one_by_one(self, batch: OutputBatch) -> None:
+    def _send_one_by_one(self, conn, batch: OutputBatch) -> None:
         for delta in batch:
             row = OutputBatch()
             row.add(delta.request_id, delta.token_ids, delta.completion_tokens, delta.logprobs)
             try:
-                self._conn.send(row)
+                conn.send(row)
             except OSError:
                 return
             except Exception:  # noqa: BLE001
@@ -134,11 +157,12 @@ class DriverActor:
                 self.service.submit(aborts=[delta.request_id])
                 failed = OutputBatch()
                 failed.end(delta.request_id, RequestEnd(error=err))
-                self._conn.send(failed)
+                conn.send(failed)
 
-    def connect(self, path, authkey: bytes) -> bool:
-        """Connect to the front end's channel at ``path`` (a Unix socket path, or ``(host, port)``) and start serving
-        it (a second call replaces the first); DP group processes connect to it too.
+    def connect(self, path, authkey: bytes, frontend: str = "") -> bool:
+        """Connect to front end ``frontend``'s channel at ``path`` (a Unix socket path, or ``(host, port)``) and
+        serve it: its requests and aborts in, its requests' rows out (``raymoe.actors.frontends``; a second call
+        for the same front end replaces its first). DP group processes connect to it too.
 
         Raises:
             OSError: no listener at ``path`` on this node. multiprocessing.AuthenticationError: wrong key.
@@ -146,25 +170,48 @@ class DriverActor:
         conn = connect_channel(path, authkey)
         connect_outputs = getattr(self.service.driver.executor, "connect_outputs", None)
         if connect_outputs is not None:  # DP group processes send their rows to the front end themselves
-            connect_outputs(path, authkey)
-        with self._lock:
-            old, self._conn = self._conn, conn
-            if len(self._early):
-                conn.send(self._early)
-                self._early = OutputBatch()
+            connect_outputs(path, authkey, frontend)
+        old = self._outputs.connect(frontend, conn)
         if old is not None:
             old.close()
-        threading.Thread(target=self._read, args=(conn,), name="raymoe-channel-reader", daemon=True).start()
+        threading.Thread(target=self._read, args=(conn, frontend), name="raymoe-channel-reader", daemon=True).start()
         return True
 
-    def _read(self, conn) -> None:
+    @ray.method(concurrency_group=_CONTROL)
+    def engine_config(self) -> EngineConfig:
+        """The engine's resolved configuration (what an attaching front end needs: model, context length, faults)."""
+        return self.config
+
+    @ray.method(concurrency_group=_CONTROL)
+    def frontends(self) -> list[str]:
+        """The ids of the front ends connected now (``""``: the one that started the engine)."""
+        return self._outputs.frontends
+
+    def _read(self, conn, frontend: str) -> None:
         while True:
             try:
                 adds, aborts = conn.recv()
             except (EOFError, OSError):
-                log.info("the front end closed its channel")
+                log.info("front end %r closed its channel", frontend)
+                self._frontend_gone(frontend, conn)
                 return
             self.service.submit(adds, aborts)
+
+    def _frontend_gone(self, frontend: str, conn) -> None:
+        """Front end ``frontend`` went away (its channel closed and was not replaced): stop sending it rows and
+        abort its in-flight requests, which frees their KV."""
+        if not self._outputs.drop(frontend, conn):
+            return  # replaced by a newer connection of the same front end
+        disconnect = getattr(self.service.driver.executor, "disconnect_outputs", None)
+        try:
+            if disconnect is not None:
+                disconnect(frontend)
+            ended = self.service.call(lambda driver: _abort_frontend(driver, frontend), timeout_s=10.0)
+        except Exception as e:  # noqa: BLE001 - the engine is shutting down or recovering: nothing to free
+            log.info("front end %r: its requests were not aborted (%s)", frontend, type(e).__name__)
+            return
+        if ended:
+            log.warning("front end %r went away; aborted its %d in-flight requests", frontend, ended)
 
     @ray.method(concurrency_group=_CONTROL)
     def stats(self) -> EngineStats:

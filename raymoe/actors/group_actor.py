@@ -17,7 +17,7 @@ import pickle
 import threading
 from typing import Any
 
-from raymoe.actors.output_batch import OutputBatch
+from raymoe.actors.frontends import OutputFanout
 from raymoe.actors.private_socket import Address, connect_private
 from raymoe.actors.step_channel import StepChannelHub
 from raymoe.config import EngineConfig
@@ -48,34 +48,29 @@ class HubRanks:
 
 
 class OutputPublisher:
-    """Sends a group's output rows to the front end's channel; rows published before it connected are kept and
-    sent on connection. A front end that went away drops the rows (its reader fails its own requests)."""
+    """Sends a group's output rows to the front ends' channels, each front end its own requests' rows
+    (``raymoe.actors.frontends.OutputFanout``)."""
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._conn = None
-        self._early = OutputBatch()
+        self.fanout = OutputFanout(lambda conn, batch: conn.send_bytes(
+            pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)))
+        self.publish = self.fanout.publish
 
-    def connect(self, address: Address, authkey: bytes, index: int) -> None:
+    def connect(self, address: Address, authkey: bytes, index: int, frontend: str = "") -> None:
+        """Connect to front end ``frontend``'s channel as group ``index`` (replaces its previous connection).
+
+        Raises:
+            OSError / multiprocessing.AuthenticationError: the channel cannot be reached or refused the key.
+        """
         conn = connect_private(address, authkey)
         conn.send(("group", index))
-        with self._lock:
-            old, self._conn = self._conn, conn
-            if len(self._early):
-                conn.send_bytes(pickle.dumps(self._early, protocol=pickle.HIGHEST_PROTOCOL))
-                self._early = OutputBatch()
+        old = self.fanout.connect(frontend, conn)
         if old is not None:
             old.close()
 
-    def publish(self, batch: OutputBatch) -> None:
-        with self._lock:
-            if self._conn is None:
-                self._early.extend(batch)
-                return
-            try:
-                self._conn.send_bytes(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
-            except OSError:
-                pass
+    def disconnect(self, frontend: str) -> None:
+        """Stop sending to front end ``frontend`` (it went away)."""
+        self.fanout.drop(frontend)
 
 
 class GroupSchedulerActor:
@@ -129,9 +124,15 @@ class GroupSchedulerActor:
                          daemon=True).start()
         return True
 
-    def connect_outputs(self, address: Address, authkey: bytes) -> bool:
-        """Send this group's output rows to the front end's channel at ``address`` (replaces a previous one)."""
-        self.outputs.connect(address, authkey, self.index)
+    def connect_outputs(self, address: Address, authkey: bytes, frontend: str = "") -> bool:
+        """Send front end ``frontend``'s output rows of this group to its channel at ``address`` (replaces that
+        front end's previous one; ``raymoe.actors.frontends``)."""
+        self.outputs.connect(address, authkey, self.index, frontend)
+        return True
+
+    def disconnect_outputs(self, frontend: str) -> bool:
+        """Stop sending rows to front end ``frontend`` (it went away)."""
+        self.outputs.disconnect(frontend)
         return True
 
     def pid(self) -> int:

@@ -6,7 +6,7 @@ fan-out of its own); one :class:`~raymoe.actors.group_actor.GroupSchedulerActor`
 of the group's first rank; each group's ranks connect to their group's step channel (a Unix socket on that node:
 a group whose ranks span nodes is refused); every group connects to the driver's link listener (a Unix socket when
 all groups are on the driver's node, else TCP on the driver's node address); and, once the front end is known
-(:meth:`GroupHosts.connect_outputs`), every group connects to the front end's channel.
+(:meth:`GroupHosts.connect_outputs`), every group connects to each front end's channel.
 
 A restart (after a rank fault, a group process that died, or a link that broke) rebuilds all of it: the group
 processes hold the KV bookkeeping of ranks that are gone, so they are replaced with them.
@@ -43,7 +43,7 @@ class GroupHosts:
         self.config, self.ranks = config, ranks
         self.actors: list = []
         self.links: list[ConnectionLink] = []
-        self._outputs: tuple[Address, bytes] | None = None
+        self._outputs: dict[str, tuple[Address, bytes]] = {}  # front end -> its channel
         self._start_groups()
 
     @property
@@ -84,8 +84,13 @@ class GroupHosts:
             conns = accept_indexed(listener, set(range(dp)), timeout)
             ray.get(connected, timeout=timeout)
             self.links = [ConnectionLink(conns[d], d) for d in range(dp)]
-            if self._outputs is not None:
-                self.connect_outputs(*self._outputs)
+            for frontend, (address, authkey) in list(self._outputs.items()):
+                try:
+                    self.connect_outputs(address, authkey, frontend)
+                except Exception as e:  # noqa: BLE001 - that front end is gone; the others are served
+                    log.warning("front end %r cannot be reached after a restart (%s); forgetting it", frontend,
+                                type(e).__name__)
+                    self._outputs.pop(frontend, None)
         except Exception as e:
             self.shutdown()
             if isinstance(e, EngineUnhealthyError):
@@ -96,12 +101,20 @@ class GroupHosts:
                 listener.close()
         log.info("started %d DP group scheduler processes", dp)
 
-    def connect_outputs(self, address: Address, authkey: bytes) -> None:
-        """Have every group send its output rows to the front end's channel at ``address`` (also after restarts)."""
+    def connect_outputs(self, address: Address, authkey: bytes, frontend: str = "") -> None:
+        """Have every group send front end ``frontend``'s output rows to its channel at ``address`` (also after
+        restarts; ``raymoe.actors.frontends``)."""
         import ray
 
-        self._outputs = (address, authkey)
-        ray.get([a.connect_outputs.remote(address, authkey) for a in self.actors], timeout=60)
+        self._outputs[frontend] = (address, authkey)
+        ray.get([a.connect_outputs.remote(address, authkey, frontend) for a in self.actors], timeout=60)
+
+    def disconnect_outputs(self, frontend: str) -> None:
+        """Forget front end ``frontend`` (it went away): no group sends it rows any more."""
+        import ray
+
+        if self._outputs.pop(frontend, None) is not None:
+            ray.get([a.disconnect_outputs.remote(frontend) for a in self.actors], timeout=60)
 
     def pids(self) -> list[int]:
         """Process ids of the group actors."""

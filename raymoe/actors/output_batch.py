@@ -14,7 +14,7 @@ merges the groups' and publishes; the front end iterates it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from raymoe.actors.records import RequestDelta, RequestError
@@ -127,6 +127,22 @@ class OutputBatch:
     def ended_ids(self) -> list[str]:
         """The ids of the requests whose last row is in this batch (finished, aborted, refused or failed)."""
         return [self.rids[row] for row in self.ends]
+
+    def split(self, owner: Callable[[str], str]) -> dict[str, OutputBatch]:
+        """This batch's rows grouped by ``owner(rid)`` (a front end's id), each group's rows in row order, for a
+        publisher that sends each front end only its own requests' rows."""
+        parts: dict[str, OutputBatch] = {}
+        pos = 0
+        for row, rid in enumerate(self.rids):
+            n = self.counts[row]
+            key = owner(rid)
+            part = parts.get(key)
+            if part is None:
+                part = parts[key] = OutputBatch()
+            logprobs = self.logprobs[pos:pos + n] if self.logprobs is not None else None
+            part.add(rid, self.token_ids[pos:pos + n], self.completion_tokens[row], logprobs, self.ends.get(row))
+            pos += n
+        return parts
 
     def rows_for(self, wanted) -> Iterator[RequestDelta]:
         """The deltas of the rows whose request is in ``wanted`` (a container of ids), in row order: a front end

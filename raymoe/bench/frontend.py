@@ -49,6 +49,7 @@ class SyntheticEngineClient(EngineClient):
         self.output_len = output_len
         self.step_s = step_s
         self._streams = {}
+        self.frontend_id = ""
         self._dead = None
         self._closing = False
         self._progress: dict[str, tuple[int, int]] = {}  # request id -> (prompt tokens, tokens delivered)

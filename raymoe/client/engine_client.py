@@ -20,6 +20,7 @@ the tokens it delivered, up to ``FaultConfig.max_request_resumes`` times.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from raymoe.actors.channel import ChannelListener
 from raymoe.actors.driver_service import AddRequest, EngineStats, OutputBatch, RequestDelta, RequestError
+from raymoe.actors.frontends import FRONTEND_SEP, engine_request_id
 from raymoe.client.request_resume import ResumableRequest
 from raymoe.config import EngineConfig, ModelConfig
 from raymoe.errors import EngineUnhealthyError
@@ -62,6 +64,8 @@ class EngineClient:
         model_name: served model name (default: the folder name).
         start_timeout_s: how long to wait for the driver and its ranks to come up, seconds (None: the engine's
             start-up budget, ``raymoe.actors.startup_budget``).
+        engine_name: register the engine under this name, so more front-end processes can serve it
+            (:meth:`attach`; ``raymoe.actors.frontends``).
 
     Attributes:
         config (resolved), device_choice (the device and why), model_config (normalized), model_name, tokenizer
@@ -69,6 +73,8 @@ class EngineClient:
         driver: the driver actor's handle (replaced when a fresh actor had to be started).
         reconnects: times the channel was re-established after the driver actor died.
         resumed_requests: times a request was submitted again after an engine fault (``request_resume``).
+        frontend_id: this front end's id among the engine's (``""``: the one that started it).
+        engine_name: the engine's name (None: unnamed, no other front end can attach).
 
     Raises:
         InvalidRequestError: ``device="cuda"`` where Ray declares no GPU (names CUDA), or an option the device
@@ -78,7 +84,8 @@ class EngineClient:
         ray.exceptions.GetTimeoutError / TimeoutError: the driver or its ranks did not start in time.
     """
 
-    def __init__(self, config: EngineConfig, model_name: str | None = None, start_timeout_s: float | None = None):
+    def __init__(self, config: EngineConfig, model_name: str | None = None, start_timeout_s: float | None = None,
+                 engine_name: str | None = None):
         import ray
 
         from raymoe.actors.driver_actor import start_driver_actor
@@ -86,22 +93,10 @@ class EngineClient:
         from raymoe.cluster.bootstrap import init_ray
         from raymoe.cluster.device_choice import resolve_engine_config
 
-        self.model_config = ModelConfig.from_hf(config.model)
-        self.model_name = model_name or Path(config.model).name
-        self.tokenizer = load_tokenizer(config.model)
-        self.reconnects = 0
-        self.resumed_requests = 0
-        self._probe_lock = threading.Lock()
-        self._probe = (0.0, False)  # (when, healthy) of the last health probe a resuming request made
         init_ray(config.ray_address)
-        self.config, self.device_choice = resolve_engine_config(config, serving=True)
-        self.start_timeout_s = start_timeout_s or startup_budget(self.config).engine_s
-        self.driver = start_driver_actor(self.config)
-        self._streams: dict[str, _Route] = {}
-        self._send_lock = threading.Lock()
-        self._dead: str | None = None
-        self._closing = False
-        self._channel: ChannelListener | None = None
+        resolved, self.device_choice = resolve_engine_config(config, serving=True)
+        self._setup(resolved, model_name, start_timeout_s or startup_budget(resolved).engine_s, "", engine_name)
+        self.driver = start_driver_actor(self.config, name=engine_name)
         try:
             ray.get(self.driver.ready.remote(), timeout=self.start_timeout_s)
             self._conn = self._open_channel()
@@ -111,6 +106,62 @@ class EngineClient:
         except BaseException:
             ray.kill(self.driver)
             raise
+        self._start_reader()
+
+    @classmethod
+    def attach(cls, engine_name: str, model_name: str | None = None, frontend_id: str | None = None,
+               ray_address: str | None = None, timeout_s: float = 60.0) -> EngineClient:
+        """A further front end of the running engine registered as ``engine_name`` (``EngineClient(...,
+        engine_name=...)``): it submits its own requests and receives only their outputs, from the driver and
+        from each DP group process directly (``raymoe.actors.frontends``). :meth:`shutdown` closes this front end
+        only; when it goes away the engine aborts its in-flight requests.
+
+        Args:
+            frontend_id: this front end's id (default: a random one); unique among the engine's front ends.
+
+        Raises:
+            ValueError: no engine has that name, or ``frontend_id`` is empty or holds ``FRONTEND_SEP``.
+            TimeoutError / ray exceptions: the engine did not answer within ``timeout_s`` seconds.
+        """
+        import uuid
+
+        import ray
+
+        from raymoe.actors.driver_actor import find_driver_actor
+        from raymoe.cluster.bootstrap import init_ray
+
+        frontend_id = uuid.uuid4().hex[:12] if frontend_id is None else frontend_id
+        if not frontend_id or FRONTEND_SEP in frontend_id:
+            raise ValueError(f"frontend_id must be non-empty and free of {FRONTEND_SEP!r}, got {frontend_id!r}")
+        init_ray(ray_address)
+        driver = find_driver_actor(engine_name)
+        self = cls.__new__(cls)
+        self._setup(ray.get(driver.engine_config.remote(), timeout=timeout_s), model_name, timeout_s, frontend_id,
+                    engine_name)
+        self.device_choice = None
+        self.driver = driver
+        self._conn = self._open_channel()
+        self._start_reader()
+        return self
+
+    def _setup(self, config: EngineConfig, model_name: str | None, start_timeout_s: float, frontend_id: str,
+               engine_name: str | None) -> None:
+        self.config, self.start_timeout_s = config, start_timeout_s
+        self.frontend_id, self.engine_name = frontend_id, engine_name
+        self.model_config = ModelConfig.from_hf(config.model)
+        self.model_name = model_name or Path(config.model).name
+        self.tokenizer = load_tokenizer(config.model)
+        self.reconnects = 0
+        self.resumed_requests = 0
+        self._probe_lock = threading.Lock()
+        self._probe = (0.0, False)  # (when, healthy) of the last health probe a resuming request made
+        self._streams: dict[str, _Route] = {}  # by engine request id (``raymoe.actors.frontends``)
+        self._send_lock = threading.Lock()
+        self._dead: str | None = None
+        self._closing = False
+        self._channel: ChannelListener | None = None
+
+    def _start_reader(self) -> None:
         self._reader = threading.Thread(target=self._read_outputs, name="raymoe-output-reader", daemon=True)
         self._reader.start()
 
@@ -130,7 +181,7 @@ class EngineClient:
 
         channel = ChannelListener(host=self._channel_host())
         try:
-            ray.get(self.driver.connect.remote(channel.path, channel.authkey), timeout=60)
+            ray.get(self.driver.connect.remote(channel.path, channel.authkey, self.frontend_id), timeout=60)
             conn = channel.accept(timeout_s=60)
         except BaseException:
             channel.close()
@@ -141,12 +192,14 @@ class EngineClient:
         return conn
 
     def _channel_host(self) -> str | None:
-        """TCP on this node's address when group processes may run on other nodes, else None (a Unix socket)."""
+        """TCP on this node's address when group processes (or, for an attached front end, the driver) may run on
+        other nodes, else None (a Unix socket)."""
         import ray
 
         from raymoe.actors.factory import hosts_groups
 
-        if not hosts_groups(self.config) or sum(n["Alive"] for n in ray.nodes()) < 2:
+        remote_peers = hosts_groups(self.config) or self.frontend_id
+        if not remote_peers or sum(n["Alive"] for n in ray.nodes()) < 2:
             return None
         return ray.util.get_node_ip_address()
 
@@ -202,7 +255,7 @@ class EngineClient:
         channel; retries with back-off until it works or the client shuts down (then returns False)."""
         import ray
 
-        from raymoe.actors.driver_actor import start_driver_actor
+        from raymoe.actors.driver_actor import find_driver_actor, start_driver_actor
 
         delay = 0.5
         while not self._closing:
@@ -210,8 +263,11 @@ class EngineClient:
                 try:
                     ray.get(self.driver.ready.remote(), timeout=self.start_timeout_s)
                 except ray.exceptions.ActorDiedError:  # dead for good (restarts exhausted, or killed with no_restart)
-                    log.warning("the driver actor is gone; starting a new one")
-                    self.driver = start_driver_actor(self.config)
+                    if self.frontend_id:  # an attached front end waits for the engine's owner to start it again
+                        self.driver = find_driver_actor(self.engine_name)
+                    else:
+                        log.warning("the driver actor is gone; starting a new one")
+                        self.driver = start_driver_actor(self.config, name=self.engine_name)
                     ray.get(self.driver.ready.remote(), timeout=self.start_timeout_s)
                 conn = self._open_channel()
             except Exception as e:  # noqa: BLE001 - keep trying; health stays false meanwhile
@@ -244,13 +300,16 @@ class EngineClient:
         Raises:
             InvalidRequestError: refused by the scheduler (prompt too long, queue full: field ``"queue"`` ...).
             EngineUnhealthyError: the engine failed.
-            ValueError: ``request_id`` is already in flight.
+            ValueError: ``request_id`` is already in flight, or holds ``FRONTEND_SEP``.
         """
-        if request_id in self._streams:
+        if FRONTEND_SEP in request_id:
+            raise ValueError(f"request id {request_id!r} holds {FRONTEND_SEP!r} (it separates front-end ids)")
+        rid = engine_request_id(self.frontend_id, request_id)
+        if rid in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         q: asyncio.Queue[RequestDelta] = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
-        req = ResumableRequest(request_id, list(prompt_token_ids), params, [int(t) for t in output_ids],
+        self._streams[rid] = (asyncio.get_running_loop(), q)
+        req = ResumableRequest(rid, list(prompt_token_ids), params, [int(t) for t in output_ids],
                                export_kv=export_kv, kv_received=kv_received)
         done = False
         try:
@@ -270,13 +329,13 @@ class EngineClient:
                     raise delta.error.to_exception()
                 req.delivered(delta)
                 done = delta.finished
-                yield delta
+                yield delta if rid is request_id else dataclasses.replace(delta, request_id=request_id)
                 if done:
                     return
         finally:
-            del self._streams[request_id]
+            del self._streams[rid]
             if not done:  # the caller stopped early (client went away)
-                self._abort_now(request_id)
+                self._abort_now(rid)
 
     async def _resume(self, req: ResumableRequest, error: RequestError) -> None:
         """Wait until the engine is healthy again and submit ``req`` with the tokens it delivered.
@@ -317,12 +376,12 @@ class EngineClient:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request and free its KV (client went away); unknown or finished ids are ignored."""
-        self._abort_now(request_id)
+        self._abort_now(engine_request_id(self.frontend_id, request_id))
 
-    def _abort_now(self, request_id: str) -> None:
+    def _abort_now(self, rid: str) -> None:
         if self._dead is None:
             try:
-                self._send([], [request_id])
+                self._send([], [rid])
             except OSError:  # the driver is gone: nothing left to free
                 pass
 
@@ -385,10 +444,15 @@ class EngineClient:
             return f"the engine's driver cannot be reached ({type(e).__name__})"
 
     def shutdown(self) -> None:
-        """Stop the driver loop and the ranks, then the driver actor, and close the channel."""
+        """Stop the driver loop and the ranks, then the driver actor, and close the channel. An attached front end
+        (:meth:`attach`) closes its channel only: the engine aborts its in-flight requests and serves the others."""
         import ray
 
         self._closing = True
+        if self.frontend_id:
+            if self._channel is not None:
+                self._channel.close()
+            return
         try:
             ray.get(self.driver.shutdown.remote(), timeout=60)
         finally:

@@ -38,6 +38,11 @@ def add_serve_parser(sub) -> None:
                    help="split a reasoning model's <think>...</think> into the chat answer's reasoning_content")
     p.add_argument("--tool-call-parser", default="auto", choices=["auto", "qwen3", "deepseek_v3", "mistral"],
                    help="the model's tool-call format (auto: from the model family)")
+    p.add_argument("--engine-name", default=None, metavar="NAME",
+                   help="register the engine under NAME so more front-end processes can serve it (--attach)")
+    p.add_argument("--attach", default=None, metavar="NAME",
+                   help="serve the running engine registered as NAME (join its Ray cluster with --ray-address) "
+                        "instead of starting one; this front end gets only its own requests' outputs")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     engine = p.add_argument_group("engine options (raymoe.config; Serve config args of the same names)")
     for name, decl in engine_options().items():
@@ -82,7 +87,7 @@ def serve_options_from_args(a: argparse.Namespace):
         return ServeOptions(model=a.model, served_model_name=a.served_model_name, max_in_flight=a.max_in_flight,
                             api_key=a.api_key or os.environ.get("RAYMOE_API_KEY"), limits=limits_from_args(a),
                             pd_prefill=a.pd_prefill, pd_decode=a.pd_decode, reasoning_parser=a.reasoning_parser,
-                            tool_call_parser=a.tool_call_parser,
+                            tool_call_parser=a.tool_call_parser, engine_name=a.engine_name, attach=a.attach,
                             **given_options(a, engine_options()))
     except ValidationError as e:
         first = e.errors()[0]

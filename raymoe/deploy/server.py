@@ -82,10 +82,11 @@ def run_server(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, de
     from raymoe.deploy.shutdown import DrainingServer, stop_engine
 
     stages = tqdm(total=3, desc="raymoe serve", unit="step", bar_format="{desc}: {n}/{total}{postfix} [{elapsed}]")
-    stages.set_postfix_str("demo checkpoint" if opts.model is None else "model folder")
-    model = opts.resolved_model(progress=True)
-    opts = opts.model_copy(update={"model": model})
-    opts.engine_config(model)  # bad options fail here, before anything starts
+    if opts.attach is None:  # an attached front end serves the engine's model
+        stages.set_postfix_str("demo checkpoint" if opts.model is None else "model folder")
+        model = opts.resolved_model(progress=True)
+        opts = opts.model_copy(update={"model": model})
+        opts.engine_config(model)  # bad options fail here, before anything starts
     stages.update()
     # The engine's step loop runs in a driver actor (its own process), so Ray is started for every topology.
     stages.set_postfix_str(f"Ray ({opts.ray_address or 'local, 127.0.0.1'})")
@@ -96,7 +97,8 @@ def run_server(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, de
     started_ray = not ray.is_initialized() and opts.ray_address is None
     init_ray(opts.ray_address)
     stages.update()
-    stages.set_postfix_str(f"driver + {opts.world_size} rank(s): load weights, capture graphs")
+    stages.set_postfix_str(f"attach to engine {opts.attach!r}" if opts.attach is not None else
+                           f"driver + {opts.world_size} rank(s): load weights, capture graphs")
     try:
         engine = opts.engine_client(progress=True)  # decides the device first: cuda without GPUs fails here
     except BaseException:
@@ -114,10 +116,11 @@ def run_server(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, de
         freeze_startup_heap()  # tokenizer, app and Ray client are built: no full-heap GC pause under the streams
         base_url = f"http://{host}:{port}"
         cfg = engine.config
+        how = engine.device_choice.reason if engine.device_choice else f"a front end of engine {opts.attach!r}"
         banner = (f"\nraymoe is serving {engine.model_name!r} at {base_url}/v1 "
                   f"(dp={cfg.parallel.dp_size} tp={cfg.parallel.tp_size} ep={cfg.parallel.ep_size}, {cfg.dtype}, "
                   f"two-batch overlap {'on' if cfg.overlap.enable_tbo else 'off'})\n"
-                  f"  {engine.device_choice.reason}\n"
+                  f"  {how}\n"
                   f"  try:     {curl_example(base_url, engine.model_name, opts.api_key is not None)}\n"
                   f"  metrics: {base_url}/metrics    health: {base_url}/health    stop: Ctrl-C\n")
         on_ready = (lambda: _demo_request(base_url, engine.model_name, opts.api_key)) if demo_request else None

@@ -143,6 +143,11 @@ class _ServeFields(BaseModel):
     tool_call_parser: Literal["auto", "qwen3", "deepseek_v3", "mistral"] | None = Field(
         "auto", description="the model's tool-call format (raymoe.deploy.tool_calls; auto: from the model family; "
                             "None: requests with tools are refused).")
+    engine_name: str | None = Field(None, min_length=1, description="register the engine under this name, so "
+                                    "more front-end processes can serve it (attach).")
+    attach: str | None = Field(None, min_length=1, description="serve the running engine registered under this "
+                               "name instead of starting one (its model and engine options are the engine's; this "
+                               "front end gets only its own requests' outputs; raymoe.actors.frontends).")
 
     @model_validator(mode="after")
     def _check_engine_options(self) -> _ServeFields:
@@ -153,6 +158,9 @@ class _ServeFields(BaseModel):
         if (self.pd_prefill is None) != (self.pd_decode is None):
             raise InvalidRequestError("pd_decode" if self.pd_decode is None else "pd_prefill",
                                       "prefill/decode disaggregation needs both pd_prefill and pd_decode")
+        if self.attach is not None and (self.engine_name is not None or self.pd_prefill is not None):
+            raise InvalidRequestError("attach", "an attached front end starts no engine: engine_name and "
+                                                "pd_prefill/pd_decode belong to the process that starts it")
         if self.pd_prefill is not None:
             from raymoe.client.pd_config import parse_pd_topology
 
@@ -199,6 +207,8 @@ class _ServeFields(BaseModel):
         """
         from raymoe.client.engine_client import EngineClient
 
+        if self.attach is not None:
+            return EngineClient.attach(self.attach, model_name=self.served_model_name, ray_address=self.ray_address)
         model = self.resolved_model(progress)
         if self.pd_prefill is not None:
             from raymoe.client.pd_client import PDEngineClient
@@ -206,12 +216,13 @@ class _ServeFields(BaseModel):
 
             configs = pd_engine_configs(model, self.engine_option_values(), self.pd_prefill, self.pd_decode)
             return PDEngineClient(*configs, model_name=self.served_model_name)
-        return EngineClient(self.engine_config(model), model_name=self.served_model_name)
+        return EngineClient(self.engine_config(model), model_name=self.served_model_name,
+                            engine_name=self.engine_name)
 
 
 SERVE_ONLY_FIELDS = tuple(_ServeFields.model_fields)
 """ServeOptions fields that are not engine options: model, served_model_name, max_in_flight, api_key, limits,
-pd_prefill, pd_decode, reasoning_parser, tool_call_parser."""
+pd_prefill, pd_decode, reasoning_parser, tool_call_parser, engine_name, attach."""
 
 SERVE_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "dp_size": (int, Field(2, description="DP-attention groups (each schedules its own requests).")),
