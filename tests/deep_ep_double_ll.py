@@ -59,6 +59,19 @@ def _split(buf: torch.Tensor, widths: list[tuple[torch.dtype, tuple[int, ...]]])
     return out
 
 
+def _quant_fp8(x: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token and group of 128 channels, as the FP8 dispatch kernel: ``x`` [N, H] bf16 -> (float8_e4m3fn
+    [N, H], float32 [N, H / 128]) with ``scale = max(amax, 1e-4) / 448`` (rounded up to a power of two with
+    ``round_scale``)."""
+    n, h = x.shape
+    g = x.float().view(n, h // 128, 128)
+    scale = g.abs().amax(dim=-1).clamp(min=1e-4) / 448.0
+    if round_scale:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (g / scale.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.view(n, h), scale
+
+
 class LowLatencyMixin:
     """The low-latency half of the double's ``Buffer`` (needs ``group``, ``rank``, ``group_size``, ``limits``,
     ``low_latency_mode``, ``num_rdma_bytes``, ``num_qps_per_rank``)."""
@@ -144,12 +157,18 @@ class LowLatencyMixin:
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                              async_finish: bool = False, return_recv_hook: bool = False):
-        """(recv_x [E_local, M_max * ranks, H], recv_count [E_local] int32, handle, EventOverlap, hook)."""
-        if use_fp8 or dispatch_wait_recv_cost_stats is not None:
-            raise NotImplementedError("the double models use_fp8=False without wait-cost stats")
+        """(recv_x [E_local, M_max * ranks, H], recv_count [E_local] int32, handle, EventOverlap, hook); with
+        ``use_fp8`` recv_x is (float8_e4m3fn [E_local, T, H], float32 scales [E_local, T, H / 128] in DeepEP's
+        column-major layout, T = M_max * ranks): each token quantized per group of 128 channels with ``scale =
+        max(amax, 1e-4) / 448`` (a power of two with ``round_scale``), as ``internode_ll.cu`` does."""
+        if dispatch_wait_recv_cost_stats is not None:
+            raise NotImplementedError("the double models dispatches without wait-cost stats")
+        check(not use_ue8m0 or round_scale, "use_ue8m0 needs round_scale")
+        check(not use_ue8m0, "the double models float32 scales (use_ue8m0=False, SM90)")
         ranks, m = self.group_size, num_max_dispatch_tokens_per_rank
         n, h = x.shape
         el = num_experts // ranks
+        check(not use_fp8 or h % 512 == 0, f"FP8 low-latency dispatch needs hidden % 512 == 0, got {h}")
         check(topk_idx.dim() == 2 and topk_idx.is_contiguous() and topk_idx.dtype == torch.int64, "topk_idx int64")
         self._ll_checks(m, h, num_experts, x.dtype, topk_idx.shape[1])
         check(x.dim() == 2 and x.is_contiguous(), "x: contiguous [N, H]")
@@ -163,28 +182,45 @@ class LowLatencyMixin:
                                                                           accumulate=True)
         check(bool((onehot <= 1).all()), "a token selects the same expert twice")
         slot = (onehot.cumsum(0) - onehot)[rows, g]
-        send_x = torch.zeros(num_experts, m, h, dtype=x.dtype)
+        row_dtype = torch.float8_e4m3fn if use_fp8 else x.dtype
+        send_x = torch.zeros(num_experts, m, h, dtype=row_dtype)
         send_src = torch.full((num_experts, m), -1, dtype=torch.int32)
-        send_x[g, slot], send_src[g, slot] = x[rows], rows.to(torch.int32)
-        header = torch.tensor([m, h, num_experts, x.dtype.itemsize], dtype=torch.int64)
-        payload = torch.cat([_bytes(send_x, ranks), _bytes(send_src, ranks), _bytes(onehot.sum(0), ranks),
-                             _bytes(header.repeat(ranks), ranks)], dim=1)
+        sends = [send_x]
+        if use_fp8:
+            q, s = _quant_fp8(x, round_scale)
+            send_s = torch.zeros(num_experts, m, h // 128, dtype=torch.float32)
+            send_x[g, slot], send_s[g, slot] = q[rows], s[rows]
+            sends.append(send_s)
+        else:
+            send_x[g, slot] = x[rows]
+        send_src[g, slot] = rows.to(torch.int32)
+        header = torch.tensor([m, h, num_experts, x.dtype.itemsize, int(use_fp8)], dtype=torch.int64)
+        payload = torch.cat([*(_bytes(t, ranks) for t in sends), _bytes(send_src, ranks),
+                             _bytes(onehot.sum(0), ranks), _bytes(header.repeat(ranks), ranks)], dim=1)
         claim = self._ll_claim(async_finish, return_recv_hook)
         recv = torch.empty_like(payload)
         work = dist.all_to_all_single(recv, payload, group=self.group, async_op=True)
-        out = [torch.empty(el, ranks * m, h, dtype=x.dtype), torch.empty(el, dtype=torch.int32),
-               torch.empty(el, ranks * m, dtype=torch.int32), torch.empty(el, ranks, dtype=torch.int64)]
+        t = ranks * m
+        out = [torch.empty(el, t, h, dtype=row_dtype), torch.empty(el, dtype=torch.int32),
+               torch.empty(el, t, dtype=torch.int32), torch.empty(el, ranks, dtype=torch.int64)]
+        if use_fp8:  # DeepEP's scales are column-major per expert (what DeepGEMM's masked GEMM reads)
+            out.append(torch.empty_strided((el, t, h // 128), (t * (h // 128), 1, t), dtype=torch.float32))
         why = "low_latency_dispatch, " + ("hook" if return_recv_hook else "async_finish")
         aliases = [pending(t, why) for t in out] if (return_recv_hook or async_finish) else out
         shift, self._ll_calls = self._ll_calls % ranks, self._ll_calls + 1
 
         def receive():
-            rx, rsrc, rcnt, rhdr = _split(recv, [(x.dtype, (el, m, h)), (torch.int32, (el, m)),
-                                                 (torch.int64, (el,)), (torch.int64, (4,))])
-            if not torch.equal(rhdr, header.expand(ranks, 4)):
-                raise misuse(f"ranks disagree on (M_max, hidden, experts, itemsize): {rhdr.tolist()}")
-            packed_x, count, src_info, layout_range = out
+            scales = [(torch.float32, (el, m, h // 128))] if use_fp8 else []
+            parts = _split(recv, [(row_dtype, (el, m, h)), *scales, (torch.int32, (el, m)), (torch.int64, (el,)),
+                                  (torch.int64, (5,))])
+            rx, rs = parts[0], (parts[1] if use_fp8 else None)
+            rsrc, rcnt, rhdr = parts[-3:]
+            if not torch.equal(rhdr, header.expand(ranks, 5)):
+                raise misuse(f"ranks disagree on (M_max, hidden, experts, itemsize, use_fp8): {rhdr.tolist()}")
+            packed_x, count, src_info, layout_range = out[:4]
             packed_x.fill_(float("nan") if x.dtype.is_floating_point else 0)
+            if use_fp8:
+                out[4].fill_(float("nan"))
             src_info.fill_(-1)
             for e in range(el):
                 begin = 0
@@ -192,6 +228,8 @@ class LowLatencyMixin:
                     s = (j + shift) % ranks
                     c = int(rcnt[s, e])
                     packed_x[e, begin:begin + c] = rx[s, e, :c]
+                    if use_fp8:
+                        out[4][e, begin:begin + c] = rs[s, e, :c]
                     src_info[e, begin:begin + c] = rsrc[s, e, :c]
                     layout_range[e, s] = (c << 32) | begin
                     begin += c
@@ -202,7 +240,8 @@ class LowLatencyMixin:
         event, hook = self._ll_finish(claim, async_finish, return_recv_hook, work, receive, aliases)
         aliases[2]._double_dispatch = (topk_idx.clone(), m, h, num_experts)
         handle = (aliases[2], aliases[3], m, h, num_experts)
-        return aliases[0], aliases[1], handle, event, hook
+        recv_x = (aliases[0], aliases[4]) if use_fp8 else aliases[0]
+        return recv_x, aliases[1], handle, event, hook
 
     @library_call("low_latency_combine", low_latency=True)
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,

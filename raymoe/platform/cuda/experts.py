@@ -15,7 +15,10 @@ only, reading the per-expert counts on the device:
   ``m_grouped_*_gemm_nt_masked``) skips empty rows inside its kernel. The packing copies ``max_rows`` rows each way
   whatever the routing (fixed shapes), which costs memory traffic, not multiply-adds.
 
-Other dtypes and GPUs keep the reference operations.
+FP8 experts (an FP8 checkpoint's, kept FP8) take DeepGEMM's grouped FP8 GEMMs where they fit
+(``deepgemm_experts.DeepGemmExperts``: masked for the masked layout, contiguous with 128-row aligned segments for
+pair rows and segments); elsewhere they are dequantized per call (weight-only). Other dtypes and GPUs keep the
+reference operations.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from raymoe.comm.expert_input import ExpertWeights, MaskedExpertRows
+from raymoe.platform.cuda.deepgemm_experts import DeepGemmExperts
 from raymoe.platform.cuda.grouped_mm import GroupedGemm
 from raymoe.platform.reference.experts import ExpertOps
 
@@ -33,9 +37,26 @@ class CudaExpertOps(ExpertOps):
     Attributes:
         grouped_gemm: the grouped GEMM (set by the platform: :class:`~raymoe.platform.cuda.grouped_mm.TorchGroupedMm`,
             or in tests a CPU double of it).
+        fp8_experts: the grouped FP8 GEMMs of FP8 experts (set by the platform: over ``deep_gemm``, or in tests a
+            CPU double of it).
     """
 
     grouped_gemm: GroupedGemm
+    fp8_experts: DeepGemmExperts
+
+    def expert_rows(self, x: torch.Tensor, local_ids: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
+        """FP8 experts through the contiguous grouped FP8 GEMM where it fits, else the reference."""
+        if x.shape[0] and self.fp8_experts.fits(x, experts):
+            return self.by_expert(x, local_ids, experts.num_local, lambda rows, ends: self.fp8_experts.contiguous_mlp(
+                rows, ends, experts, self.silu_and_mul))
+        return super().expert_rows(x, local_ids, experts)
+
+    def expert_segments(self, x: torch.Tensor, ends: torch.Tensor, expert_capacity: int,
+                        experts: ExpertWeights) -> torch.Tensor:
+        """FP8 experts through the contiguous grouped FP8 GEMM where it fits, else the reference."""
+        if x.shape[0] and self.fp8_experts.fits(x, experts):
+            return self.fp8_experts.contiguous_mlp(x, ends, experts, self.silu_and_mul)
+        return super().expert_segments(x, ends, expert_capacity, experts)
 
     def grouped_ok(self, x: torch.Tensor, experts: ExpertWeights) -> bool:
         """Whether the grouped GEMM takes both projections over rows like ``x`` [R, H] (contiguous, 16-byte
@@ -60,6 +81,9 @@ class CudaExpertOps(ExpertOps):
         x, counts = rows.x, rows.counts
         el, c, h = x.shape
         packed_rows = min(rows.max_rows, el * c)
+        if packed_rows and self.fp8_experts.fits(x, experts):  # FP8 experts: DeepGEMM's masked kernel
+            expected_m = max(1, min(c, -(-packed_rows // el)))
+            return self.fp8_experts.masked_mlp(x, counts, expected_m, experts, self.silu_and_mul)
         if packed_rows == 0 or not x.is_contiguous() or not self.grouped_ok(x.view(el * c, h), experts):
             return super().expert_masked(rows, experts)
         full_ends = counts.cumsum(0, dtype=torch.int32)                              # [E_local] packed segment ends

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from raymoe.platform.cuda.deepgemm_experts import DeepGemmExperts
 from raymoe.platform.cuda.experts import CudaExpertOps
 from raymoe.platform.cuda.fp8_gemm import BlockFp8Gemm
 from raymoe.platform.cuda.graphs import CudaGraphCapture
@@ -38,6 +39,8 @@ class CudaPlatform(CudaExpertOps, TorchPlatform):
             CPU tests pass a strict double of it).
         fp8_gemm: the block-scaled FP8 linear (None: :class:`~raymoe.platform.cuda.fp8_gemm.BlockFp8Gemm` over
             torch's ``scaled_mm``; tests pass one over a conformance double).
+        fp8_experts: the FP8 experts' grouped GEMMs (None: :class:`~raymoe.platform.cuda.deepgemm_experts.
+            DeepGemmExperts` over ``deep_gemm``, imported on first use; tests pass one over a conformance double).
     """
 
     name = "cuda"
@@ -46,11 +49,13 @@ class CudaPlatform(CudaExpertOps, TorchPlatform):
     async_host_copy = True
 
     def __init__(self, backends: BackendRegistry | None = None, cuda_api: Any = None,
-                 grouped_gemm: GroupedGemm | None = None, fp8_gemm: BlockFp8Gemm | None = None):
+                 grouped_gemm: GroupedGemm | None = None, fp8_gemm: BlockFp8Gemm | None = None,
+                 fp8_experts: DeepGemmExperts | None = None):
         super().__init__(backends)
         self.cuda = cuda_api if cuda_api is not None else default_cuda_api()
         self.grouped_gemm = grouped_gemm if grouped_gemm is not None else TorchGroupedMm()
         self.fp8_gemm = fp8_gemm or BlockFp8Gemm()
+        self.fp8_experts = fp8_experts or DeepGemmExperts()
         self._tbo_streams: CudaTboStreams | None = None
 
     def prepare_weight(self, weight: torch.Tensor, kind: WeightKind, scales: BlockScales | None = None) -> Any:

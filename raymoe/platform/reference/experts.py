@@ -13,6 +13,8 @@ each operation (``fp8.dense_experts``: weight-only, the FP8 weights stay residen
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -52,10 +54,16 @@ class ExpertOps:
             return torch.empty_like(x)
         if not self.grouped_ok(x, experts):
             return self._expert_loop(x, local_ids, experts)
-        el = experts.num_local
-        key, order = torch.sort(local_ids.remainder(el + 1), stable=True)                 # NO_EXPERT -> E_local
-        ends = torch.searchsorted(key, self._expert_ids(el, key.device), right=True, out_int32=True)
-        y = self.grouped_mlp(x.index_select(0, order), ends, experts)                     # [R, H] by expert
+        return self.by_expert(x, local_ids, experts.num_local,
+                              lambda rows, ends: self.grouped_mlp(rows, ends, experts))
+
+    def by_expert(self, x: torch.Tensor, local_ids: torch.Tensor, num_local: int,
+                  mlp: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``mlp`` over ``x`` [R, H] sorted into expert segments (``mlp(rows, ends)``, ``ends`` [E_local] int32),
+        answered in the rows' order; rows of ``NO_EXPERT`` sort after every segment and answer 0. No host sync."""
+        key, order = torch.sort(local_ids.remainder(num_local + 1), stable=True)          # NO_EXPERT -> E_local
+        ends = torch.searchsorted(key, self._expert_ids(num_local, key.device), right=True, out_int32=True)
+        y = mlp(x.index_select(0, order), ends)                                           # [R, H] by expert
         out = torch.empty_like(x).index_copy_(0, order, y)
         return out.masked_fill_(local_ids.unsqueeze(1) < 0, 0)
 
