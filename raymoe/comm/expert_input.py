@@ -107,11 +107,22 @@ class MaskedExpertRows:
     """Received pairs packed per local expert: ``x`` [E_local, C, H], ``counts`` [E_local] int32 valid rows each
     (on the device), ``max_rows`` the most valid rows all experts together can hold in this step (a host bound,
     ``min(ep * M * min(k, E_local), E_local * C)`` for a step of per-rank capacity M and top-k k: each of the
-    ``ep * M`` tokens sends at most one row to each of its distinct experts here)."""
+    ``ep * M`` tokens sends at most one row to each of its distinct experts here). ``x_scale``: set when the
+    dispatch moved FP8 rows (DeepEP's ``use_fp8``): ``x`` is then ``float8_e4m3fn`` and row ``[e, c]`` is worth
+    ``x[e, c, j] * x_scale[e, c, j // 128]`` (float32 [E_local, C, H / 128], any strides)."""
 
     x: torch.Tensor
     counts: torch.Tensor
     max_rows: int
+    x_scale: torch.Tensor | None = None
+
+    def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> MaskedExpertRows:
+        """These rows with ``x`` in ``dtype`` (FP8 rows times their scales; itself where ``x_scale`` is None)."""
+        if self.x_scale is None:
+            return self
+        h = self.x.shape[-1]
+        x = self.x.float() * self.x_scale.repeat_interleave(128, dim=-1)[..., :h]
+        return MaskedExpertRows(x.to(dtype), self.counts, self.max_rows)
 
     def compute(self, ops: ExpertCompute, experts: ExpertWeights) -> torch.Tensor:
         """The experts' answer [E_local, C, H] (slots past ``counts[e]`` hold anything)."""

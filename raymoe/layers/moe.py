@@ -236,8 +236,10 @@ class SparseMoeBlock(nn.Module):
                                         prefix=f"{prefix}.shared_experts")
                                if shared_intermediate_size else None)
         spec = a2a_backend if isinstance(a2a_backend, A2ABackendSpec) else A2ABackendSpec(a2a_backend)
+        experts_quant = module_quant(quant, f"{prefix}.experts")
+        fp8_experts = experts_quant is not None and tuple(experts_quant.weight_block_size or ()) == (128, 128)
         self.a2a = ops.create_dispatcher(spec, groups, self.num_physical_experts, hidden_size, dtype,
-                                         self.experts.inter_local)
+                                         self.experts.inter_local, fp8_experts=fp8_experts)
 
     # ---- operations (see module docstring) ----
     @stage_op(OpRole.ROUTER_GATE)

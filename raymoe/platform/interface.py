@@ -295,9 +295,11 @@ class Platform(ExpertCompute, LowLatencyOps, ABC):
 
     @abstractmethod
     def create_dispatcher(self, spec: A2ABackendSpec, groups: ParallelGroups, num_experts: int, hidden_size: int,
-                          dtype: torch.dtype, intermediate_size: int) -> MoeDispatcher:
+                          dtype: torch.dtype, intermediate_size: int, fp8_experts: bool = False) -> MoeDispatcher:
         """The MoE dispatcher of one layer (``spec.name``: ``"torch"`` or a registered backend such as
-        ``"deepep"``) for ``num_experts`` experts of ``hidden_size`` and local ``intermediate_size``.
+        ``"deepep"``) for ``num_experts`` experts of ``hidden_size`` and local ``intermediate_size``;
+        ``fp8_experts``: the layer's experts are FP8 with 128 x 128 block scales (a backend may then move FP8
+        rows).
 
         Raises:
             ValueError: an unknown backend name. ImportError: a backend whose package is missing.

@@ -31,12 +31,15 @@ def _flashinfer_mla(**kwargs: Any):
 
 
 def _deepep(groups: ParallelGroups, num_experts: int, spec: A2ABackendSpec, hidden_size: int,
-            dtype: torch.dtype, buffer_factory: Any = None) -> MoeDispatcher:
+            dtype: torch.dtype, buffer_factory: Any = None, fp8_experts: bool = False) -> MoeDispatcher:
+    """DeepEP; low-latency dispatches move FP8 rows where the experts are FP8 (128 x 128 blocks) and DeepEP's FP8
+    dispatch takes the rows (bfloat16, hidden a multiple of 512), as SGLang runs DeepSeek-V3's FP8 checkpoint."""
     from raymoe.platform.cuda.deepep import DeepEPDispatcher
 
+    use_fp8 = fp8_experts and spec.mode != "normal" and dtype == torch.bfloat16 and hidden_size % 512 == 0
     return DeepEPDispatcher(groups, num_experts, hidden_size=hidden_size, dtype=dtype,
                             num_max_dispatch_tokens_per_rank=spec.num_max_dispatch_tokens_per_rank,
-                            low_latency=spec.mode != "normal", buffer_factory=buffer_factory)
+                            low_latency=spec.mode != "normal", buffer_factory=buffer_factory, use_fp8=use_fp8)
 
 
 GPU_LIBRARY_BACKENDS = BackendRegistry(attention={"flash_attn": _flash_attn}, dispatchers={"deepep": _deepep},

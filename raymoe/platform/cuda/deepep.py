@@ -18,7 +18,10 @@ Normal mode (``capacity`` None; data-dependent shapes, the host waits for the re
 
 Low-latency mode (``capacity`` M; fixed shapes, DeepEP's hook-based receive, no SM spent waiting):
 
-* ``dispatch_a``: ``low_latency_dispatch(use_fp8=False, return_recv_hook=True)`` (only the send is issued).
+* ``dispatch_a``: ``low_latency_dispatch(use_fp8=..., return_recv_hook=True)`` (only the send is issued). With
+  ``use_fp8`` (an FP8 checkpoint's experts, which DeepGEMM's masked FP8 GEMM runs) DeepEP quantizes each token per
+  group of 128 channels before sending, halving the dispatch bytes, and the rows arrive as FP8 with their scales
+  (``MaskedExpertRows.x_scale``), which the experts read as they are.
 * ``dispatch_b``: call the hook, return ``MaskedExpertRows(recv_x, recv_count, max_rows)``; ``recv_x`` is
   [E_local, M_max * ep, H]: DeepEP sizes it by the buffer's ``num_max_dispatch_tokens_per_rank`` M_max, not by
   the step's capacity (M <= M_max is checked); ``max_rows = ep * M * min(k, E_local)`` bounds the valid rows of
@@ -106,21 +109,27 @@ class DeepEPDispatcher:
         num_max_dispatch_tokens_per_rank: M_max, bound of a low-latency step's per-rank tokens (same on all ranks).
         low_latency: whether low-latency steps may run (``a2a_mode`` "low_latency"/"auto"); False skips the RDMA
             buffer.
+        use_fp8: low-latency dispatches send FP8 rows with per-token-group scales (DeepEP's ``use_fp8``).
         buffer_factory: a class with ``deep_ep.Buffer``'s constructor and static methods (default
             ``deep_ep.Buffer``; tests pass a CPU double).
     Raises:
         ImportError: ``deep_ep`` is not installed (and no ``buffer_factory``).
-        ValueError: ``ep_size < 2`` (DeepEP has no single-rank config) or E not divisible by it.
+        ValueError: ``ep_size < 2`` (DeepEP has no single-rank config) or E not divisible by it, or ``use_fp8``
+            without bfloat16 rows whose ``hidden_size`` is a multiple of 512 (what DeepEP's FP8 dispatch takes).
     """
 
     def __init__(self, groups: ParallelGroups, num_experts: int, *, hidden_size: int,
                  dtype: torch.dtype = torch.bfloat16, num_max_dispatch_tokens_per_rank: int = 256,
-                 low_latency: bool = True, buffer_factory: Any = None):
+                 low_latency: bool = True, buffer_factory: Any = None, use_fp8: bool = False):
         if groups.ep_size < 2:
             raise ValueError(f"the deepep all-to-all backend needs an expert-parallel group of >= 2 ranks, "
                              f"got ep_size={groups.ep_size}")
         if num_experts % groups.ep_size:
             raise ValueError(f"num_experts {num_experts} is not divisible by ep_size {groups.ep_size}")
+        if use_fp8 and (dtype != torch.bfloat16 or hidden_size % 512):
+            raise ValueError(f"DeepEP's FP8 dispatch takes bfloat16 rows with hidden % 512 == 0, got {dtype}, "
+                             f"hidden {hidden_size}")
+        self.use_fp8 = use_fp8
         if buffer_factory is None:
             try:
                 import deep_ep  # lazy: CUDA + NVSHMEM build, never needed on CPU
@@ -179,10 +188,13 @@ class DeepEPDispatcher:
         handle = DeepEPLowLatencyHandle(ids, weights)
         with self._low_latency_slot(handle):
             recv_x, recv_count, handle.deepep_handle, _, handle.hook = self.buffer.low_latency_dispatch(
-                hidden.contiguous(), ids, self.num_max_dispatch_tokens_per_rank, self.num_experts, use_fp8=False,
-                async_finish=False, return_recv_hook=True)
+                hidden.contiguous(), ids, self.num_max_dispatch_tokens_per_rank, self.num_experts,
+                use_fp8=self.use_fp8, async_finish=False, return_recv_hook=True)
         max_rows = self.ep_size * capacity * min(ids.shape[1], self.num_local_experts)
-        handle.result = MaskedExpertRows(recv_x, recv_count, max_rows)
+        if self.use_fp8:  # (FP8 rows [E_local, T, H], float32 scales [E_local, T, H / 128])
+            handle.result = MaskedExpertRows(recv_x[0], recv_count, max_rows, x_scale=recv_x[1])
+        else:
+            handle.result = MaskedExpertRows(recv_x, recv_count, max_rows)
         return handle
 
     @contextmanager

@@ -73,11 +73,11 @@ class DeepGemmExperts:
             self.alignment = int(align()) if align is not None else GROUP
         return self._contiguous is not None and self._masked is not None
 
-    def fits(self, x: torch.Tensor, experts: ExpertWeights) -> bool:
-        """Whether rows ``x`` [..., H] over ``experts`` take the FP8 GEMMs: bfloat16 rows, FP8 experts with
+    def fits(self, dtype: torch.dtype, experts: ExpertWeights) -> bool:
+        """Whether rows of ``dtype`` over ``experts`` take the FP8 GEMMs: bfloat16 rows, FP8 experts with
         128 x 128 block scales, ``H`` and the expert width multiples of 128, and DeepGEMM importable."""
         s13, s2 = experts.prepared13, experts.prepared2
-        if not (isinstance(s13, BlockScales) and isinstance(s2, BlockScales)) or x.dtype != torch.bfloat16:
+        if not (isinstance(s13, BlockScales) and isinstance(s2, BlockScales)) or dtype != torch.bfloat16:
             return False
         if tuple(s13.block) != (GROUP, GROUP) or tuple(s2.block) != (GROUP, GROUP):
             return False
@@ -88,17 +88,19 @@ class DeepGemmExperts:
         return h % GROUP == 0 and inter % GROUP == 0 and self._lookup()
 
     def masked_mlp(self, x: torch.Tensor, counts: torch.Tensor, expected_m: int, experts: ExpertWeights,
-                   silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                   silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
+                   x_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Both projections over the masked layout: ``x`` [E_local, C, H] bfloat16, ``counts`` [E_local] int32 ->
         [E_local, C, H] bfloat16, rows past ``counts[e]`` holding anything. ``expected_m``: the rows per expert
-        the kernel should expect (a configuration hint, > 0)."""
+        the kernel should expect (a configuration hint, > 0). ``x_scale``: ``x`` is already FP8 with these
+        per-token-group scales [E_local, C, H / 128] (DeepEP's FP8 dispatch), and is not quantized again."""
         el, c, _ = x.shape
-        xq, sx = _quant_rows(x)
-        gate_up = x.new_empty((el, c, experts.w13.shape[1]))
+        xq, sx = (x, x_scale) if x_scale is not None else _quant_rows(x)
+        gate_up = torch.empty((el, c, experts.w13.shape[1]), dtype=torch.bfloat16, device=x.device)
         self._masked((xq, sx), (experts.w13, experts.prepared13.scale), gate_up, counts, expected_m)
         act = silu_and_mul(gate_up.view(el * c, -1)).view(el, c, -1)                  # [E_local, C, I]
         aq, sa = _quant_rows(act)
-        out = x.new_empty((el, c, experts.w2.shape[1]))
+        out = torch.empty((el, c, experts.w2.shape[1]), dtype=torch.bfloat16, device=x.device)
         self._masked((aq, sa), (experts.w2, experts.prepared2.scale), out, counts, expected_m)
         return out
 

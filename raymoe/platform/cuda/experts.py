@@ -46,7 +46,7 @@ class CudaExpertOps(ExpertOps):
 
     def expert_rows(self, x: torch.Tensor, local_ids: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
         """FP8 experts through the contiguous grouped FP8 GEMM where it fits, else the reference."""
-        if x.shape[0] and self.fp8_experts.fits(x, experts):
+        if x.shape[0] and self.fp8_experts.fits(x.dtype, experts):
             return self.by_expert(x, local_ids, experts.num_local, lambda rows, ends: self.fp8_experts.contiguous_mlp(
                 rows, ends, experts, self.silu_and_mul))
         return super().expert_rows(x, local_ids, experts)
@@ -54,7 +54,7 @@ class CudaExpertOps(ExpertOps):
     def expert_segments(self, x: torch.Tensor, ends: torch.Tensor, expert_capacity: int,
                         experts: ExpertWeights) -> torch.Tensor:
         """FP8 experts through the contiguous grouped FP8 GEMM where it fits, else the reference."""
-        if x.shape[0] and self.fp8_experts.fits(x, experts):
+        if x.shape[0] and self.fp8_experts.fits(x.dtype, experts):
             return self.fp8_experts.contiguous_mlp(x, ends, experts, self.silu_and_mul)
         return super().expert_segments(x, ends, expert_capacity, experts)
 
@@ -78,12 +78,15 @@ class CudaExpertOps(ExpertOps):
         :meth:`grouped_mlp`, packed into ``min(rows.max_rows, E_local * C)`` rows and answered in their slots
         ([E_local, C, H]; slots past ``counts[e]`` hold anything). No host sync; the reference's batched GEMMs over
         every slot where the grouped GEMM does not take the rows."""
-        x, counts = rows.x, rows.counts
-        el, c, h = x.shape
+        el, c, h = rows.x.shape
         packed_rows = min(rows.max_rows, el * c)
-        if packed_rows and self.fp8_experts.fits(x, experts):  # FP8 experts: DeepGEMM's masked kernel
-            expected_m = max(1, min(c, -(-packed_rows // el)))
-            return self.fp8_experts.masked_mlp(x, counts, expected_m, experts, self.silu_and_mul)
+        fp8_rows = rows.x_scale is not None  # DeepEP's FP8 dispatch: FP8 rows with per-token-group scales
+        if packed_rows and self.fp8_experts.fits(torch.bfloat16 if fp8_rows else rows.x.dtype, experts):
+            expected_m = max(1, min(c, -(-packed_rows // el)))  # FP8 experts: DeepGEMM's masked kernel
+            return self.fp8_experts.masked_mlp(rows.x, rows.counts, expected_m, experts, self.silu_and_mul,
+                                               rows.x_scale)
+        rows = rows.dequantized()
+        x, counts = rows.x, rows.counts
         if packed_rows == 0 or not x.is_contiguous() or not self.grouped_ok(x.view(el * c, h), experts):
             return super().expert_masked(rows, experts)
         full_ends = counts.cumsum(0, dtype=torch.int32)                              # [E_local] packed segment ends

@@ -124,7 +124,9 @@ class ExpertOps:
     def expert_masked(self, rows: MaskedExpertRows, experts: ExpertWeights) -> torch.Tensor:
         """Two batched GEMMs over all ``C`` rows of every expert, valid or not (a row's output depends on that
         row only, so invalid rows, which the combine never reads, cannot disturb valid ones); shapes depend on
-        ``C`` only, and the work on the slots, not on ``counts``."""
+        ``C`` only, and the work on the slots, not on ``counts``. FP8 rows (``rows.x_scale``) are dequantized to
+        bfloat16 first."""
+        rows = rows.dequantized()
         experts = dense_experts(experts, rows.x.dtype, self.weight_values)
         h = self.silu_and_mul(torch.bmm(rows.x, experts.w13.transpose(1, 2)))   # [E_local, C, I_local]
         return torch.bmm(h, experts.w2.transpose(1, 2))                      # [E_local, C, H]

@@ -61,14 +61,14 @@ class TorchPlatform(DenseOps, ExpertOps, SamplingOps, Platform):
         return None
 
     def create_dispatcher(self, spec: A2ABackendSpec, groups: ParallelGroups, num_experts: int, hidden_size: int,
-                          dtype: torch.dtype, intermediate_size: int) -> MoeDispatcher:
+                          dtype: torch.dtype, intermediate_size: int, fp8_experts: bool = False) -> MoeDispatcher:
         if spec.name == "torch":
             return TorchDispatcher(groups, num_experts, self, expert_row_macs=3 * hidden_size * intermediate_size)
         factory = self.backends.dispatchers.get(spec.name)
         if factory is None:
             raise ValueError(f"unknown all-to-all backend {spec.name!r} (expected torch or one of "
                              f"{sorted(self.backends.dispatchers)})")
-        return factory(groups, num_experts, spec, hidden_size, dtype)
+        return factory(groups, num_experts, spec, hidden_size, dtype, fp8_experts=fp8_experts)
 
     def write_bytes(self, dst: torch.Tensor, offset: int, src: torch.Tensor) -> None:
         nbytes = src.numel() * src.element_size()
