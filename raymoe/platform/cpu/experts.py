@@ -1,18 +1,45 @@
 """The CPU platform's expert operations: the packed grouped GEMM (``kernels.packed_linear``) over expert segments at
 small row counts, and the fused routed-experts kernel (``kernels.cpu_ops.moe_routed_rows``) for token rows, which
 computes only each row's routed (row, expert) pairs, reading the routing itself. Calls the kernels cannot take run
-the reference operations. FP8 experts take the reference path's weight-only dequantization (packing them would keep
-a float32 copy resident, the memory FP8 saves); the routed-rows kernel then runs over the dequantized weights."""
+the reference operations. FP8 experts are dequantized per call, weight-only (packing them would keep a float32 copy
+resident, the memory FP8 saves), and only the experts the call routes rows to (:func:`routed_experts`): a decode
+step of a few tokens reaches a few of the experts, and dequantizing all of them cost most of an FP8 step."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from raymoe.comm.expert_input import ExpertWeights, RoutedTokenRows
 from raymoe.platform.cpu import expert_layout
 from raymoe.platform.cpu.kernels import cpu_ops, packed_linear
+from raymoe.platform.interface import BlockScales
 from raymoe.platform.reference.experts import ExpertOps
-from raymoe.platform.reference.fp8 import dense_experts
+from raymoe.platform.reference.fp8 import DequantizedExperts, dense_experts
+
+
+def routed_experts(experts: ExpertWeights, local_ids: torch.Tensor, dtype: torch.dtype,
+                   values: Callable[[torch.Tensor, Any, torch.dtype], torch.Tensor]
+                   ) -> tuple[ExpertWeights, torch.Tensor]:
+    """FP8 ``experts`` dequantized only where ``local_ids`` (any shape, int64; values outside ``[0, E_local)``
+    are another rank's experts or no expert) routes rows: the routed experts as :class:`DequantizedExperts`
+    [U, ...] in ``dtype`` (``values(weight, scales, dtype)`` dequantizes) and ``local_ids`` renumbered into them
+    (the others -1). Where every local expert is routed, all are dequantized and ``local_ids`` is returned as
+    given. Reads the ids on the host (CPU ranks)."""
+    el = experts.num_local
+    mine = (local_ids >= 0) & (local_ids < el)
+    used = torch.unique(local_ids[mine])
+    if used.numel() == el:
+        return dense_experts(experts, dtype, values), local_ids
+    s13, s2 = experts.prepared13, experts.prepared2
+    w13 = values(experts.w13.index_select(0, used), BlockScales(s13.scale.index_select(0, used), s13.block), dtype)
+    w2 = values(experts.w2.index_select(0, used), BlockScales(s2.scale.index_select(0, used), s2.block), dtype)
+    lookup = torch.full((el,), -1, dtype=local_ids.dtype)
+    lookup[used] = torch.arange(used.numel(), dtype=local_ids.dtype)
+    renumbered = torch.where(mine, lookup[local_ids.clamp(0, el - 1)], -1)
+    return DequantizedExperts(w13, w2, int(used.numel()), experts.expert_start), renumbered
 
 
 class CpuExpertOps(ExpertOps):
@@ -26,8 +53,19 @@ class CpuExpertOps(ExpertOps):
             return packed_linear.grouped_linear(h, ends, experts.prepared2)
         return super().grouped_mlp(x, ends, experts)
 
+    def expert_rows(self, x: torch.Tensor, local_ids: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
+        """As the reference; FP8 experts dequantized only where rows are routed (:func:`routed_experts`)."""
+        if isinstance(experts.prepared13, BlockScales) and x.shape[0]:
+            experts, local_ids = routed_experts(experts, local_ids, x.dtype, self.weight_values)
+        return super().expert_rows(x, local_ids, experts)
+
     def expert_routed(self, rows: RoutedTokenRows, experts: ExpertWeights) -> torch.Tensor:
-        experts = dense_experts(experts, rows.x.dtype, self.weight_values)
+        """The routed-rows kernel where it takes the call, else the reference; FP8 experts dequantized only where
+        rows are routed (:func:`routed_experts`)."""
+        if isinstance(experts.prepared13, BlockScales):
+            experts, ids = routed_experts(experts, rows.topk_ids - rows.first_expert, rows.x.dtype,
+                                          self.weight_values)
+            rows = RoutedTokenRows(rows.x, ids, rows.topk_weights, 0)
         if cpu_ops.enabled_for(rows.x, rows.topk_weights, experts.w13, experts.w2):
             return cpu_ops.moe_routed_rows(rows.x, rows.topk_ids, rows.topk_weights, rows.first_expert, experts.w13,
                                            experts.w2)
