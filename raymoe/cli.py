@@ -59,7 +59,7 @@ def _cmd_env(a: argparse.Namespace) -> None:
 def _add_make_checkpoint_parser(sub) -> None:
     p = sub.add_parser("make-checkpoint", help="write a seeded tiny Hugging Face checkpoint")
     p.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "deepseek_v3", "deepseek_v2", "mixtral",
-                                                                  "gpt_oss"])
+                                                                  "gpt_oss", "qwen3_5_moe"])
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-layers", type=int, default=4)

@@ -21,6 +21,7 @@ from raymoe.actors.records import RequestDelta
 from raymoe.client.blocking import BlockingClient, StreamRequest
 from raymoe.cluster.device_choice import resolve_engine_config
 from raymoe.config import EngineConfig, ModelConfig, engine_config_from_options
+from raymoe.config.model_rules import apply_model_rules
 from raymoe.errors import EngineUnhealthyError, InvalidRequestError
 from raymoe.runner.grammar_compiler import compiler_for_model
 from raymoe.scheduler.req import FinishKind, Req
@@ -94,6 +95,7 @@ class Engine:
             return
         config = _split_options(str(model), options)
         self.model_config = ModelConfig.from_hf(model)
+        config = apply_model_rules(config, self.model_config)  # what the model family cannot use
         cache = config.cache
         if cache.max_context_len > self.model_config.max_position_embeddings:
             config = dataclasses.replace(config, cache=dataclasses.replace(

@@ -92,8 +92,10 @@ class EngineClient:
         from raymoe.actors.startup_budget import startup_budget
         from raymoe.cluster.bootstrap import init_ray
         from raymoe.cluster.device_choice import resolve_engine_config
+        from raymoe.config.model_rules import apply_model_rules
 
         init_ray(config.ray_address)
+        config = apply_model_rules(config, ModelConfig.from_hf(config.model))  # what the model family cannot use
         resolved, self.device_choice = resolve_engine_config(config, serving=True)
         self._setup(resolved, model_name, start_timeout_s or startup_budget(resolved).engine_s, "", engine_name)
         self.driver = start_driver_actor(self.config, name=engine_name)

@@ -42,9 +42,13 @@ def pd_engine_configs(model: str, options: Mapping[str, Any], prefill: str, deco
     """The prefill and decode engines' configurations (module docstring).
 
     Raises:
-        InvalidRequestError: a bad topology or option (names it), or the radix cache turned off (names
-            ``enable_radix_cache``).
+        InvalidRequestError: a bad topology or option (names it), the radix cache turned off (names
+            ``enable_radix_cache``), or a model family whose requests cannot move by KV (``pd_prefill``).
     """
+    from raymoe.config.model import ModelConfig
+    from raymoe.config.model_rules import refuse_pd
+
+    refuse_pd(ModelConfig.from_hf(model))
     if options.get("enable_radix_cache") is False:
         raise InvalidRequestError("enable_radix_cache", "prefill/decode disaggregation exports the prompt's KV from "
                                                         "the prefill engine's radix cache: keep it on")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from raymoe.config_arch import LAYER_TYPES, GptOssArch, MLAConfig, RouterConfig, deepseek_fields, gpt_oss_fields
+from raymoe.config_linear import HYBRID_MODEL_TYPES, HybridArch, qwen3_5_fields
 from raymoe.config_quant import Fp8Config, parse_quantization_config
 from raymoe.errors import CheckpointError
 
@@ -33,7 +34,8 @@ class ModelConfig:
     ``quantization``: the checkpoint's FP8 weight format (``raymoe.config_quant``), None for unquantized weights.
     ``layer_types`` (empty: every layer ``full_attention``) and ``sliding_window`` (tokens: a query attends to the
     last ``sliding_window`` positions, itself included) give each layer's attention span; ``gpt_oss`` is set for
-    gpt-oss (sinks, biases, clamped SwiGLU).
+    gpt-oss (sinks, biases, clamped SwiGLU). ``hybrid`` is set for Qwen3.5-MoE (``raymoe.config_linear``: Gated
+    DeltaNet ``linear_attention`` layers, gated full attention, a gated shared expert, zero-centered norms).
     """
 
     model_type: str
@@ -65,11 +67,12 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
     gpt_oss: GptOssArch | None = None
+    hybrid: HybridArch | None = None
 
     def __post_init__(self) -> None:
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
-        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES) - ({"linear_attention"} if self.hybrid else set()))
         if unknown:
             raise ValueError(f"layer_types {unknown} are not supported (supported: {list(LAYER_TYPES)})")
         if "sliding_attention" in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
@@ -93,6 +96,15 @@ class ModelConfig:
         if self.layer_types and self.layer_types[layer_id] == "sliding_attention":
             return self.sliding_window
         return None
+
+    def is_linear_layer(self, layer_id: int) -> bool:
+        """Whether decoder layer ``layer_id`` is a linear-attention (Gated DeltaNet) layer."""
+        return bool(self.layer_types) and self.layer_types[layer_id] == "linear_attention"
+
+    @property
+    def num_linear_layers(self) -> int:
+        """Linear-attention layers (each keeps a recurrent state per request, no KV)."""
+        return sum(t == "linear_attention" for t in self.layer_types)
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether decoder layer ``layer_id`` has a sparse MoE block (else a dense MLP)."""
@@ -125,6 +137,8 @@ class ModelConfig:
             extra = deepseek_fields(d, rope, heads)
         elif model_type == "gpt_oss":
             extra = gpt_oss_fields(d)
+        elif model_type in HYBRID_MODEL_TYPES:
+            extra = {**qwen3_5_fields(d), "router": RouterConfig(norm_topk_prob=True)}
         return cls(
             model_type=model_type,
             vocab_size=int(d["vocab_size"]),

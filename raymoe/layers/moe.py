@@ -199,6 +199,9 @@ class SparseMoeBlock(nn.Module):
         router: routing variant (None: softmax greedy top-k with ``norm_topk_prob``, the Qwen3-MoE rule).
         shared_intermediate_size: intermediate size of the shared-experts MLP (DeepSeek: ``n_shared *
             moe_intermediate_size``), tensor-parallel like a dense MLP; 0: no shared experts.
+        shared_name: the shared MLP's checkpoint name (``"shared_experts"``; Qwen2/Qwen3.5-MoE: ``"shared_expert"``).
+        shared_gate: scale the shared MLP's output per token by ``sigmoid(x @ shared_expert_gate^T)`` (a
+            replicated [1, H] gate; Qwen2-MoE and Qwen3.5-MoE).
         quant, prefix: the checkpoint's FP8 format and this block's checkpoint module (``model.layers.3.mlp``):
             experts and shared experts are FP8 unless ``modules_to_not_convert`` lists them; the router gate
             never is (DeepSeek and Qwen3 keep it in bfloat16).
@@ -216,7 +219,8 @@ class SparseMoeBlock(nn.Module):
                  a2a_backend: str | A2ABackendSpec = "torch",
                  router: RouterConfig | None = None, shared_intermediate_size: int = 0,
                  quant: Fp8Config | None = None, prefix: str = "", num_physical_experts: int | None = None,
-                 slot_experts: Sequence[int] | None = None):
+                 slot_experts: Sequence[int] | None = None, shared_name: str = "shared_experts",
+                 shared_gate: bool = False):
         super().__init__()
         self.groups = groups
         self.num_experts = num_experts
@@ -232,9 +236,12 @@ class SparseMoeBlock(nn.Module):
             self.e_score_correction_bias = None
         self.experts = LocalExperts(self.num_physical_experts, hidden_size, intermediate_size, groups, dtype, ops,
                                     quant=module_quant(quant, f"{prefix}.experts"), slot_experts=slot_experts)
+        self.shared_name = shared_name
         self.shared_experts = (DenseMLP(hidden_size, shared_intermediate_size, groups, dtype, ops, quant=quant,
-                                        prefix=f"{prefix}.shared_experts")
+                                        prefix=f"{prefix}.{shared_name}")
                                if shared_intermediate_size else None)
+        self.shared_expert_gate = (ReplicatedLinear(hidden_size, 1, dtype, ops)
+                                   if shared_gate and shared_intermediate_size else None)
         spec = a2a_backend if isinstance(a2a_backend, A2ABackendSpec) else A2ABackendSpec(a2a_backend)
         experts_quant = module_quant(quant, f"{prefix}.experts")
         fp8_experts = experts_quant is not None and tuple(experts_quant.weight_block_size or ()) == (128, 128)
@@ -257,6 +264,8 @@ class SparseMoeBlock(nn.Module):
     def op_shared_experts(self, state) -> None:
         """Shared experts on the block input: ``hidden_states`` [T, H] -> ``shared_output`` [T, H] (TP-reduced)."""
         state.shared_output = self.shared_experts(state.hidden_states)
+        if self.shared_expert_gate is not None:
+            state.shared_output = state.shared_output * torch.sigmoid(self.shared_expert_gate(state.hidden_states))
 
     @stage_op(OpRole.DISPATCH_A)
     def op_dispatch_a(self, state) -> None:
@@ -329,4 +338,6 @@ class SparseMoeBlock(nn.Module):
             self.e_score_correction_bias.copy_(bias)
         self.experts.load(reader, f"{prefix}.experts")
         if self.shared_experts is not None:
-            self.shared_experts.load(reader, f"{prefix}.shared_experts")
+            self.shared_experts.load(reader, f"{prefix}.{self.shared_name}")
+        if self.shared_expert_gate is not None:
+            self.shared_expert_gate.load(reader, f"{prefix}.shared_expert_gate.weight")

@@ -23,8 +23,8 @@ from raymoe.errors import CheckpointError
 def _inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     rope = config.rope_parameters
     rope_type = rope.get("rope_type", "default")
-    if rope_type == "default":
-        dim = config.head_dim
+    if rope_type == "default":  # partial_rotary_factor: only the first head_dim * factor channels rotate
+        dim = int(config.head_dim * float(rope.get("partial_rotary_factor", 1.0)))
         exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim  # host table, see below
         inv = 1.0 / (float(rope["rope_theta"]) ** exponents)
         return inv, 1.0
@@ -47,7 +47,9 @@ class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin table applied to query/key heads.
 
     Shapes: ``positions`` [T] int64; ``q`` [T, Hq, D], ``k`` [T, Hk, D] (D = head_dim, rotated over all of D).
-    The table is float32 [max_position_embeddings, D] and cast to ``q``'s dtype, as Hugging Face does.
+    The table is float32 [max_position_embeddings, R] and cast to ``q``'s dtype, as Hugging Face does; ``R =
+    rotary_dim`` is ``D`` unless ``partial_rotary_factor`` rotates only the first ``R`` channels of each head
+    (:meth:`rotate_partial`).
     ``interleaved``: rotate adjacent pairs (see the module docstring) instead of halves.
     """
 
@@ -81,6 +83,19 @@ class RotaryEmbedding(nn.Module):
         """Rotate every head of ``x`` [T, H, D] at its token's position (``positions`` [T] int64). Queries and keys
         that sit side by side in one [T, Hq + Hk, D] tensor can be rotated in one call."""
         return self._apply(x, *self._rows(positions))
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of a head the table rotates (R)."""
+        return int(self.cos.shape[-1])
+
+    def rotate_partial(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate the first :attr:`rotary_dim` channels of every head of ``x`` [T, H, D] and pass the rest through
+        (transformers' ``partial_rotary_factor``); a new tensor."""
+        r = self.rotary_dim
+        if r == x.shape[-1]:
+            return self.rotate(positions, x)
+        return torch.cat((self.rotate(positions, x[..., :r]), x[..., r:]), dim=-1)
 
     def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of each position, [T, 1, D] (the first half of D when pairs are interleaved)."""

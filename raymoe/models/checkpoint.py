@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from raymoe.errors import InvalidRequestError
-from raymoe.models import tiny_archs, tiny_gpt_oss
+from raymoe.models import tiny_archs, tiny_gpt_oss, tiny_qwen3_5
 from raymoe.models.fp8_checkpoint import fp8_config, quantize_tensors
 from raymoe.models.router_skew import apply_router_skew, check_router_skew
 from raymoe.models.tiny_init import LM_HEAD_GAIN, OUT_PROJ_GAIN, ROUTER_GAIN, linear, norm
@@ -164,9 +164,10 @@ ARCHS: dict[str, _Arch] = {
     "deepseek_v3": _Arch(partial(tiny_archs.deepseek_config, v3=True), partial(tiny_archs.deepseek_weights, v3=True)),
     "mixtral": _Arch(tiny_archs.mixtral_config, tiny_archs.mixtral_weights),
     "gpt_oss": _Arch(tiny_gpt_oss.gpt_oss_config, tiny_gpt_oss.gpt_oss_weights),
+    "qwen3_5_moe": _Arch(tiny_qwen3_5.qwen3_5_config, tiny_qwen3_5.qwen3_5_weights),
 }
 """Architectures ``make_checkpoint`` can build (builders of the others than Qwen3-MoE: ``raymoe.models.tiny_archs``,
-``raymoe.models.tiny_gpt_oss``)."""
+``raymoe.models.tiny_gpt_oss``, ``raymoe.models.tiny_qwen3_5``)."""
 
 
 def _write_weights(tensors: Tensors, folder: Path, max_shard_bytes: int | None) -> None:
@@ -258,7 +259,7 @@ def make_checkpoint(
 
     Args:
         arch: architecture key of ``ARCHS``: ``"qwen3_moe"``, ``"deepseek_v3"``, ``"deepseek_v2"``, ``"mixtral"``,
-            ``"gpt_oss"``.
+            ``"gpt_oss"``, ``"qwen3_5_moe"`` (the text model, ``model_type`` ``qwen3_5_moe_text``).
         sliding_window: gpt-oss: the window of its sliding layers (tokens); other architectures ignore it.
         mxfp4: gpt-oss: write the experts as MXFP4 blocks and scales; other architectures ignore it.
         out: destination folder.

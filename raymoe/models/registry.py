@@ -12,6 +12,7 @@ _MODELS = {
     "deepseek_v2": ("raymoe.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("raymoe.models.deepseek_v2", "DeepseekV3ForCausalLM"),
     "gpt_oss": ("raymoe.models.gpt_oss", "GptOssForCausalLM"),
+    "qwen3_5_moe_text": ("raymoe.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
 }
 
 

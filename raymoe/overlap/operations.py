@@ -93,6 +93,7 @@ class ForwardState:
         hidden_states: [T, H] activations between ops. forward_batch: the (child) ``ForwardBatch``.
         residual: [T, H] residual stream (None before the first layer).
         q, k, v: attention scratch (layouts set by the attention module; ``v`` may be MLA's ``expand_kv``).
+        attn_gate: [T, Hq * D] the output gate of gated attention (Qwen3.5-MoE), between its prepare and core.
         router_logits, topk_weights, topk_ids: MoE routing ([T, E], [T, k], [T, k]).
         dispatch_handle: the all-to-all handle between dispatch and combine.
         expert_input: the dispatch's answer (``raymoe.comm.expert_input``: pair rows [R, H] with local expert
@@ -108,6 +109,7 @@ class ForwardState:
     q: torch.Tensor | None = None
     k: torch.Tensor | None = None
     v: Any = None
+    attn_gate: torch.Tensor | None = None
     router_logits: torch.Tensor | None = None
     topk_weights: torch.Tensor | None = None
     topk_ids: torch.Tensor | None = None

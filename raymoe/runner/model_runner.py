@@ -80,6 +80,9 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(cfg.max_req_rows, cfg.max_context_len, self.device, cfg.page_size)
         # The model knows its cache layout (per-head K/V, or the MLA latent) and the backend that reads it.
         self.token_to_kv_pool = self.model.create_kv_pool(cfg.num_kv_slots, self.dtype, self.device)
+        # hybrid models: the linear-attention layers' per-request states, one row per ReqToTokenPool row
+        create_states = getattr(self.model, "create_state_pool", None)
+        self.state_pool = create_states(cfg.max_req_rows, self.device) if create_states is not None else None
 
         def make_backend():
             return self.model.create_attn_backend(cfg.attention_backend, self.req_to_token_pool,
@@ -92,6 +95,7 @@ class ModelRunner:
         self.grammars = RankGrammars(
             lambda: compiler_for_model(cfg.model_path, mc.vocab_size, tuple(mc.eos_token_ids)), self.device)
         self.future_tokens = FutureTokenMap(cfg.max_req_rows, self.device)
+        capture_graphs = capture_graphs and getattr(self.model, "captures_graphs", True)
         self.graph_runner = self.build_graph_runner() if cfg.graph_capture_sizes and capture_graphs else None
 
     def weight_bytes(self) -> int:

@@ -65,7 +65,7 @@ class FusedAttnBlock:
 def _attention_args(attn: Any) -> dict | None:
     """The attention's :class:`AttnBlockPlan` arguments, or None where the kernel does not cover it."""
     qkv, o, rotary = getattr(attn, "qkv_proj", None), getattr(attn, "o_proj", None), getattr(attn, "rotary", None)
-    if qkv is None or o is None or rotary is None:
+    if qkv is None or o is None or rotary is None or not getattr(attn, "fusable", True):
         return None
     if qkv.bias is not None or o.bias is not None or rotary.interleaved or o.groups.tp_size != 1:
         return None

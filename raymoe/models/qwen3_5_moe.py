@@ -1,0 +1,301 @@
+"""Qwen3.5-MoE text models (Qwen team; transformers ``Qwen3_5MoeForCausalLM``, ``model_type`` ``qwen3_5_moe_text``) on
+raymoe's layers: a hybrid of Gated DeltaNet linear attention and gated full attention, every layer MoE with a gated
+shared expert (``raymoe.config_linear``).
+
+* **Full-attention layers** (``Qwen35GatedAttention``): GQA whose query projection has a second half per head, the
+  output gate: ``o_proj(attn(q, k, v) * sigmoid(gate))``; zero-centered q/k RMSNorm; rotary over the first
+  ``partial_rotary_factor`` of each head. Their K/V live in the KV pool, which has one layer per full-attention
+  layer only (``kv_layer``).
+* **Linear-attention layers** (``GatedDeltaNetAttention``): ``in_proj_qkv`` -> short causal depthwise conv (SiLU) ->
+  q, k, v heads; ``beta = sigmoid(in_proj_b x)``, ``g = -exp(A_log) softplus(in_proj_a x + dt_bias)``; the gated
+  delta rule (Yang et al. 2024, arXiv:2412.06464) over the request's recurrent state, chunked for prefill rows and
+  recurrent for decode rows; gated RMSNorm with ``z = in_proj_z x``; ``out_proj``. Their state lives in the
+  per-request ``RecurrentStatePool`` (``raymoe.kvcache.state_pool``), indexed by the request's ReqToTokenPool row.
+* RMSNorms are zero-centered (``x * (1 + w)``): ``1 + w`` is loaded into the norm weights.
+
+Limits of this version (the engine's config rules refuse or switch them off, ``raymoe.config.model_rules``): no
+radix-cache prefix hits (a prefix's recurrent state is not kept), no decode graphs, no tensor parallelism (the
+linear-attention heads are not split), no prefill/decode disaggregation. The MTP layer a released checkpoint
+carries is not loaded (speculative decoding is not built).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from raymoe.comm.groups import ParallelGroups
+from raymoe.config import ModelConfig
+from raymoe.errors import CheckpointError
+from raymoe.kvcache.state_pool import RecurrentStatePool
+from raymoe.layers.gated_delta import (
+    causal_conv1d_decode,
+    causal_conv1d_prefill,
+    chunk_gated_delta_rule,
+    decay_and_beta,
+    gated_rms_norm,
+    recurrent_gated_delta_rule,
+)
+from raymoe.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from raymoe.layers.moe import SparseMoeBlock
+from raymoe.layers.rotary import RotaryEmbedding
+from raymoe.models.decoder import DecoderLayer, MoeCausalLM
+from raymoe.overlap.operations import ForwardState, OpRole, stage_op
+from raymoe.platform.interface import Platform
+
+
+def load_centered(dst: torch.Tensor, reader, name: str) -> None:
+    """A zero-centered norm weight ``w`` [D] of the checkpoint as ``1 + w`` into ``dst`` [..., D] (every row).
+
+    Raises:
+        CheckpointError: missing tensor or wrong shape.
+    """
+    w = reader.get(name, dtype=torch.float32)
+    if tuple(w.shape) != tuple(dst.shape[-1:]):
+        raise CheckpointError(name, f"shape {tuple(w.shape)} does not match {tuple(dst.shape[-1:])}")
+    dst.copy_((1.0 + w).to(dst.dtype).expand_as(dst))
+
+
+def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in float32 times ``weight`` (already ``1 + w``), in ``x``'s dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+class Qwen35GatedAttention(nn.Module):
+    """Gated GQA full attention (module docstring). Ops: ``op_prepare``, ``op_core``.
+
+    Args:
+        kv_layer: this layer's index in the KV pool (full-attention layers only).
+    """
+
+    fusable = False  # the CPU attention-block kernel has no output gate or partial rotary
+
+    def __init__(self, config: ModelConfig, layer_id: int, kv_layer: int, groups: ParallelGroups,
+                 rotary: RotaryEmbedding, dtype: torch.dtype, ops: Platform):
+        super().__init__()
+        self.layer_id, self.kv_layer, self.head_dim = layer_id, kv_layer, config.head_dim
+        # q_proj [2 Hq D, H] is per head (query D, gate D): split as 2 Hq "heads" of D, whole pairs per TP rank
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, 2 * config.num_attention_heads,
+                                          config.num_key_value_heads, groups, dtype, ops, bias=config.attention_bias)
+        self.num_heads = self.qkv_proj.num_heads // 2
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, groups,
+                                        dtype, ops, bias=config.attention_bias)
+        self.q_norm = nn.Parameter(torch.ones(config.head_dim, dtype=dtype), requires_grad=False)
+        self.k_norm = nn.Parameter(torch.ones(config.head_dim, dtype=dtype), requires_grad=False)
+        self.eps = config.rms_norm_eps
+        self.rotary = rotary
+
+    @stage_op(OpRole.ATTN_PREPARE)
+    def op_prepare(self, state: ForwardState) -> None:
+        x = state.hidden_states
+        t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        qg = qkv[:, :2 * hq * d].reshape(t, hq, 2 * d)
+        state.attn_gate = qg[..., d:].reshape(t, hq * d)
+        pos = state.forward_batch.positions
+        q = _head_rms_norm(qg[..., :d], self.q_norm, self.eps)
+        k = _head_rms_norm(qkv[:, 2 * hq * d:(2 * hq + hkv) * d].reshape(t, hkv, d), self.k_norm, self.eps)
+        state.q, state.k = self.rotary.rotate_partial(pos, q), self.rotary.rotate_partial(pos, k)
+        state.v = qkv[:, (2 * hq + hkv) * d:].reshape(t, hkv, d)
+
+    @stage_op(OpRole.ATTN_CORE)
+    def op_core(self, state: ForwardState) -> None:
+        fb = state.forward_batch
+        o = fb.attn_backend.forward(state.q.contiguous(), state.k.contiguous(), state.v, self.kv_layer, fb)
+        o = o.reshape(o.shape[0], self.num_heads * self.head_dim) * torch.sigmoid(state.attn_gate)
+        state.hidden_states = self.o_proj(o)
+        state.q = state.k = state.v = state.attn_gate = None
+
+    def load(self, reader, prefix: str) -> None:
+        self.qkv_proj.load(reader, [f"{prefix}.{p}_proj.weight" for p in ("q", "k", "v")])
+        self.o_proj.load(reader, f"{prefix}.o_proj.weight")
+        load_centered(self.q_norm.data, reader, f"{prefix}.q_norm.weight")
+        load_centered(self.k_norm.data, reader, f"{prefix}.k_norm.weight")
+
+
+class GatedDeltaNetAttention(nn.Module):
+    """Gated DeltaNet linear attention over per-request states (module docstring). Ops: ``op_prepare``
+    (projections), ``op_core`` (conv, delta rule, gated norm, out projection).
+
+    Args:
+        state_layer: this layer's index in the ``RecurrentStatePool``.
+    Raises:
+        ValueError: tensor parallelism (the heads are not split).
+    """
+
+    fusable = False
+
+    def __init__(self, config: ModelConfig, layer_id: int, state_layer: int, groups: ParallelGroups,
+                 dtype: torch.dtype, ops: Platform):
+        super().__init__()
+        if groups.tp_size > 1:
+            raise ValueError("Qwen3.5-MoE linear-attention layers do not run tensor-parallel (tp_size must be 1)")
+        lin = config.hybrid.linear
+        self.layer_id, self.state_layer, self.cfg = layer_id, state_layer, lin
+        h = config.hidden_size
+        self.in_proj_qkv = ReplicatedLinear(h, lin.conv_dim, dtype, ops)
+        self.in_proj_z = ReplicatedLinear(h, lin.value_dim, dtype, ops)
+        self.in_proj_b = ReplicatedLinear(h, lin.num_value_heads, dtype, ops)
+        self.in_proj_a = ReplicatedLinear(h, lin.num_value_heads, dtype, ops)
+        self.out_proj = ReplicatedLinear(lin.value_dim, h, dtype, ops)
+        self.conv_weight = nn.Parameter(torch.zeros(lin.conv_dim, lin.conv_kernel, dtype=dtype), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.zeros(lin.num_value_heads, dtype=torch.float32), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(lin.num_value_heads, dtype=torch.float32), requires_grad=False)
+        self.norm_weight = nn.Parameter(torch.ones(lin.value_head_dim, dtype=dtype), requires_grad=False)
+        self.eps = config.rms_norm_eps
+        self.pool: RecurrentStatePool | None = None  # set by the model's create_state_pool
+
+    @stage_op(OpRole.ATTN_PREPARE)
+    def op_prepare(self, state: ForwardState) -> None:
+        x = state.hidden_states
+        state.q = self.in_proj_qkv(x)                                              # [T, conv_dim] (pre-conv)
+        state.k = self.in_proj_z(x)                                                # [T, value_dim] output gate
+        state.v = torch.stack((self.in_proj_a(x), self.in_proj_b(x)))              # [2, T, Hv]
+
+    @stage_op(OpRole.ATTN_CORE)
+    def op_core(self, state: ForwardState) -> None:
+        fb, lin = state.forward_batch, self.cfg
+        mixed, z, (a, b) = state.q, state.k, state.v
+        state.q = state.k = state.v = None
+        t = mixed.shape[0]
+        out = mixed.new_empty((t, lin.num_value_heads, lin.value_head_dim))
+        if t:
+            g, beta = decay_and_beta(a, b, self.A_log, self.dt_bias)
+            if fb.forward_mode.is_decode():
+                self._decode(fb, mixed, g, beta, out)
+            else:
+                self._extend(fb, mixed, g, beta, out)
+        y = gated_rms_norm(out, z.reshape(t, lin.num_value_heads, lin.value_head_dim), self.norm_weight, self.eps)
+        state.hidden_states = self.out_proj(y.reshape(t, lin.value_dim))
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        lin, n = self.cfg, x.shape[0]
+        q, k, v = torch.split(x, (lin.key_dim, lin.key_dim, lin.value_dim), dim=-1)
+        return (q.reshape(n, lin.num_key_heads, lin.key_head_dim), k.reshape(n, lin.num_key_heads, lin.key_head_dim),
+                v.reshape(n, lin.num_value_heads, lin.value_head_dim))
+
+    def _decode(self, fb, mixed, g, beta, out) -> None:
+        """One token per row, batched: gather the rows' states, step them, write them back (padding rows of a
+        graph bucket write the pool's dummy row)."""
+        pool, li = self.pool, self.state_layer
+        rows = fb.req_pool_indices
+        dst = rows if fb.padding_mask is None else torch.where(fb.padding_mask, pool.dummy_row, rows)
+        y, conv = causal_conv1d_decode(mixed, self.conv_weight, pool.conv[li].index_select(0, rows))
+        pool.conv[li].index_copy_(0, dst, conv)
+        q, k, v = self._split(y)
+        o, ssm = recurrent_gated_delta_rule(q, k, v, g, beta, pool.ssm[li].index_select(0, rows))
+        pool.ssm[li].index_copy_(0, dst, ssm)
+        out.copy_(o)
+
+    def _extend(self, fb, mixed, g, beta, out) -> None:
+        """Row by row: a row with a prefix continues from its state (an earlier chunk of the same admission, or a
+        decode row of a MIXED step), a row without starts from zeros; the final states are stored."""
+        pool, li = self.pool, self.state_layer
+        t0 = 0
+        for row, prefix, n in zip(fb.req_pool_indices_cpu, fb.prefix_lens_cpu, fb.extend_lens_cpu, strict=True):
+            t1 = t0 + n
+            conv0 = pool.conv[li, row] if prefix else torch.zeros_like(pool.conv[li, row])
+            y, conv = causal_conv1d_prefill(mixed[t0:t1], self.conv_weight, conv0)
+            pool.conv[li, row] = conv
+            q, k, v = self._split(y)
+            o, ssm = chunk_gated_delta_rule(q, k, v, g[t0:t1], beta[t0:t1], pool.ssm[li, row] if prefix else None)
+            pool.ssm[li, row] = ssm
+            out[t0:t1] = o
+            t0 = t1
+
+    def load(self, reader, prefix: str) -> None:
+        for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+            getattr(self, name).load(reader, f"{prefix}.{name}.weight")
+        conv = reader.get(f"{prefix}.conv1d.weight", dtype=self.conv_weight.dtype)
+        if tuple(conv.shape) != (self.cfg.conv_dim, 1, self.cfg.conv_kernel):
+            raise CheckpointError(f"{prefix}.conv1d.weight", f"unexpected shape {tuple(conv.shape)}")
+        self.conv_weight.data.copy_(conv[:, 0])
+        for name, dst in (("dt_bias", self.dt_bias), ("A_log", self.A_log), ("norm.weight", self.norm_weight)):
+            w = reader.get(f"{prefix}.{name}", dtype=dst.dtype)
+            if tuple(w.shape) != tuple(dst.shape):
+                raise CheckpointError(f"{prefix}.{name}", f"unexpected shape {tuple(w.shape)}")
+            dst.data.copy_(w)
+
+
+class Qwen35DecoderLayer(DecoderLayer):
+    """A decoder layer with zero-centered norms and its token mixer under the checkpoint's name (``linear_attn`` or
+    ``self_attn``)."""
+
+    def __init__(self, *args, mixer_name: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mixer_name = mixer_name
+
+    def load(self, reader, prefix: str) -> None:
+        self.self_attn.load(reader, f"{prefix}.{self.mixer_name}")
+        self.mlp.load(reader, f"{prefix}.{self.mlp_name}")
+        load_centered(self.input_layernorm.weight.data, reader, f"{prefix}.input_layernorm.weight")
+        load_centered(self.post_attention_layernorm.weight.data, reader, f"{prefix}.post_attention_layernorm.weight")
+
+
+class Qwen3_5MoeForCausalLM(MoeCausalLM):
+    """The whole model on one rank (arguments as ``raymoe.models.qwen3_moe.Qwen3MoeForCausalLM``).
+
+    Attributes:
+        captures_graphs: False: decode graphs are not captured for this family yet.
+    """
+
+    captures_graphs = False
+
+    def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype, ops: Platform,
+                 a2a_backend: str = "torch", enable_sbo: bool = False, expert_location=None):
+        super().__init__(config, groups, dtype, ops, enable_sbo)
+        if config.hybrid is None:
+            raise ValueError("Qwen3_5MoeForCausalLM needs a qwen3_5_moe_text config")
+        rotary = RotaryEmbedding(config, dtype)
+        layers, kv, lin = [], 0, 0
+        for i in range(config.num_hidden_layers):
+            if config.is_linear_layer(i):
+                mixer, name, lin = GatedDeltaNetAttention(config, i, lin, groups, dtype, ops), "linear_attn", lin + 1
+            else:
+                mixer, name, kv = Qwen35GatedAttention(config, i, kv, groups, rotary, dtype, ops), "self_attn", kv + 1
+            mlp = SparseMoeBlock(config.num_experts, config.num_experts_per_tok, config.hidden_size,
+                                 config.moe_intermediate_size, True, groups, dtype, ops, a2a_backend,
+                                 router=config.router,
+                                 shared_intermediate_size=config.hybrid.shared_expert_intermediate_size,
+                                 prefix=f"model.layers.{i}.mlp", shared_name="shared_expert", shared_gate=True)
+            layers.append(Qwen35DecoderLayer(i, mixer, mlp, config.hidden_size, config.rms_norm_eps, dtype, ops,
+                                             mixer_name=name))
+        self.layers = nn.ModuleList(layers)
+        full = [layer.self_attn for layer in layers if isinstance(layer.self_attn, Qwen35GatedAttention)]
+        if not full:
+            raise ValueError("a Qwen3.5-MoE model needs at least one full_attention layer")
+        self.num_kv_layers = len(full)
+        self.num_local_heads, self.num_local_kv_heads = full[0].num_heads, full[0].num_kv_heads
+        self.state_pool: RecurrentStatePool | None = None
+
+    def create_kv_pool(self, num_slots: int, dtype: torch.dtype, device: torch.device | str):
+        """K/V of the full-attention layers only (the linear ones keep recurrent states instead)."""
+        from raymoe.kvcache.pools import TokenToKVPool
+
+        return TokenToKVPool(num_slots, self.num_kv_layers, self.num_local_kv_heads, self.config.head_dim, dtype,
+                             device)
+
+    def create_state_pool(self, rows: int, device: torch.device | str) -> RecurrentStatePool:
+        """The per-request states of the linear-attention layers, ``rows`` request rows (ReqToTokenPool's)."""
+        self.state_pool = RecurrentStatePool(self.config.hybrid.linear, self.config.num_linear_layers, rows, device)
+        for layer in self.layers:
+            if isinstance(layer.self_attn, GatedDeltaNetAttention):
+                layer.self_attn.pool = self.state_pool
+        return self.state_pool
+
+    @torch.no_grad()
+    def load_weights(self, reader) -> None:
+        """Load the weights; the final norm is zero-centered too.
+
+        Raises:
+            CheckpointError: a tensor is missing or has the wrong shape (names the tensor).
+        """
+        self.embed_tokens.load(reader, "model.embed_tokens.weight")
+        for i, layer in enumerate(self.layers):
+            layer.load(reader, f"model.layers.{i}")
+        load_centered(self.norm.weight.data, reader, "model.norm.weight")
+        self.lm_head.load(reader, "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight")
+        self._schedules = None
+
