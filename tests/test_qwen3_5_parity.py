@@ -2,7 +2,8 @@
 (fp32) on a seeded tiny checkpoint (``make_checkpoint("qwen3_5_moe")``: linear, linear, full, linear layers, GQA,
 grouped value heads, a quarter of each head rotary, zero-centered norms).
 
-Checked: prefill logits of four prompts in one batch (fresh states per row); greedy tokens of 8 prompts; chunked
+Checked: prefill logits of four prompts in one batch (fresh states per row); greedy tokens of 3 and 8 prompts
+with decode graphs (padding rows of a bucket must not write a live request's state); chunked
 prefill with chunks smaller than the prompts (the conv and recurrent states carried across chunks, MIXED steps);
 retraction under a small KV pool (a retracted request re-prefills from zeros); no state row leaks (the idle
 invariant); the engine switches radix hits off for this family and refuses tensor parallelism and PD by name.
@@ -42,8 +43,11 @@ def test_greedy_tokens_match_transformers_with_chunks_mixed_steps_and_retraction
     with Engine(path, max_context_len=256, max_running_requests=8) as e:
         ref = {p: _hf_greedy(hf, e.encode(p)) for p in prompts}
         assert not e.config.cache.enable_radix_cache  # the family's rule: no prefix hits
+        three = e.generate(PROMPTS[:3], GREEDY)  # decode graphs of bucket 4: a padding row reads table row 0
+        graph_steps = e.driver.num_graph_steps
         outs = e.generate(PROMPTS, GREEDY)
         assert e.driver.idle_report().leaked_req_rows == 0
+    assert graph_steps > 0 and [o.token_ids for o in three] == [ref[p] for p in PROMPTS[:3]]
     assert {p: o.token_ids for p, o in zip(PROMPTS, outs, strict=True)} == {p: ref[p] for p in PROMPTS}
     with Engine(path, max_context_len=256, max_running_requests=8, chunked_prefill_size=7,
                 enable_mixed_chunk=True) as e:

@@ -9,7 +9,6 @@ summarizes its whole prefix (``raymoe.kvcache.state_pool``):
   prompt, and a retracted request re-prefills from its first token.
 * **No tensor parallelism** (the linear-attention heads are not split) and **no prefill/decode disaggregation** (the
   states would have to move with the KV): refused, naming the option.
-* Decode graphs are not captured for them (``captures_graphs`` of the model; the rank runs decode eagerly).
 """
 
 from __future__ import annotations

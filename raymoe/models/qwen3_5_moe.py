@@ -11,11 +11,13 @@ shared expert (``raymoe.config_linear``).
   delta rule (Yang et al. 2024, arXiv:2412.06464) over the request's recurrent state, chunked for prefill rows and
   recurrent for decode rows; gated RMSNorm with ``z = in_proj_z x``; ``out_proj``. Their state lives in the
   per-request ``RecurrentStatePool`` (``raymoe.kvcache.state_pool``), indexed by the request's ReqToTokenPool row.
+  Decode steps gather, step and write back every row's states on the device (graph-capturable: the padding rows
+  of a decode graph's bucket read table row 0 and write the pool's dummy row).
 * RMSNorms are zero-centered (``x * (1 + w)``): ``1 + w`` is loaded into the norm weights.
 
 Limits of this version (the engine's config rules refuse or switch them off, ``raymoe.config.model_rules``): no
-radix-cache prefix hits (a prefix's recurrent state is not kept), no decode graphs, no tensor parallelism (the
-linear-attention heads are not split), no prefill/decode disaggregation. The MTP layer a released checkpoint
+radix-cache prefix hits (a prefix's recurrent state is not kept), no tensor parallelism (the linear-attention
+heads are not split), no prefill/decode disaggregation. The MTP layer a released checkpoint
 carries is not loaded (speculative decoding is not built).
 """
 
@@ -235,13 +237,7 @@ class Qwen35DecoderLayer(DecoderLayer):
 
 
 class Qwen3_5MoeForCausalLM(MoeCausalLM):
-    """The whole model on one rank (arguments as ``raymoe.models.qwen3_moe.Qwen3MoeForCausalLM``).
-
-    Attributes:
-        captures_graphs: False: decode graphs are not captured for this family yet.
-    """
-
-    captures_graphs = False
+    """The whole model on one rank (arguments as ``raymoe.models.qwen3_moe.Qwen3MoeForCausalLM``)."""
 
     def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype, ops: Platform,
                  a2a_backend: str = "torch", enable_sbo: bool = False, expert_location=None):

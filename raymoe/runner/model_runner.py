@@ -95,7 +95,6 @@ class ModelRunner:
         self.grammars = RankGrammars(
             lambda: compiler_for_model(cfg.model_path, mc.vocab_size, tuple(mc.eos_token_ids)), self.device)
         self.future_tokens = FutureTokenMap(cfg.max_req_rows, self.device)
-        capture_graphs = capture_graphs and getattr(self.model, "captures_graphs", True)
         self.graph_runner = self.build_graph_runner() if cfg.graph_capture_sizes and capture_graphs else None
 
     def weight_bytes(self) -> int:
