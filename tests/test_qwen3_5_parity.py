@@ -6,7 +6,8 @@ Checked: prefill logits of four prompts in one batch (fresh states per row); gre
 with decode graphs (padding rows of a bucket must not write a live request's state); chunked
 prefill with chunks smaller than the prompts (the conv and recurrent states carried across chunks, MIXED steps);
 retraction under a small KV pool (a retracted request re-prefills from zeros); no state row leaks (the idle
-invariant); the engine switches radix hits off for this family and refuses tensor parallelism and PD by name.
+invariant); the engine switches radix hits off for this family and refuses a TP size that does not divide the
+linear-attention heads, and PD, by name.
 """
 
 from __future__ import annotations
@@ -62,10 +63,10 @@ def test_greedy_tokens_match_transformers_with_chunks_mixed_steps_and_retraction
     assert (report.leaked_kv_slots, report.leaked_req_rows) == (0, 0)
 
 
-def test_tensor_parallelism_and_pd_are_refused_by_name(case):
+def test_indivisible_tensor_parallelism_and_pd_are_refused_by_name(case):
     path, _ = case
     with pytest.raises(InvalidRequestError) as e:
-        Engine(path, tp_size=2)
+        Engine(path, tp_size=4)  # 2 key heads
     assert e.value.field == "tp_size"
     from raymoe.client.pd_config import pd_engine_configs
 

@@ -1,7 +1,8 @@
-"""Qwen3.5-MoE across topologies against transformers' greedy tokens: one rank, dp=2 ep=2 (DP attention: each group's
-ranks keep their own requests' recurrent states; IDLE batches while one group waits) with and without two-batch
-overlap (split by sequence: the states stay per request); decode graphs on, chunked prefill (16-token chunks,
-prompts up to ~30 tokens)."""
+"""Qwen3.5-MoE across topologies against transformers' greedy tokens: one rank; tp=2 (linear-attention key and value
+heads, their conv channels and states split; gated attention's query/gate pairs split); dp=2 ep=2 (DP attention:
+each group's ranks keep their own requests' recurrent states; IDLE batches while one group waits) with and without
+two-batch overlap (split by sequence: the states stay per request); decode graphs on, chunked prefill (16-token
+chunks, prompts up to ~30 tokens)."""
 
 from __future__ import annotations
 
@@ -45,10 +46,10 @@ def test_one_rank_matches_transformers(model_and_reference):
         assert [o.token_ids for o in e.generate(PROMPTS, GREEDY)] == ref
 
 
-@pytest.mark.parametrize("tbo", [False, True])
-def test_dp2_ep2_matches_transformers(ray_cluster, model_and_reference, tbo):
+@pytest.mark.parametrize(("tp", "dp", "ep", "tbo"), [(2, 1, 1, False), (1, 2, 2, False), (1, 2, 2, True)])
+def test_topologies_match_transformers(ray_cluster, model_and_reference, tp, dp, ep, tbo):
     path, ref = model_and_reference
-    with Engine(path, dp_size=2, ep_size=2, **OPTS, **(TBO if tbo else {})) as e:
+    with Engine(path, tp_size=tp, dp_size=dp, ep_size=ep, **OPTS, **(TBO if tbo else {})) as e:
         outs = e.generate(PROMPTS, GREEDY)
         graph_steps, tbo_steps = e.driver.num_graph_steps, e.driver.num_tbo_steps
         report = e.driver.idle_report()

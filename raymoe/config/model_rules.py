@@ -7,8 +7,8 @@ summarizes its whole prefix (``raymoe.kvcache.state_pool``):
   of that prefix, which is not kept (SGLang's ``MambaRadixCache`` checkpoints states at chunk boundaries to hit on
   those; not built here). ``enable_radix_cache`` is switched off, with a log line; every request computes its whole
   prompt, and a retracted request re-prefills from its first token.
-* **No tensor parallelism** (the linear-attention heads are not split) and **no prefill/decode disaggregation** (the
-  states would have to move with the KV): refused, naming the option.
+* **No prefill/decode disaggregation** (the states would have to move with the KV): refused, naming the option.
+* **Tensor parallelism splits the linear-attention heads**: key and value head counts must divide by ``tp_size``.
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ def apply_model_rules(config: EngineConfig, model: ModelConfig) -> EngineConfig:
     """``config`` with what ``model``'s family cannot use switched off (module docstring).
 
     Raises:
-        InvalidRequestError: an option the family refuses (``tp_size`` > 1 for hybrid models), naming it.
+        InvalidRequestError: ``tp_size`` does not divide the linear-attention heads, naming it.
     """
     if model.hybrid is None:
         return config
-    if config.parallel.tp_size > 1:
-        raise InvalidRequestError("tp_size", f"{model.model_type} runs its linear-attention layers unsplit: "
-                                             "tp_size must be 1 (scale with dp_size / ep_size)")
+    tp, lin = config.parallel.tp_size, model.hybrid.linear
+    if lin.num_key_heads % tp or lin.num_value_heads % tp:
+        raise InvalidRequestError("tp_size", f"{model.model_type}'s linear-attention heads ({lin.num_key_heads} key, "
+                                             f"{lin.num_value_heads} value) must divide by tp_size {tp}")
     if config.cache.enable_radix_cache:
         log.info("%s keeps a recurrent state per request: radix-cache prefix hits are off", model.model_type)
         config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_radix_cache=False))

@@ -137,6 +137,23 @@ class ColumnParallelLinear(_PlatformLinear):
             offset += local
         self.prepare()
 
+    def load_fused(self, reader, name: str) -> None:
+        """Read this rank's rows of each fused part from one checkpoint tensor ``name`` that holds the parts one
+        after another (``output_sizes`` rows each; e.g. Qwen3.5's ``in_proj_qkv``: query, key, value).
+
+        Raises:
+            CheckpointError: ``name`` is not ``[sum(output_sizes), in_features]``.
+        """
+        if tuple(reader.shape(name)) != (sum(self.output_sizes), self.weight.shape[1]):
+            raise CheckpointError(name, f"expected shape {(sum(self.output_sizes), self.weight.shape[1])}, found "
+                                  f"{tuple(reader.shape(name))}")
+        base = offset = 0
+        for full, local in zip(self.output_sizes, self.local_sizes, strict=True):
+            start = base + self.groups.tp_rank * local
+            self._read_into(reader, name, (start, start + local), None, offset)
+            base, offset = base + full, offset + local
+        self.prepare()
+
 
 class RowParallelLinear(_PlatformLinear):
     """Input dim split over tp ranks; partial outputs are summed with an all-reduce on the tp group.

@@ -16,18 +16,20 @@ shared expert (``raymoe.config_linear``).
 * RMSNorms are zero-centered (``x * (1 + w)``): ``1 + w`` is loaded into the norm weights.
 
 Limits of this version (the engine's config rules refuse or switch them off, ``raymoe.config.model_rules``): no
-radix-cache prefix hits (a prefix's recurrent state is not kept), no tensor parallelism (the linear-attention
-heads are not split), no prefill/decode disaggregation. The MTP layer a released checkpoint
-carries is not loaded (speculative decoding is not built).
+radix-cache prefix hits (a prefix's recurrent state is not kept), no prefill/decode disaggregation. The MTP layer
+a released checkpoint carries is not loaded (speculative decoding is not built).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
 
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ModelConfig
+from raymoe.config_linear import LinearAttentionConfig
 from raymoe.errors import CheckpointError
 from raymoe.kvcache.state_pool import RecurrentStatePool
 from raymoe.layers.gated_delta import (
@@ -38,7 +40,7 @@ from raymoe.layers.gated_delta import (
     gated_rms_norm,
     recurrent_gated_delta_rule,
 )
-from raymoe.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from raymoe.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from raymoe.layers.moe import SparseMoeBlock
 from raymoe.layers.rotary import RotaryEmbedding
 from raymoe.models.decoder import DecoderLayer, MoeCausalLM
@@ -117,14 +119,31 @@ class Qwen35GatedAttention(nn.Module):
         load_centered(self.k_norm.data, reader, f"{prefix}.k_norm.weight")
 
 
+def local_linear_config(config: ModelConfig, tp_size: int) -> LinearAttentionConfig:
+    """The linear-attention sizes one of ``tp_size`` ranks holds: its share of the key and of the value heads (value
+    head ``j`` stays with key head ``j // (Hv / Hk)``: both are split in contiguous runs).
+
+    Raises:
+        ValueError: key or value heads not divisible by ``tp_size``.
+    """
+    lin = config.hybrid.linear
+    if lin.num_key_heads % tp_size or lin.num_value_heads % tp_size:
+        raise ValueError(f"linear attention heads ({lin.num_key_heads} key, {lin.num_value_heads} value) are not "
+                         f"divisible by tp_size {tp_size}")
+    return dataclasses.replace(lin, num_key_heads=lin.num_key_heads // tp_size,
+                               num_value_heads=lin.num_value_heads // tp_size)
+
+
 class GatedDeltaNetAttention(nn.Module):
     """Gated DeltaNet linear attention over per-request states (module docstring). Ops: ``op_prepare``
-    (projections), ``op_core`` (conv, delta rule, gated norm, out projection).
+    (projections), ``op_core`` (conv, delta rule, gated norm, out projection). Tensor-parallel by heads: each rank
+    projects, convolves and keeps states for its share of the key and value heads (``local_linear_config``);
+    ``out_proj`` sums the ranks' parts.
 
     Args:
         state_layer: this layer's index in the ``RecurrentStatePool``.
     Raises:
-        ValueError: tensor parallelism (the heads are not split).
+        ValueError: heads not divisible by the TP size.
     """
 
     fusable = False
@@ -132,16 +151,15 @@ class GatedDeltaNetAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, state_layer: int, groups: ParallelGroups,
                  dtype: torch.dtype, ops: Platform):
         super().__init__()
-        if groups.tp_size > 1:
-            raise ValueError("Qwen3.5-MoE linear-attention layers do not run tensor-parallel (tp_size must be 1)")
-        lin = config.hybrid.linear
-        self.layer_id, self.state_layer, self.cfg = layer_id, state_layer, lin
+        full = config.hybrid.linear
+        lin = local_linear_config(config, groups.tp_size)
+        self.layer_id, self.state_layer, self.cfg, self.groups = layer_id, state_layer, lin, groups
         h = config.hidden_size
-        self.in_proj_qkv = ReplicatedLinear(h, lin.conv_dim, dtype, ops)
-        self.in_proj_z = ReplicatedLinear(h, lin.value_dim, dtype, ops)
-        self.in_proj_b = ReplicatedLinear(h, lin.num_value_heads, dtype, ops)
-        self.in_proj_a = ReplicatedLinear(h, lin.num_value_heads, dtype, ops)
-        self.out_proj = ReplicatedLinear(lin.value_dim, h, dtype, ops)
+        self.in_proj_qkv = ColumnParallelLinear(h, [full.key_dim, full.key_dim, full.value_dim], groups, dtype, ops)
+        self.in_proj_z = ColumnParallelLinear(h, [full.value_dim], groups, dtype, ops)
+        self.in_proj_b = ColumnParallelLinear(h, [full.num_value_heads], groups, dtype, ops)
+        self.in_proj_a = ColumnParallelLinear(h, [full.num_value_heads], groups, dtype, ops)
+        self.out_proj = RowParallelLinear(full.value_dim, h, groups, dtype, ops)
         self.conv_weight = nn.Parameter(torch.zeros(lin.conv_dim, lin.conv_kernel, dtype=dtype), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.zeros(lin.num_value_heads, dtype=torch.float32), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(lin.num_value_heads, dtype=torch.float32), requires_grad=False)
@@ -208,14 +226,20 @@ class GatedDeltaNetAttention(nn.Module):
             t0 = t1
 
     def load(self, reader, prefix: str) -> None:
-        for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
-            getattr(self, name).load(reader, f"{prefix}.{name}.weight")
+        self.in_proj_qkv.load_fused(reader, f"{prefix}.in_proj_qkv.weight")
+        for name in ("in_proj_z", "in_proj_b", "in_proj_a"):
+            getattr(self, name).load(reader, [f"{prefix}.{name}.weight"])
+        self.out_proj.load(reader, f"{prefix}.out_proj.weight")
+        tp, r, lin = self.groups.tp_size, self.groups.tp_rank, self.cfg
         conv = reader.get(f"{prefix}.conv1d.weight", dtype=self.conv_weight.dtype)
-        if tuple(conv.shape) != (self.cfg.conv_dim, 1, self.cfg.conv_kernel):
+        if tuple(conv.shape) != (tp * lin.conv_dim, 1, lin.conv_kernel):
             raise CheckpointError(f"{prefix}.conv1d.weight", f"unexpected shape {tuple(conv.shape)}")
-        self.conv_weight.data.copy_(conv[:, 0])
-        for name, dst in (("dt_bias", self.dt_bias), ("A_log", self.A_log), ("norm.weight", self.norm_weight)):
+        parts = conv[:, 0].split([tp * lin.key_dim, tp * lin.key_dim, tp * lin.value_dim])  # q, k, v channels
+        self.conv_weight.data.copy_(torch.cat([p.chunk(tp)[r] for p in parts]))
+        for name, dst, split in (("dt_bias", self.dt_bias, True), ("A_log", self.A_log, True),
+                                 ("norm.weight", self.norm_weight, False)):
             w = reader.get(f"{prefix}.{name}", dtype=dst.dtype)
+            w = w.chunk(tp)[r] if split and w.shape[0] == tp * dst.shape[0] else w
             if tuple(w.shape) != tuple(dst.shape):
                 raise CheckpointError(f"{prefix}.{name}", f"unexpected shape {tuple(w.shape)}")
             dst.data.copy_(w)
@@ -242,6 +266,7 @@ class Qwen3_5MoeForCausalLM(MoeCausalLM):
     def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype, ops: Platform,
                  a2a_backend: str = "torch", enable_sbo: bool = False, expert_location=None):
         super().__init__(config, groups, dtype, ops, enable_sbo)
+        self.tp_size = groups.tp_size
         if config.hybrid is None:
             raise ValueError("Qwen3_5MoeForCausalLM needs a qwen3_5_moe_text config")
         rotary = RotaryEmbedding(config, dtype)
@@ -275,7 +300,8 @@ class Qwen3_5MoeForCausalLM(MoeCausalLM):
 
     def create_state_pool(self, rows: int, device: torch.device | str) -> RecurrentStatePool:
         """The per-request states of the linear-attention layers, ``rows`` request rows (ReqToTokenPool's)."""
-        self.state_pool = RecurrentStatePool(self.config.hybrid.linear, self.config.num_linear_layers, rows, device)
+        lin = local_linear_config(self.config, self.tp_size)
+        self.state_pool = RecurrentStatePool(lin, self.config.num_linear_layers, rows, device)
         for layer in self.layers:
             if isinstance(layer.self_attn, GatedDeltaNetAttention):
                 layer.self_attn.pool = self.state_pool
