@@ -67,6 +67,20 @@ GPT_OSS_CONFIGS = {
 }
 """gpt-oss cases (``tests/test_gpt_oss_parity.py``), apart from ``CONFIGS`` (DeepSeek/Mixtral parity iterates it)."""
 
+QWEN35_CONFIGS = {
+    # Qwen3.5-MoE text: full attention first and last (a pattern unlike the released every-fourth), GQA, grouped value
+    # heads of a width that is not a power of two, a shared expert wider than the routed ones, a third of each head
+    # rotary.
+    "qwen3_5_moe_text": ("qwen3_5_moe_text", {
+        "num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 24, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 12,
+        "linear_conv_kernel_dim": 4,
+        "layer_types": ["full_attention", "linear_attention", "linear_attention", "full_attention"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1 / 3}}),
+}
+"""Qwen3.5-MoE cases built by transformers (``tests/test_qwen3_5_parity.py``)."""
+
 
 def _redraw(model: torch.nn.Module, seed: int, gpt_oss: bool = False) -> None:
     """Re-draw every weight (module docstring). ``gpt_oss``: biases and sink logits get std 0.5 and the experts'
@@ -92,11 +106,12 @@ def _redraw(model: torch.nn.Module, seed: int, gpt_oss: bool = False) -> None:
 
 
 def build(name: str, out: Path, seed: int = 0, overrides: dict | None = None) -> str:
-    """Build ``CONFIGS[name]`` or ``GPT_OSS_CONFIGS[name]`` (with ``overrides`` of its config fields) with
+    """Build ``CONFIGS[name]``, ``GPT_OSS_CONFIGS[name]`` or ``QWEN35_CONFIGS[name]`` (with ``overrides`` of its config
+    fields) with
     transformers into ``out`` (weights re-drawn from ``seed``); returns the path."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, kwargs = {**CONFIGS, **GPT_OSS_CONFIGS}[name]
+    model_type, kwargs = {**CONFIGS, **GPT_OSS_CONFIGS, **QWEN35_CONFIGS}[name]
     cfg = AutoConfig.for_model(model_type, **{**_COMMON, **kwargs, **(overrides or {})})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

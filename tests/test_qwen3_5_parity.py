@@ -63,6 +63,21 @@ def test_greedy_tokens_match_transformers_with_chunks_mixed_steps_and_retraction
     assert (report.leaked_kv_slots, report.leaked_req_rows) == (0, 0)
 
 
+def test_a_checkpoint_written_by_transformers_matches_it(tmp_path):
+    """Another layer pattern (full attention first and last), a shared expert wider than the routed experts, head
+    widths that are not powers of two, a third of each head rotary; the folder written by transformers itself."""
+    from hf_models import build
+    from transformers import AutoModelForCausalLM
+
+    path = build("qwen3_5_moe_text", tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert prefill_logit_error(path, hf) <= 5e-3  # logits reach |47| (norm weights near 2): 5e-5 relative
+    with Engine(path, max_context_len=256, max_running_requests=8, chunked_prefill_size=9) as e:
+        ref = [_hf_greedy(hf, e.encode(p)) for p in PROMPTS]
+        outs = e.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == ref
+
+
 def test_indivisible_tensor_parallelism_and_pd_are_refused_by_name(case):
     path, _ = case
     with pytest.raises(InvalidRequestError) as e:
