@@ -88,3 +88,31 @@ def test_indivisible_tensor_parallelism_and_pd_are_refused_by_name(case):
     with pytest.raises(InvalidRequestError) as e:
         pd_engine_configs(path, {}, "dp=1", "dp=1")
     assert e.value.field == "pd_prefill"
+
+
+def test_state_rows_are_reused_after_aborts_and_finishes_without_leaks(case):
+    """Requests aborted mid-decode and finished ones give their rows back (the idle invariant covers the state rows:
+    they are the ReqToTokenPool rows); requests admitted into those rows afterwards start from zero states and give
+    transformers' tokens."""
+    from raymoe.kvcache.state_pool import RecurrentStatePool
+    from raymoe.scheduler.sampling_params import SamplingParams
+
+    path, hf = case
+    with Engine(path, max_context_len=256, max_running_requests=2) as e:
+        pool: RecurrentStatePool = e.driver.executor.worker.runner.state_pool
+        assert pool.rows == e.config.scheduler.req_pool_rows and pool.conv.shape[1] == pool.rows + 1
+        assert pool.nbytes() == (pool.rows + 1) * RecurrentStatePool.bytes_per_row(pool.config, pool.num_layers)
+        long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(PROMPTS[:2]):
+            e.driver.submit(f"a{i}", e.encode(p), long)
+        for _ in range(6):
+            e.driver.step()
+        assert bool(pool.ssm.abs().sum() > 0)  # the rows hold live states now
+        for i in range(2):
+            e.driver.abort_request(f"a{i}")
+        while e.driver.has_unfinished():
+            e.driver.step()
+        outs = e.generate(PROMPTS[2:6], GREEDY)  # into the aborted requests' rows, two at a time
+        report = e.driver.idle_report()
+    assert [o.token_ids for o in outs] == [_hf_greedy(hf, e.encode(p)) for p in PROMPTS[2:6]]
+    assert (report.leaked_kv_slots, report.leaked_req_rows, report.locked_cache_tokens) == (0, 0, 0)
