@@ -1,7 +1,8 @@
-"""FP8 experts on CPU ranks dequantize only the experts a call routes rows to (``raymoe.platform.cpu.experts.
-routed_experts``): token rows (the routed-rows kernel, with other ranks' ids and padding ids) and pair rows (with
-NO_EXPERT rows) give exactly the answer of dequantizing every local expert, while converting only the routed ones;
-a call that routes to every expert converts all of them once."""
+"""FP8 experts on CPU ranks dequantize only as many experts as a call has routed pairs, the routed ones among them
+(``raymoe.platform.cpu.experts.routed_experts``): token rows (the routed-rows kernel, with other ranks' ids and
+padding ids) and pair rows (with NO_EXPERT rows) give exactly the answer of dequantizing every local expert; a
+one-token step converts its top-k experts only, without a host sync (graph capture); a call with as many pairs as
+experts converts all of them once."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from raymoe.models.fp8_checkpoint import quantize_weight
 from raymoe.platform.cpu.experts import routed_experts
 from raymoe.platform.interface import BlockScales
 from raymoe.platform.reference.fp8 import dense_experts
+from raymoe.platform.reference.sync_guard import HostSyncGuard
 from raymoe.platform.selector import select_platform
 
 H, INTER, EL, FIRST = 64, 48, 8, 8
@@ -56,8 +58,16 @@ def test_token_rows_convert_only_their_routed_experts_and_answer_as_all():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     counting = Counting(ops)
     subset, renumbered = routed_experts(experts, ids - FIRST, torch.float32, counting)
-    assert counting.experts == 2 * 2 and subset.num_local == 2  # experts 2 and 5, both projections
-    assert renumbered.tolist() == [[[0, 1], [0, -1], [-1, 1]]]
+    assert counting.experts == 2 * 6 and subset.num_local == 6  # as many as ids (6 < 8), both projections
+    assert renumbered.tolist() == [[[0, 1], [0, -1], [-1, 1]]]  # experts 2 and 5 come first
+    one = RoutedTokenRows(x[:, :1], ids[:, :1], w[:, :1], FIRST)  # a one-token step converts its 2 experts only
+    counting.experts = 0
+    routed_experts(experts, one.topk_ids - FIRST, torch.float32, counting)
+    assert counting.experts == 2 * 2
+    with HostSyncGuard():  # nothing read on the host: decode graphs capture it
+        got = ops.expert_routed(one, experts)
+    torch.testing.assert_close(got, ops.expert_routed(one, dense_experts(experts, torch.float32, ops.weight_values)),
+                               rtol=0, atol=0)
 
 
 def test_pair_rows_convert_only_their_experts_and_a_call_routing_to_all_converts_all():

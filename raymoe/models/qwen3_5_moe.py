@@ -15,6 +15,10 @@ shared expert (``raymoe.config_linear``).
   of a decode graph's bucket read table row 0 and write the pool's dummy row).
 * RMSNorms are zero-centered (``x * (1 + w)``): ``1 + w`` is loaded into the norm weights.
 
+On CUDA the delta rule runs in flash-linear-attention's kernels where ``fla`` is installed
+(``raymoe.platform.cuda.fla_gated_delta``: one varlen chunked call for a step's extend rows, one fused recurrent call
+for its decode rows; the conv stays on torch).
+
 Limits of this version (the engine's config rules refuse or switch them off, ``raymoe.config.model_rules``): no
 radix-cache prefix hits (a prefix's recurrent state is not kept), no prefill/decode disaggregation. The MTP layer
 a released checkpoint carries is not loaded (speculative decoding is not built).
@@ -46,6 +50,7 @@ from raymoe.layers.rotary import RotaryEmbedding
 from raymoe.models.decoder import DecoderLayer, MoeCausalLM
 from raymoe.overlap.operations import ForwardState, OpRole, stage_op
 from raymoe.platform.interface import Platform
+from raymoe.step.host_transfer import to_device
 
 
 def load_centered(dst: torch.Tensor, reader, name: str) -> None:
@@ -165,6 +170,7 @@ class GatedDeltaNetAttention(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(lin.num_value_heads, dtype=torch.float32), requires_grad=False)
         self.norm_weight = nn.Parameter(torch.ones(lin.value_head_dim, dtype=dtype), requires_grad=False)
         self.eps = config.rms_norm_eps
+        self.ops = ops
         self.pool: RecurrentStatePool | None = None  # set by the model's create_state_pool
 
     @stage_op(OpRole.ATTN_PREPARE)
@@ -205,22 +211,45 @@ class GatedDeltaNetAttention(nn.Module):
         y, conv = causal_conv1d_decode(mixed, self.conv_weight, pool.conv[li].index_select(0, rows))
         pool.conv[li].index_copy_(0, dst, conv)
         q, k, v = self._split(y)
-        o, ssm = recurrent_gated_delta_rule(q, k, v, g, beta, pool.ssm[li].index_select(0, rows))
+        kernel = self._kernel()
+        rule = kernel.decode if kernel is not None else recurrent_gated_delta_rule
+        o, ssm = rule(q, k, v, g, beta, pool.ssm[li].index_select(0, rows))
         pool.ssm[li].index_copy_(0, dst, ssm)
         out.copy_(o)
 
+    def _kernel(self):
+        """The platform's gated-delta kernels (``raymoe.platform.cuda.fla_gated_delta``) where it has them, else
+        None (the torch functions)."""
+        kernel = getattr(self.ops, "gated_delta", None)
+        return kernel if kernel is not None and kernel.available() else None
+
     def _extend(self, fb, mixed, g, beta, out) -> None:
-        """Row by row: a row with a prefix continues from its state (an earlier chunk of the same admission, or a
-        decode row of a MIXED step), a row without starts from zeros; the final states are stored."""
+        """A row with a prefix continues from its states (an earlier chunk of the same admission, or a decode row of
+        a MIXED step), a row without starts from zeros; the final states are stored. The conv runs row by row; the
+        delta rule row by row on torch, or over every row in one varlen call of the platform's kernel."""
         pool, li = self.pool, self.state_layer
+        rows, prefixes, lens = fb.req_pool_indices_cpu, fb.prefix_lens_cpu, fb.extend_lens_cpu
+        y = torch.empty_like(mixed)
         t0 = 0
-        for row, prefix, n in zip(fb.req_pool_indices_cpu, fb.prefix_lens_cpu, fb.extend_lens_cpu, strict=True):
-            t1 = t0 + n
+        for row, prefix, n in zip(rows, prefixes, lens, strict=True):
             conv0 = pool.conv[li, row] if prefix else torch.zeros_like(pool.conv[li, row])
-            y, conv = causal_conv1d_prefill(mixed[t0:t1], self.conv_weight, conv0)
-            pool.conv[li, row] = conv
-            q, k, v = self._split(y)
-            o, ssm = chunk_gated_delta_rule(q, k, v, g[t0:t1], beta[t0:t1], pool.ssm[li, row] if prefix else None)
+            y[t0:t0 + n], pool.conv[li, row] = causal_conv1d_prefill(mixed[t0:t0 + n], self.conv_weight, conv0)
+            t0 += n
+        q, k, v = self._split(y)
+        kernel = self._kernel()
+        if kernel is not None:
+            rows_t = fb.req_pool_indices
+            fresh = to_device([p == 0 for p in prefixes], torch.bool, mixed.device).view(-1, 1, 1, 1)
+            states = pool.ssm[li].index_select(0, rows_t).masked_fill_(fresh, 0.0)
+            o, finals = kernel.extend(q, k, v, g, beta, lens, states)
+            pool.ssm[li].index_copy_(0, rows_t, finals)
+            out.copy_(o)
+            return
+        t0 = 0
+        for row, prefix, n in zip(rows, prefixes, lens, strict=True):
+            t1 = t0 + n
+            o, ssm = chunk_gated_delta_rule(q[t0:t1], k[t0:t1], v[t0:t1], g[t0:t1], beta[t0:t1],
+                                            pool.ssm[li, row] if prefix else None)
             pool.ssm[li, row] = ssm
             out[t0:t1] = o
             t0 = t1

@@ -24,22 +24,25 @@ def routed_experts(experts: ExpertWeights, local_ids: torch.Tensor, dtype: torch
                    values: Callable[[torch.Tensor, Any, torch.dtype], torch.Tensor]
                    ) -> tuple[ExpertWeights, torch.Tensor]:
     """FP8 ``experts`` dequantized only where ``local_ids`` (any shape, int64; values outside ``[0, E_local)``
-    are another rank's experts or no expert) routes rows: the routed experts as :class:`DequantizedExperts`
-    [U, ...] in ``dtype`` (``values(weight, scales, dtype)`` dequantizes) and ``local_ids`` renumbered into them
-    (the others -1). Where every local expert is routed, all are dequantized and ``local_ids`` is returned as
-    given. Reads the ids on the host (CPU ranks)."""
+    are another rank's experts or no expert) routes rows: ``U = min(E_local, local_ids.numel())`` experts, every
+    routed one among them (then unrouted ones, in id order, to fill ``U``), as :class:`DequantizedExperts`
+    [U, ...] in ``dtype`` (``values(weight, scales, dtype)`` dequantizes), and ``local_ids`` renumbered into them
+    (the others -1). ``U`` depends on the call's shape only and nothing is read on the host, so decode graphs
+    capture it (``raymoe.platform.reference.sync_guard``). Where ``U`` is every local expert, all are dequantized
+    and ``local_ids`` is returned as given."""
     el = experts.num_local
-    mine = (local_ids >= 0) & (local_ids < el)
-    used = torch.unique(local_ids[mine])
-    if used.numel() == el:
+    u = min(el, local_ids.numel())
+    if u >= el:
         return dense_experts(experts, dtype, values), local_ids
+    mine = (local_ids >= 0) & (local_ids < el)
+    present = torch.zeros(el + 1, dtype=torch.int64).scatter_(0, torch.where(mine, local_ids, el).reshape(-1), 1)
+    used = torch.argsort(present[:el], descending=True, stable=True)[:u]            # routed experts first
     s13, s2 = experts.prepared13, experts.prepared2
     w13 = values(experts.w13.index_select(0, used), BlockScales(s13.scale.index_select(0, used), s13.block), dtype)
     w2 = values(experts.w2.index_select(0, used), BlockScales(s2.scale.index_select(0, used), s2.block), dtype)
-    lookup = torch.full((el,), -1, dtype=local_ids.dtype)
-    lookup[used] = torch.arange(used.numel(), dtype=local_ids.dtype)
+    lookup = torch.full((el,), -1, dtype=local_ids.dtype).scatter_(0, used, torch.arange(u, dtype=local_ids.dtype))
     renumbered = torch.where(mine, lookup[local_ids.clamp(0, el - 1)], -1)
-    return DequantizedExperts(w13, w2, int(used.numel()), experts.expert_start), renumbered
+    return DequantizedExperts(w13, w2, u, experts.expert_start), renumbered
 
 
 class CpuExpertOps(ExpertOps):

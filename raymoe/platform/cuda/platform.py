@@ -21,6 +21,7 @@ import torch
 
 from raymoe.platform.cuda.deepgemm_experts import DeepGemmExperts
 from raymoe.platform.cuda.experts import CudaExpertOps
+from raymoe.platform.cuda.fla_gated_delta import FlaGatedDelta
 from raymoe.platform.cuda.fp8_gemm import BlockFp8Gemm
 from raymoe.platform.cuda.graphs import CudaGraphCapture
 from raymoe.platform.cuda.grouped_mm import GroupedGemm, TorchGroupedMm
@@ -41,6 +42,8 @@ class CudaPlatform(CudaExpertOps, TorchPlatform):
             torch's ``scaled_mm``; tests pass one over a conformance double).
         fp8_experts: the FP8 experts' grouped GEMMs (None: :class:`~raymoe.platform.cuda.deepgemm_experts.
             DeepGemmExperts` over ``deep_gemm``, imported on first use; tests pass one over a conformance double).
+        gated_delta: hybrid models' gated delta rule kernels (None: :class:`~raymoe.platform.cuda.fla_gated_delta.
+            FlaGatedDelta` over ``fla``, imported on first use; tests pass one over a conformance double).
     """
 
     name = "cuda"
@@ -50,12 +53,13 @@ class CudaPlatform(CudaExpertOps, TorchPlatform):
 
     def __init__(self, backends: BackendRegistry | None = None, cuda_api: Any = None,
                  grouped_gemm: GroupedGemm | None = None, fp8_gemm: BlockFp8Gemm | None = None,
-                 fp8_experts: DeepGemmExperts | None = None):
+                 fp8_experts: DeepGemmExperts | None = None, gated_delta: FlaGatedDelta | None = None):
         super().__init__(backends)
         self.cuda = cuda_api if cuda_api is not None else default_cuda_api()
         self.grouped_gemm = grouped_gemm if grouped_gemm is not None else TorchGroupedMm()
         self.fp8_gemm = fp8_gemm or BlockFp8Gemm()
         self.fp8_experts = fp8_experts or DeepGemmExperts()
+        self.gated_delta = gated_delta or FlaGatedDelta()
         self._tbo_streams: CudaTboStreams | None = None
 
     def prepare_weight(self, weight: torch.Tensor, kind: WeightKind, scales: BlockScales | None = None) -> Any:
