@@ -56,3 +56,31 @@ def test_topologies_match_transformers(ray_cluster, model_and_reference, tp, dp,
     assert [o.token_ids for o in outs] == ref
     assert graph_steps > 0 and (tbo_steps > 0) == tbo
     assert (report.leaked_kv_slots, report.leaked_req_rows) == (0, 0)
+
+
+def test_served_by_the_engine_client_with_serve_defaults(ray_cluster, model_and_reference):
+    """``raymoe serve``'s engine (its defaults: dp=2 ep=2, the driver actor) applies the family's rules (radix hits
+    off) and streams transformers' tokens."""
+    import asyncio
+
+    from raymoe.client.engine_client import EngineClient
+    from raymoe.deploy.server_config import ServeOptions
+
+    path, ref = model_and_reference
+    opts = ServeOptions(model=path, max_running_requests=4, max_context_len=128)
+    client = EngineClient(opts.engine_config(path))
+    try:
+        assert not client.config.cache.enable_radix_cache and client.config.parallel.dp_size == 2
+
+        async def run(i, prompt):
+            out = []
+            async for d in client.generate(f"r{i}", client.tokenizer.encode(prompt), GREEDY):
+                out += d.token_ids
+            return out
+
+        async def main():
+            return await asyncio.gather(*(run(i, p) for i, p in enumerate(PROMPTS)))
+
+        assert asyncio.run(main()) == ref
+    finally:
+        client.shutdown()
