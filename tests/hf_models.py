@@ -119,3 +119,19 @@ def build(name: str, out: Path, seed: int = 0, overrides: dict | None = None) ->
     model.save_pretrained(out)
     build_tokenizer(out, vocab_size=VOCAB)
     return str(out)
+
+
+def greedy_reference(path: str, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens (float32) for each text prompt, with the folder's own tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    ref = []
+    for p in prompts:
+        ids = torch.tensor([tok.encode(p)])
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                              do_sample=False)
+        ref.append(out[0, ids.shape[1]:].tolist())
+    return ref

@@ -6,7 +6,7 @@ hits, a window of 8 tokens."""
 from __future__ import annotations
 
 import pytest
-import torch
+from hf_models import greedy_reference
 
 from raymoe import Engine, SamplingParams
 from raymoe.models.checkpoint import make_checkpoint
@@ -25,19 +25,12 @@ TBO = {"enable_tbo": True, "tbo_min_tokens_decode": 2, "tbo_min_tokens_extend": 
 @pytest.fixture(scope="module")
 def model_and_reference(tmp_path_factory):
     """A tiny gpt-oss folder and transformers' greedy tokens for each prompt."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     path = str(make_checkpoint("gpt_oss", tmp_path_factory.mktemp("topo") / "gpt_oss", seed=5, **DIMS))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
-    ref = []
-    for p in PROMPTS:
-        ids = torch.tensor([tok.encode(p)])
-        with torch.no_grad():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
-        ref.append(out[0, ids.shape[1]:].tolist())
     assert max(len(tok.encode(p)) for p in PROMPTS) > DIMS["sliding_window"] + 16  # windows and chunks both bite
-    return path, ref
+    return path, greedy_reference(path, PROMPTS, 12)
 
 
 def test_one_rank_matches_transformers(model_and_reference):

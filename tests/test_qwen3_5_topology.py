@@ -7,37 +7,24 @@ chunks, prompts up to ~30 tokens)."""
 from __future__ import annotations
 
 import pytest
-import torch
+from hf_models import greedy_reference
+from test_models_topology import GREEDY, OPTS, PROMPTS, TBO
 
-from raymoe import Engine, SamplingParams
+from raymoe import Engine
 from raymoe.models.checkpoint import make_checkpoint
+from raymoe.tokenizer import load_tokenizer
 
 DIMS = {"num_layers": 4, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
         "moe_intermediate_size": 32, "vocab_size": 512}
-SHARED = "class Cache(object):\n    def __init__(self, size):\n        self.size = size\n"
-PROMPTS = [SHARED + "    def get(self, key):", "def fib(n):", "import os\n",
-           SHARED + "    def put(self, key, value):", "x = [i * i for i in", "return self._cache[key]"]
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
-OPTS = {"max_running_requests": 4, "chunked_prefill_size": 16, "max_context_len": 128, "cuda_graph_max_bs": 4}
-TBO = {"enable_tbo": True, "tbo_min_tokens_decode": 2, "tbo_min_tokens_extend": 4}
 
 
 @pytest.fixture(scope="module")
 def model_and_reference(tmp_path_factory):
     """A tiny Qwen3.5-MoE folder and transformers' greedy tokens for each prompt."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = str(make_checkpoint("qwen3_5_moe", tmp_path_factory.mktemp("topo") / "q35", seed=5, **DIMS))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path)
-    ref = []
-    for p in PROMPTS:
-        ids = torch.tensor([tok.encode(p)])
-        with torch.no_grad():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
-        ref.append(out[0, ids.shape[1]:].tolist())
-    assert max(len(tok.encode(p)) for p in PROMPTS) > 16  # chunks bite
-    return path, ref
+    tok = load_tokenizer(path)
+    assert max(len(tok.encode(p)) for p in PROMPTS) > OPTS["chunked_prefill_size"]  # chunks bite
+    return path, greedy_reference(path, PROMPTS, GREEDY.max_tokens)
 
 
 def test_one_rank_matches_transformers(model_and_reference):

@@ -202,6 +202,10 @@ class MoeCausalLM(nn.Module):
         by an exchange when the head needs it."""
         return self.lm_head(hidden, rows_per_rank).float()
 
+    def load_final_norm(self, reader) -> None:
+        """The final RMSNorm's weight (families with zero-centered norms load ``1 + w``)."""
+        load_norm(self.norm, reader, "model.norm.weight")
+
     @torch.no_grad()
     def load_weights(self, reader) -> None:
         """Load this rank's shard from a ``CheckpointReader``.
@@ -212,7 +216,7 @@ class MoeCausalLM(nn.Module):
         self.embed_tokens.load(reader, "model.embed_tokens.weight")
         for i, layer in enumerate(self.layers):
             layer.load(reader, f"model.layers.{i}")
-        load_norm(self.norm, reader, "model.norm.weight")
+        self.load_final_norm(reader)
         head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         self.lm_head.load(reader, head)
         self._schedules = None

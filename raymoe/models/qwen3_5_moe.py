@@ -336,17 +336,7 @@ class Qwen3_5MoeForCausalLM(MoeCausalLM):
                 layer.self_attn.pool = self.state_pool
         return self.state_pool
 
-    @torch.no_grad()
-    def load_weights(self, reader) -> None:
-        """Load the weights; the final norm is zero-centered too.
-
-        Raises:
-            CheckpointError: a tensor is missing or has the wrong shape (names the tensor).
-        """
-        self.embed_tokens.load(reader, "model.embed_tokens.weight")
-        for i, layer in enumerate(self.layers):
-            layer.load(reader, f"model.layers.{i}")
+    def load_final_norm(self, reader) -> None:
+        """The final norm is zero-centered too: ``1 + w``."""
         load_centered(self.norm.weight.data, reader, "model.norm.weight")
-        self.lm_head.load(reader, "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight")
-        self._schedules = None
 
