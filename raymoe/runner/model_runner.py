@@ -8,6 +8,7 @@ captured graph) and samples, answering with a ``StepOutput``. A step is launched
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
@@ -38,6 +39,8 @@ from raymoe.step.host_transfer import to_device
 from raymoe.step.sampling_table import SamplingTable
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -83,6 +86,9 @@ class ModelRunner:
         # hybrid models: the linear-attention layers' per-request states, one row per ReqToTokenPool row
         create_states = getattr(self.model, "create_state_pool", None)
         self.state_pool = create_states(cfg.max_req_rows, self.device) if create_states is not None else None
+        if self.state_pool is not None:
+            log.info("recurrent state pool: %d request rows x %d linear-attention layers = %.1f MiB",
+                     self.state_pool.rows, self.state_pool.num_layers, self.state_pool.nbytes() / 2**20)
 
         def make_backend():
             return self.model.create_attn_backend(cfg.attention_backend, self.req_to_token_pool,
