@@ -16,8 +16,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-HYBRID_MODEL_TYPES = ("qwen3_5_moe_text",)
-"""``model_type`` values normalized by :func:`qwen3_5_fields`."""
+HYBRID_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
+"""``model_type`` values normalized by :func:`qwen3_5_fields` (``qwen3_5_moe``: the released image-text checkpoints,
+whose ``text_config`` holds the language model's keys: :func:`text_config_of`)."""
+
+
+def text_config_of(d: dict[str, Any]) -> dict[str, Any]:
+    """The language model's keys of a ``qwen3_5_moe`` config (its ``text_config``, with the top level's
+    ``model_type``, ``tie_word_embeddings`` and ``eos_token_id`` where the top level has them); other configs as
+    they are. The vision tower is not served."""
+    text = d.get("text_config")
+    if d.get("model_type") != "qwen3_5_moe" or not isinstance(text, dict):
+        return d
+    top = {key: d[key] for key in ("tie_word_embeddings", "eos_token_id", "quantization_config") if key in d}
+    return {**text, **top, "model_type": "qwen3_5_moe"}
 
 
 @dataclass(frozen=True)

@@ -135,3 +135,21 @@ def greedy_reference(path: str, prompts: list[str], max_new_tokens: int) -> list
                               do_sample=False)
         ref.append(out[0, ids.shape[1]:].tolist())
     return ref
+
+
+def build_qwen3_5_image_text(out: Path, seed: int = 0) -> str:
+    """A tiny released-format Qwen3.5-MoE (``Qwen3_5MoeForConditionalGeneration``, ``model_type`` ``qwen3_5_moe``:
+    the language model under ``model.language_model.*`` and ``text_config``, a one-block vision tower) written by
+    transformers, weights re-drawn as ``build`` does; returns the path."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    _, text = QWEN35_CONFIGS["qwen3_5_moe_text"]
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2}
+    cfg = Qwen3_5MoeConfig(text_config={**_COMMON, **text}, vision_config=vision, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Qwen3_5MoeForConditionalGeneration(cfg).to(torch.float32)
+    _redraw(model, seed)
+    model.save_pretrained(out)
+    build_tokenizer(out, vocab_size=VOCAB)
+    return str(out)

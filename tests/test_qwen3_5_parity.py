@@ -78,6 +78,22 @@ def test_a_checkpoint_written_by_transformers_matches_it(tmp_path):
     assert [o.token_ids for o in outs] == ref
 
 
+def test_a_released_format_image_text_checkpoint_serves_its_language_model(tmp_path):
+    """``model_type: qwen3_5_moe`` (``Qwen3_5MoeForConditionalGeneration``): the language model's keys under
+    ``text_config`` and its tensors under ``model.language_model.*`` beside a vision tower; the engine reads the
+    language model and answers text prompts as transformers' image-text model does."""
+    from hf_models import build_qwen3_5_image_text
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    path = build_qwen3_5_image_text(tmp_path / "mm")
+    hf = Qwen3_5MoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    with Engine(path, max_context_len=256, max_running_requests=8) as e:
+        assert e.model_config.model_type == "qwen3_5_moe" and e.model_config.hybrid is not None
+        ref = [_hf_greedy(hf, e.encode(p)) for p in PROMPTS[:4]]
+        outs = e.generate(PROMPTS[:4], GREEDY)
+    assert [o.token_ids for o in outs] == ref
+
+
 def test_indivisible_tensor_parallelism_and_pd_are_refused_by_name(case):
     path, _ = case
     with pytest.raises(InvalidRequestError) as e:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from raymoe.config_arch import LAYER_TYPES, GptOssArch, MLAConfig, RouterConfig, deepseek_fields, gpt_oss_fields
-from raymoe.config_linear import HYBRID_MODEL_TYPES, HybridArch, qwen3_5_fields
+from raymoe.config_linear import HYBRID_MODEL_TYPES, HybridArch, qwen3_5_fields, text_config_of
 from raymoe.config_quant import Fp8Config, parse_quantization_config
 from raymoe.errors import CheckpointError
 
@@ -122,6 +122,7 @@ class ModelConfig:
             ValueError: an unsupported ``quantization_config`` (its method or field named) or a bad size.
             KeyError: a required key is missing.
         """
+        d = text_config_of(d)  # an image-text Qwen3.5-MoE: its language model
         hidden = int(d["hidden_size"])
         heads = int(d["num_attention_heads"])
         rope = dict(_first(d, "rope_parameters", "rope_scaling", default={}) or {})

@@ -1,4 +1,5 @@
-"""Qwen3.5-MoE text models (Qwen team; transformers ``Qwen3_5MoeForCausalLM``, ``model_type`` ``qwen3_5_moe_text``) on
+"""Qwen3.5-MoE text models (Qwen team; transformers ``Qwen3_5MoeForCausalLM``, ``model_type`` ``qwen3_5_moe_text``; and
+the language model of the released image-text checkpoints, ``qwen3_5_moe``: :class:`LanguageModelNames`) on
 raymoe's layers: a hybrid of Gated DeltaNet linear attention and gated full attention, every layer MoE with a gated
 shared expert (``raymoe.config_linear``).
 
@@ -289,6 +290,38 @@ class Qwen35DecoderLayer(DecoderLayer):
         load_centered(self.post_attention_layernorm.weight.data, reader, f"{prefix}.post_attention_layernorm.weight")
 
 
+class LanguageModelNames:
+    """A checkpoint reader view for the released image-text checkpoints (``model_type`` ``qwen3_5_moe``,
+    ``Qwen3_5MoeForConditionalGeneration``): raymoe's ``model.*`` names answered with their language model's
+    ``model.language_model.*`` tensors (``lm_head.weight`` as it is); the vision tower is never read.
+
+    Args:
+        reader: a ``CheckpointReader`` (``get``, ``get_slice``, ``shape``, ``in``).
+    """
+
+    PREFIX = "model.language_model."
+
+    def __init__(self, reader):
+        self.reader = reader
+
+    @classmethod
+    def disk_name(cls, name: str) -> str:
+        """The on-disk name of ``name``."""
+        return cls.PREFIX + name[len("model."):] if name.startswith("model.") else name
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.disk_name(name) in self.reader
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.reader.get(self.disk_name(name), dtype=dtype)
+
+    def get_slice(self, name: str, dim: int, start: int, end: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.reader.get_slice(self.disk_name(name), dim, start, end, dtype=dtype)
+
+    def shape(self, name: str):
+        return self.reader.shape(self.disk_name(name))
+
+
 class Qwen3_5MoeForCausalLM(MoeCausalLM):
     """The whole model on one rank (arguments as ``raymoe.models.qwen3_moe.Qwen3MoeForCausalLM``)."""
 
@@ -335,6 +368,14 @@ class Qwen3_5MoeForCausalLM(MoeCausalLM):
             if isinstance(layer.self_attn, GatedDeltaNetAttention):
                 layer.self_attn.pool = self.state_pool
         return self.state_pool
+
+    def load_weights(self, reader) -> None:
+        """Load the weights (an image-text checkpoint's through :class:`LanguageModelNames`).
+
+        Raises:
+            CheckpointError: a tensor is missing or has the wrong shape (names the tensor).
+        """
+        super().load_weights(LanguageModelNames(reader) if self.config.model_type == "qwen3_5_moe" else reader)
 
     def load_final_norm(self, reader) -> None:
         """The final norm is zero-centered too: ``1 + w``."""

@@ -13,6 +13,7 @@ _MODELS = {
     "deepseek_v3": ("raymoe.models.deepseek_v2", "DeepseekV3ForCausalLM"),
     "gpt_oss": ("raymoe.models.gpt_oss", "GptOssForCausalLM"),
     "qwen3_5_moe_text": ("raymoe.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
+    "qwen3_5_moe": ("raymoe.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),  # the language model of the image-text one
 }
 
 
