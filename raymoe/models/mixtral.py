@@ -21,41 +21,23 @@ from raymoe.eplb.location import ExpertLocation
 from raymoe.layers.rotary import RotaryEmbedding
 from raymoe.models.decoder import DecoderLayer, MoeCausalLM, build_mlp
 from raymoe.models.qwen3_moe import Qwen3MoeAttention
+from raymoe.models.reader_views import RenamedReader
 from raymoe.platform.interface import Platform
 
 _EXPERT = re.compile(r"^(.*\.experts\.\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv|weight_scale)$")
 _MIXTRAL_PART = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
-class MixtralNames:
+class MixtralNames(RenamedReader):
     """A checkpoint reader view that answers raymoe's expert names (``experts.E.gate_proj.weight`` ...) with
     Mixtral's on-disk tensors (``experts.E.w1.weight`` ..., FP8 scales ``w1.weight_scale_inv`` likewise); every other
-    name passes through unchanged.
-
-    Args:
-        reader: a ``CheckpointReader`` (``get``, ``get_slice``, ``shape``).
-    """
-
-    def __init__(self, reader):
-        self.reader = reader
+    name passes through unchanged."""
 
     @staticmethod
     def disk_name(name: str) -> str:
         """The on-disk name of ``name``."""
         m = _EXPERT.match(name)
         return f"{m.group(1)}.{_MIXTRAL_PART[m.group(2)]}.{m.group(3)}" if m else name
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and self.disk_name(name) in self.reader
-
-    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return self.reader.get(self.disk_name(name), dtype=dtype)
-
-    def get_slice(self, name: str, dim: int, start: int, end: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return self.reader.get_slice(self.disk_name(name), dim, start, end, dtype=dtype)
-
-    def shape(self, name: str):
-        return self.reader.shape(self.disk_name(name))
 
 
 class MixtralForCausalLM(MoeCausalLM):

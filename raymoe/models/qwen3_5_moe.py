@@ -49,6 +49,7 @@ from raymoe.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowPar
 from raymoe.layers.moe import SparseMoeBlock
 from raymoe.layers.rotary import RotaryEmbedding
 from raymoe.models.decoder import DecoderLayer, MoeCausalLM
+from raymoe.models.reader_views import RenamedReader
 from raymoe.overlap.operations import ForwardState, OpRole, stage_op
 from raymoe.platform.interface import Platform
 from raymoe.step.host_transfer import to_device
@@ -290,36 +291,15 @@ class Qwen35DecoderLayer(DecoderLayer):
         load_centered(self.post_attention_layernorm.weight.data, reader, f"{prefix}.post_attention_layernorm.weight")
 
 
-class LanguageModelNames:
+class LanguageModelNames(RenamedReader):
     """A checkpoint reader view for the released image-text checkpoints (``model_type`` ``qwen3_5_moe``,
     ``Qwen3_5MoeForConditionalGeneration``): raymoe's ``model.*`` names answered with their language model's
-    ``model.language_model.*`` tensors (``lm_head.weight`` as it is); the vision tower is never read.
+    ``model.language_model.*`` tensors (``lm_head.weight`` as it is); the vision tower is never read."""
 
-    Args:
-        reader: a ``CheckpointReader`` (``get``, ``get_slice``, ``shape``, ``in``).
-    """
-
-    PREFIX = "model.language_model."
-
-    def __init__(self, reader):
-        self.reader = reader
-
-    @classmethod
-    def disk_name(cls, name: str) -> str:
+    @staticmethod
+    def disk_name(name: str) -> str:
         """The on-disk name of ``name``."""
-        return cls.PREFIX + name[len("model."):] if name.startswith("model.") else name
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and self.disk_name(name) in self.reader
-
-    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return self.reader.get(self.disk_name(name), dtype=dtype)
-
-    def get_slice(self, name: str, dim: int, start: int, end: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return self.reader.get_slice(self.disk_name(name), dim, start, end, dtype=dtype)
-
-    def shape(self, name: str):
-        return self.reader.shape(self.disk_name(name))
+        return "model.language_model." + name[len("model."):] if name.startswith("model.") else name
 
 
 class Qwen3_5MoeForCausalLM(MoeCausalLM):
