@@ -130,5 +130,6 @@ def test_state_rows_are_reused_after_aborts_and_finishes_without_leaks(case):
             e.driver.step()
         outs = e.generate(PROMPTS[2:6], GREEDY)  # into the aborted requests' rows, two at a time
         report = e.driver.idle_report()
-    assert [o.token_ids for o in outs] == [_hf_greedy(hf, e.encode(p)) for p in PROMPTS[2:6]]
+        ref = [_hf_greedy(hf, e.encode(p)) for p in PROMPTS[2:6]]
+    assert [o.token_ids for o in outs] == ref
     assert (report.leaked_kv_slots, report.leaked_req_rows, report.locked_cache_tokens) == (0, 0, 0)

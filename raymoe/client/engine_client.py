@@ -95,9 +95,11 @@ class EngineClient:
         from raymoe.config.model_rules import apply_model_rules
 
         init_ray(config.ray_address)
-        config = apply_model_rules(config, ModelConfig.from_hf(config.model))  # what the model family cannot use
+        model_config = ModelConfig.from_hf(config.model)
+        config = apply_model_rules(config, model_config)  # what the model family cannot use
         resolved, self.device_choice = resolve_engine_config(config, serving=True)
-        self._setup(resolved, model_name, start_timeout_s or startup_budget(resolved).engine_s, "", engine_name)
+        self._setup(resolved, model_name, start_timeout_s or startup_budget(resolved).engine_s, "", engine_name,
+                    model_config)
         self.driver = start_driver_actor(self.config, name=engine_name)
         try:
             ray.get(self.driver.ready.remote(), timeout=self.start_timeout_s)
@@ -147,10 +149,10 @@ class EngineClient:
         return self
 
     def _setup(self, config: EngineConfig, model_name: str | None, start_timeout_s: float, frontend_id: str,
-               engine_name: str | None) -> None:
+               engine_name: str | None, model_config: ModelConfig | None = None) -> None:
         self.config, self.start_timeout_s = config, start_timeout_s
         self.frontend_id, self.engine_name = frontend_id, engine_name
-        self.model_config = ModelConfig.from_hf(config.model)
+        self.model_config = model_config or ModelConfig.from_hf(config.model)
         self.model_name = model_name or Path(config.model).name
         self.tokenizer = load_tokenizer(config.model)
         self.reconnects = 0

@@ -163,9 +163,9 @@ class GatedDeltaNetAttention(nn.Module):
         self.layer_id, self.state_layer, self.cfg, self.groups = layer_id, state_layer, lin, groups
         h = config.hidden_size
         self.in_proj_qkv = ColumnParallelLinear(h, [full.key_dim, full.key_dim, full.value_dim], groups, dtype, ops)
-        self.in_proj_z = ColumnParallelLinear(h, [full.value_dim], groups, dtype, ops)
-        self.in_proj_b = ColumnParallelLinear(h, [full.num_value_heads], groups, dtype, ops)
-        self.in_proj_a = ColumnParallelLinear(h, [full.num_value_heads], groups, dtype, ops)
+        # the output gate z and the per-head b (write strength) and a (decay) projections, fused into one GEMM
+        self.in_proj_zba = ColumnParallelLinear(h, [full.value_dim, full.num_value_heads, full.num_value_heads],
+                                                groups, dtype, ops)
         self.out_proj = RowParallelLinear(full.value_dim, h, groups, dtype, ops)
         self.conv_weight = nn.Parameter(torch.zeros(lin.conv_dim, lin.conv_kernel, dtype=dtype), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.zeros(lin.num_value_heads, dtype=torch.float32), requires_grad=False)
@@ -179,22 +179,20 @@ class GatedDeltaNetAttention(nn.Module):
     def op_prepare(self, state: ForwardState) -> None:
         x = state.hidden_states
         state.q = self.in_proj_qkv(x)                                              # [T, conv_dim] (pre-conv)
-        state.k = self.in_proj_z(x)                                                # [T, value_dim] output gate
-        state.v = torch.stack((self.in_proj_a(x), self.in_proj_b(x)))              # [2, T, Hv]
+        state.k = self.in_proj_zba(x)                                              # [T, value_dim + 2 Hv]
 
     @stage_op(OpRole.ATTN_CORE)
     def op_core(self, state: ForwardState) -> None:
         fb, lin = state.forward_batch, self.cfg
-        mixed, z, (a, b) = state.q, state.k, state.v
-        state.q = state.k = state.v = None
+        mixed, (z, b, a) = state.q, state.k.split((lin.value_dim, lin.num_value_heads, lin.num_value_heads), dim=-1)
+        state.q = state.k = None
         t = mixed.shape[0]
-        out = mixed.new_empty((t, lin.num_value_heads, lin.value_head_dim))
         if t:
             g, beta = decay_and_beta(a, b, self.A_log, self.dt_bias)
-            if fb.forward_mode.is_decode():
-                self._decode(fb, mixed, g, beta, out)
-            else:
-                self._extend(fb, mixed, g, beta, out)
+            run = self._decode if fb.forward_mode.is_decode() else self._extend
+            out = run(fb, mixed, g, beta)
+        else:
+            out = mixed.new_empty((0, lin.num_value_heads, lin.value_head_dim))
         y = gated_rms_norm(out, z.reshape(t, lin.num_value_heads, lin.value_head_dim), self.norm_weight, self.eps)
         state.hidden_states = self.out_proj(y.reshape(t, lin.value_dim))
 
@@ -204,9 +202,9 @@ class GatedDeltaNetAttention(nn.Module):
         return (q.reshape(n, lin.num_key_heads, lin.key_head_dim), k.reshape(n, lin.num_key_heads, lin.key_head_dim),
                 v.reshape(n, lin.num_value_heads, lin.value_head_dim))
 
-    def _decode(self, fb, mixed, g, beta, out) -> None:
+    def _decode(self, fb, mixed, g, beta) -> torch.Tensor:
         """One token per row, batched: gather the rows' states, step them, write them back (padding rows of a
-        graph bucket write the pool's dummy row)."""
+        graph bucket write the pool's dummy row). Returns [bs, Hv, Dv]."""
         pool, li = self.pool, self.state_layer
         rows = fb.req_pool_indices
         dst = rows if fb.padding_mask is None else torch.where(fb.padding_mask, pool.dummy_row, rows)
@@ -217,7 +215,7 @@ class GatedDeltaNetAttention(nn.Module):
         rule = kernel.decode if kernel is not None else recurrent_gated_delta_rule
         o, ssm = rule(q, k, v, g, beta, pool.ssm[li].index_select(0, rows))
         pool.ssm[li].index_copy_(0, dst, ssm)
-        out.copy_(o)
+        return o
 
     def _kernel(self):
         """The platform's gated-delta kernels (``raymoe.platform.cuda.fla_gated_delta``) where it has them, else
@@ -225,10 +223,11 @@ class GatedDeltaNetAttention(nn.Module):
         kernel = getattr(self.ops, "gated_delta", None)
         return kernel if kernel is not None and kernel.available() else None
 
-    def _extend(self, fb, mixed, g, beta, out) -> None:
+    def _extend(self, fb, mixed, g, beta) -> torch.Tensor:
         """A row with a prefix continues from its states (an earlier chunk of the same admission, or a decode row of
         a MIXED step), a row without starts from zeros; the final states are stored. The conv runs row by row; the
-        delta rule row by row on torch, or over every row in one varlen call of the platform's kernel."""
+        delta rule row by row on torch, or over every row in one varlen call of the platform's kernel. Returns
+        [T, Hv, Dv]."""
         pool, li = self.pool, self.state_layer
         rows, prefixes, lens = fb.req_pool_indices_cpu, fb.prefix_lens_cpu, fb.extend_lens_cpu
         y = torch.empty_like(mixed)
@@ -245,8 +244,8 @@ class GatedDeltaNetAttention(nn.Module):
             states = pool.ssm[li].index_select(0, rows_t).masked_fill_(fresh, 0.0)
             o, finals = kernel.extend(q, k, v, g, beta, lens, states)
             pool.ssm[li].index_copy_(0, rows_t, finals)
-            out.copy_(o)
-            return
+            return o
+        out = v.new_empty((v.shape[0], self.cfg.num_value_heads, self.cfg.value_head_dim))
         t0 = 0
         for row, prefix, n in zip(rows, prefixes, lens, strict=True):
             t1 = t0 + n
@@ -255,11 +254,11 @@ class GatedDeltaNetAttention(nn.Module):
             pool.ssm[li, row] = ssm
             out[t0:t1] = o
             t0 = t1
+        return out
 
     def load(self, reader, prefix: str) -> None:
         self.in_proj_qkv.load_fused(reader, f"{prefix}.in_proj_qkv.weight")
-        for name in ("in_proj_z", "in_proj_b", "in_proj_a"):
-            getattr(self, name).load(reader, [f"{prefix}.{name}.weight"])
+        self.in_proj_zba.load(reader, [f"{prefix}.in_proj_{p}.weight" for p in "zba"])
         self.out_proj.load(reader, f"{prefix}.out_proj.weight")
         tp, r, lin = self.groups.tp_size, self.groups.tp_rank, self.cfg
         conv = reader.get(f"{prefix}.conv1d.weight", dtype=self.conv_weight.dtype)
