@@ -39,11 +39,11 @@ def detok(ids) -> str:
     return "".join(ALPHABET[t % 26] for t in ids)
 
 
-def reference(prompt: list[int], params: SamplingParams, ctx: int = 10**9, eos=NO_EOS) -> list[int]:
+def reference(prompt: list[int], params: SamplingParams, ctx: int = 10**9, eos=NO_EOS, model=next_token) -> list[int]:
     """Expected output of one request, straight from the definition (no scheduler)."""
     seq, out = list(prompt), []
     while True:
-        t = next_token(seq)
+        t = model(seq)
         out.append(t)
         seq.append(t)
         if t in params.stop_token_ids or (not params.ignore_eos and t in eos):
@@ -55,10 +55,13 @@ def reference(prompt: list[int], params: SamplingParams, ctx: int = 10**9, eos=N
 
 
 class FakeRank:
-    """Simulated rank: KV pool (slot -> (position, token)) and ReqToTokenPool table, both written as told."""
+    """Simulated rank: KV pool (slot -> (position, token)) and ReqToTokenPool table, both written as told.
+    ``model``: the fake model (tokens -> next token). A TARGET_VERIFY row accepts its drafts while they equal the
+    model's next tokens (greedy speculative decoding) and answers the model's token after them."""
 
-    def __init__(self, sched: Scheduler):
+    def __init__(self, sched: Scheduler, model=next_token):
         self.sched = sched
+        self.model = model
         self.kv: dict[int, tuple[int, int]] = {}
         self.table: dict[int, dict[int, int]] = {}
         self.num_batches = 0
@@ -85,12 +88,14 @@ class FakeRank:
             if not partial and req.req_pool_idx == b.req_pool_indices[i]:
                 older = sum(r is req and not q for ob in inflight[:mine]
                             for r, q in zip(ob.reqs, ob.partial, strict=True))
-                assert rec.output_lens[i] == len(req.output_ids) + older, req.rid
+                drafts = b.extend_lens[i] - 1 if b.forward_mode == ForwardMode.TARGET_VERIFY else 0
+                assert rec.output_lens[i] - drafts == len(req.output_ids) + older, req.rid
 
     def check_batch(self, b: ModelWorkerBatch) -> None:
         s = self.sched
         bs = b.batch_size
-        assert b.forward_mode in (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED) and bs > 0
+        assert b.forward_mode in (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED,
+                                  ForwardMode.TARGET_VERIFY) and bs > 0
         assert len(b.input_ids) == sum(b.extend_lens) == len(b.out_cache_loc)
         self.check_sampling(b)
         assert all(sl == p + e and e >= 1 for sl, p, e in zip(b.seq_lens, b.prefix_lens, b.extend_lens, strict=True))
@@ -112,7 +117,9 @@ class FakeRank:
                     n_dec += 1
                 assert n_dec > 0  # (a one-token chunk continuation looks the same: a lower bound on prompts)
             limit = s.config.max_prefill_tokens
-            if s.config.chunked_prefill_size is not None:
+            if b.forward_mode == ForwardMode.TARGET_VERIFY:  # newest token + drafts, the prefix on the rank
+                assert b.prefix_slots == [] and all(t == pre for t, pre in zip(held, b.prefix_lens, strict=True))
+            elif s.config.chunked_prefill_size is not None:
                 limit = min(limit, s.config.chunked_prefill_size)
                 assert b.num_tokens <= limit
             elif bs - n_dec > 1:
@@ -127,9 +134,10 @@ class FakeRank:
         # Placeholders -(i + 1): row i of the previous step's answer (only that step's rows are referenced).
         ids = [self.last_out[-t - 1] if t < 0 else t for t in b.input_ids]
         p = o = 0
-        out = []
+        out, accepted = [], []
         held = b.table_lens or [0] * b.batch_size
         for row, pre, sl, tl in zip(b.req_pool_indices, b.prefix_lens, b.seq_lens, held, strict=True):
+            first = o
             table = self.table.setdefault(row, {})
             if b.forward_mode.is_extend():
                 if sl - pre > 1 or b.forward_mode == ForwardMode.EXTEND:
@@ -148,16 +156,24 @@ class FakeRank:
                 kv_pos, tok = self.kv[table[pos]]
                 assert kv_pos == pos, f"slot {table[pos]} holds position {kv_pos}, expected {pos}"
                 seq.append(tok)
-            out.append(next_token(seq))
+            if b.forward_mode == ForwardMode.TARGET_VERIFY:
+                drafts, a = ids[first + 1:o], 0
+                while a < len(drafts) and self.model(seq[:pre + 1 + a]) == drafts[a]:
+                    a += 1
+                accepted.append(a)
+                out.append(self.model(seq[:pre + 1 + a]))
+            else:
+                out.append(self.model(seq))
         self.last_out = out
-        return StepOutput(next_token_ids=out)
+        return StepOutput(next_token_ids=out, accept_lens=tuple(accepted))
 
 
-def make(max_total_tokens=4096, ctx=512, radix=True, eos=NO_EOS, detokenize=detok, **sched_kw) -> Scheduler:
+def make(max_total_tokens=4096, ctx=512, radix=True, eos=NO_EOS, detokenize=detok, page_size=None, speculative=None,
+         **sched_kw) -> Scheduler:
     sched_kw.setdefault("enable_mixed_chunk", False)
     return Scheduler(SchedulerConfig(**sched_kw), CacheConfig(max_total_tokens=max_total_tokens, max_context_len=ctx,
-                                                                enable_radix_cache=radix),
-                     eos_token_ids=eos, detokenize=detokenize)
+                                                                enable_radix_cache=radix, page_size=page_size),
+                     eos_token_ids=eos, detokenize=detokenize, speculative=speculative)
 
 
 def live_slots(s: Scheduler) -> dict[int, set[int]]:

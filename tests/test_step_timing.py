@@ -15,6 +15,8 @@ def test_step_mode_labels_a_step_by_its_groups():
     assert step_mode([FM.MIXED, FM.DECODE]) == "mixed"
     assert step_mode([FM.EXTEND, FM.MIXED]) == "mixed"
     assert step_mode([FM.EXTEND, FM.IDLE]) == "extend"
+    assert step_mode([FM.TARGET_VERIFY, FM.IDLE, FM.DECODE]) == "verify"
+    assert step_mode([FM.TARGET_VERIFY, FM.EXTEND]) == "extend"
     with pytest.raises(ValueError):
         step_mode([])
 
@@ -89,8 +91,9 @@ def test_driver_times_every_step_under_its_mode(tiny_model):
     seen = {"decode": sum(all(m in (FM.DECODE, FM.IDLE) for m in step) for step in launched),
             "mixed": sum(FM.MIXED in step for step in launched)}
     seen["extend"] = len(launched) - seen["decode"] - seen["mixed"]
+    seen["verify"] = 0  # no speculative decoding here
     assert len(launched) == driver.num_steps and seen["mixed"] > 0  # the last two prompts join running decodes
     assert seen["decode"] > 0 and seen["extend"] > 0 and driver.num_mixed_steps == seen["mixed"]
     for hists in (snap.period, snap.forward):
         assert {m: h.count for m, h in hists.items()} == seen
-        assert all(h.total > 0 for h in hists.values())
+        assert all(h.total > 0 for m, h in hists.items() if seen[m])

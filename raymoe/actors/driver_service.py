@@ -38,6 +38,7 @@ from raymoe.actors.output_batch import OutputBatch, RequestEnd
 from raymoe.actors.records import AddRequest, EngineStats, RequestDelta, RequestError
 from raymoe.errors import EngineUnhealthyError
 from raymoe.scheduler.scheduler import IdleReport
+from raymoe.scheduler.spec_steps import SpecCounters
 
 __all__ = ["AddRequest", "DriverService", "EngineStats", "OutputBatch", "RequestDelta", "RequestError"]
 
@@ -131,7 +132,7 @@ class DriverService:
             cache_tokens_locked=idle.locked_cache_tokens if idle else 0, idle_checked=idle is not None,
             step_times=self.driver.step_timer.snapshot(),
             expert_load=self.driver.eplb.report() if self.driver.eplb is not None else None,
-            routing=self.driver.router.counters)
+            routing=self.driver.router.counters, spec=SpecCounters.total(s.spec for s in groups))
 
     def rebalance_experts(self) -> bool:
         """Ask for an expert rebalance at the next step (``raymoe.eplb.controller``). Returns False when the engine

@@ -22,6 +22,7 @@ from raymoe.actors.records import AddRequest, RequestError
 from raymoe.kvcache.prefix_events import PrefixDelta
 from raymoe.scheduler.accounting import IdleReport
 from raymoe.scheduler.req import RequestFault
+from raymoe.scheduler.spec_steps import SpecCounters
 from raymoe.step.step_plan import GroupPlan, PickledAsFields, StepDecision
 
 CONTROL_KINDS = ("fail_inflight", "end_all", "reset", "idle_report", "stop")
@@ -85,7 +86,8 @@ class GroupStats(PickledAsFields):
         num_running, num_waiting: requests holding KV / queued. kv_usage: fraction of KV slots in use, 0..1.
         hit_tokens: prompt tokens served from the radix cache so far. failed_requests: requests ended with a
         ``"failed"`` error so far. num_idle_steps: steps the group ran IDLE. num_retractions: requests pushed back
-        by KV exhaustion so far. has_work: a request is unfinished or a step is in flight.
+        by KV exhaustion so far. has_work: a request is unfinished or a step is in flight. spec: speculative
+        decoding's counters (``raymoe.scheduler.spec_steps``), None when it is off.
     """
 
     num_running: int = 0
@@ -96,6 +98,7 @@ class GroupStats(PickledAsFields):
     num_idle_steps: int = 0
     num_retractions: int = 0
     has_work: bool = False
+    spec: SpecCounters | None = None
 
 
 @dataclass(frozen=True)

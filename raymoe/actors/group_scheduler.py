@@ -54,7 +54,7 @@ class GroupScheduler:
                  detokenize: Callable[[Sequence[int]], str] | None, vocab_size: int | None):
         self.index = index
         self.scheduler = Scheduler(config.scheduler, config.cache, eos_token_ids=eos_token_ids,
-                                   detokenize=detokenize, vocab_size=vocab_size)
+                                   detokenize=detokenize, vocab_size=vocab_size, speculative=config.speculative)
         self.tbo_threshold = config.overlap.tbo_token_distribution_threshold
         self.reqs: dict[str, Req] = {}
         self.num_idle_steps = 0
@@ -144,7 +144,7 @@ class GroupScheduler:
         return GroupStats(num_running=s.num_running, num_waiting=s.num_waiting, kv_usage=s.kv_usage(),
                           hit_tokens=s.hit_tokens, failed_requests=self.failed_requests,
                           num_idle_steps=self.num_idle_steps, num_retractions=s.num_retractions,
-                          has_work=self.has_work())
+                          has_work=self.has_work(), spec=s.spec.counters() if s.spec is not None else None)
 
     def _forget(self, reqs: list[Req]) -> None:
         for req in reqs:

@@ -16,6 +16,7 @@ from raymoe.actors.step_timing import StepTimes
 from raymoe.eplb.report import ExpertLoadReport
 from raymoe.errors import EngineUnhealthyError, InvalidRequestError, RaymoeError, RequestFailedError
 from raymoe.scheduler.sampling_params import SamplingParams
+from raymoe.scheduler.spec_steps import SpecCounters
 from raymoe.step.step_output import TokenLogprobs
 
 
@@ -123,6 +124,8 @@ class EngineStats:
             driver always fills it, with zero counts before the first step; None only in stats built elsewhere).
         expert_load: the expert-load window and balance (``raymoe.eplb``), when the ranks record expert load.
         routing: how new requests were routed to DP groups (``raymoe.actors.dp_router``), or None.
+        spec: speculative decoding's counters summed over the groups (``raymoe.scheduler.spec_steps``), or None
+            when it is off.
     """
 
     num_running: int
@@ -145,3 +148,4 @@ class EngineStats:
     step_times: StepTimes | None = None
     expert_load: ExpertLoadReport | None = None
     routing: RouteCounters | None = None
+    spec: SpecCounters | None = None

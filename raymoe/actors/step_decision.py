@@ -15,6 +15,7 @@ from raymoe.comm.a2a_plan import dispatch_capacity_for
 from raymoe.config import OverlapConfig
 from raymoe.overlap.decision import decide_tbo
 from raymoe.runner.graph_buckets import plan_graph_bs
+from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.step_plan import GroupPlan, StepDecision
 
 
@@ -37,7 +38,12 @@ class StepRules:
 def decide_step(plans: Sequence[GroupPlan], rules: StepRules) -> StepDecision:
     """The decisions every rank of the step shares (module docstring)."""
     graph_bs = plan_graph_bs(plans, rules.graph_capture_sizes)
-    return StepDecision(global_num_tokens=tuple(p.num_tokens for p in plans), use_tbo=decide_tbo(plans, rules.overlap),
-                        graph_bs=graph_bs,
-                        dispatch_capacity=dispatch_capacity_for(plans, graph_bs, rules.a2a_mode,
-                                                                rules.max_dispatch_tokens_per_rank))
+    use_tbo = decide_tbo(plans, rules.overlap)
+    capacity = dispatch_capacity_for(plans, graph_bs, rules.a2a_mode, rules.max_dispatch_tokens_per_rank)
+    if use_tbo and any(p.forward_mode == ForwardMode.TARGET_VERIFY for p in plans):
+        # Each rank derives its TBO children's capacity from its own mode (``child_dispatch_capacity``: half of M
+        # for DECODE and IDLE rows split in halves); a verify child's token share is not bounded by half, so a
+        # TBO verify step uses the normal dispatch, which every rank then agrees on.
+        capacity = None
+    return StepDecision(global_num_tokens=tuple(p.num_tokens for p in plans), use_tbo=use_tbo, graph_bs=graph_bs,
+                        dispatch_capacity=capacity)

@@ -17,7 +17,8 @@ waiting for the driver (read from these histograms: period / forward 5.52 / 5.21
 runs).
 
 ``mode`` is ``"decode"`` when every DP group decoded (or idled), ``"mixed"`` when some group ran a MIXED batch
-(prompt chunks beside decodes), else ``"extend"`` (prefill only). Owned by the ``Driver``; read through
+(prompt chunks beside decodes), ``"verify"`` when the groups verified speculative drafts (TARGET_VERIFY beside
+decodes or IDLE groups), else ``"extend"`` (prefill only). Owned by the ``Driver``; read through
 ``EngineStats.step_times``.
 """
 
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 from raymoe.step.forward_mode import ForwardMode
 
-STEP_MODES = ("decode", "mixed", "extend")
+STEP_MODES = ("decode", "mixed", "extend", "verify")
 
 # Upper bounds of the histogram buckets, seconds (a last bucket, +Inf, holds the rest): a CPU decode step of the
 # tiny models takes 2-10 ms, a GPU one a few ms, a long prefill up to seconds.
@@ -48,6 +49,8 @@ def step_mode(modes: Sequence[ForwardMode]) -> str:
         raise ValueError("a step has at least one DP group")
     if all(m.is_decode_or_idle() for m in modes):
         return "decode"
+    if all(m.is_decode_or_idle() or m.is_target_verify() for m in modes):
+        return "verify"
     return "mixed" if any(m == ForwardMode.MIXED for m in modes) else "extend"
 
 

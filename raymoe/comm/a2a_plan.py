@@ -5,7 +5,9 @@ must use the same mode and the same M, or the collectives would not match. The d
 TBO decision and the graph bucket (``Driver.step``), and ships M as ``ModelWorkerBatch.dispatch_capacity``
 (None: normal mode):
 
-* the mode is ``resolve_a2a_mode(a2a_mode, decode step)``; a decode step has only DECODE and IDLE groups;
+* the mode is ``resolve_a2a_mode(a2a_mode, decode step)``; a decode step has only DECODE, IDLE and TARGET_VERIFY
+  groups (a verify step is a decode step with a few draft tokens per request: its per-rank token count is small
+  and bounded, so it takes the low-latency dispatch when that count fits, as SGLang does for its verify steps);
 * M is the step's graph bucket when it replays a graph (the graphs were captured with it), else the busiest DP
   group's token count;
 * an eager step whose M exceeds ``max_tokens_per_rank`` (DeepEP's buffer bound) runs in normal mode.
@@ -44,7 +46,7 @@ def plan_dispatch_capacity(batches: Sequence[ModelWorkerBatch], a2a_mode: str, m
 def dispatch_capacity_for(plans: Sequence, graph_bs: int | None, a2a_mode: str, max_tokens_per_rank: int) -> int | None:
     """:func:`plan_dispatch_capacity` from each group's ``forward_mode`` and ``num_tokens`` (``GroupPlan`` s or
     batches, at least one) and the step's ``graph_bs``."""
-    is_decode = all(b.forward_mode.is_decode_or_idle() for b in plans)
+    is_decode = all(b.forward_mode.is_decode_or_idle() or b.forward_mode.is_target_verify() for b in plans)
     if resolve_a2a_mode(a2a_mode, is_decode) != "low_latency":
         return None
     if graph_bs is not None:

@@ -15,6 +15,7 @@ from raymoe.config.graph import GraphConfig
 from raymoe.config.option import check_choice, option
 from raymoe.config.parallel import MoeCommConfig, OverlapConfig, ParallelConfig
 from raymoe.config.scheduling import CacheConfig, SchedulerConfig
+from raymoe.config.speculative import SpeculativeConfig
 from raymoe.config.startup import StartupConfig
 from raymoe.errors import InvalidRequestError
 
@@ -39,7 +40,7 @@ class EngineConfig:
 
     Attributes:
         model: path of a Hugging Face model folder.
-        cache, scheduler, parallel, overlap, graph, moe_comm, startup, eplb, faults: the option groups
+        cache, scheduler, parallel, overlap, graph, moe_comm, startup, eplb, faults, speculative: the option groups
             (``CacheConfig`` ...
     Raises:
         InvalidRequestError: a bad option (names it), including a GPU backend without CUDA or its package
@@ -105,6 +106,7 @@ class EngineConfig:
     startup: StartupConfig = field(default_factory=StartupConfig)
     eplb: EplbConfig = field(default_factory=EplbConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         check_engine_options({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
@@ -142,8 +144,10 @@ class EngineConfig:
     @property
     def max_dispatch_tokens_per_rank(self) -> int:
         """Per-rank token bound of eager low-latency steps, tokens (``moe_comm.num_max_dispatch_tokens_per_rank``
-        or ``max_running_requests``); decode-graph steps always fit (``raymoe.comm.a2a_plan``)."""
-        return self.moe_comm.num_max_dispatch_tokens_per_rank or self.scheduler.max_running_requests
+        or ``max_running_requests``, times ``speculative_num_steps + 1`` with speculation: a verify step carries that
+        many tokens per request); decode-graph steps always fit (``raymoe.comm.a2a_plan``)."""
+        per_request = self.speculative.speculative_num_steps + 1 if self.speculative.enabled else 1
+        return self.moe_comm.num_max_dispatch_tokens_per_rank or self.scheduler.max_running_requests * per_request
 
 
 def check_engine_options(values: Mapping[str, Any]) -> None:

@@ -9,6 +9,9 @@ summarizes its whole prefix (``raymoe.kvcache.state_pool``):
   prompt, and a retracted request re-prefills from its first token.
 * **No prefill/decode disaggregation** (the states would have to move with the KV): refused, naming the option.
 * **Tensor parallelism splits the linear-attention heads**: key and value head counts must divide by ``tp_size``.
+* **No speculative decoding**: a verify forward advances the recurrent state over every draft token, and a
+  rejected draft cannot be taken back out of it (SGLang keeps per-draft intermediate states for that; not built
+  here). ``speculative_algorithm`` is refused, naming it.
 """
 
 from __future__ import annotations
@@ -27,10 +30,15 @@ def apply_model_rules(config: EngineConfig, model: ModelConfig) -> EngineConfig:
     """``config`` with what ``model``'s family cannot use switched off (module docstring).
 
     Raises:
-        InvalidRequestError: ``tp_size`` does not divide the linear-attention heads, naming it.
+        InvalidRequestError: ``tp_size`` does not divide the linear-attention heads, or speculative decoding is
+            on, naming the option.
     """
     if model.hybrid is None:
         return config
+    if config.speculative.enabled:
+        raise InvalidRequestError("speculative_algorithm", f"{model.model_type} keeps recurrent states that a "
+                                                           "rejected draft cannot be taken out of: speculative "
+                                                           "decoding is not supported")
     tp, lin = config.parallel.tp_size, model.hybrid.linear
     if lin.num_key_heads % tp or lin.num_value_heads % tp:
         raise InvalidRequestError("tp_size", f"{model.model_type}'s linear-attention heads ({lin.num_key_heads} key, "

@@ -8,7 +8,8 @@ Two sources:
   per-rank step time, and histograms of the step period and the ranks' forward time by kind of step
   (``raymoe.actors.step_timing``); with expert load recorded (``enable_expert_distribution_metrics`` or
   ``enable_eplb``) the load window of every (MoE layer, logical expert), each layer's balance and the rebalance
-  counters (``raymoe.eplb.report.ExpertLoadReport``).
+  counters (``raymoe.eplb.report.ExpertLoadReport``); with speculative decoding the verify steps, draft and
+  accepted tokens, the acceptance rate and a histogram of accepted drafts per request and step.
 
 Each :class:`ServerMetrics` has its own registry, so several apps (tests, Serve replicas) never collide.
 """
@@ -24,6 +25,7 @@ from raymoe.actors.dp_router import RouteCounters
 from raymoe.actors.driver_service import EngineStats
 from raymoe.actors.step_timing import StepTimes
 from raymoe.eplb.report import ExpertLoadReport
+from raymoe.scheduler.spec_steps import SpecCounters
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
@@ -85,6 +87,35 @@ class _EngineStatsCollector:
         yield from self._step_histograms(s.step_times if s else None)
         yield from self._expert_load(s.expert_load if s else None)
         yield from self._routing(s.routing if s else None)
+        yield from self._speculative(s.spec if s else None)
+
+    def _speculative(self, c: SpecCounters | None):
+        """Speculative decoding (``speculative_algorithm``): declared always, with samples only when it is on."""
+        m = [self.model_name]
+        steps = CounterMetricFamily("raymoe:spec_verify_steps", "Speculative verify steps (TARGET_VERIFY) run by the "
+                                    "DP groups.", labels=["model_name"])
+        drafts = CounterMetricFamily("raymoe:spec_draft_tokens", "Draft tokens the target model verified.",
+                                     labels=["model_name"])
+        accepted = CounterMetricFamily("raymoe:spec_accepted_tokens", "Draft tokens the target model accepted.",
+                                       labels=["model_name"])
+        rate = GaugeMetricFamily("raymoe:spec_acceptance_rate", "Accepted / verified draft tokens so far, 0..1.",
+                                 labels=["model_name"])
+        length = HistogramMetricFamily(
+            "raymoe:spec_accept_length", "Draft tokens accepted per request and verify step (each step also adds "
+                                         "one token of the target's own).", labels=["model_name"])
+        if c is not None:
+            steps.add_metric(m, float(c.verify_steps))
+            drafts.add_metric(m, float(c.draft_tokens))
+            accepted.add_metric(m, float(c.accepted_tokens))
+            rate.add_metric(m, c.acceptance_rate)
+            running, buckets = 0, []
+            for j, n in enumerate(c.accept_len_counts):
+                running += n
+                buckets.append((str(float(j)) if j < len(c.accept_len_counts) - 1 else "+Inf", float(running)))
+            if not buckets or buckets[-1][0] != "+Inf":
+                buckets.append(("+Inf", float(running)))
+            length.add_metric(m, buckets, float(c.accepted_tokens))
+        yield from (steps, drafts, accepted, rate, length)
 
     def _routing(self, c: RouteCounters | None):
         """How new requests were routed to DP groups (``raymoe.actors.dp_router``)."""

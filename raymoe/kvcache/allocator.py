@@ -129,6 +129,10 @@ class TokenSlotAllocator(_IndexAllocator):
         """
         self._give(slots if isinstance(slots, list) else list(slots))
 
+    def free_tail(self, slots: Sequence[int]) -> None:
+        """Return a request's trailing ``slots`` (:meth:`free`; the paged allocator also rewinds their pages)."""
+        self.free(list(slots))
+
 
 class ReqSlotAllocator(_IndexAllocator):
     """Rows ``0 .. size - 1`` of the ReqToTokenPool table (one per running request).

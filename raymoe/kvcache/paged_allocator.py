@@ -153,6 +153,24 @@ class PagedTokenSlotAllocator:
         self._pages._give(emptied)
 
 
+    def free_tail(self, slots: Sequence[int]) -> None:
+        """Return a request's trailing ``slots`` (its last positions, in position order, e.g. the rejected draft
+        tokens of a speculative step) so that the request can grow into them again: each page's handed-out count
+        is rewound to the first of them (the tail of a request's last page is only ever that request's, module
+        docstring). Pages left without live slots go back to the free list.
+
+        Raises:
+            ValueError: as :meth:`free` (nothing is freed then).
+        """
+        slots = list(slots)
+        self.free(slots)
+        ps = self.page_size
+        for s in slots:
+            page = s // ps
+            if page in self._fill:
+                self._fill[page] = min(self._fill[page], s % ps)
+
+
 def make_token_allocator(max_total_tokens: int, page_size: int) -> TokenSlotAllocator | PagedTokenSlotAllocator:
     """The KV slot allocator of one DP group: token-granular for ``page_size == 1``, else
     ``max_total_tokens // page_size`` pages (see :func:`pool_slots` for the ranks' matching pool size)."""

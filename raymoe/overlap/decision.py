@@ -9,9 +9,10 @@ TBO runs when all of these hold:
 
 * ``OverlapConfig.enable_tbo``;
 * at least one group has tokens (an all-IDLE step runs plainly) and no group runs MIXED;
-* the non-IDLE groups share one mode, and an EXTEND step has no IDLE group: a rank picks its schedule from its
-  own mode (``raymoe.overlap.strategy.tbo_schedule_mode``: IDLE ranks follow the DECODE schedule), so DECODE
-  and EXTEND schedules, whose collective orders differ, never meet in one step;
+* the non-IDLE groups share one schedule, and an EXTEND step has no IDLE group: a rank picks its schedule from
+  its own mode (``raymoe.overlap.strategy.tbo_schedule_mode``: IDLE and TARGET_VERIFY ranks follow the DECODE
+  schedule, so DECODE and speculative verify groups may share a step), so DECODE and EXTEND schedules, whose
+  collective orders differ, never meet in one step;
 * the busiest group has at least ``tbo_min_tokens_decode`` / ``tbo_min_tokens_extend`` tokens;
 * every group with tokens can give both children tokens (same split code as the ranks, same threshold).
 """
@@ -27,13 +28,15 @@ from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.step_plan import GroupPlan
 from raymoe.step.worker_batch import ModelWorkerBatch
 
+_SPLITTABLE = (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
+
 
 def plan_of(batch: ModelWorkerBatch | None, tbo_threshold: float) -> GroupPlan:
     """A group's batch as the step's decisions need it (``None``: the group has no work), its TBO split checked
     with the engine's ``tbo_token_distribution_threshold``."""
     if batch is None or batch.forward_mode == ForwardMode.IDLE:
         return GroupPlan.idle()
-    splittable = batch.forward_mode in (ForwardMode.DECODE, ForwardMode.EXTEND) and split_is_usable(
+    splittable = batch.forward_mode in _SPLITTABLE and split_is_usable(
         compute_split(batch.forward_mode, batch.extend_lens, tbo_threshold), batch.num_tokens)
     return GroupPlan(batch.forward_mode, batch.num_tokens, batch.batch_size, splittable)
 
@@ -52,6 +55,8 @@ def decide_tbo(batches: Sequence[GroupPlan | ModelWorkerBatch], cfg: OverlapConf
     if not active:
         return False
     modes = {b.forward_mode for b in active}
+    if modes <= {ForwardMode.DECODE, ForwardMode.TARGET_VERIFY}:  # both follow the decode schedule
+        modes = {ForwardMode.DECODE}
     if len(modes) != 1:
         return False
     mode = modes.pop()

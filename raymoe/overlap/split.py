@@ -94,7 +94,8 @@ def split_extend(extend_lens: Sequence[int], threshold: float) -> TboSplit:
 
 
 def compute_split(forward_mode: ForwardMode, extend_lens: Sequence[int], threshold: float) -> TboSplit:
-    """Split of a batch with per-sequence token counts ``extend_lens`` (all 1 for DECODE, empty for IDLE).
+    """Split of a batch with per-sequence token counts ``extend_lens`` (all 1 for DECODE, empty for IDLE; a
+    TARGET_VERIFY batch is split between sequences, balanced by tokens).
 
     Raises:
         ValueError: MIXED mode (never split).
@@ -104,6 +105,9 @@ def compute_split(forward_mode: ForwardMode, extend_lens: Sequence[int], thresho
         return TboSplit(half, half)
     if forward_mode == ForwardMode.EXTEND:
         return split_extend(extend_lens, threshold)
+    if forward_mode == ForwardMode.TARGET_VERIFY:  # by whole sequences (a row's drafts stay together), balanced
+        index = balanced_split_index(extend_lens)
+        return TboSplit(index, sum(extend_lens[:index]))
     if forward_mode == ForwardMode.IDLE:
         return TboSplit(0, 0)
     raise ValueError(f"two-batch overlap cannot split a {forward_mode.name} batch")

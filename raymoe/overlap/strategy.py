@@ -80,15 +80,16 @@ def check_roles(operations: Sequence[Operation], layer_id: object = "?") -> None
 
 
 def tbo_schedule_mode(forward_mode: ForwardMode) -> ForwardMode:
-    """The schedule a TBO step uses on a rank with ``forward_mode``: EXTEND for EXTEND, DECODE for DECODE and
-    IDLE (IDLE ranks must follow the schedule of the others, and TBO steps with IDLE groups are DECODE steps).
+    """The schedule a TBO step uses on a rank with ``forward_mode``: EXTEND for EXTEND, DECODE for DECODE,
+    TARGET_VERIFY and IDLE (IDLE ranks must follow the schedule of the others, and TBO steps with IDLE groups are
+    DECODE or verify steps; a verify step is a decode step with a few tokens per request).
 
     Raises:
         ValueError: MIXED (TBO never runs MIXED batches).
     """
     if forward_mode == ForwardMode.EXTEND:
         return ForwardMode.EXTEND
-    if forward_mode in (ForwardMode.DECODE, ForwardMode.IDLE):
+    if forward_mode in (ForwardMode.DECODE, ForwardMode.IDLE, ForwardMode.TARGET_VERIFY):
         return ForwardMode.DECODE
     raise ValueError(f"two-batch overlap does not support {forward_mode.name} batches")
 

@@ -266,6 +266,14 @@ class Platform(ExpertCompute, LowLatencyOps, ABC):
         those above ``min_ps`` times the most probable one's probability (min-p, Nguyen et al. 2024). ``top_ks``
         int64, ``top_ps``, ``min_ps`` float32 [bs]."""
 
+    @abstractmethod
+    def sampling_probs(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
+                       top_ps: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+        """The distribution :meth:`sample_filtered` draws from, unnormalized: ``softmax(logits / t)`` with every
+        token outside a row's candidates set to 0 (rows with temperature 0 or top-k 1 get their rows computed at
+        temperature 1; callers treat them as greedy). ``logits`` [N, V] float32, the others [N] -> [N, V] float32.
+        Speculative decoding's rejection sampling compares draft tokens against it (``raymoe.runner.spec_verify``)."""
+
     # ---- attention ----
     @abstractmethod
     def attention_backend(self, name: str, **kwargs: Any) -> AttentionBackend:

@@ -33,7 +33,8 @@ from raymoe.runner.future_tokens import FutureTokenMap
 from raymoe.runner.grammar import RankGrammars
 from raymoe.runner.grammar_compiler import compiler_for_model
 from raymoe.runner.runner_config import DTYPES, RunnerConfig
-from raymoe.runner.sampler import Sampler
+from raymoe.runner.sampler import SampledTokens, Sampler
+from raymoe.runner.spec_verify import verify_drafts
 from raymoe.runner.step_result import PendingStep
 from raymoe.step.host_transfer import to_device
 from raymoe.step.sampling_table import SamplingTable
@@ -223,13 +224,19 @@ class ModelRunner:
         self.apply_expert_update(update)
         use_graph = self.graph_runner is not None and batch.graph_bs is not None and self.graph_runner.can_run(batch)
         fb = self.prepare(batch, for_graph=use_graph)
-        logits = self.graph_runner.replay(fb) if use_graph else self.forward(fb)
+        verify = batch.forward_mode.is_target_verify()
+        logits = self.graph_runner.replay(fb) if use_graph else self.forward(fb, return_all_logits=verify)
         load = None
         if update is not None and update.report_load and self.eplb is not None:
             snapshot = self.eplb.load_snapshot()
             load = self.ops.copy_to_host([snapshot]) if snapshot is not None else None
         if fb.batch_size == 0:
             return PendingStep(None, None, t0, load)
+        if verify:  # speculative decoding: accept drafts, one more token per row (no grammar or log-prob rows)
+            res = verify_drafts(self.ops, logits, fb.input_ids, fb.extend_lens_cpu, fb.sampling, self.sampler.generator)
+            self.future_tokens.store(res.next_ids)
+            return PendingStep(SampledTokens(res.next_ids, [None] * fb.batch_size),
+                               self.ops.copy_to_host([res.next_ids, res.accept_lens]), t0, load, verify=True)
         raw = None
         if batch.grammar_rows:  # constrained rows only (raymoe.runner.grammar); others pay nothing
             if any(n is not None for n in fb.sampling.logprobs):  # log-probs are the model's, unmasked

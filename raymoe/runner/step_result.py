@@ -31,11 +31,15 @@ class PendingStep:
         load: the expert-load counters' host copy ([L, E] int64), when the step's update asked for them.
         grammar: ``(done, dead)`` rows of the step's constrained requests (``raymoe.runner.grammar``), known at
             launch.
+        verify: a TARGET_VERIFY step: ``copy`` holds the ids and then the rows' accepted draft counts
+            (``raymoe.runner.spec_verify``).
     """
 
     def __init__(self, sampled: SampledTokens | None, copy: HostCopy | None, started: float,
-                 load: HostCopy | None = None, grammar: tuple[list[int], list[int]] | None = None):
+                 load: HostCopy | None = None, grammar: tuple[list[int], list[int]] | None = None,
+                 verify: bool = False):
         self.sampled = sampled
+        self.verify = verify
         self.copy = copy
         self.load = load
         self.started = started
@@ -57,8 +61,13 @@ class PendingStep:
         """
         if self._output is not None:
             return self._output
+        accept: tuple[int, ...] = ()
         if self.sampled is None:
             ids, logprobs = [], []
+        elif self.verify:
+            self.copy.wait()
+            ids, accept = self.copy.tensors[0].tolist(), tuple(self.copy.tensors[1].tolist())
+            logprobs = [None] * len(ids)
         else:
             self.copy.wait()
             ids, logprobs = self.sampled.answer(self.copy.tensors)
@@ -68,6 +77,6 @@ class PendingStep:
             self.load.wait()
             load = self.load.tensors[0].reshape(-1).tolist()
         done, dead = self.grammar or ((), ())
-        self._output = StepOutput(ids, logprobs, done_at - self.started, load, tuple(done), tuple(dead))
+        self._output = StepOutput(ids, logprobs, done_at - self.started, load, tuple(done), tuple(dead), accept)
         self.sampled = self.copy = self.load = None
         return self._output

@@ -22,6 +22,7 @@ from raymoe.scheduler.prefill_adder import AddResult, PrefillAdder, decode_reser
 from raymoe.scheduler.req import Req, RequestFaultError
 from raymoe.scheduler.retraction import make_room_for_decode
 from raymoe.scheduler.schedule_batch import ScheduleBatch
+from raymoe.scheduler.spec_steps import SpecSteps
 from raymoe.step.forward_mode import ForwardMode
 
 # Most batches in flight at once: step N running and step N+1 formed (overlap scheduling).
@@ -33,10 +34,13 @@ class BatchFormation:
 
     Args:
         state: the group's state.
+        spec: the group's speculative steps (``raymoe.scheduler.spec_steps``): a decode step becomes a
+            TARGET_VERIFY step where drafts exist; None: off.
     """
 
-    def __init__(self, state: GroupState):
+    def __init__(self, state: GroupState, spec: SpecSteps | None = None):
         self.state = state
+        self._spec = spec
         self._admissions = itertools.count()
         self._decode_rows = DecodeRows(state)
 
@@ -175,6 +179,10 @@ class BatchFormation:
         decoders = make_room_for_decode(s)
         if not decoders:
             return None
+        if self._spec is not None:
+            batch = self._spec.verify_batch(decoders, self._alloc_decode_slots)
+            if batch is not None:
+                return batch
         self._alloc_decode_slots(decoders)
         return self._build_decode(decoders)
 

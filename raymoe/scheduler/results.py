@@ -72,7 +72,7 @@ def apply_batch_result(state: GroupState, batch: ScheduleBatch, output: StepOutp
             continue
         if dead and i in dead:
             req.finish(FinishKind.ABORT, message="the output's grammar allows no further token")
-            _finished(state, req)
+            finish_in_group(state, req)
             out.append(req)
             continue
         try:
@@ -95,12 +95,12 @@ def apply_batch_result(state: GroupState, batch: ScheduleBatch, output: StepOutp
             out.append(req)
             continue
         if finished:
-            _finished(state, req)
+            finish_in_group(state, req)
         out.append(req)
     return out
 
 
-def _finished(state: GroupState, req: Req) -> None:
+def finish_in_group(state: GroupState, req: Req) -> None:
     """Take a request that just finished out of its group: its KV goes to the radix cache."""
     state.unfinished.pop(req.rid, None)
     if req in state.running:

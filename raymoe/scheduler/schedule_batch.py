@@ -32,23 +32,28 @@ class ScheduleBatch:
         partial: ``bs`` flags, true for a prefill chunk that does not reach the end of ``fill_ids`` (its sampled
             token is discarded).
         worker_batch: the step as plain data (token ids, lengths, rows, KV slots, the sampling rows of newly
-            admitted requests), EXTEND (prefill or a prefill chunk), DECODE, or MIXED (prefill chunks and decode
-            rows in one forward).
+            admitted requests), EXTEND (prefill or a prefill chunk), DECODE, MIXED (prefill chunks and decode
+            rows in one forward) or TARGET_VERIFY (each row's newest token and its draft tokens).
+        drafts: for TARGET_VERIFY, each row's draft tokens (``raymoe.scheduler.spec_steps``); else None.
     Raises:
-        ValueError: ``reqs``, ``partial`` and ``worker_batch`` disagree on ``bs``.
+        ValueError: ``reqs``, ``partial``, ``drafts`` and ``worker_batch`` disagree on ``bs``.
     """
 
     reqs: list[Req]
     partial: list[bool]
     worker_batch: ModelWorkerBatch
+    drafts: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if not len(self.reqs) == len(self.partial) == self.worker_batch.batch_size:
             raise ValueError(f"ScheduleBatch has {len(self.reqs)} requests, {len(self.partial)} partial flags and "
                              f"{self.worker_batch.batch_size} worker-batch rows")
+        if self.drafts is not None and len(self.drafts) != len(self.reqs):
+            raise ValueError(f"ScheduleBatch has {len(self.drafts)} drafts for {len(self.reqs)} requests")
 
     @classmethod
-    def build(cls, reqs: Sequence[Req], forward_mode: ForwardMode, extend_lens: Sequence[int]) -> ScheduleBatch:
+    def build(cls, reqs: Sequence[Req], forward_mode: ForwardMode, extend_lens: Sequence[int],
+              drafts: Sequence[Sequence[int]] | None = None) -> ScheduleBatch:
         """Snapshot a step from request state whose ``kv_slots`` already end with this step's slots.
 
         For request ``r`` with extend length ``e``, the step computes positions ``[r.kv_len - e, r.kv_len)`` of
@@ -57,10 +62,13 @@ class ScheduleBatch:
         ``[r.table_len, r.kv_len - e)`` that the ranks' table lacks. In a MIXED batch the decode rows
         (``e == 1``, prefix already on the ranks) follow the extend rows. A request's first row since its
         admission (``table_len == 0``) carries its ``SamplingRow`` (``ModelWorkerBatch.sampling_rows``); later ones
-        carry none (``raymoe.step.sampling_table``).
+        carry none (``raymoe.step.sampling_table``). A TARGET_VERIFY row (``drafts`` given, one per request) computes
+        its newest token and then its drafts: ``e = 1 + len(draft)``, with its ``kv_slots`` ending ``len(draft)``
+        positions past its tokens.
 
         Raises:
-            ValueError: ``forward_mode`` is IDLE, or the lengths do not match the requests.
+            ValueError: ``forward_mode`` is IDLE, or the lengths (or ``drafts``) do not match the requests, or
+                ``drafts`` is given exactly when the mode is not TARGET_VERIFY.
             RequestFaultError: one request's row cannot be built (a decode row has ``e != 1``, ``e < 1``, its KV
                 would run past its tokens, it holds no ReqToTokenPool row, or its sampling parameters cannot be
                 represented on the ranks); the caller fails that request and builds again without it.
@@ -69,6 +77,9 @@ class ScheduleBatch:
             raise ValueError("ScheduleBatch builds EXTEND, MIXED and DECODE batches, not IDLE")
         if len(reqs) != len(extend_lens):
             raise ValueError("one extend length per request is required")
+        if (drafts is not None) != (forward_mode == ForwardMode.TARGET_VERIFY) or (
+                drafts is not None and len(drafts) != len(reqs)):
+            raise ValueError("drafts (one per request) go with TARGET_VERIFY batches, and only with them")
         decode = forward_mode == ForwardMode.DECODE
         input_ids: list[int] = []
         out_cache_loc: list[int] = []
@@ -79,10 +90,11 @@ class ScheduleBatch:
         grammar_rows: list[GrammarRow] = []
         sampling_rows: list[tuple[int, SamplingRow]] = []
         for i, (req, e) in enumerate(zip(reqs, extend_lens, strict=True)):
-            end = req.kv_len
-            start = end - e
+            draft = drafts[i] if drafts is not None else ()
+            end = req.kv_len - len(draft)  # the row's last position that holds a token of the request, + 1
+            start = end - e + len(draft)
             total = req.sched_seq_len
-            if e < 1 or start < 0 or end > total or (decode and e != 1):
+            if e < 1 or start < 0 or end > total or (decode and e != 1) or (drafts is not None and end != total):
                 raise RequestFaultError(req, RequestFault(
                     "failed", f"bad extend length {e} for kv_len {end}, seq_len {total}"))
             if req.req_pool_idx is None:
@@ -90,13 +102,14 @@ class ScheduleBatch:
             if req.table_len == 0:  # first step since (re-)admission: the ranks keep its numbers from here on
                 sampling_rows.append((i, _checked_sampling_row(req)))
             input_ids += req.tokens(start, end)
-            out_cache_loc += req.kv_slots[start:end]
+            input_ids += draft
+            out_cache_loc += req.kv_slots[start:end + len(draft)]
             if not decode:
                 held = min(req.table_len, start)
                 prefix_slots += req.kv_slots[held:start]
                 table_lens.append(held)
             prefix_lens.append(start)
-            partial.append(end < total)
+            partial.append(end < total)  # never for a verify row (its tokens end at its newest)
             spec = req.sampling_params.grammar
             if spec is not None and end == total:  # a row that samples: the rank masks it
                 if req.grammar_synced:
@@ -117,7 +130,8 @@ class ScheduleBatch:
             grammar_rows=tuple(grammar_rows),
             sampling_rows=tuple(sampling_rows),
         )
-        return cls(reqs=list(reqs), partial=partial, worker_batch=worker_batch)
+        return cls(reqs=list(reqs), partial=partial, worker_batch=worker_batch,
+                   drafts=None if drafts is None else tuple(tuple(d) for d in drafts))
 
     def mark_scheduled(self) -> None:
         """Record on the requests that this batch is on its way to the ranks: their table rows will hold every

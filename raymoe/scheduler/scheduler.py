@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from raymoe.config import CacheConfig, SchedulerConfig
+from raymoe.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from raymoe.scheduler import accounting
 from raymoe.scheduler.accounting import IdleReport
 from raymoe.scheduler.batch_formation import MAX_INFLIGHT, BatchFormation
@@ -34,6 +34,7 @@ from raymoe.scheduler.req import Req, RequestFault
 from raymoe.scheduler.request_rules import RequestLimits
 from raymoe.scheduler.results import StopRules, apply_batch_result
 from raymoe.scheduler.schedule_batch import ScheduleBatch
+from raymoe.scheduler.spec_steps import SpecSteps, apply_verify_result
 from raymoe.step.step_output import StepOutput
 
 __all__ = ["IdleReport", "Scheduler"]
@@ -58,6 +59,8 @@ class Scheduler:
             new requests (lower admits more and risks retraction); decays per decode step.
         min_new_token_ratio: floor of that fraction.
         new_token_ratio_decay: amount subtracted per decode step. After a retraction the ratio jumps to 1.0.
+        speculative: speculative decoding options; with an algorithm set, decode steps become TARGET_VERIFY steps
+            where drafts exist (``raymoe.scheduler.spec_steps``; the driver then runs one step at a time).
 
     Raises:
         ValueError: the ratios are not ``0 <= min <= init <= 1``.
@@ -67,6 +70,7 @@ class Scheduler:
             ``num_retractions``, ``hit_tokens`` and ``num_running`` read it (read-only).
         token_allocator, req_allocator, tree_cache: the group's KV slot allocator, row allocator and radix cache.
         stop_rules: EOS ids and detokenizer (also as ``eos_token_ids`` and ``detokenize``).
+        spec: the group's :class:`~raymoe.scheduler.spec_steps.SpecSteps` (its counters feed the metrics), or None.
     """
 
     MAX_INFLIGHT = MAX_INFLIGHT  # step N running and step N+1 formed (``raymoe.scheduler.batch_formation``)
@@ -74,7 +78,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, *, eos_token_ids: Sequence[int],
                  detokenize: Callable[[Sequence[int]], str] | None = None, vocab_size: int | None = None,
                  init_new_token_ratio: float = 0.7, min_new_token_ratio: float = 0.1,
-                 new_token_ratio_decay: float = 0.002):
+                 new_token_ratio_decay: float = 0.002, speculative: SpeculativeConfig | None = None):
         ratio = TokenRatioPolicy(init_new_token_ratio, min_new_token_ratio, new_token_ratio_decay)
         self.config = config
         self.cache_config = cache_config
@@ -86,7 +90,8 @@ class Scheduler:
         self.tree_cache = self.state.tree_cache
         limits = RequestLimits(cache_config.max_context_len, vocab_size, self.token_allocator.size)
         self._intake = RequestIntake(self.state, limits, has_detokenizer=detokenize is not None)
-        self._formation = BatchFormation(self.state)
+        self.spec = SpecSteps(self.state, speculative) if speculative is not None and speculative.enabled else None
+        self._formation = BatchFormation(self.state, self.spec)
 
     # ---------------------------------------------------------------------------------------------- requests
     def add_request(self, req: Req) -> None:
@@ -157,6 +162,8 @@ class Scheduler:
             ValueError: ``batch`` is not the oldest batch in flight, or ``output`` has the wrong number of rows
                 (nothing is changed then).
         """
+        if batch.drafts is not None:
+            return apply_verify_result(self.state, batch, output, self.stop_rules, self.spec)
         return apply_batch_result(self.state, batch, output, self.stop_rules)
 
     # ------------------------------------------------------------------------------------------ observability

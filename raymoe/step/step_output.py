@@ -34,8 +34,11 @@ class StepOutput:
             ends with ``stop`` after it.
         grammar_dead: rows whose grammar allowed no token: the token is discarded and the request ends
             (``abort``).
+        accept_lens: for a TARGET_VERIFY step, ``bs`` counts of draft tokens each row accepted (its request gains
+            those drafts, then ``next_token_ids[i]``); empty for every other step.
     Raises:
-        ValueError: ``logprobs`` is neither empty nor one entry per token.
+        ValueError: ``logprobs`` is neither empty nor one entry per token, or ``accept_lens`` is neither empty nor
+            one count per row.
     """
 
     next_token_ids: list[int]
@@ -44,8 +47,12 @@ class StepOutput:
     expert_load: list[int] | None = None
     grammar_done: tuple[int, ...] = ()
     grammar_dead: tuple[int, ...] = ()
+    accept_lens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if len(self.accept_lens) not in (0, len(self.next_token_ids)):
+            raise ValueError(f"StepOutput.accept_lens has {len(self.accept_lens)} entries for "
+                             f"{len(self.next_token_ids)} rows (expected none or one per row)")
         if len(self.logprobs) not in (0, len(self.next_token_ids)):
             raise ValueError(f"StepOutput.logprobs has {len(self.logprobs)} entries for "
                              f"{len(self.next_token_ids)} tokens (expected none or one per token)")

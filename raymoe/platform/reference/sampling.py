@@ -54,6 +54,11 @@ class SamplingOps:
     def sample_filtered(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
                         top_ps: torch.Tensor, min_ps: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
         greedy_rows = (temperatures == 0.0) | (top_ks == 1)
-        temps = torch.where(greedy_rows, torch.ones_like(temperatures), temperatures)
-        probs = filter_candidates(torch.softmax(logits / temps[:, None], dim=-1), top_ks, top_ps, min_ps)
+        probs = self.sampling_probs(logits, temperatures, top_ks, top_ps, min_ps)
         return torch.where(greedy_rows, self.greedy_argmax(logits), inverse_cdf(probs, uniforms))
+
+    def sampling_probs(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
+                       top_ps: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+        greedy_rows = (temperatures == 0.0) | (top_ks == 1)
+        temps = torch.where(greedy_rows, torch.ones_like(temperatures), temperatures)
+        return filter_candidates(torch.softmax(logits / temps[:, None], dim=-1), top_ks, top_ps, min_ps)

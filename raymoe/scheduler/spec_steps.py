@@ -1,0 +1,221 @@
+"""Speculative decoding steps of one DP group: draft, form the TARGET_VERIFY batch, apply what the ranks accepted.
+
+Ownership: part of the group's ``Scheduler`` when ``speculative_algorithm`` is set; works on its
+:class:`~raymoe.scheduler.group_state.GroupState`. Where the group would run a DECODE step, :meth:`SpecSteps.
+verify_batch` asks each decoding request for a draft (``raymoe.scheduler.ngram``) and, when any has one, forms a
+``ForwardMode.TARGET_VERIFY`` batch instead: every request's newest token and its draft, with KV slots for all of
+them. The ranks accept the longest agreeing prefix of each draft and add one token of their own
+(``raymoe.runner.spec_verify``); :func:`apply_verify_row` appends those tokens one by one (so a stop token, a stop
+string or a length limit inside them ends the request exactly where plain decoding would), then gives back the
+slots of the rejected drafts (``free_tail``), so the request's KV again ends one position before its newest token.
+
+Rules that keep it exact and simple:
+
+* Steps run one at a time (the driver turns overlap scheduling off with speculation): a request's next positions
+  depend on how many drafts were accepted, so no step can be formed before the previous one's result.
+* A step with a grammar-constrained request or one that asks for log-probs runs as plain DECODE (the ranks mask and
+  report one position per row); so does a step where no request found a draft.
+* Drafts never run past a request's length limit: a draft is at most ``output_cap - generated - 1`` tokens.
+* KV: the decode slot of every request comes first (``make_room_for_decode`` made room for it); draft slots are
+  taken from what is left and a draft is cut to the slots it got, so speculation never retracts a request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from raymoe.config.speculative import SpeculativeConfig
+from raymoe.scheduler.group_state import GroupState
+from raymoe.scheduler.ngram import SEARCH_WINDOW, propose_ngram
+from raymoe.scheduler.req import Req, RequestFault
+from raymoe.scheduler.results import StopRules, finish_in_group
+from raymoe.scheduler.schedule_batch import ScheduleBatch
+from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.step_output import StepOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SpecCounters:
+    """Speculative decoding's counters of one group, or summed over groups (``/metrics``).
+
+    Attributes:
+        verify_steps: TARGET_VERIFY steps. draft_tokens: draft tokens verified. accepted_tokens: drafts accepted.
+        accept_len_counts: verify rows (request-steps) that accepted ``j`` drafts, at index ``j``.
+    """
+
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accept_len_counts: tuple[int, ...] = ()
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / verified draft tokens (0.0 before any draft)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accept_len(self) -> float:
+        """Tokens a verify row gave its request on average: accepted drafts + the target's own token."""
+        rows = sum(self.accept_len_counts)
+        return 1.0 + self.accepted_tokens / rows if rows else 0.0
+
+    @staticmethod
+    def total(parts: Iterable[SpecCounters | None]) -> SpecCounters | None:
+        """The sum of ``parts`` (None where every part is None)."""
+        parts = [p for p in parts if p is not None]
+        if not parts:
+            return None
+        width = max(len(p.accept_len_counts) for p in parts)
+        counts = [sum(p.accept_len_counts[j] for p in parts if j < len(p.accept_len_counts)) for j in range(width)]
+        return SpecCounters(sum(p.verify_steps for p in parts), sum(p.draft_tokens for p in parts),
+                            sum(p.accepted_tokens for p in parts), tuple(counts))
+
+
+class SpecSteps:
+    """Drafts and verify batches of one group (module docstring).
+
+    Args:
+        state: the group's state. config: the engine's speculative options (``enabled``).
+
+    Attributes:
+        num_verify_steps: TARGET_VERIFY steps formed. num_draft_tokens: draft tokens sent in them.
+        num_accepted_tokens: draft tokens the ranks accepted. accept_len_counts: how many verify rows accepted
+            ``j`` drafts, at index ``j`` (``speculative_num_steps + 1`` entries).
+    """
+
+    def __init__(self, state: GroupState, config: SpeculativeConfig):
+        if not config.enabled:
+            raise ValueError("SpecSteps needs speculative_algorithm")
+        self.state = state
+        self.config = config
+        self.num_verify_steps = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accept_len_counts = [0] * (config.speculative_num_steps + 1)
+
+    def draft_for(self, req: Req) -> list[int]:
+        """``req``'s draft for its next step (no placeholders may be pending), cut to its length limit."""
+        lim = req.limits
+        cap = self.config.speculative_num_steps
+        if lim is not None:
+            cap = min(cap, lim.output_cap - len(req.output_ids) - 1)
+        c = self.config
+        out = req.output_ids
+        tail = out[-SEARCH_WINDOW:] if len(out) >= SEARCH_WINDOW else \
+            req.origin_input_ids[len(out) - SEARCH_WINDOW:] + out
+        return propose_ngram(tail, cap, c.speculative_ngram_min_match_window_size,
+                             c.speculative_ngram_max_match_window_size)
+
+    def verify_batch(self, decoders: list[Req], alloc_decode_slots) -> ScheduleBatch | None:
+        """A TARGET_VERIFY batch of ``decoders`` (room made for one decode slot each, none allocated yet), or None
+        (nothing allocated) when the step should be a plain DECODE step (module docstring).
+
+        Args:
+            alloc_decode_slots: appends one decode slot to each of a list of requests (``BatchFormation``).
+        """
+        for r in decoders:
+            p = r.sampling_params
+            if r.pending_ids or p.grammar is not None or p.logprobs is not None:
+                return None
+        drafts = [self.draft_for(r) for r in decoders]
+        if not any(drafts):
+            return None
+        alloc_decode_slots(decoders)
+        alloc = self.state.token_allocator
+        for req, draft in zip(decoders, drafts, strict=True):
+            if not draft:
+                continue
+            got = alloc.alloc(len(draft), req.kv_slots[-1])
+            if got is None:  # pages: what the request's last page still holds, free of charge
+                room = alloc.room_after(req.kv_slots[-1])
+                del draft[room:]
+                got = alloc.alloc(len(draft), req.kv_slots[-1]) if draft else []
+            req.kv_slots.extend(got)
+        batch = ScheduleBatch.build(decoders, ForwardMode.TARGET_VERIFY, [1 + len(d) for d in drafts], drafts)
+        self.num_verify_steps += 1
+        self.num_draft_tokens += sum(map(len, drafts))
+        return batch
+
+    def counters(self) -> SpecCounters:
+        """A snapshot of the counters."""
+        return SpecCounters(self.num_verify_steps, self.num_draft_tokens, self.num_accepted_tokens,
+                            tuple(self.accept_len_counts))
+
+    def record(self, accepted: int) -> None:
+        """Count one verify row's outcome: ``accepted`` drafts (metrics)."""
+        self.num_accepted_tokens += accepted
+        self.accept_len_counts[min(accepted, len(self.accept_len_counts) - 1)] += 1
+
+
+def verify_tokens(draft: Sequence[int], accepted: int, token: int) -> list[int]:
+    """The tokens a verify row gives its request: the first ``accepted`` drafts, then the ranks' own ``token``.
+
+    Raises:
+        ValueError: ``accepted`` is outside ``[0, len(draft)]``.
+    """
+    if not 0 <= accepted <= len(draft):
+        raise ValueError(f"a verify row accepted {accepted} of {len(draft)} draft tokens")
+    return [*draft[:accepted], int(token)]
+
+
+def trim_to_tokens(state: GroupState, req: Req) -> None:
+    """Give back ``req``'s KV slots past the position before its newest token (the rejected drafts' and those of
+    drafts after a token that ended it), so its KV matches its tokens again."""
+    keep = len(req.origin_input_ids) + len(req.output_ids) - 1
+    if len(req.kv_slots) > keep:
+        state.token_allocator.free_tail(req.kv_slots[keep:])
+        del req.kv_slots[keep:]
+        req.table_len = min(req.table_len, keep)
+
+
+def apply_verify_result(state: GroupState, batch: ScheduleBatch, output: StepOutput, stop: StopRules,
+                        spec: SpecSteps) -> list[Req]:
+    """Apply a TARGET_VERIFY step's result (``batch``, the oldest in flight): each row's accepted drafts and own
+    token, appended one at a time with the stop checks of plain decoding after each, then its rejected slots given
+    back (module docstring). A request whose checks raise fails alone, as in ``apply_batch_result``.
+
+    Returns:
+        the requests that got tokens (finished or not), in batch order.
+    Raises:
+        ValueError: ``batch`` is not the oldest batch in flight, or ``output`` lacks a token or an accepted count
+            per row (nothing is changed then).
+    """
+    if not state.inflight or batch is not state.inflight[0]:
+        raise ValueError("process_batch_result: this batch is not the oldest one in flight")
+    bs = batch.batch_size
+    if len(output.next_token_ids) != bs or len(output.accept_lens) != bs or batch.drafts is None:
+        raise ValueError(f"a verify step's output needs {bs} tokens and accepted counts, got "
+                         f"{len(output.next_token_ids)} and {len(output.accept_lens)}")
+    state.inflight.popleft()
+    ctx, pool = state.cache_config.max_context_len, state.token_allocator.size
+    out: list[Req] = []
+    rows = zip(batch.reqs, batch.drafts, output.accept_lens, output.next_token_ids, strict=True)
+    for req, draft, accepted, token in rows:
+        if req.finished_reason is not None:
+            continue
+        try:
+            tokens = verify_tokens(draft, accepted, token)
+            spec.record(accepted)
+            req.pending_ids.clear()
+            finished = False
+            for t in tokens:
+                req.append_token(t)
+                finished = req.check_finished(stop.eos_token_ids, stop.detokenize, ctx, kv_pool_size=pool)
+                if finished:
+                    break
+            if req.req_pool_idx is not None:
+                trim_to_tokens(state, req)
+        except Exception as e:  # noqa: BLE001 - this request's own check failed: fail it, keep the others
+            log.exception("post-processing request %s failed", req.rid)
+            state.fail(req, RequestFault("failed", f"applying the request's verified tokens failed "
+                                                   f"({type(e).__name__})"), report=False)
+            out.append(req)
+            continue
+        if finished:
+            finish_in_group(state, req)
+        out.append(req)
+    return out

@@ -1,0 +1,131 @@
+"""Speculative decoding (``speculative_algorithm="ngram"``) in the engine: greedy tokens equal those with it off
+(and transformers'), on one rank and at dp=2 ep=2 with two-batch overlap, decode graphs and the low-latency
+all-to-all (verify steps take it where they fit), for Qwen3-MoE and DeepSeek-V3 (MLA); drafts are accepted, and
+nothing leaks."""
+
+from __future__ import annotations
+
+import pytest
+from hf_models import greedy_reference
+
+from raymoe import Engine, SamplingParams
+from raymoe.models.checkpoint import make_checkpoint
+from raymoe.scheduler.spec_steps import SpecCounters
+
+DIMS = {"num_layers": 3, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+        "moe_intermediate_size": 32, "intermediate_size": 96, "vocab_size": 512}
+# prompts that repeat themselves, so n-gram drafts exist from the first decode step on
+PROMPTS = ["for i in range(10):\n    print(i)\n" * 3, "import os\nimport sys\n" * 4, "a = 1\nb = 2\na = 1\nb =",
+           "def f(x):\n    return x\n\ndef g(x):\n    return x\n\ndef h(x):\n", "x", "The end. The end. The"]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+OPTS = {"max_running_requests": 4, "chunked_prefill_size": 16, "max_context_len": 160, "cuda_graph_max_bs": 4}
+SPEC = {"speculative_algorithm": "ngram", "speculative_num_steps": 3}
+TBO = {"enable_tbo": True, "tbo_min_tokens_decode": 2, "tbo_min_tokens_extend": 4}
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+def model_and_reference(request, tmp_path_factory):
+    path = str(make_checkpoint(request.param, tmp_path_factory.mktemp("spec") / request.param, seed=3, **DIMS))
+    with Engine(path, **OPTS) as e:
+        ref = [o.token_ids for o in e.generate(PROMPTS, GREEDY)]
+    return path, ref
+
+
+def spec_counters(engine: Engine) -> SpecCounters:
+    return SpecCounters.total(s.spec for s in engine.driver.group_stats())
+
+
+def test_one_rank_gives_the_tokens_of_plain_decoding_and_transformers(model_and_reference):
+    path, ref = model_and_reference
+    with Engine(path, **OPTS, **SPEC) as e:
+        assert not e.driver.overlap_schedule  # speculative steps run one at a time
+        outs = e.generate(PROMPTS, GREEDY)
+        counters = spec_counters(e)
+        report = e.driver.idle_report()
+    assert [o.token_ids for o in outs] == ref
+    assert counters.verify_steps > 0 and counters.accepted_tokens > 0, counters
+    assert report.clean
+    if "qwen3" in path:
+        assert ref[:2] == greedy_reference(path, PROMPTS[:2], GREEDY.max_tokens)
+
+
+def test_dp2_ep2_with_tbo_graphs_and_low_latency_dispatch(ray_cluster, model_and_reference):
+    path, ref = model_and_reference
+    with Engine(path, dp_size=2, ep_size=2, **OPTS, **TBO, **SPEC) as e:
+        decide, verify_capacities = e.driver._decide, []
+
+        def watched(plans):  # TBO and dispatch capacity of every step in which a group verified drafts
+            decision, mode = decide(plans)
+            if mode == "verify":
+                verify_capacities.append((decision.use_tbo, decision.dispatch_capacity))
+            return decision, mode
+
+        e.driver._decide = watched
+        outs = e.generate(PROMPTS, GREEDY)
+        counters = spec_counters(e)
+        graph_steps, ll_steps = e.driver.num_graph_steps, e.driver.num_low_latency_steps
+        report = e.driver.idle_report()
+    assert [o.token_ids for o in outs] == ref
+    assert counters.verify_steps > 0 and counters.accepted_tokens > 0, counters
+    assert ll_steps > 0 and graph_steps > 0
+    # verify steps split by sequence under TBO (normal dispatch then), low-latency dispatch otherwise
+    assert any(tbo for tbo, _ in verify_capacities), verify_capacities
+    assert all((c is None) == tbo for tbo, c in verify_capacities), verify_capacities
+    assert report.clean
+
+
+def test_seeded_sampling_continues_from_seed_and_position(tiny_model):
+    """A seeded sampled request gives the same tokens alone and beside others with speculation on."""
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_k=20, seed=7)
+    with Engine(tiny_model, **SPEC) as e:
+        alone = e.generate([PROMPTS[0]], params)[0].token_ids
+        together = e.generate(PROMPTS[:3], [params, GREEDY, SamplingParams(max_tokens=9, temperature=1.0)])
+    assert together[0].token_ids == alone and len(alone) == 20
+
+
+def test_recurrent_models_refuse_speculation(tmp_path):
+    from raymoe.errors import InvalidRequestError
+
+    path = str(make_checkpoint("qwen3_5_moe", tmp_path / "q35", seed=1, num_layers=4, hidden_size=64, num_heads=4,
+                               num_kv_heads=2, head_dim=16, moe_intermediate_size=32, vocab_size=512))
+    with pytest.raises(InvalidRequestError) as err:
+        Engine(path, **SPEC)
+    assert err.value.field == "speculative_algorithm"
+
+
+def test_served_streams_with_speculation_and_exports_its_metrics(ray_cluster, model_and_reference):
+    """``raymoe serve``'s engine (dp=2 ep=2, the driver actor) with ``--speculative-algorithm ngram`` streams the
+    tokens of plain decoding (several per delta where drafts were accepted), and ``/metrics`` carries the
+    acceptance counters and histogram."""
+    import asyncio
+
+    import ray
+
+    from raymoe.client.engine_client import EngineClient
+    from raymoe.deploy.metrics import ServerMetrics
+    from raymoe.deploy.server_config import ServeOptions
+
+    path, ref = model_and_reference
+    opts = ServeOptions(model=path, max_running_requests=4, max_context_len=160, speculative_algorithm="ngram",
+                        speculative_num_steps=3)
+    client = EngineClient(opts.engine_config(path))
+    try:
+        async def run(i, prompt):
+            out, widest = [], 0
+            async for d in client.generate(f"r{i}", client.tokenizer.encode(prompt), GREEDY):
+                out += d.token_ids
+                widest = max(widest, len(d.token_ids))
+            return out, widest
+
+        async def main():
+            return await asyncio.gather(*(run(i, p) for i, p in enumerate(PROMPTS)))
+
+        results = asyncio.run(main())
+        assert [r[0] for r in results] == ref
+        assert max(r[1] for r in results) > 1  # accepted drafts arrive together
+        stats = ray.get(client.driver.stats.remote(), timeout=30)
+        assert stats.spec is not None and stats.spec.accepted_tokens > 0
+        text = ServerMetrics("m").render(stats).decode()
+        assert "raymoe:spec_accepted_tokens" in text and "raymoe:spec_accept_length_bucket" in text
+    finally:
+        client.shutdown()

@@ -1,0 +1,94 @@
+"""Speculative decoding in the group scheduler (``raymoe.scheduler.spec_steps``), against the fake rank of
+``test_scheduler``: TARGET_VERIFY steps give every request the tokens of plain greedy decoding, stop tokens, stop
+strings and length limits inside accepted drafts end a request where plain decoding would, rejected drafts' KV
+slots go back (token and paged pools), and nothing leaks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_scheduler import VOCAB, FakeRank, drive, make, reference, stagger
+
+from raymoe.config import SpeculativeConfig
+from raymoe.scheduler.ngram import propose_ngram
+from raymoe.scheduler.req import Req
+from raymoe.scheduler.sampling_params import SamplingParams
+from raymoe.scheduler.spec_steps import SpecCounters
+from raymoe.step.forward_mode import ForwardMode
+
+NGRAM = SpeculativeConfig(speculative_algorithm="ngram", speculative_num_steps=4)
+
+
+def cycling(seq: list[int]) -> int:
+    """A fake model whose text repeats (n-gram drafts are often right): the next token depends on the last two."""
+    return (seq[-1] * 5 + (seq[-2] if len(seq) > 1 else 0) * 3 + 1) % 11
+
+
+def noisy(seq: list[int]) -> int:
+    """Mostly ``cycling``, with a deviation now and then (drafts partly rejected)."""
+    return (cycling(seq) + (len(seq) % 7 == 0)) % VOCAB
+
+
+def specs(n: int, seed: int, max_tokens=(1, 40)):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(11) for _ in range(rng.randrange(2, 20))]
+        params = SamplingParams(max_tokens=rng.randint(*max_tokens), temperature=0.0,
+                                stop_token_ids=(rng.randrange(11),) if i % 3 == 0 else (),
+                                stop=("jk",) if i % 5 == 1 else ())
+        out.append((f"r{i}", prompt, params))
+    return out
+
+
+@pytest.mark.parametrize("model", [cycling, noisy])
+@pytest.mark.parametrize("page_size", [None, 4])
+@pytest.mark.parametrize("pool", [4096, 160])
+def test_verify_steps_give_the_tokens_of_plain_decoding(model, page_size, pool):
+    workload = specs(16, seed=pool + (page_size or 0))
+    s = make(max_total_tokens=pool, page_size=page_size, speculative=NGRAM, max_running_requests=8)
+    rank = FakeRank(s, model)
+    finished = drive(s, stagger(workload, lambda i: i // 3), rank=rank)
+    for rid, prompt, params in workload:
+        assert finished[rid].output_ids == reference(prompt, params, model=model), rid
+    assert ForwardMode.TARGET_VERIFY in rank.modes_seen
+    c = s.spec.counters()
+    assert c.verify_steps > 0 and c.accepted_tokens > 0 and sum(c.accept_len_counts) > 0
+    if model is cycling:
+        assert c.acceptance_rate > 0.2, c
+
+
+def test_drafts_never_run_past_max_tokens_and_rows_without_drafts_decode():
+    s = make(speculative=NGRAM)
+    rank = FakeRank(s, cycling)
+    work = [(f"m{n}", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=n, temperature=0.0)) for n in (1, 2, 3, 7)]
+    finished = drive(s, stagger(work, lambda i: 0), rank=rank)
+    for rid, prompt, params in work:
+        out = finished[rid].output_ids
+        assert len(out) <= params.max_tokens and out == reference(prompt, params, model=cycling)
+
+
+def test_requests_with_logprobs_or_a_grammar_run_plain_decode_steps():
+    s = make(speculative=NGRAM)
+    rank = FakeRank(s, cycling)
+    work = [("lp", [1, 2, 3, 1, 2, 3], SamplingParams(max_tokens=12, temperature=0.0, logprobs=0))]
+    drive(s, stagger(work, lambda i: 0), rank=rank)
+    assert ForwardMode.TARGET_VERIFY not in rank.modes_seen
+
+
+def test_counters_sum_over_groups():
+    a = SpecCounters(2, 8, 5, (1, 2, 0, 1))
+    b = SpecCounters(1, 4, 4, (0, 0, 0, 0, 1))
+    total = SpecCounters.total([a, None, b])
+    assert total == SpecCounters(3, 12, 9, (1, 2, 0, 1, 1))
+    assert total.acceptance_rate == 0.75 and SpecCounters.total([None]) is None
+
+
+def test_ngram_drafts_are_the_continuation_of_the_latest_match():
+    s = make(speculative=NGRAM)
+    req = Req("x", [5, 6, 7, 8, 5, 6], SamplingParams(max_tokens=3, temperature=0.0))
+    req.limits = s.state.limits_for(req)
+    # three tokens left, one of them the target's own: at most two drafts
+    assert s.spec.draft_for(req) == [7, 8]
+    assert propose_ngram([5, 6, 7, 8, 5, 6], 4, 1, 3) == [7, 8, 5, 6]
