@@ -92,3 +92,37 @@ def test_ngram_drafts_are_the_continuation_of_the_latest_match():
     # three tokens left, one of them the target's own: at most two drafts
     assert s.spec.draft_for(req) == [7, 8]
     assert propose_ngram([5, 6, 7, 8, 5, 6], 4, 1, 3) == [7, 8, 5, 6]
+
+
+def test_draft_policy_fits_the_step_cost_and_drafts_only_what_pays():
+    from raymoe.scheduler.spec_policy import PROBE_EVERY, DraftPolicy
+
+    pol = DraftPolicy()
+    assert pol.step_cost() is None and pol.threshold(32) == 0.0  # before a fit: every draft
+    for tokens in (1, 4, 8, 32, 64, 128) * 5:
+        pol.observe_step(tokens, 0.004 + 0.0005 * tokens)  # a = 4 ms, b = 0.5 ms per token
+    a, b = pol.step_cost()
+    assert a == pytest.approx(0.004, rel=1e-6) and b == pytest.approx(0.0005, rel=1e-6)
+    assert pol.threshold(1) == pytest.approx(0.0005 / 0.0045)
+    for _ in range(20):  # a request whose drafts are nearly always right
+        pol.observe_row("sure", 4, 4)
+    for _ in range(20):  # one whose first draft mostly fails
+        pol.observe_row("unsure", 4, 0)
+    assert pol.draft_len("sure", 4, 1) == 4 and pol.draft_len("sure", 4, 64) >= 1
+    assert pol.draft_len("unsure", 4, 1) >= 1  # at batch 1 the fixed cost dominates: a draft still pays
+    lengths = [pol.draft_len("unsure", 4, 64) for _ in range(PROBE_EVERY)]
+    assert lengths == [0] * (PROBE_EVERY - 1) + [1]  # compute-bound: only a probe now and then
+    pol.forget("unsure")
+    pol.prune(set())
+    assert pol.acceptance("sure") > 0.9
+
+
+def test_adaptive_and_fixed_policies_give_the_same_tokens():
+    work = specs(10, seed=7)
+    outs = {}
+    for policy in ("adaptive", "fixed"):
+        cfg = SpeculativeConfig(speculative_algorithm="ngram", speculative_draft_policy=policy)
+        s = make(speculative=cfg, max_running_requests=8)
+        finished = drive(s, stagger(work, lambda i: i // 2), rank=FakeRank(s, noisy))
+        outs[policy] = {rid: r.output_ids for rid, r in finished.items()}
+    assert outs["adaptive"] == outs["fixed"]

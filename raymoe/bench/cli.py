@@ -23,6 +23,7 @@ from raymoe.bench.pd import add_pd_args, run_pd_bench
 from raymoe.bench.profile_serve import add_profile_args, run_profile
 from raymoe.bench.routing import add_routing_args, run_routing_bench
 from raymoe.bench.serve import add_serve_bench_args, run_serve_bench
+from raymoe.bench.spec import add_spec_args, run_spec_bench
 from raymoe.bench.stress import add_stress_args, run_stress
 from raymoe.cli_args import model_arg
 from raymoe.config import engine_options
@@ -53,6 +54,8 @@ _MODULE_COMMANDS = (
      add_pd_args, run_pd_bench),
     ("routing", "prefix-aware vs least-loaded DP routing on multi-turn chats: prefix-cache hit rate (against the "
                 "best possible) and TTFT, one run", add_routing_args, run_routing_bench),
+    ("spec", "speculative decoding off and on: decode tok/s at batch 1, 8, 32, tokens per verify step, acceptance "
+             "rate, one run", add_spec_args, run_spec_bench),
 )
 
 

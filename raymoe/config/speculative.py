@@ -35,6 +35,12 @@ class SpeculativeConfig:
     speculative_num_draft_tokens: int | None = option(
         None, help="tokens per request in one verify forward, the newest token included; drafts are a chain, so it "
                    "must be speculative_num_steps + 1 (None: that).")
+    speculative_draft_policy: str = option(
+        "adaptive", choices=("adaptive", "fixed"),
+        help="adaptive: each request verifies only the drafts expected to pay for themselves, from its own "
+             "acceptance and the step cost fitted online (raymoe.scheduler.spec_policy; decode stays plain where "
+             "drafting does not pay, e.g. large compute-bound batches); fixed: every draft found, up to "
+             "speculative_num_steps.")
     speculative_ngram_min_match_window_size: int = option(
         1, help="ngram: shortest suffix of the request's tokens looked up, tokens.")
     speculative_ngram_max_match_window_size: int = option(

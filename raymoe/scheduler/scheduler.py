@@ -162,8 +162,10 @@ class Scheduler:
             ValueError: ``batch`` is not the oldest batch in flight, or ``output`` has the wrong number of rows
                 (nothing is changed then).
         """
-        if batch.drafts is not None:
-            return apply_verify_result(self.state, batch, output, self.stop_rules, self.spec)
+        if self.spec is not None:
+            self.spec.observe_step(batch, output)
+            if batch.drafts is not None:
+                return apply_verify_result(self.state, batch, output, self.stop_rules, self.spec)
         return apply_batch_result(self.state, batch, output, self.stop_rules)
 
     # ------------------------------------------------------------------------------------------ observability

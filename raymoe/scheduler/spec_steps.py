@@ -32,6 +32,7 @@ from raymoe.scheduler.ngram import SEARCH_WINDOW, propose_ngram
 from raymoe.scheduler.req import Req, RequestFault
 from raymoe.scheduler.results import StopRules, finish_in_group
 from raymoe.scheduler.schedule_batch import ScheduleBatch
+from raymoe.scheduler.spec_policy import DraftPolicy
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.step_output import StepOutput
 
@@ -96,13 +97,19 @@ class SpecSteps:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accept_len_counts = [0] * (config.speculative_num_steps + 1)
+        self.policy = DraftPolicy() if config.speculative_draft_policy == "adaptive" else None
 
-    def draft_for(self, req: Req) -> list[int]:
-        """``req``'s draft for its next step (no placeholders may be pending), cut to its length limit."""
+    def draft_for(self, req: Req, batch_size: int = 1) -> list[int]:
+        """``req``'s draft for its next step in a step of ``batch_size`` rows (no placeholders may be pending),
+        cut to its length limit and, with the adaptive policy, to the drafts that pay."""
         lim = req.limits
         cap = self.config.speculative_num_steps
         if lim is not None:
             cap = min(cap, lim.output_cap - len(req.output_ids) - 1)
+        if self.policy is not None:
+            cap = self.policy.draft_len(req.rid, cap, batch_size)
+        if cap <= 0:
+            return []
         c = self.config
         out = req.output_ids
         tail = out[-SEARCH_WINDOW:] if len(out) >= SEARCH_WINDOW else \
@@ -121,7 +128,9 @@ class SpecSteps:
             p = r.sampling_params
             if r.pending_ids or p.grammar is not None or p.logprobs is not None:
                 return None
-        drafts = [self.draft_for(r) for r in decoders]
+        drafts = [self.draft_for(r, len(decoders)) for r in decoders]
+        if self.policy is not None:
+            self.policy.prune(self.state.unfinished)
         if not any(drafts):
             return None
         alloc_decode_slots(decoders)
@@ -145,8 +154,16 @@ class SpecSteps:
         return SpecCounters(self.num_verify_steps, self.num_draft_tokens, self.num_accepted_tokens,
                             tuple(self.accept_len_counts))
 
-    def record(self, accepted: int) -> None:
-        """Count one verify row's outcome: ``accepted`` drafts (metrics)."""
+    def observe_step(self, batch: ScheduleBatch, output: StepOutput) -> None:
+        """Feed a decode or verify step's cost to the draft policy."""
+        mode = batch.worker_batch.forward_mode
+        if self.policy is not None and (mode == ForwardMode.DECODE or mode == ForwardMode.TARGET_VERIFY):
+            self.policy.observe_step(batch.worker_batch.num_tokens, output.forward_seconds)
+
+    def record(self, rid: str, drafts: int, accepted: int) -> None:
+        """Count one verify row's outcome: ``accepted`` of ``drafts`` draft tokens (metrics, draft policy)."""
+        if self.policy is not None:
+            self.policy.observe_row(rid, drafts, accepted)
         self.num_accepted_tokens += accepted
         self.accept_len_counts[min(accepted, len(self.accept_len_counts) - 1)] += 1
 
@@ -199,7 +216,7 @@ def apply_verify_result(state: GroupState, batch: ScheduleBatch, output: StepOut
             continue
         try:
             tokens = verify_tokens(draft, accepted, token)
-            spec.record(accepted)
+            spec.record(req.rid, len(draft), accepted)
             req.pending_ids.clear()
             finished = False
             for t in tokens:
@@ -217,5 +234,7 @@ def apply_verify_result(state: GroupState, batch: ScheduleBatch, output: StepOut
             continue
         if finished:
             finish_in_group(state, req)
+            if spec.policy is not None:
+                spec.policy.forget(req.rid)
         out.append(req)
     return out
