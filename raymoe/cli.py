@@ -29,6 +29,13 @@ def _cmd_make_checkpoint(a: argparse.Namespace) -> None:
                           sliding_window=a.sliding_window, mxfp4=a.mxfp4, max_shard_bytes=a.max_shard_bytes,
                           progress=True, quant=a.quant, fp8_scheme=a.fp8_scheme, fp8_block=tuple(a.fp8_block),
                           moe_intermediate_size=a.moe_intermediate_size, router_skew=a.router_skew)
+    if a.train_seconds is not None or a.train_steps is not None:
+        from raymoe.models.train_demo import train_checkpoint
+
+        report = train_checkpoint(out, a.train_seconds or 0.0, steps=a.train_steps, seed=a.seed)
+        mtp = f", MTP loss {report.final_mtp_loss:.3f}" if report.final_mtp_loss is not None else ""
+        print(f"trained {report.steps} steps in {report.seconds:.0f} s ({report.tokens} tokens): final loss "
+              f"{report.final_loss:.3f}{mtp} (train_log.json)")
     print(out)
 
 
@@ -83,6 +90,12 @@ def _add_make_checkpoint_parser(sub) -> None:
                         "(Zipf-like by rank, other hot experts per layer, hot ones in the first half of the experts); "
                         "at S=1 the hottest eighth of the experts takes 73-98%% of the routed tokens with 16-64 "
                         "experts, 48-50%% (the cap) with 8 experts top-2; 0 (default): today's routers, byte-identical")
+    p.add_argument("--train-seconds", type=float, default=None, metavar="T",
+                   help="then train it on the Python standard library's source for T seconds of CPU wall time "
+                        "(qwen3_moe, deepseek_v3 with one MTP layer, deepseek_v2, mixtral; raymoe.models.train_demo): "
+                        "its text looks like Python and speculative drafts get accepted")
+    p.add_argument("--train-steps", type=int, default=None, metavar="N",
+                   help="train exactly N steps instead of --train-seconds (reproducible across machines)")
     p.set_defaults(func=_cmd_make_checkpoint)
 
 

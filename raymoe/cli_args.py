@@ -20,14 +20,20 @@ _FROM_DECLARATION = object()
 def model_arg(p: argparse.ArgumentParser) -> None:
     """Add ``--model`` (a Hugging Face folder; default: the demo checkpoint)."""
     p.add_argument("--model", default=None, help="Hugging Face model folder (default: the demo checkpoint, "
-                                                 "built on first use)")
+                                                 "built on first use; demo-trained / demo-trained-deepseek: the "
+                                                 "demo trained on Python source, trained on first use)")
 
 
 def resolve_model(model: str | None) -> str:
-    """``model`` or the demo checkpoint path (built with a progress bar the first time)."""
+    """``model`` or the demo checkpoint path (built with a progress bar the first time); ``demo-trained`` and
+    ``demo-trained-deepseek`` name the trained demo checkpoints (``raymoe.models.checkpoint.trained_model_path``,
+    trained for minutes the first time)."""
+    from raymoe.models.checkpoint import TRAINED_DEMOS, default_model_path, trained_model_path
+
+    if model in TRAINED_DEMOS:
+        return str(trained_model_path(TRAINED_DEMOS[model], progress=True))
     if model:
         return model
-    from raymoe.models.checkpoint import default_model_path
 
     return str(default_model_path(progress=True))
 

@@ -95,15 +95,19 @@ def test_ngram_drafts_are_the_continuation_of_the_latest_match():
 
 
 def test_draft_policy_fits_the_step_cost_and_drafts_only_what_pays():
-    from raymoe.scheduler.spec_policy import PROBE_EVERY, DraftPolicy
+    from raymoe.scheduler.spec_policy import EXPLORE_EVERY, PROBE_EVERY, DraftPolicy
 
     pol = DraftPolicy()
-    assert pol.step_cost() is None and pol.threshold(32) == 0.0  # before a fit: every draft
+    assert pol.verify_cost.fit() is None and pol.threshold(32) == 0.0  # before a fit: every draft
     for tokens in (1, 4, 8, 32, 64, 128) * 5:
-        pol.observe_step(tokens, 0.004 + 0.0005 * tokens)  # a = 4 ms, b = 0.5 ms per token
-    a, b = pol.step_cost()
+        pol.observe_step(True, tokens, 0.004 + 0.0005 * tokens)  # verify: a = 4 ms, b = 0.5 ms per token
+    a, b = pol.verify_cost.fit()
     assert a == pytest.approx(0.004, rel=1e-6) and b == pytest.approx(0.0005, rel=1e-6)
-    assert pol.threshold(1) == pytest.approx(0.0005 / 0.0045)
+    assert pol.threshold(1) == pytest.approx(0.0005 / 0.0045)  # the verify fit stands in for decode's
+    for _ in range(10):
+        pol.observe_step(False, 64, 0.002 + 0.0005 * 64)  # decode steps of 64 rows (a graph: less fixed cost)
+    assert pol.decode_cost.at(64) == pytest.approx(0.034)
+    assert pol.threshold(64) == pytest.approx(0.0005 / (0.034 / 64))
     for _ in range(20):  # a request whose drafts are nearly always right
         pol.observe_row("sure", 4, 4)
     for _ in range(20):  # one whose first draft mostly fails
@@ -112,6 +116,11 @@ def test_draft_policy_fits_the_step_cost_and_drafts_only_what_pays():
     assert pol.draft_len("unsure", 4, 1) >= 1  # at batch 1 the fixed cost dominates: a draft still pays
     lengths = [pol.draft_len("unsure", 4, 64) for _ in range(PROBE_EVERY)]
     assert lengths == [0] * (PROBE_EVERY - 1) + [1]  # compute-bound: only a probe now and then
+    # a step of 64 sure rows with 4 drafts each pays; 64 unsure rows with one draft each does not
+    decisions = [pol.worth_verifying([("sure", 4)] * 64, 64) for _ in range(EXPLORE_EVERY)]
+    assert decisions.count(True) == EXPLORE_EVERY - 1  # every EXPLORE_EVERY-th decision is flipped (exploration)
+    decisions = [pol.worth_verifying([("unsure", 1)] * 64, 64) for _ in range(EXPLORE_EVERY)]
+    assert decisions.count(True) == 1
     pol.forget("unsure")
     pol.prune(set())
     assert pol.acceptance("sure") > 0.9

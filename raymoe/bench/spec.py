@@ -28,7 +28,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     """The options of ``raymoe bench spec``."""
     p.add_argument("--model", default=None, help="model folder (default: the demo checkpoint)")
     p.add_argument("--algorithms", default="ngram", help="comma-separated speculative_algorithm values to compare "
-                                                         "with speculation off")
+                                                         "with speculation off; ALGO/fixed runs it with "
+                                                         "speculative_draft_policy fixed (default: adaptive)")
     p.add_argument("--num-steps", type=int, default=4, help="speculative_num_steps (drafts per request and step)")
     p.add_argument("--batches", default="1,8,32", help="running requests to measure at, comma-separated")
     p.add_argument("--input-len", type=int, default=128)
@@ -100,7 +101,11 @@ def run_spec_bench(a: argparse.Namespace) -> dict:
     methods = [None] + [m.strip() for m in a.algorithms.split(",") if m.strip()]
     results = []
     for method in methods:
-        spec = {} if method is None else {"speculative_algorithm": method, "speculative_num_steps": a.num_steps}
+        spec = {}
+        if method is not None:
+            algo, _, policy = method.partition("/")
+            spec = {"speculative_algorithm": algo, "speculative_num_steps": a.num_steps,
+                    "speculative_draft_policy": policy or "adaptive"}
         kv = max(16384, max(batches) * (a.input_len + a.output_len + a.num_steps + 1))
         with Engine(model, dtype=a.dtype, max_running_requests=max(batches), max_total_tokens=kv,
                     max_context_len=a.input_len + a.output_len + a.num_steps + 8, **spec) as engine:

@@ -182,10 +182,14 @@ class _ServeFields(BaseModel):
         return values
 
     def resolved_model(self, progress: bool = True) -> str:
-        """``model``, or the demo checkpoint (built with progress bars the first time)."""
+        """``model``, or the demo checkpoint (built with progress bars the first time); ``demo-trained`` and
+        ``demo-trained-deepseek``: the trained demo checkpoints (trained for minutes the first time)."""
+        from raymoe.models.checkpoint import TRAINED_DEMOS, default_model_path, trained_model_path
+
+        if self.model in TRAINED_DEMOS:
+            return str(trained_model_path(TRAINED_DEMOS[self.model], progress=progress))
         if self.model:
             return self.model
-        from raymoe.models.checkpoint import default_model_path
 
         return str(default_model_path(progress=progress))
 

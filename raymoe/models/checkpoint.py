@@ -348,6 +348,43 @@ def make_checkpoint(
     return out
 
 
+TRAINED_DEMOS = {"demo-trained": "qwen3_moe", "demo-trained-deepseek": "deepseek_v3"}
+"""Model names that stand for a trained demo checkpoint (``trained_model_path``) and their architectures."""
+TRAIN_STEPS = 1500
+"""Optimizer steps of a trained demo checkpoint (a fixed count, so every machine builds the same weights; a few
+minutes on two cores)."""
+
+
+def trained_model_path(arch: str = "qwen3_moe", progress: bool = True) -> Path:
+    """A demo checkpoint of ``arch`` (``make_checkpoint`` defaults, seed 0) trained ``TRAIN_STEPS`` steps on the
+    Python standard library's source (``raymoe.models.train_demo``; DeepSeek-V3 with one MTP layer), built on
+    first use in ``cache_dir()`` under a file lock like :func:`default_model_path`. Opt-in: the first build trains
+    for minutes.
+
+    Raises:
+        InvalidRequestError: an architecture that cannot be trained.
+        OSError: the cache folder cannot be written.
+    """
+    from filelock import FileLock
+
+    from raymoe.models.train_demo import train_checkpoint
+
+    if arch not in ("qwen3_moe", "deepseek_v3", "deepseek_v2", "mixtral"):
+        raise InvalidRequestError("arch", f"no trained demo checkpoint for {arch!r}")
+    root = cache_dir()
+    path = root / f"demo-trained-{arch}-{TRAIN_STEPS}-v{DEMO_VERSION}"
+    if (path / "train_log.json").is_file():
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f"{path.name}.lock")):
+        if not (path / "train_log.json").is_file():
+            tmp = root / f".{path.name}.building"
+            make_checkpoint(arch, tmp, seed=0, progress=progress)
+            train_checkpoint(tmp, 0.0, steps=TRAIN_STEPS, seed=0, progress=progress)
+            _replace_dir(tmp, path)
+    return path
+
+
 def default_model_path(progress: bool = True) -> Path:
     """The demo checkpoint (``qwen3_moe``, ``make_checkpoint`` defaults, seed 0), built on first use.
 

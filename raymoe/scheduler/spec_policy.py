@@ -1,18 +1,20 @@
-"""How many draft tokens a request should verify this step: only those expected to pay for themselves.
+"""Whether a step should verify drafts, and how many per request: only those expected to pay for themselves.
 
-A verify step costs the ranks about ``a + b * T`` seconds for ``T`` tokens (a fixed part: the layers' launches, the
-collectives, the driver's round trip; a per-token part: the GEMMs). A plain decode step of ``bs`` requests costs
-``a + b * bs`` for ``bs`` tokens, ``c = (a + b * bs) / bs`` per token. The ``j``-th draft token of a request adds
-``b`` seconds and is worth one token exactly when the ``j - 1`` drafts before it and itself are accepted; with a
-per-draft acceptance probability ``p`` (taken as independent) it pays when ``p ** j * c > b``, i.e.
-``p ** j > b * bs / (a + b * bs)``. So at batch 1 on a step-overhead-bound machine almost any draft pays, and on a
-compute-bound batch only drafts that are nearly sure do; a request whose drafts keep failing stops drafting
-(except a one-token probe every ``PROBE_EVERY`` steps, so it notices when its text starts to repeat).
+Two costs are fitted online, each ``a + b * T`` seconds for ``T`` tokens, by least squares with exponential
+forgetting over the group's steps (``StepOutput.forward_seconds`` against their token counts): plain DECODE steps
+(on a platform with decode graphs these replay a captured graph) and TARGET_VERIFY steps (eager, extend-style
+attention). With ``bs`` decoding requests, plain decoding costs ``c = C_decode(bs) / bs`` per token. The ``j``-th
+draft token of a request adds ``b_verify`` seconds and is worth a token exactly when it and the ``j - 1`` drafts
+before it are accepted; with a per-draft acceptance probability ``p`` (taken as independent) it pays when
+``p ** j * c > b_verify``. A step then verifies only if its expected tokens per second beat plain decoding's:
+``sum_i (1 + sum_j p_i ** j) / C_verify(bs + drafts) > bs / C_decode(bs)``; otherwise it runs as plain DECODE. So
+at batch 1 on a step-overhead-bound machine almost any draft pays, and on a compute-bound batch only sure drafts
+do, or none.
 
-``a`` and ``b`` are fitted online, by least squares with exponential forgetting over the group's decode and verify
-steps (``StepOutput.forward_seconds`` against their token counts); ``p`` per request from its own verify rows,
-starting from the group's overall acceptance. Before the fit has two distinct token counts every draft is taken.
-This is the engine's own rule (SGLang and vLLM take a fixed draft length, vLLM can switch speculation off above a
+``p`` is estimated per request from its own verify rows, starting from the group's overall acceptance. A request
+that drafts nothing still verifies one draft every ``PROBE_EVERY`` steps, and every ``EXPLORE_EVERY``-th decision
+is flipped, so both costs and every acceptance stay measured. Before a cost has data the step verifies (exploring).
+This is the engine's own rule (SGLang and vLLM take a fixed draft length; vLLM can switch speculation off above a
 batch size); it is what makes ``speculative_algorithm`` safe to leave on.
 """
 
@@ -27,6 +29,46 @@ DECAY = 0.8
 """Weight kept by a request's older acceptance outcomes at each of its verify rows."""
 PROBE_EVERY = 16
 """A request that drafts nothing still verifies one draft token this often, steps."""
+EXPLORE_EVERY = 64
+"""Every this many step decisions one is flipped (a verify step where decoding was chosen, or the reverse), so the
+cost not chosen stays measured; rare, because a forced verify step at a compute-bound batch costs several decode
+steps."""
+
+
+class StepCost:
+    """A step cost ``a + b * tokens`` seconds fitted by least squares with exponential forgetting (``FORGET``)."""
+
+    def __init__(self) -> None:
+        self._s = [0.0] * 5  # forgetting sums: weight, x, y, x*x, x*y (x = tokens, y = seconds)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """One step of ``num_tokens`` tokens that took ``seconds``."""
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        x, y = float(num_tokens), float(seconds)
+        s = self._s
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            s[i] = s[i] * FORGET + v
+
+    def fit(self) -> tuple[float, float] | None:
+        """``(a, b)``: seconds per step and per token (None: no two distinct token counts seen yet)."""
+        w, sx, sy, sxx, sxy = self._s
+        det = w * sxx - sx * sx
+        if w <= 0 or det <= 1e-9 * max(w * sxx, 1e-30):
+            return None
+        b = (w * sxy - sx * sy) / det
+        return max((sy - b * sx) / w, 0.0), max(b, 0.0)
+
+    def at(self, num_tokens: int) -> float | None:
+        """Predicted seconds of a step of ``num_tokens`` tokens: the fit, or the mean step time while every step
+        seen had about the same token count; None before any step."""
+        w = self._s[0]
+        if w <= 0:
+            return None
+        fit = self.fit()
+        if fit is None:
+            return self._s[2] / w
+        return fit[0] + fit[1] * num_tokens
 
 
 @dataclass
@@ -40,39 +82,53 @@ class DraftPolicy:
     """Draft lengths from a fitted step cost and each request's acceptance (module docstring)."""
 
     def __init__(self) -> None:
-        self._s = [0.0] * 5  # forgetting sums: weight, x, y, x*x, x*y (x = tokens, y = seconds)
+        self.decode_cost = StepCost()
+        self.verify_cost = StepCost()
+        self._decisions = 0
         self._reqs: dict[str, _Acceptance] = {}
         self._accepted = 0
         self._trials = 0
 
     # ------------------------------------------------------------------ step cost
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """Record one decode or verify step: ``num_tokens`` tokens in ``seconds`` on the ranks."""
-        if num_tokens <= 0 or seconds <= 0:
-            return
-        x, y = float(num_tokens), float(seconds)
-        s = self._s
-        for i, v in enumerate((1.0, x, y, x * x, x * y)):
-            s[i] = s[i] * FORGET + v
+    def observe_step(self, verify: bool, num_tokens: int, seconds: float) -> None:
+        """Record one DECODE (``verify`` False) or TARGET_VERIFY step: ``num_tokens`` tokens in ``seconds``."""
+        (self.verify_cost if verify else self.decode_cost).observe(num_tokens, seconds)
 
-    def step_cost(self) -> tuple[float, float] | None:
-        """The fitted ``(a, b)``: fixed seconds per step and seconds per token (None: not enough distinct data)."""
-        w, sx, sy, sxx, sxy = self._s
-        det = w * sxx - sx * sx
-        if w <= 0 or det <= 1e-9 * max(w * sxx, 1e-30):
-            return None
-        b = (w * sxy - sx * sy) / det
-        a = (sy - b * sx) / w
-        return max(a, 0.0), max(b, 0.0)
+    def per_token_decode_cost(self, batch_size: int) -> float | None:
+        """Seconds per token of a plain decode step of ``batch_size`` rows (the verify fit stands in before the
+        decode fit has data); None before any data."""
+        cost = self.decode_cost.at(batch_size)
+        if cost is None:
+            cost = self.verify_cost.at(batch_size)
+        return None if cost is None else cost / batch_size
 
     def threshold(self, batch_size: int) -> float:
         """The least ``p ** j`` a ``j``-th draft token needs in a step of ``batch_size`` rows (0 before a fit)."""
-        cost = self.step_cost()
-        if cost is None:
+        c = self.per_token_decode_cost(batch_size)
+        fit = self.verify_cost.fit()
+        if c is None or fit is None or c <= 0:
             return 0.0
-        a, b = cost
-        total = a + b * batch_size
-        return b * batch_size / total if total > 0 else 0.0
+        return min(fit[1] / c, 1.0)
+
+    def worth_verifying(self, rows: list[tuple[str, int]], batch_size: int) -> bool:
+        """Whether a verify step of ``rows`` (``(rid, draft tokens)``, one per decoding request) is expected to
+        give more tokens per second than a plain decode step of ``batch_size`` rows (module docstring)."""
+        self._decisions += 1
+        drafts = sum(n for _, n in rows)
+        c_verify = self.verify_cost.at(batch_size + drafts)
+        c_decode = self.decode_cost.at(batch_size)
+        if c_verify is None or c_decode is None:
+            choice = True
+        else:
+            expected = 0.0
+            for rid, n in rows:
+                p, term = self.acceptance(rid), 1.0
+                expected += 1.0
+                for _ in range(n):
+                    term *= p
+                    expected += term
+            choice = expected / c_verify > batch_size / c_decode
+        return choice != (self._decisions % EXPLORE_EVERY == 0)
 
     # ------------------------------------------------------------------ acceptance
     def acceptance(self, rid: str) -> float:

@@ -14,7 +14,8 @@ Rules that keep it exact and simple:
 * Steps run one at a time (the driver turns overlap scheduling off with speculation): a request's next positions
   depend on how many drafts were accepted, so no step can be formed before the previous one's result.
 * A step with a grammar-constrained request or one that asks for log-probs runs as plain DECODE (the ranks mask and
-  report one position per row); so does a step where no request found a draft.
+  report one position per row); so does a step where no request found a draft, and, with the adaptive draft policy
+  (``raymoe.scheduler.spec_policy``), one whose drafts are not expected to pay for the verify step.
 * Drafts never run past a request's length limit: a draft is at most ``output_cap - generated - 1`` tokens.
 * KV: the decode slot of every request comes first (``make_room_for_decode`` made room for it); draft slots are
   taken from what is left and a draft is cut to the slots it got, so speculation never retracts a request.
@@ -133,6 +134,9 @@ class SpecSteps:
             self.policy.prune(self.state.unfinished)
         if not any(drafts):
             return None
+        if self.policy is not None and not self.policy.worth_verifying(
+                [(r.rid, len(d)) for r, d in zip(decoders, drafts, strict=True)], len(decoders)):
+            return None
         alloc_decode_slots(decoders)
         alloc = self.state.token_allocator
         for req, draft in zip(decoders, drafts, strict=True):
@@ -158,7 +162,8 @@ class SpecSteps:
         """Feed a decode or verify step's cost to the draft policy."""
         mode = batch.worker_batch.forward_mode
         if self.policy is not None and (mode == ForwardMode.DECODE or mode == ForwardMode.TARGET_VERIFY):
-            self.policy.observe_step(batch.worker_batch.num_tokens, output.forward_seconds)
+            self.policy.observe_step(mode == ForwardMode.TARGET_VERIFY, batch.worker_batch.num_tokens,
+                                     output.forward_seconds)
 
     def record(self, rid: str, drafts: int, accepted: int) -> None:
         """Count one verify row's outcome: ``accepted`` of ``drafts`` draft tokens (metrics, draft policy)."""
