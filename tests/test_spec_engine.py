@@ -129,3 +129,53 @@ def test_served_streams_with_speculation_and_exports_its_metrics(ray_cluster, mo
         assert "raymoe:spec_accepted_tokens" in text and "raymoe:spec_accept_length_bucket" in text
     finally:
         client.shutdown()
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    """A tiny DeepSeek-V3 trained briefly with its MTP layer (``raymoe.models.train_demo``), and the engine's
+    greedy tokens without speculation."""
+    from raymoe.models.train_demo import train_checkpoint
+
+    path = make_checkpoint("deepseek_v3", tmp_path_factory.mktemp("mtp") / "ds", seed=2, **DIMS)
+    train_checkpoint(path, 0.0, steps=60, seq_len=48, batch_size=8, progress=False)
+    with Engine(str(path), **OPTS) as e:
+        ref = [o.token_ids for o in e.generate(PROMPTS, GREEDY)]
+    return str(path), ref
+
+
+NEXTN = {"speculative_algorithm": "nextn", "speculative_num_steps": 3}
+
+
+def test_nextn_drafts_with_the_mtp_layer_and_keeps_the_tokens(mtp_model):
+    path, ref = mtp_model
+    with Engine(path, **OPTS, **NEXTN) as e:
+        assert e.config.graph.disable_cuda_graph  # the MTP layer reads the target's hidden states
+        outs = e.generate(PROMPTS, GREEDY)
+        # a second wave hits the radix cache (cut by one token: the MTP entry of a cached position)
+        again = e.generate(PROMPTS[:2], GREEDY)
+        counters = spec_counters(e)
+        report = e.driver.idle_report()
+    assert [o.token_ids for o in outs] == ref and [o.token_ids for o in again] == ref[:2]
+    assert counters.verify_steps > 0 and counters.accepted_tokens > 0, counters
+    assert report.clean
+
+
+def test_nextn_at_dp2_ep2_with_idle_groups_and_tbo(ray_cluster, mtp_model):
+    """Every rank runs every MTP pass (IDLE groups with no tokens), so the MTP layer's MoE collectives pair up."""
+    path, ref = mtp_model
+    with Engine(path, dp_size=2, ep_size=2, **OPTS, **TBO, **NEXTN) as e:
+        outs = e.generate(PROMPTS, GREEDY)
+        lone = e.generate(PROMPTS[:1], GREEDY)  # one group idles while the other decodes
+        counters = spec_counters(e)
+        report = e.driver.idle_report()
+    assert [o.token_ids for o in outs] == ref and lone[0].token_ids == ref[0]
+    assert counters.accepted_tokens > 0 and report.clean
+
+
+def test_nextn_needs_an_mtp_layer(tiny_model):
+    from raymoe.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as err:
+        Engine(tiny_model, **NEXTN)
+    assert err.value.field == "speculative_algorithm"

@@ -33,7 +33,8 @@ def runner_config_for(config: EngineConfig) -> RunnerConfig:
         page_size=config.cache.page_tokens, attention_backend=config.attention_backend, seed=config.seed,
         device=device, graph=config.graph, moe_comm=dataclasses.replace(config.moe_comm, a2a_mode=a2a_mode),
         overlap=config.overlap, cpu_threads=config.cpu_threads, cpu_rank_nice=config.cpu_rank_nice,
-        eplb=config.eplb, expert_location=initial_location(config, ModelConfig.from_hf(config.model)))
+        eplb=config.eplb, expert_location=initial_location(config, ModelConfig.from_hf(config.model)),
+        speculative=config.speculative)
 
 
 def initial_location(config: EngineConfig, model_config: ModelConfig) -> ExpertLocation | None:

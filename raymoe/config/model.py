@@ -106,6 +106,12 @@ class ModelConfig:
         """Linear-attention layers (each keeps a recurrent state per request, no KV)."""
         return sum(t == "linear_attention" for t in self.layer_types)
 
+    @property
+    def num_nextn_predict_layers(self) -> int:
+        """Multi-token-prediction layers the checkpoint carries after its decoder layers (DeepSeek-V3's
+        ``num_nextn_predict_layers``; 0 for the other families)."""
+        return int(self.hf_config.get("num_nextn_predict_layers", 0) or 0)
+
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether decoder layer ``layer_id`` has a sparse MoE block (else a dense MLP)."""
         return (

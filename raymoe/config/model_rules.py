@@ -12,6 +12,9 @@ summarizes its whole prefix (``raymoe.kvcache.state_pool``):
 * **No speculative decoding**: a verify forward advances the recurrent state over every draft token, and a
   rejected draft cannot be taken back out of it (SGLang keeps per-draft intermediate states for that; not built
   here). ``speculative_algorithm`` is refused, naming it.
+
+Speculative decoding with ``nextn`` needs a checkpoint with a multi-token-prediction layer (DeepSeek-V3) and runs
+without decode graphs (the layer reads the target's hidden states, which a graph replay does not return).
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ def apply_model_rules(config: EngineConfig, model: ModelConfig) -> EngineConfig:
 
     Raises:
         InvalidRequestError: ``tp_size`` does not divide the linear-attention heads, or speculative decoding is
-            on, naming the option.
+            on for a hybrid model, or ``nextn`` for a model without an MTP layer, naming the option.
     """
+    if config.speculative.speculative_algorithm == "nextn":
+        config = _nextn_rules(config, model)
     if model.hybrid is None:
         return config
     if config.speculative.enabled:
@@ -46,6 +51,20 @@ def apply_model_rules(config: EngineConfig, model: ModelConfig) -> EngineConfig:
     if config.cache.enable_radix_cache:
         log.info("%s keeps a recurrent state per request: radix-cache prefix hits are off", model.model_type)
         config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_radix_cache=False))
+    return config
+
+
+def _nextn_rules(config: EngineConfig, model: ModelConfig) -> EngineConfig:
+    """``nextn`` drafts with the checkpoint's MTP layer (``raymoe.models.deepseek_mtp``): only DeepSeek-V3-style
+    checkpoints that carry one. The layer reads the target's hidden states, which a decode-graph replay does not
+    return, so decode graphs are off."""
+    if model.mla is None or model.num_nextn_predict_layers < 1:
+        raise InvalidRequestError("speculative_algorithm", f"nextn drafts with the checkpoint's multi-token-"
+                                                           f"prediction layer; {model.model_type} has none "
+                                                           "(num_nextn_predict_layers)")
+    if not config.graph.disable_cuda_graph:
+        log.info("nextn: decode graphs are off (the MTP layer reads the target's hidden states)")
+        config = dataclasses.replace(config, graph=dataclasses.replace(config.graph, disable_cuda_graph=True))
     return config
 
 

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from raymoe.config.option import check_choices, option
 from raymoe.errors import InvalidRequestError
 
-SPECULATIVE_ALGORITHMS = ("ngram",)
-"""Draft methods that run: ``ngram`` (prompt lookup over the request's own prompt and output, any model)."""
+SPECULATIVE_ALGORITHMS = ("ngram", "nextn")
+"""Draft methods that run: ``ngram`` (prompt lookup over the request's own prompt and output, any model) and
+``nextn`` (the checkpoint's multi-token-prediction layer: DeepSeek-V3, ``num_nextn_predict_layers >= 1``)."""
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,10 @@ class SpeculativeConfig:
     speculative_algorithm: str | None = option(
         None, choices=SPECULATIVE_ALGORITHMS,
         help="draft method: ngram (the tokens that followed the latest earlier occurrence of the request's last "
-             "n-gram in its prompt and output: prompt lookup decoding, any model) or None (off). Speculative steps "
-             "run without overlap scheduling (the next step's positions depend on how many drafts were accepted).")
+             "n-gram in its prompt and output: prompt lookup decoding, any model), nextn (the checkpoint's "
+             "multi-token-prediction layer drafts on the ranks, a chain of speculative_num_steps tokens: DeepSeek-V3 "
+             "with num_nextn_predict_layers >= 1) or None (off). Speculative steps run without overlap scheduling "
+             "(the next step's positions depend on how many drafts were accepted).")
     speculative_num_steps: int = option(
         4, help="most draft tokens proposed per request and step (the verify forward computes up to this many + 1 "
                 "tokens per request).")

@@ -72,6 +72,9 @@ class ModelRunner:
             with torch.device(self.device):
                 a2a = A2ABackendSpec(cfg.moe_comm.a2a_backend, cfg.moe_comm.a2a_mode, cfg.max_dispatch_tokens_per_rank)
                 extra = {"expert_location": cfg.expert_location} if cfg.expert_location is not None else {}
+                nextn = cfg.speculative.speculative_algorithm == "nextn"
+                if nextn:
+                    extra["enable_mtp"] = True
                 self.model = model_cls(self.model_config, self.groups, self.dtype, self.ops, a2a,
                                        enable_sbo=cfg.overlap.enable_sbo, **extra)
             self.model.load_weights(reader)
@@ -102,6 +105,12 @@ class ModelRunner:
         self.grammars = RankGrammars(
             lambda: compiler_for_model(cfg.model_path, mc.vocab_size, tuple(mc.eos_token_ids)), self.device)
         self.future_tokens = FutureTokenMap(cfg.max_req_rows, self.device)
+        self.drafter = None
+        if nextn:
+            from raymoe.runner.mtp_drafter import MtpDrafter
+
+            self.drafter = MtpDrafter(self.model, self.attn_backend, self.req_to_token_pool,
+                                      cfg.speculative.speculative_num_steps, self.ops, self.device)
         self.graph_runner = self.build_graph_runner() if cfg.graph_capture_sizes and capture_graphs else None
 
     def weight_bytes(self) -> int:
@@ -225,18 +234,30 @@ class ModelRunner:
         use_graph = self.graph_runner is not None and batch.graph_bs is not None and self.graph_runner.can_run(batch)
         fb = self.prepare(batch, for_graph=use_graph)
         verify = batch.forward_mode.is_target_verify()
-        logits = self.graph_runner.replay(fb) if use_graph else self.forward(fb, return_all_logits=verify)
+        hidden = None
+        if self.drafter is not None:  # nextn: the MTP layer reads the target's hidden states (no graphs then)
+            hidden = self.model(fb)
+            logits = self.model.compute_logits(hidden if verify else hidden[fb.sample_indices], fb.dispatch_capacity)
+        else:
+            logits = self.graph_runner.replay(fb) if use_graph else self.forward(fb, return_all_logits=verify)
         load = None
         if update is not None and update.report_load and self.eplb is not None:
             snapshot = self.eplb.load_snapshot()
             load = self.ops.copy_to_host([snapshot]) if snapshot is not None else None
         if fb.batch_size == 0:
+            if self.drafter is not None:  # the MTP passes join the step's collectives on every rank
+                self.drafter.draft(batch, fb.input_ids, hidden, [], None)
             return PendingStep(None, None, t0, load)
         if verify:  # speculative decoding: accept drafts, one more token per row (no grammar or log-prob rows)
             res = verify_drafts(self.ops, logits, fb.input_ids, fb.extend_lens_cpu, fb.sampling, self.sampler.generator)
             self.future_tokens.store(res.next_ids)
+            drafts = ()
+            if self.drafter is not None:
+                drafts = self.drafter.draft(batch, fb.input_ids, hidden, res.next_ids.tolist(),
+                                            res.accept_lens.tolist())
             return PendingStep(SampledTokens(res.next_ids, [None] * fb.batch_size),
-                               self.ops.copy_to_host([res.next_ids, res.accept_lens]), t0, load, verify=True)
+                               self.ops.copy_to_host([res.next_ids, res.accept_lens]), t0, load, verify=True,
+                               drafts=drafts)
         raw = None
         if batch.grammar_rows:  # constrained rows only (raymoe.runner.grammar); others pay nothing
             if any(n is not None for n in fb.sampling.logprobs):  # log-probs are the model's, unmasked
@@ -246,7 +267,11 @@ class ModelRunner:
                    else self.sampler.sample(logits, fb.sampling, logprob_logits=raw))
         grammar = self.grammars.accept(constrained, sampled.next_ids) if batch.grammar_rows else None
         self.future_tokens.store(sampled.next_ids)
-        return PendingStep(sampled, self.ops.copy_to_host(sampled.device_tensors()), t0, load, grammar)
+        drafts = ()
+        if self.drafter is not None:
+            drafts = self.drafter.draft(batch, fb.input_ids, hidden, sampled.next_ids.tolist(), None)
+        return PendingStep(sampled, self.ops.copy_to_host(sampled.device_tensors()), t0, load, grammar,
+                           drafts=drafts)
 
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> StepOutput:
         """One step, answered: :meth:`launch_step`, then wait for its tokens (``PendingStep.result``)."""

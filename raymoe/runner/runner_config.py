@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from raymoe.config import EplbConfig, GraphConfig, MoeCommConfig, OverlapConfig
+from raymoe.config import EplbConfig, GraphConfig, MoeCommConfig, OverlapConfig, SpeculativeConfig
 from raymoe.eplb.location import ExpertLocation
 from raymoe.runner.graph_buckets import capture_sizes, kv_width_ladder
 
@@ -45,6 +45,8 @@ class RunnerConfig:
             None: the default, -10).
         eplb: the engine's expert load balancing options (``EplbConfig``). expert_location: the placement the
             ranks load (``raymoe.eplb.location``; None: one slot per expert, nothing recorded).
+        speculative: the engine's speculative decoding options (``nextn``: the ranks build the model's MTP layer
+            and draft with it, ``raymoe.runner.mtp_drafter``).
     Raises:
         ValueError: a size out of range, an unknown dtype, or graph sizes that cannot be captured.
         InvalidRequestError: ``flash_attn`` with a dtype or page size it does not take, or without its package.
@@ -67,6 +69,7 @@ class RunnerConfig:
     cpu_rank_nice: int | None = None
     eplb: EplbConfig = field(default_factory=EplbConfig)
     expert_location: ExpertLocation | None = None
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.inject_a2a_latency_ms < 0:
@@ -86,9 +89,10 @@ class RunnerConfig:
     @property
     def max_dispatch_tokens_per_rank(self) -> int:
         """Per-rank token bound of low-latency dispatches (sizes DeepEP's buffers), tokens:
-        ``moe_comm.num_max_dispatch_tokens_per_rank`` or ``max_req_rows`` (the engine's ``max_running_requests``,
-        as ``EngineConfig.max_dispatch_tokens_per_rank``)."""
-        return self.moe_comm.num_max_dispatch_tokens_per_rank or self.max_req_rows
+        ``moe_comm.num_max_dispatch_tokens_per_rank`` or ``max_req_rows`` (the engine's ``max_running_requests``;
+        times ``speculative_num_steps + 1`` with speculation: as ``EngineConfig.max_dispatch_tokens_per_rank``)."""
+        per_request = self.speculative.speculative_num_steps + 1 if self.speculative.enabled else 1
+        return self.moe_comm.num_max_dispatch_tokens_per_rank or self.max_req_rows * per_request
 
     @property
     def graph_capture_sizes(self) -> tuple[int, ...]:

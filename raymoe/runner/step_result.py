@@ -33,13 +33,15 @@ class PendingStep:
             launch.
         verify: a TARGET_VERIFY step: ``copy`` holds the ids and then the rows' accepted draft counts
             (``raymoe.runner.spec_verify``).
+        drafts: the MTP layer's drafts per row for the next step (``raymoe.runner.mtp_drafter``), or ``()``.
     """
 
     def __init__(self, sampled: SampledTokens | None, copy: HostCopy | None, started: float,
                  load: HostCopy | None = None, grammar: tuple[list[int], list[int]] | None = None,
-                 verify: bool = False):
+                 verify: bool = False, drafts: tuple | list = ()):
         self.sampled = sampled
         self.verify = verify
+        self.drafts = tuple(drafts)
         self.copy = copy
         self.load = load
         self.started = started
@@ -77,6 +79,7 @@ class PendingStep:
             self.load.wait()
             load = self.load.tensors[0].reshape(-1).tolist()
         done, dead = self.grammar or ((), ())
-        self._output = StepOutput(ids, logprobs, done_at - self.started, load, tuple(done), tuple(dead), accept)
+        self._output = StepOutput(ids, logprobs, done_at - self.started, load, tuple(done), tuple(dead), accept,
+                                  self.drafts)
         self.sampled = self.copy = self.load = None
         return self._output

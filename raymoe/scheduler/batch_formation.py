@@ -71,6 +71,8 @@ class BatchFormation:
                 s.tree_cache.evict(s.tree_cache.evictable_size())
                 batch = self._prefill_batch()
         if batch is not None:
+            if self._spec is not None and self._spec.mtp:
+                batch = self._spec.attach_mtp_inputs(batch)
             batch.mark_scheduled()
             s.inflight.append(batch)
         return batch
@@ -112,7 +114,7 @@ class BatchFormation:
             max_new_reqs=min(s.config.max_running_requests - live, s.req_allocator.available_size()),
             reserved_tokens=self._running_reservation(),  # the chunked request books its own rest
             new_token_ratio=s.new_token_ratio, max_context_len=s.max_seq_len,
-            pool_idle=live == 0,
+            pool_idle=live == 0, hit_cut=self._spec.hit_cut if self._spec is not None else 0,
         )
         result = AddResult.CONTINUE
         if chunked is not None:

@@ -66,6 +66,7 @@ class PrefillAdder:
         new_token_ratio: fraction of each new request's remaining ``max_tokens`` to reserve, in [0, 1].
         max_context_len: longest sequence in tokens.
         pool_idle: no other request holds KV (guarantees progress for the first request).
+        hit_cut: tokens taken off the end of each radix-cache hit (recomputed by the request; 1 for ``nextn``).
 
     Attributes:
         reqs: admitted requests (a continued chunked request first), in batch order.
@@ -76,8 +77,9 @@ class PrefillAdder:
     def __init__(self, *, tree: RadixCache, token_allocator: TokenSlotAllocator | PagedTokenSlotAllocator,
                  req_allocator: ReqSlotAllocator,
                  max_prefill_tokens: int, chunked_prefill_size: int | None, max_new_reqs: int, reserved_tokens: int,
-                 new_token_ratio: float, max_context_len: int, pool_idle: bool):
+                 new_token_ratio: float, max_context_len: int, pool_idle: bool, hit_cut: int = 0):
         self.tree = tree
+        self.hit_cut = hit_cut
         self.token_allocator = token_allocator
         self.req_allocator = req_allocator
         self.rem_input_tokens = max_prefill_tokens
@@ -161,7 +163,9 @@ class PrefillAdder:
         match = self.tree.match_prefix(ids[: (len(ids) - 1) // page * page])
         # With pages, only whole pages laid out in position order can be shared (raymoe.kvcache.paged_allocator):
         # a cached path may mix two requests' slots inside a page. Lock exactly the part the request uses.
-        prefix = self.token_allocator.aligned_prefix_len(match.slots)
+        # ``hit_cut``: positions at the end of a hit recomputed anyway (nextn: the MTP layer's KV entry of a cached
+        # position also depends on the token after it, which the cache key does not hold)
+        prefix = self.token_allocator.aligned_prefix_len(match.slots[:max(len(match.slots) - self.hit_cut, 0)])
         if prefix < len(match.slots):
             match = self.tree.cut_match(match, prefix)
         self.tree.inc_lock_ref(match.last_node)  # from here the prefix is protected (no longer evictable)

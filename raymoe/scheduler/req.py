@@ -128,6 +128,8 @@ class Req:
             (a re-admitted request sends them again).
         export_kv: prefill side of PD disaggregation: when it finishes, its prompt's KV stays locked in the radix
             cache for a decode engine to fetch (``GroupState.kv_exports``) until released.
+        spec_drafts: the draft tokens the ranks' MTP layer proposed for its next step (``nextn``; empty without
+            one), cleared with its KV.
     """
 
     rid: str
@@ -149,6 +151,7 @@ class Req:
     table_len: int = 0
     grammar_synced: bool = False
     limits: StopLimits | None = field(default=None, repr=False)
+    spec_drafts: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.origin_input_ids = [int(t) for t in self.origin_input_ids]
@@ -276,3 +279,4 @@ class Req:
         self.last_node = None
         self.table_len = 0
         self.grammar_synced = False
+        self.spec_drafts = []

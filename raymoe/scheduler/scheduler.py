@@ -162,11 +162,18 @@ class Scheduler:
             ValueError: ``batch`` is not the oldest batch in flight, or ``output`` has the wrong number of rows
                 (nothing is changed then).
         """
-        if self.spec is not None:
-            self.spec.observe_step(batch, output)
-            if batch.drafts is not None:
-                return apply_verify_result(self.state, batch, output, self.stop_rules, self.spec)
-        return apply_batch_result(self.state, batch, output, self.stop_rules)
+        if self.spec is None:
+            return apply_batch_result(self.state, batch, output, self.stop_rules)
+        if not self.state.inflight or batch is not self.state.inflight[0]:
+            raise ValueError("process_batch_result: this batch is not the oldest one in flight")
+        self.spec.observe_step(batch, output)
+        self.spec.release_scratch(batch)
+        if batch.drafts is not None:
+            out = apply_verify_result(self.state, batch, output, self.stop_rules, self.spec)
+        else:
+            out = apply_batch_result(self.state, batch, output, self.stop_rules)
+        self.spec.store_drafts(batch, output)
+        return out
 
     # ------------------------------------------------------------------------------------------ observability
     waiting = _state_view("waiting", "Requests waiting for (re-)prefill, in order of acceptance (``list[Req]``).")

@@ -23,6 +23,7 @@ Rules that keep it exact and simple:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -99,6 +100,8 @@ class SpecSteps:
         self.num_accepted_tokens = 0
         self.accept_len_counts = [0] * (config.speculative_num_steps + 1)
         self.policy = DraftPolicy() if config.speculative_draft_policy == "adaptive" else None
+        self.mtp = config.speculative_algorithm == "nextn"  # drafts come from the ranks' MTP layer
+        self.hit_cut = 1 if self.mtp else 0  # see ``PrefillAdder.hit_cut``
 
     def draft_for(self, req: Req, batch_size: int = 1) -> list[int]:
         """``req``'s draft for its next step in a step of ``batch_size`` rows (no placeholders may be pending),
@@ -111,6 +114,8 @@ class SpecSteps:
             cap = self.policy.draft_len(req.rid, cap, batch_size)
         if cap <= 0:
             return []
+        if self.mtp:
+            return req.spec_drafts[:cap]
         c = self.config
         out = req.output_ids
         tail = out[-SEARCH_WINDOW:] if len(out) >= SEARCH_WINDOW else \
@@ -157,6 +162,63 @@ class SpecSteps:
         """A snapshot of the counters."""
         return SpecCounters(self.num_verify_steps, self.num_draft_tokens, self.num_accepted_tokens,
                             tuple(self.accept_len_counts))
+
+    def attach_mtp_inputs(self, batch: ScheduleBatch) -> ScheduleBatch:
+        """``batch`` with what the ranks' MTP drafter needs (``nextn``; ``raymoe.runner.mtp_drafter``): each row's
+        next prompt token when it is a prefill chunk that does not sample (else -1), and
+        ``speculative_num_steps - 1`` scratch KV slots per sampling row for the draft chain, appended to the
+        request's ``kv_slots`` (its own tail: freed with it on any failure, and by :meth:`release_scratch` once
+        the step's result is back). No scratch (drafts of one token) where the pool or a row's context is short."""
+        wb, ctx = batch.worker_batch, self.state.cache_config.max_context_len
+        chain = self.config.speculative_num_steps - 1
+        next_ids, samplers = [], []
+        for req, partial, seq_len in zip(batch.reqs, batch.partial, wb.seq_lens, strict=True):
+            if partial:
+                next_ids.append(req.tokens(seq_len, seq_len + 1)[0])
+            else:
+                next_ids.append(-1)
+                samplers.append((req, seq_len))
+        scratch: list[int] = []
+        if chain > 0 and samplers and all(n + chain <= ctx for _, n in samplers):
+            alloc = self.state.token_allocator
+            taken = []
+            for req, _ in samplers:
+                got = alloc.alloc(chain, req.kv_slots[-1])
+                if got is None:
+                    for r, slots in taken:
+                        alloc.free_tail(slots)
+                        del r.kv_slots[-len(slots):]
+                    scratch = []
+                    break
+                req.kv_slots.extend(got)
+                taken.append((req, got))
+                scratch += got
+        wb = dataclasses.replace(wb, spec_next_ids=tuple(next_ids), spec_scratch_slots=tuple(scratch))
+        return dataclasses.replace(batch, worker_batch=wb)
+
+    def release_scratch(self, batch: ScheduleBatch) -> None:
+        """Give back the draft chain's scratch slots of ``batch`` (before its tokens are applied)."""
+        chain = self.config.speculative_num_steps - 1
+        if not batch.worker_batch.spec_scratch_slots:
+            return
+        scratch = batch.worker_batch.spec_scratch_slots
+        k = 0
+        for req, partial in zip(batch.reqs, batch.partial, strict=True):
+            if partial:
+                continue
+            mine = list(scratch[k * chain:(k + 1) * chain])
+            k += 1
+            if req.req_pool_idx is not None and req.kv_slots[-chain:] == mine:
+                self.state.token_allocator.free_tail(mine)
+                del req.kv_slots[-chain:]
+
+    def store_drafts(self, batch: ScheduleBatch, output: StepOutput) -> None:
+        """Keep the ranks' MTP drafts on the requests that go on (``Req.spec_drafts``)."""
+        if not output.draft_ids:
+            return
+        for req, drafts in zip(batch.reqs, output.draft_ids, strict=True):
+            if drafts and req.finished_reason is None and req.req_pool_idx is not None:
+                req.spec_drafts = list(drafts)
 
     def observe_step(self, batch: ScheduleBatch, output: StepOutput) -> None:
         """Feed a decode or verify step's cost to the draft policy."""

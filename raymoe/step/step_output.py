@@ -36,6 +36,8 @@ class StepOutput:
             (``abort``).
         accept_lens: for a TARGET_VERIFY step, ``bs`` counts of draft tokens each row accepted (its request gains
             those drafts, then ``next_token_ids[i]``); empty for every other step.
+        draft_ids: with the MTP drafter (``nextn``), ``bs`` drafts for each row's next step (empty for a row that
+            does not sample); empty otherwise.
     Raises:
         ValueError: ``logprobs`` is neither empty nor one entry per token, or ``accept_lens`` is neither empty nor
             one count per row.
@@ -48,8 +50,11 @@ class StepOutput:
     grammar_done: tuple[int, ...] = ()
     grammar_dead: tuple[int, ...] = ()
     accept_lens: tuple[int, ...] = ()
+    draft_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
+        if len(self.draft_ids) not in (0, len(self.next_token_ids)):
+            raise ValueError(f"StepOutput.draft_ids has {len(self.draft_ids)} rows for {len(self.next_token_ids)}")
         if len(self.accept_lens) not in (0, len(self.next_token_ids)):
             raise ValueError(f"StepOutput.accept_lens has {len(self.accept_lens)} entries for "
                              f"{len(self.next_token_ids)} rows (expected none or one per row)")

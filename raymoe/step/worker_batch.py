@@ -49,6 +49,11 @@ class ModelWorkerBatch:
             the rank applies it before the forward), or None.
         grammar_rows: the rows whose requests constrain their output (``raymoe.step.grammar``), ascending; empty
             when none does.
+        spec_next_ids: speculative decoding with the model's MTP layer (``nextn``): ``bs`` ids, per row the
+            prompt token after its last position for a prefill chunk that does not sample, else -1 (the row's
+            sampled token follows it); empty otherwise (``raymoe.runner.mtp_drafter``).
+        spec_scratch_slots: ``nextn``: KV slots for the draft chain, ``speculative_num_steps - 1`` per row that
+            samples, in row order (empty: drafts of one token only this step).
     Raises:
         ValueError: a per-request list or ``sampling`` does not have ``bs`` entries, ``out_cache_loc`` does not
             have ``T``, ``prefix_slots`` does not match ``prefix_lens - table_lens``, an IDLE batch carries
@@ -72,6 +77,8 @@ class ModelWorkerBatch:
     expert_update: ExpertUpdate | None = None
     grammar_rows: tuple[GrammarRow, ...] = ()
     sampling_rows: tuple[tuple[int, SamplingRow], ...] = ()
+    spec_next_ids: tuple[int, ...] = ()
+    spec_scratch_slots: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         bs = len(self.req_pool_indices)
@@ -97,6 +104,10 @@ class ModelWorkerBatch:
             raise ValueError(f"ModelWorkerBatch.grammar_rows names a row outside [0, {bs})")
         if self.sampling_rows and not 0 <= self.sampling_rows[0][0] <= self.sampling_rows[-1][0] < bs:
             raise ValueError(f"ModelWorkerBatch.sampling_rows names a row outside [0, {bs})")
+        if self.spec_next_ids and len(self.spec_next_ids) != bs:
+            raise ValueError(f"ModelWorkerBatch.spec_next_ids has {len(self.spec_next_ids)} entries, expected {bs}")
+        if self.spec_scratch_slots and not self.spec_next_ids:
+            raise ValueError("ModelWorkerBatch.spec_scratch_slots go with spec_next_ids")
 
     def with_step_decisions(self, global_num_tokens: tuple[int, ...], use_tbo: bool, graph_bs: int | None,
                             dispatch_capacity: int | None, expert_update: ExpertUpdate | None = None

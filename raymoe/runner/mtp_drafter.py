@@ -1,0 +1,124 @@
+"""Drafting with the model's MTP layer on the rank (``speculative_algorithm="nextn"``), after every step.
+
+After the target's forward and its sampling (or verification) of a step, the rank runs the MTP layer
+(``raymoe.models.deepseek_mtp``) twice over:
+
+1. **Draft extend**: over every position whose token the step made final, the MTP layer reads the target's hidden
+   state there and the token that follows it: the next prompt token inside a prefill chunk, the next draft for an
+   accepted draft, the row's sampled token at its last position. A verify row covers its newest token and its
+   accepted drafts only (``accept_lens``). This writes the layer's KV for those positions (cache layer
+   ``num_hidden_layers``), so the layer's own attention always sees the request's true prefix; its output at a
+   sampling row's last position gives the first draft (greedy) and the hidden state for the next.
+2. **Draft chain**: ``speculative_num_steps - 1`` decode passes, each feeding the previous draft and the layer's
+   own output hidden state at the next position, in the step's scratch KV slots
+   (``ModelWorkerBatch.spec_scratch_slots``; without them the chain stops at one draft).
+
+Every rank runs both, with the same number of passes (IDLE ranks and ranks without sampling rows run them with no
+tokens), so the MTP layer's MoE collectives pair up across the expert-parallel group; the passes use the normal
+dispatch without two-batch overlap. Drafts are greedy (a point-mass draft distribution), which the verify step's
+rejection sampling takes as it is (``raymoe.runner.spec_verify``). The accepted counts of a verify step are read
+on the host here (one sync per step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raymoe.runner.forward_batch import ForwardBatch
+from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.host_transfer import to_device
+from raymoe.step.sampling_inputs import SamplingInputs
+from raymoe.step.worker_batch import ModelWorkerBatch
+
+
+class MtpDrafter:
+    """Runs the MTP layer's passes of a step (module docstring).
+
+    Args:
+        model: the rank's model with ``mtp`` built. attn_backend: the rank's attention backend (its metadata is
+            rebuilt for each pass). req_to_token_pool: the rank's table (the chain's scratch slots are written).
+        num_steps: drafts per sampling row (``speculative_num_steps``). ops: the rank's platform. device: the rank's.
+    """
+
+    def __init__(self, model, attn_backend, req_to_token_pool, num_steps: int, ops, device: torch.device):
+        self.mtp = model.mtp
+        self.attn_backend = attn_backend
+        self.req_to_token_pool = req_to_token_pool
+        self.num_steps = num_steps
+        self.ops = ops
+        self.device = device
+
+    def _fb(self, wb: ModelWorkerBatch) -> ForwardBatch:
+        fb = ForwardBatch.from_worker_batch(wb, self.device, SamplingInputs.greedy(wb.batch_size))
+        fb.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(fb)
+        return fb
+
+    def _logits_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.ops.greedy_argmax(self.mtp.logits(hidden))
+
+    @torch.inference_mode()
+    def draft(self, batch: ModelWorkerBatch, input_ids: torch.Tensor, hidden: torch.Tensor, next_ids: list[int],
+              accept_lens: list[int] | None) -> list[tuple[int, ...]]:
+        """The step's drafts: per row of ``batch``, ``num_steps`` draft tokens (fewer without scratch slots) for a
+        row that sampled, ``()`` for a prefill chunk that did not.
+
+        Args:
+            batch: the step as the rank received it (its table already written).
+            input_ids: [T] the step's resolved input ids. hidden: [T, H] the target's final hidden states.
+            next_ids: ``bs`` host ids the rows sampled (a verify row's own token after its accepted drafts).
+            accept_lens: a verify step's accepted drafts per row (host), else None.
+        """
+        bs = batch.batch_size
+        next_info = batch.spec_next_ids or (-1,) * bs
+        rows, pre, ext, loc, src, follow, last = [], [], [], [], [], [], []
+        start = 0
+        for r in range(bs):
+            e = batch.extend_lens[r]
+            n = accept_lens[r] + 1 if accept_lens is not None else e
+            p = batch.prefix_lens[r]
+            rows.append(batch.req_pool_indices[r])
+            pre.append(p)
+            ext.append(n)
+            loc += batch.out_cache_loc[start:start + n]
+            src += range(start, start + n)
+            nxt = next_ids[r] if next_info[r] < 0 else next_info[r]
+            follow += [-1] * (n - 1) + [nxt]  # -1: the next input id of the step (shifted by one)
+            if next_info[r] < 0:
+                last.append((r, len(src) - 1))
+            start += e
+        tokens = len(src)
+        wb = ModelWorkerBatch(ForwardMode.EXTEND, [0] * tokens, rows, [p + n for p, n in zip(pre, ext, strict=True)],
+                              pre, ext, loc, table_lens=list(pre)) if bs else ModelWorkerBatch.idle()
+        src_t = to_device(src, torch.int64, self.device)
+        shifted = input_ids[(src_t + 1).clamp(max=max(input_ids.shape[0] - 1, 0))] if tokens else input_ids[:0]
+        follow_t = to_device(follow, torch.int64, self.device)
+        ids = torch.where(follow_t >= 0, follow_t, shifted) if tokens else shifted
+        out = self.mtp(self._fb(wb), ids, hidden[src_t])
+        pick = to_device([i for _, i in last], torch.int64, self.device)
+        g = out[pick]
+        drafts = [self._logits_argmax(g)]
+        scratch = batch.spec_scratch_slots
+        chain = self.num_steps - 1
+        sample_rows = [r for r, _ in last]
+        for i in range(chain):
+            if scratch and sample_rows:
+                pos = [pre[r] + ext[r] - 1 + i + 1 for r in sample_rows]  # the position each chain token lands at
+                slots = [scratch[k * chain + i] for k in range(len(sample_rows))]
+                rows_i = [rows[r] for r in sample_rows]
+                wb = ModelWorkerBatch(ForwardMode.DECODE, [0] * len(rows_i), rows_i, [q + 1 for q in pos], pos,
+                                      [1] * len(rows_i), slots)
+                self.req_to_token_pool.write_decode(to_device(rows_i, torch.int64, self.device),
+                                                    to_device([q + 1 for q in pos], torch.int64, self.device),
+                                                    to_device(slots, torch.int64, self.device))
+                g = self.mtp(self._fb(wb), drafts[-1], g)
+            else:  # no chain this step on this rank: the pass still joins the MoE collectives
+                g = self.mtp(self._fb(ModelWorkerBatch.idle()), drafts[-1][:0], g[:0])
+            d = self._logits_argmax(g)
+            if scratch and sample_rows:
+                drafts.append(d)
+        host = torch.stack(drafts, dim=1).tolist() if sample_rows else []
+        out_rows: list[tuple[int, ...]] = [()] * bs
+        for k, r in enumerate(sample_rows):
+            out_rows[r] = tuple(host[k])
+        return out_rows
