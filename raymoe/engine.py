@@ -42,6 +42,8 @@ class RequestOutput:
             failed alone inside the engine while the others went on).
         logprobs: per generated token, when requested.
         cached_tokens: prompt tokens served from the radix cache.
+        accepted_prediction_tokens, rejected_prediction_tokens: speculative decoding's draft tokens the target
+            accepted / rejected for this request (0 without speculation).
     """
 
     request_id: str
@@ -51,6 +53,8 @@ class RequestOutput:
     finish_reason: str
     logprobs: list[TokenLogprobs | None] | None = None
     cached_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 def _split_options(model: str, options: dict) -> EngineConfig:
@@ -250,7 +254,7 @@ class Engine:
         logprobs = req.output_logprobs if req.sampling_params.logprobs is not None else None
         return RequestOutput(req.rid, list(req.origin_input_ids), list(req.output_ids),
                              self._text(req.output_ids, stopped_by), reason.kind.value if reason else "abort",
-                             logprobs, req.cached_tokens)
+                             logprobs, req.cached_tokens, req.accepted_draft_tokens, req.rejected_draft_tokens)
 
     def _stream_output(self, req: StreamRequest, deltas: list[RequestDelta]) -> RequestOutput:
         """The output of a request run through a client (PD mode): its deltas joined."""
@@ -258,7 +262,8 @@ class Engine:
         last = deltas[-1]
         logprobs = [lp for d in deltas for lp in d.logprobs] if req.params.logprobs is not None else None
         return RequestOutput(req.request_id, list(req.prompt_token_ids), ids, self._text(ids, last.matched_stop),
-                             last.finish_reason or "abort", logprobs, last.cached_tokens)
+                             last.finish_reason or "abort", logprobs, last.cached_tokens,
+                             last.accepted_prediction_tokens, last.rejected_prediction_tokens)
 
     def shutdown(self) -> None:
         """Release the ranks; further calls raise."""

@@ -44,6 +44,8 @@ def test_one_rank_gives_the_tokens_of_plain_decoding_and_transformers(model_and_
         report = e.driver.idle_report()
     assert [o.token_ids for o in outs] == ref
     assert counters.verify_steps > 0 and counters.accepted_tokens > 0, counters
+    assert sum(o.accepted_prediction_tokens for o in outs) == counters.accepted_tokens
+    assert sum(o.rejected_prediction_tokens for o in outs) == counters.draft_tokens - counters.accepted_tokens
     assert report.clean
     if "qwen3" in path:
         assert ref[:2] == greedy_reference(path, PROMPTS[:2], GREEDY.max_tokens)
@@ -111,11 +113,12 @@ def test_served_streams_with_speculation_and_exports_its_metrics(ray_cluster, mo
     client = EngineClient(opts.engine_config(path))
     try:
         async def run(i, prompt):
-            out, widest = [], 0
+            out, widest, accepted = [], 0, 0
             async for d in client.generate(f"r{i}", client.tokenizer.encode(prompt), GREEDY):
                 out += d.token_ids
                 widest = max(widest, len(d.token_ids))
-            return out, widest
+                accepted = d.accepted_prediction_tokens  # the last delta carries the request's counts
+            return out, widest, accepted
 
         async def main():
             return await asyncio.gather(*(run(i, p) for i, p in enumerate(PROMPTS)))
@@ -125,6 +128,7 @@ def test_served_streams_with_speculation_and_exports_its_metrics(ray_cluster, mo
         assert max(r[1] for r in results) > 1  # accepted drafts arrive together
         stats = ray.get(client.driver.stats.remote(), timeout=30)
         assert stats.spec is not None and stats.spec.accepted_tokens > 0
+        assert sum(r[2] for r in results) == stats.spec.accepted_tokens  # usage: accepted_prediction_tokens
         text = ServerMetrics("m").render(stats).decode()
         assert "raymoe:spec_accepted_tokens" in text and "raymoe:spec_accept_length_bucket" in text
     finally:

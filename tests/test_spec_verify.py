@@ -136,3 +136,15 @@ def test_seeded_rows_draw_from_seed_and_position():
                             torch.Generator().manual_seed(gen_seed))
         answers.add((res.accept_lens.item(), res.next_ids.item()))
     assert len(answers) == 1
+
+
+def test_usage_reports_accepted_and_rejected_predictions():
+    from raymoe.deploy.generation import Piece
+    from raymoe.deploy.responses import usage_dict
+
+    plain = usage_dict(Piece("", [], finish_reason="stop", prompt_tokens=3, completion_tokens=5))
+    assert "completion_tokens_details" not in plain and plain["total_tokens"] == 8
+    spec = usage_dict(Piece("", [], finish_reason="stop", prompt_tokens=3, completion_tokens=5,
+                            accepted_prediction_tokens=2, rejected_prediction_tokens=4))
+    assert spec["completion_tokens"] == 5  # unchanged in meaning
+    assert spec["completion_tokens_details"] == {"accepted_prediction_tokens": 2, "rejected_prediction_tokens": 4}

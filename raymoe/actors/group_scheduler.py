@@ -212,7 +212,9 @@ class GroupScheduler:
         logprobs = req.output_logprobs[sent:] if req.sampling_params.logprobs is not None else None
         end = None
         if reason is not None:
-            end = RequestEnd(reason.kind.value, reason.matched, len(req.origin_input_ids), req.cached_tokens)
+            end = RequestEnd(reason.kind.value, reason.matched, len(req.origin_input_ids), req.cached_tokens,
+                             accepted_prediction_tokens=req.accepted_draft_tokens,
+                             rejected_prediction_tokens=req.rejected_draft_tokens)
         self._out.add(req.rid, req.output_ids[sent:], len(req.output_ids), logprobs, end)
 
     def end_all(self, error: RequestError) -> int:

@@ -28,7 +28,9 @@ class RequestEnd:
     Attributes:
         finish_reason: ``"stop"`` | ``"length"`` | ``"abort"`` (None with ``error``). matched_stop: the stop string or
             token id that ended it. prompt_tokens, cached_tokens: its usage counts (tokens). error: set when it was
-            refused or failed (the row then carries no tokens).
+            refused or failed (the row then carries no tokens). accepted_prediction_tokens,
+            rejected_prediction_tokens: speculative decoding's draft tokens of the request the target accepted /
+            rejected.
     """
 
     finish_reason: str | None = None
@@ -36,6 +38,8 @@ class RequestEnd:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: RequestError | None = None
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass
@@ -122,7 +126,9 @@ class OutputBatch:
         return RequestDelta(rid, self.token_ids[pos:pos + n], logprobs, finished=True,
                             finish_reason=end.finish_reason, matched_stop=end.matched_stop,
                             prompt_tokens=end.prompt_tokens, completion_tokens=self.completion_tokens[row],
-                            cached_tokens=end.cached_tokens)
+                            cached_tokens=end.cached_tokens,
+                            accepted_prediction_tokens=end.accepted_prediction_tokens,
+                            rejected_prediction_tokens=end.rejected_prediction_tokens)
 
     def ended_ids(self) -> list[str]:
         """The ids of the requests whose last row is in this batch (finished, aborted, refused or failed)."""

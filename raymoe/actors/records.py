@@ -63,6 +63,8 @@ class RequestDelta:
         matched_stop: the stop string or token id that ended it, if any.
         prompt_tokens, completion_tokens, cached_tokens: usage counts so far (tokens).
         error: set when the request was refused or failed, or the engine failed (then ``finished``, no tokens).
+        accepted_prediction_tokens, rejected_prediction_tokens: on the last delta, speculative decoding's draft
+            tokens of the request the target accepted / rejected (0 without speculation).
     """
 
     request_id: str
@@ -75,6 +77,8 @@ class RequestDelta:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: RequestError | None = None
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass(frozen=True)

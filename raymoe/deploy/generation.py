@@ -39,6 +39,8 @@ class Piece:
         token_ids: tokens generated since the previous piece. logprobs: one entry per token (or empty).
         finish_reason: ``"stop"`` | ``"length"`` | ``"abort"`` on the last piece, else ``None``.
         prompt_tokens, completion_tokens, cached_tokens: usage so far.
+        accepted_prediction_tokens, rejected_prediction_tokens: speculative decoding's draft tokens the target
+            accepted / rejected (on the last piece).
     """
 
     text: str
@@ -48,6 +50,8 @@ class Piece:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 def engine_error(e: BaseException) -> BaseException:
@@ -83,12 +87,13 @@ async def stream_pieces(engine: EngineClient, request_id: str, prep: PreparedReq
     detok = IncrementalDetokenizer(engine.tokenizer)
     stops = StopStringFilter(prep.params.stop)
     engine_finished = counted = failed = False
-    usage = (len(prep.prompt_ids), 0, 0)
+    usage = (len(prep.prompt_ids), 0, 0, 0, 0)
     try:
         try:
             async for delta in engine.generate(request_id, prep.prompt_ids, prep.params):
                 metrics.tokens(len(delta.token_ids))
-                usage = (delta.prompt_tokens or usage[0], delta.completion_tokens, delta.cached_tokens)
+                usage = (delta.prompt_tokens or usage[0], delta.completion_tokens, delta.cached_tokens,
+                         delta.accepted_prediction_tokens, delta.rejected_prediction_tokens)
                 engine_finished = delta.finished
                 text = stops.push(detok.push(delta.token_ids, final=delta.finished), final=delta.finished)
                 reason = "stop" if stops.matched is not None else (delta.finish_reason if delta.finished else None)

@@ -44,10 +44,15 @@ class TokenTexts:
 
 
 def usage_dict(piece: Piece) -> dict:
-    """The ``usage`` object from a request's last piece."""
-    return {"prompt_tokens": piece.prompt_tokens, "completion_tokens": piece.completion_tokens,
-            "total_tokens": piece.prompt_tokens + piece.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": piece.cached_tokens}}
+    """The ``usage`` object from a request's last piece; with speculative decoding also OpenAI's
+    ``completion_tokens_details`` (draft tokens accepted and rejected: ``completion_tokens`` keeps its meaning)."""
+    usage = {"prompt_tokens": piece.prompt_tokens, "completion_tokens": piece.completion_tokens,
+             "total_tokens": piece.prompt_tokens + piece.completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": piece.cached_tokens}}
+    if piece.accepted_prediction_tokens or piece.rejected_prediction_tokens:
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": piece.accepted_prediction_tokens,
+                                              "rejected_prediction_tokens": piece.rejected_prediction_tokens}
+    return usage
 
 
 class ResponseBuilder:

@@ -130,6 +130,9 @@ class Req:
             cache for a decode engine to fetch (``GroupState.kv_exports``) until released.
         spec_drafts: the draft tokens the ranks' MTP layer proposed for its next step (``nextn``; empty without
             one), cleared with its KV.
+        accepted_draft_tokens, rejected_draft_tokens: speculative decoding's draft tokens of this request the
+            target accepted / rejected so far (usage: OpenAI's ``accepted_prediction_tokens`` /
+            ``rejected_prediction_tokens``).
     """
 
     rid: str
@@ -152,6 +155,8 @@ class Req:
     grammar_synced: bool = False
     limits: StopLimits | None = field(default=None, repr=False)
     spec_drafts: list[int] = field(default_factory=list, repr=False)
+    accepted_draft_tokens: int = 0
+    rejected_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.origin_input_ids = [int(t) for t in self.origin_input_ids]

@@ -284,6 +284,8 @@ def apply_verify_result(state: GroupState, batch: ScheduleBatch, output: StepOut
         try:
             tokens = verify_tokens(draft, accepted, token)
             spec.record(req.rid, len(draft), accepted)
+            req.accepted_draft_tokens += accepted
+            req.rejected_draft_tokens += len(draft) - accepted
             req.pending_ids.clear()
             finished = False
             for t in tokens:
