@@ -142,22 +142,26 @@ def mtp_model(tmp_path_factory):
     from raymoe.models.train_demo import train_checkpoint
 
     path = make_checkpoint("deepseek_v3", tmp_path_factory.mktemp("mtp") / "ds", seed=2, **DIMS)
-    train_checkpoint(path, 0.0, steps=60, seq_len=48, batch_size=8, progress=False)
+    train_checkpoint(path, 0.0, steps=300, seq_len=48, batch_size=8, progress=False)  # ~10 s on 2 cores
     with Engine(str(path), **OPTS) as e:
-        ref = [o.token_ids for o in e.generate(PROMPTS, GREEDY)]
+        ref = [o.token_ids for o in e.generate(PROMPTS, LONG)]
     return str(path), ref
 
 
-NEXTN = {"speculative_algorithm": "nextn", "speculative_num_steps": 3}
+# every request decodes its 24 tokens; no MIXED steps (their decode rows do not verify drafts), so verify steps run
+LONG = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+NO_MIXED = {**OPTS, "enable_mixed_chunk": False}
+# drafts verified whatever their acceptance (the adaptive policy would stop verifying a barely trained layer's)
+NEXTN = {"speculative_algorithm": "nextn", "speculative_num_steps": 3, "speculative_draft_policy": "fixed"}
 
 
 def test_nextn_drafts_with_the_mtp_layer_and_keeps_the_tokens(mtp_model):
     path, ref = mtp_model
-    with Engine(path, **OPTS, **NEXTN) as e:
+    with Engine(path, **NO_MIXED, **NEXTN) as e:
         assert e.config.graph.disable_cuda_graph  # the MTP layer reads the target's hidden states
-        outs = e.generate(PROMPTS, GREEDY)
+        outs = e.generate(PROMPTS, LONG)
         # a second wave hits the radix cache (cut by one token: the MTP entry of a cached position)
-        again = e.generate(PROMPTS[:2], GREEDY)
+        again = e.generate(PROMPTS[:2], LONG)
         counters = spec_counters(e)
         report = e.driver.idle_report()
     assert [o.token_ids for o in outs] == ref and [o.token_ids for o in again] == ref[:2]
@@ -168,9 +172,9 @@ def test_nextn_drafts_with_the_mtp_layer_and_keeps_the_tokens(mtp_model):
 def test_nextn_at_dp2_ep2_with_idle_groups_and_tbo(ray_cluster, mtp_model):
     """Every rank runs every MTP pass (IDLE groups with no tokens), so the MTP layer's MoE collectives pair up."""
     path, ref = mtp_model
-    with Engine(path, dp_size=2, ep_size=2, **OPTS, **TBO, **NEXTN) as e:
-        outs = e.generate(PROMPTS, GREEDY)
-        lone = e.generate(PROMPTS[:1], GREEDY)  # one group idles while the other decodes
+    with Engine(path, dp_size=2, ep_size=2, **NO_MIXED, **TBO, **NEXTN) as e:
+        outs = e.generate(PROMPTS, LONG)
+        lone = e.generate(PROMPTS[:1], LONG)  # one group idles while the other decodes
         counters = spec_counters(e)
         report = e.driver.idle_report()
     assert [o.token_ids for o in outs] == ref and lone[0].token_ids == ref[0]

@@ -156,10 +156,13 @@ class TorchNativeMLABackend(PagedDecodeGraphHooks, AttentionBackend):
             top = new_top
         return (acc / total).to(q.dtype)
 
+    verify_as_decode = True  # TARGET_VERIFY: absorbed decode rows, one per token (PagedDecodeGraphHooks)
+
     def forward(self, q, k, v, layer_id, forward_batch) -> torch.Tensor:
         """Dispatch on the mode; an IDLE batch returns an empty [0, H, 0] tensor (the layer reshapes it)."""
-        if forward_batch.forward_mode.is_idle() or q.shape[0] == 0:
+        mode = forward_batch.forward_mode
+        if mode.is_idle() or q.shape[0] == 0:
             return q.new_empty((0, q.shape[1], 0))
-        if forward_batch.forward_mode.is_decode():
+        if mode.is_decode() or mode.is_target_verify():
             return self.forward_decode(q, k, v, layer_id, forward_batch)
         return self.forward_extend(q, k, v, layer_id, forward_batch)

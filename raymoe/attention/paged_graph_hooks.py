@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from raymoe.step.host_transfer import to_device
+
 _WIDTH_STEP = 16  # tokens: granularity of the attended width of a recorded graph's replay (no fixed width)
 
 
@@ -63,7 +65,25 @@ class PagedDecodeGraphHooks:
         if fb.forward_mode.is_decode():
             self.init_decode_metadata(fb)
             return
+        if fb.forward_mode.is_target_verify() and self.verify_as_decode:
+            self.init_verify_metadata(fb)
+            return
         self.init_extend_metadata(fb)
+
+    verify_as_decode = False
+    """True: a TARGET_VERIFY step runs as decode rows, one per token (:meth:`init_verify_metadata`), through the
+    decode path (for MLA: the weight-absorbed form, which reads the cached latent rows as they are instead of
+    up-projecting every cached token's keys and values as the extend form does)."""
+
+    def init_verify_metadata(self, fb) -> None:
+        """Decode metadata with one row per token of a TARGET_VERIFY batch: the token at position ``q`` of a
+        request attends to the request's positions ``[0, q]`` (its own draft chain causally)."""
+        lens = to_device(fb.extend_lens_cpu, torch.int64, fb.seq_lens.device)
+        rows = torch.repeat_interleave(fb.req_pool_indices, lens)
+        max_len = max(fb.seq_lens_cpu)
+        self.kv_indices = self.req_to_token[rows, :max_len]
+        ar = torch.arange(max_len, device=fb.seq_lens.device)
+        self.kv_mask = (ar[None, :] <= fb.positions[:, None])[:, None, None, :]
 
     def init_extend_metadata(self, fb) -> None:
         """One :class:`SdpaRequest` per request of an EXTEND/MIXED batch."""

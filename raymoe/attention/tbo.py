@@ -58,6 +58,16 @@ class TboAttnBackend(AttentionBackend):
                 raise ValueError("a TBO child ForwardBatch must use its own child attention backend")
             backend.init_forward_metadata(child)
 
+    @property
+    def verify_as_decode(self) -> bool:
+        """The primary's form of TARGET_VERIFY steps (``PagedDecodeGraphHooks.verify_as_decode``)."""
+        return getattr(self.primary, "verify_as_decode", False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                forward_batch) -> torch.Tensor:
+        """The primary's dispatch (a step without children runs on the primary's metadata)."""
+        return self.primary.forward(q, k, v, layer_id, forward_batch)
+
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                        forward_batch) -> torch.Tensor:
         return self.primary.forward_extend(q, k, v, layer_id, forward_batch)

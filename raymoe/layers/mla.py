@@ -33,8 +33,11 @@ _LORA_NORM_EPS = 1e-6  # DeepSeek's q_a/kv_a RMSNorms use the default eps, not r
 
 
 def _absorbed(fb) -> bool:
-    """Whether this step's queries are weight-absorbed: decode, or a backend that takes them for extend too."""
-    return fb.forward_mode.is_decode() or getattr(fb.attn_backend, "mla_absorbed_extend", False)
+    """Whether this step's queries are weight-absorbed: decode, a speculative verify step on a backend that runs
+    it as decode rows (``verify_as_decode``), or a backend that takes them for extend too."""
+    mode, backend = fb.forward_mode, fb.attn_backend
+    return (mode.is_decode() or getattr(backend, "mla_absorbed_extend", False)
+            or (mode.is_target_verify() and getattr(backend, "verify_as_decode", False)))
 
 
 def _load_norm(norm: RMSNorm, reader, name: str) -> None:
