@@ -88,7 +88,11 @@ class MtpDrafter:
                 last.append((r, len(src) - 1))
             start += e
         tokens = len(src)
-        wb = ModelWorkerBatch(ForwardMode.EXTEND, [0] * tokens, rows, [p + n for p, n in zip(pre, ext, strict=True)],
+        # after a decode or verify step each row has a few new positions: decode rows, one per token (on MLA the
+        # absorbed form, which reads the cached latent rows instead of up-projecting the whole prefix)
+        few = batch.forward_mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
+        mode = ForwardMode.TARGET_VERIFY if few else ForwardMode.EXTEND
+        wb = ModelWorkerBatch(mode, [0] * tokens, rows, [p + n for p, n in zip(pre, ext, strict=True)],
                               pre, ext, loc, table_lens=list(pre)) if bs else ModelWorkerBatch.idle()
         src_t = to_device(src, torch.int64, self.device)
         shifted = input_ids[(src_t + 1).clamp(max=max(input_ids.shape[0] - 1, 0))] if tokens else input_ids[:0]
