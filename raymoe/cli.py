@@ -24,6 +24,15 @@ GENERATE_OWN_FLAGS = ("seed",)
 def _cmd_make_checkpoint(a: argparse.Namespace) -> None:
     from raymoe.models.checkpoint import make_checkpoint
 
+    if a.arch == "eagle":  # a draft head for --target, trained
+        from raymoe.models.train_demo import train_eagle_head
+
+        if a.target is None or (a.train_seconds is None and a.train_steps is None):
+            raise SystemExit("make-checkpoint --arch eagle needs --target DIR and --train-seconds or --train-steps")
+        report = train_eagle_head(a.target, a.out, a.train_seconds or 0.0, steps=a.train_steps, seed=a.seed)
+        print(f"trained {report.steps} steps in {report.seconds:.0f} s: final loss {report.final_loss:.3f}")
+        print(a.out)
+        return
     out = make_checkpoint(a.arch, a.out, seed=a.seed, num_layers=a.num_layers, hidden_size=a.hidden_size,
                           num_experts=a.num_experts, num_experts_per_tok=a.top_k, vocab_size=a.vocab_size,
                           sliding_window=a.sliding_window, mxfp4=a.mxfp4, max_shard_bytes=a.max_shard_bytes,
@@ -66,7 +75,10 @@ def _cmd_env(a: argparse.Namespace) -> None:
 def _add_make_checkpoint_parser(sub) -> None:
     p = sub.add_parser("make-checkpoint", help="write a seeded tiny Hugging Face checkpoint")
     p.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "deepseek_v3", "deepseek_v2", "mixtral",
-                                                                  "gpt_oss", "qwen3_5_moe"])
+                                                                  "gpt_oss", "qwen3_5_moe", "eagle"],
+                   help="eagle: an EAGLE draft head for --target (a Qwen3-MoE folder), trained (speculative_algorithm "
+                        "eagle, speculative_draft_model_path)")
+    p.add_argument("--target", default=None, help="eagle: the target model's folder")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-layers", type=int, default=4)

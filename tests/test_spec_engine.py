@@ -187,3 +187,52 @@ def test_nextn_needs_an_mtp_layer(tiny_model):
     with pytest.raises(InvalidRequestError) as err:
         Engine(tiny_model, **NEXTN)
     assert err.value.field == "speculative_algorithm"
+
+
+@pytest.fixture(scope="module")
+def eagle_model(tmp_path_factory):
+    """A tiny Qwen3-MoE target, an EAGLE head trained for it (``train_eagle_head``), and the target's greedy
+    tokens."""
+    from raymoe.models.train_demo import train_eagle_head
+
+    root = tmp_path_factory.mktemp("eagle")
+    target = make_checkpoint("qwen3_moe", root / "target", seed=3, **DIMS)
+    report = train_eagle_head(target, root / "head", 0.0, steps=150, seq_len=48, batch_size=8, progress=False)
+    assert report.final_loss < report.losses[0][1]
+    with Engine(str(target), **OPTS) as e:
+        ref = [o.token_ids for o in e.generate(PROMPTS, LONG)]
+    return str(target), str(root / "head"), ref
+
+
+def test_eagle_head_drafts_and_keeps_the_tokens(eagle_model):
+    target, head, ref = eagle_model
+    eagle = {**NEXTN, "speculative_algorithm": "eagle", "speculative_draft_model_path": head}
+    with Engine(target, **NO_MIXED, **eagle) as e:
+        outs = e.generate(PROMPTS, LONG)
+        counters = spec_counters(e)
+        report = e.driver.idle_report()
+    assert [o.token_ids for o in outs] == ref
+    assert counters.verify_steps > 0 and counters.accepted_tokens > 0, counters
+    assert report.clean
+
+
+def test_eagle_at_dp2_ep2_with_tbo(ray_cluster, eagle_model):
+    target, head, ref = eagle_model
+    eagle = {**NEXTN, "speculative_algorithm": "eagle", "speculative_draft_model_path": head}
+    with Engine(target, dp_size=2, ep_size=2, **NO_MIXED, **TBO, **eagle) as e:
+        outs = e.generate(PROMPTS, LONG)
+        counters = spec_counters(e)
+        report = e.driver.idle_report()
+    assert [o.token_ids for o in outs] == ref
+    assert counters.accepted_tokens > 0 and report.clean
+
+
+def test_eagle_needs_a_head_folder(tiny_model, tmp_path):
+    from raymoe.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as err:
+        Engine(tiny_model, speculative_algorithm="eagle")
+    assert err.value.field == "speculative_draft_model_path"
+    with pytest.raises(InvalidRequestError) as err:
+        Engine(tiny_model, speculative_algorithm="eagle", speculative_draft_model_path=str(tmp_path))
+    assert err.value.field == "speculative_draft_model_path"

@@ -24,6 +24,7 @@ import logging
 
 from raymoe.config.engine import EngineConfig
 from raymoe.config.model import ModelConfig
+from raymoe.config.speculative import read_head_config
 from raymoe.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -36,8 +37,8 @@ def apply_model_rules(config: EngineConfig, model: ModelConfig) -> EngineConfig:
         InvalidRequestError: ``tp_size`` does not divide the linear-attention heads, or speculative decoding is
             on for a hybrid model, or ``nextn`` for a model without an MTP layer, naming the option.
     """
-    if config.speculative.speculative_algorithm == "nextn":
-        config = _nextn_rules(config, model)
+    if config.speculative.speculative_algorithm in ("nextn", "eagle"):
+        config = _draft_model_rules(config, model)
     if model.hybrid is None:
         return config
     if config.speculative.enabled:
@@ -54,16 +55,23 @@ def apply_model_rules(config: EngineConfig, model: ModelConfig) -> EngineConfig:
     return config
 
 
-def _nextn_rules(config: EngineConfig, model: ModelConfig) -> EngineConfig:
+def _draft_model_rules(config: EngineConfig, model: ModelConfig) -> EngineConfig:
     """``nextn`` drafts with the checkpoint's MTP layer (``raymoe.models.deepseek_mtp``): only DeepSeek-V3-style
-    checkpoints that carry one. The layer reads the target's hidden states, which a decode-graph replay does not
-    return, so decode graphs are off."""
-    if model.mla is None or model.num_nextn_predict_layers < 1:
+    checkpoints that carry one. ``eagle`` drafts with a separate head (``raymoe.models.eagle_head``): Qwen3-MoE
+    targets in float weights, the head's folder readable. Both read the target's hidden states, which a
+    decode-graph replay does not return, so decode graphs are off."""
+    algo = config.speculative.speculative_algorithm
+    if algo == "nextn" and (model.mla is None or model.num_nextn_predict_layers < 1):
         raise InvalidRequestError("speculative_algorithm", f"nextn drafts with the checkpoint's multi-token-"
                                                            f"prediction layer; {model.model_type} has none "
                                                            "(num_nextn_predict_layers)")
+    if algo == "eagle":
+        if model.model_type != "qwen3_moe" or model.quantization is not None:
+            raise InvalidRequestError("speculative_algorithm", f"eagle draft heads run on Qwen3-MoE targets with "
+                                                               f"float weights, not {model.model_type}")
+        read_head_config(config.speculative.speculative_draft_model_path)
     if not config.graph.disable_cuda_graph:
-        log.info("nextn: decode graphs are off (the MTP layer reads the target's hidden states)")
+        log.info("%s: decode graphs are off (the draft model reads the target's hidden states)", algo)
         config = dataclasses.replace(config, graph=dataclasses.replace(config.graph, disable_cuda_graph=True))
     return config
 

@@ -119,11 +119,13 @@ class DecoderLayer(nn.Module):
 
 
 def gqa_kv_pool(config: ModelConfig, num_kv_heads: int, num_slots: int, dtype: torch.dtype,
-                device: torch.device | str):
-    """Per-head K/V cache (``TokenToKVPool``) of ``num_kv_heads`` local kv heads of ``config.head_dim``."""
+                device: torch.device | str, extra_layers: int = 0):
+    """Per-head K/V cache (``TokenToKVPool``) of ``num_kv_heads`` local kv heads of ``config.head_dim``, for the
+    model's layers and ``extra_layers`` more (a draft model's, ``MoeCausalLM.extra_kv_layers``)."""
     from raymoe.kvcache.pools import TokenToKVPool
 
-    return TokenToKVPool(num_slots, config.num_hidden_layers, num_kv_heads, config.head_dim, dtype, device)
+    return TokenToKVPool(num_slots, config.num_hidden_layers + extra_layers, num_kv_heads, config.head_dim, dtype,
+                         device)
 
 
 class MoeCausalLM(nn.Module):
@@ -139,6 +141,8 @@ class MoeCausalLM(nn.Module):
     Attributes:
         tbo_decode_schedule: ``"fine"`` or ``"coarse"`` stage boundaries of DECODE two-batch-overlap steps
             (``raymoe.overlap.strategy``); the runner sets it from ``OverlapConfig.tbo_decode_schedule``.
+        extra_kv_layers: KV cache layers after the model's own, for a speculative draft model's attention (DeepSeek's
+            MTP layer, an EAGLE head); set before ``create_kv_pool``.
     """
 
     def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype, ops: Platform,
@@ -148,6 +152,7 @@ class MoeCausalLM(nn.Module):
         self.ops = ops
         self.enable_sbo = enable_sbo
         self.tbo_decode_schedule = "fine"
+        self.extra_kv_layers = 0
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, groups, dtype)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, groups, dtype, ops)
@@ -156,7 +161,7 @@ class MoeCausalLM(nn.Module):
 
     def create_kv_pool(self, num_slots: int, dtype: torch.dtype, device: torch.device | str):
         """KV cache of ``num_slots`` tokens for this rank (GQA models: per-head K/V of the local kv heads)."""
-        return gqa_kv_pool(self.config, self.num_local_kv_heads, num_slots, dtype, device)
+        return gqa_kv_pool(self.config, self.num_local_kv_heads, num_slots, dtype, device, self.extra_kv_layers)
 
     def create_attn_backend(self, name: str, req_to_token_pool, token_to_kv_pool):
         """Attention backend ``name`` over this model's cache (GQA models: the platform's grouped-query backend)."""

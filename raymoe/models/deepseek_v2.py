@@ -62,6 +62,7 @@ class DeepseekV2ForCausalLM(MoeCausalLM):
             from raymoe.models.deepseek_mtp import DeepseekMTP
 
             self.__dict__["mtp"] = DeepseekMTP(config, groups, dtype, ops, a2a_backend, rotary, self.embed_tokens)
+            self.extra_kv_layers = 1
 
     def create_kv_pool(self, num_slots: int, dtype: torch.dtype, device: torch.device | str):
         """The latent cache: ``kv_lora_rank + qk_rope_head_dim`` values per token per layer (one layer more for
@@ -69,7 +70,7 @@ class DeepseekV2ForCausalLM(MoeCausalLM):
         from raymoe.kvcache.mla_pool import MLATokenToKVPool
 
         m = self.config.mla
-        layers = self.config.num_hidden_layers + (self.mtp is not None)
+        layers = self.config.num_hidden_layers + self.extra_kv_layers
         return MLATokenToKVPool(num_slots, layers, m.kv_lora_rank, m.qk_rope_head_dim, dtype, device)
 
     def load_weights(self, reader) -> None:

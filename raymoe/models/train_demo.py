@@ -229,3 +229,119 @@ def train_checkpoint(folder: str | Path, seconds: float, *, steps: int | None = 
     save_file(tensors, str(weights_file), metadata={"format": "pt"})
     (folder / "train_log.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
+
+
+class EagleTrainHead(nn.Module):
+    """The EAGLE head of ``raymoe.models.eagle_head`` for training: ``fc`` over ``[emb(x_{i+1}); h_i]``, one dense
+    transformers ``Qwen3DecoderLayer``, a norm; the target's embedding and LM head are used frozen."""
+
+    def __init__(self, target_config, intermediate_size: int):
+        super().__init__()
+        from transformers import Qwen3Config
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm
+
+        t = target_config
+        h = t.hidden_size
+        self.config = Qwen3Config(vocab_size=t.vocab_size, hidden_size=h, intermediate_size=intermediate_size,
+                                  num_hidden_layers=1, num_attention_heads=t.num_attention_heads,
+                                  num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim,
+                                  rms_norm_eps=t.rms_norm_eps, max_position_embeddings=t.max_position_embeddings)
+        self.config._attn_implementation = "sdpa"
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layer = Qwen3DecoderLayer(self.config, 0)
+        self.norm = Qwen3RMSNorm(h, eps=t.rms_norm_eps)
+
+    def forward(self, hidden, next_embeds, position_embeddings, mask):
+        x = self.fc(torch.cat([next_embeds, hidden], dim=-1))
+        x = self.layer(x, attention_mask=mask, position_embeddings=position_embeddings)
+        return self.norm(x[0] if isinstance(x, tuple) else x)
+
+
+def train_eagle_head(target: str | Path, out: str | Path, seconds: float, *, steps: int | None = None, seed: int = 0,
+                     seq_len: int = 128, batch_size: int = 16, lr: float = 3e-3, intermediate_size: int | None = None,
+                     progress: bool = True, log_every: int = 10) -> TrainReport:
+    """Train an EAGLE draft head (``raymoe.models.eagle_head``) for the Qwen3-MoE checkpoint ``target`` on the
+    standard library's source and write it to the folder ``out`` in EAGLE's layout (``fc.weight``,
+    ``norm.weight``, ``layers.0.*``, ``config.json`` with ``model_type`` ``eagle_head``, ``train_log.json``).
+
+    At position ``i`` the head reads the frozen target's final hidden state ``h_i`` and the embedding of
+    ``x_{i+1}`` and is trained to predict ``x_{i+2}`` through the target's LM head (cross-entropy).
+
+    Args:
+        target: the target's folder. out: the head's folder (created). seconds / steps / seed / seq_len /
+            batch_size / lr / progress: as :func:`train_checkpoint`. intermediate_size: the head's MLP width
+            (None: the target's ``moe_intermediate_size`` times its ``num_experts_per_tok``).
+    Raises:
+        ValueError: the target is not a Qwen3-MoE folder, or the budget is not positive.
+    """
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM
+
+    from raymoe.config.speculative import HEAD_MODEL_TYPE
+    from raymoe.tokenizer import load_tokenizer
+
+    target, out = Path(target), Path(out)
+    cfg = json.loads((target / "config.json").read_text())
+    if cfg["model_type"] != "qwen3_moe":
+        raise ValueError(f"EAGLE heads are trained for qwen3_moe targets, not {cfg['model_type']!r}")
+    if steps is None and not seconds > 0 or steps is not None and steps < 1:
+        raise ValueError("train_eagle_head needs seconds > 0 or steps >= 1")
+    inter = intermediate_size or cfg["moe_intermediate_size"] * cfg["num_experts_per_tok"]
+    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    for p in hf.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(seed)
+    head = EagleTrainHead(hf.config, inter)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    eos = cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], int) else cfg["eos_token_id"][0]
+    data = corpus_ids(load_tokenizer(str(target)), eos)
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.full((seq_len - 1, seq_len - 1), float("-inf")).triu(1)[None, None]
+    report, recent = TrainReport(), []
+    bar = tqdm(total=steps if steps is not None else round(seconds), desc=f"raymoe: training {out.name}",
+               unit="step" if steps is not None else "s", disable=not progress)
+    t0 = time.perf_counter()
+    pos = torch.arange(seq_len - 1, dtype=torch.int64)[None].expand(batch_size, -1)
+    while True:
+        frac = report.steps / steps if steps is not None else (time.perf_counter() - t0) / seconds
+        if frac >= 1.0:
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr * (frac / 0.05 if frac < 0.05 else 0.1 + 0.45 * (1 + math.cos(math.pi * (frac - 0.05) / 0.95)))
+        starts = torch.randint(0, data.numel() - seq_len - 2, (batch_size,), generator=gen).tolist()
+        ids = torch.stack([data[s:s + seq_len] for s in starts])
+        target_ids = torch.stack([data[s + 2:s + seq_len + 1] for s in starts])
+        with torch.no_grad():
+            hidden = hf.model(input_ids=ids).last_hidden_state[:, :-1]
+            embeds = hf.model.embed_tokens(ids[:, 1:])
+            rot = hf.model.rotary_emb(hidden, pos)
+        logits = hf.lm_head(head(hidden, embeds, rot, mask))
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), target_ids.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        report.steps += 1
+        report.tokens += batch_size * seq_len
+        recent = (recent + [loss.item()])[-10:]
+        if report.steps % log_every == 0 or report.steps == 1:
+            report.losses.append((report.steps, recent[-1]))
+        bar.set_postfix(loss=f"{sum(recent) / len(recent):.3f}")
+        bar.n = report.steps if steps is not None else min(round(time.perf_counter() - t0), bar.total)
+        bar.refresh()
+    bar.close()
+    report.seconds = time.perf_counter() - t0
+    report.final_loss = sum(recent) / len(recent)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {"fc.weight": head.fc.weight, "norm.weight": head.norm.weight}
+    tensors.update({f"layers.0.{k}": v for k, v in head.layer.state_dict().items()})
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    c = hf.config
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["EagleHead"], "model_type": HEAD_MODEL_TYPE, "target_model_type": cfg["model_type"],
+        "hidden_size": c.hidden_size, "intermediate_size": inter, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
+        "vocab_size": c.vocab_size}, indent=2) + "\n")
+    (out / "train_log.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
+    return report

@@ -72,12 +72,13 @@ class ModelRunner:
             with torch.device(self.device):
                 a2a = A2ABackendSpec(cfg.moe_comm.a2a_backend, cfg.moe_comm.a2a_mode, cfg.max_dispatch_tokens_per_rank)
                 extra = {"expert_location": cfg.expert_location} if cfg.expert_location is not None else {}
-                nextn = cfg.speculative.speculative_algorithm == "nextn"
-                if nextn:
+                algo = cfg.speculative.speculative_algorithm
+                if algo == "nextn":
                     extra["enable_mtp"] = True
                 self.model = model_cls(self.model_config, self.groups, self.dtype, self.ops, a2a,
                                        enable_sbo=cfg.overlap.enable_sbo, **extra)
             self.model.load_weights(reader)
+        draft = self._draft_model() if algo in ("nextn", "eagle") else None
         self.model.eval()
         self.eplb = RankEplb.attach(self.model, cfg.eplb, cfg.expert_location, self.groups, self.device)
         self.model.tbo_decode_schedule = resolve_decode_schedule(cfg.overlap.tbo_decode_schedule,
@@ -106,12 +107,31 @@ class ModelRunner:
             lambda: compiler_for_model(cfg.model_path, mc.vocab_size, tuple(mc.eos_token_ids)), self.device)
         self.future_tokens = FutureTokenMap(cfg.max_req_rows, self.device)
         self.drafter = None
-        if nextn:
+        if draft is not None:
             from raymoe.runner.mtp_drafter import MtpDrafter
 
-            self.drafter = MtpDrafter(self.model, self.attn_backend, self.req_to_token_pool,
+            self.drafter = MtpDrafter(draft, self.attn_backend, self.req_to_token_pool,
                                       cfg.speculative.speculative_num_steps, self.ops, self.device)
         self.graph_runner = self.build_graph_runner() if cfg.graph_capture_sizes and capture_graphs else None
+
+    def _draft_model(self):
+        """The speculative draft model the ranks run (``raymoe.runner.mtp_drafter``): DeepSeek's MTP layer built with
+        the model (``nextn``), or an EAGLE head loaded from ``speculative_draft_model_path`` (``eagle``), its KV in
+        one more cache layer of the model's pool."""
+        if self.cfg.speculative.speculative_algorithm == "nextn":
+            return self.model.mtp
+        from raymoe.config.speculative import read_head_config
+        from raymoe.models.eagle_head import EagleHead
+
+        path = self.cfg.speculative.speculative_draft_model_path
+        with torch.device(self.device):
+            head = EagleHead(self.model_config, int(read_head_config(path)["intermediate_size"]), self.groups,
+                             self.dtype, self.ops, self.model.embed_tokens, self.model.lm_head)
+        with CheckpointReader(path) as reader:
+            head.load(reader)
+        head.eval()
+        self.model.extra_kv_layers = 1
+        return head
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's resident model weights: every parameter and persistent buffer once (an FP8

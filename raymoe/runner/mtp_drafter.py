@@ -1,7 +1,9 @@
-"""Drafting with the model's MTP layer on the rank (``speculative_algorithm="nextn"``), after every step.
+"""Drafting with a draft model on the rank (``speculative_algorithm`` ``nextn`` or ``eagle``), after every step.
 
-After the target's forward and its sampling (or verification) of a step, the rank runs the MTP layer
-(``raymoe.models.deepseek_mtp``) twice over:
+The draft model is DeepSeek's MTP layer (``raymoe.models.deepseek_mtp``) or an EAGLE head
+(``raymoe.models.eagle_head``): one decoder layer that reads the target's hidden state at a position and the next
+token's embedding, with its own KV cache layer. After the target's forward and its sampling (or verification) of a
+step, the rank runs it twice over (the "MTP layer" below is either):
 
 1. **Draft extend**: over every position whose token the step made final, the MTP layer reads the target's hidden
    state there and the token that follows it: the next prompt token inside a prefill chunk, the next draft for an
@@ -35,13 +37,14 @@ class MtpDrafter:
     """Runs the MTP layer's passes of a step (module docstring).
 
     Args:
-        model: the rank's model with ``mtp`` built. attn_backend: the rank's attention backend (its metadata is
+        draft: the draft model (``forward(fb, input_ids, hidden)``, ``logits(hidden)``).
+        attn_backend: the rank's attention backend (its metadata is
             rebuilt for each pass). req_to_token_pool: the rank's table (the chain's scratch slots are written).
         num_steps: drafts per sampling row (``speculative_num_steps``). ops: the rank's platform. device: the rank's.
     """
 
-    def __init__(self, model, attn_backend, req_to_token_pool, num_steps: int, ops, device: torch.device):
-        self.mtp = model.mtp
+    def __init__(self, draft, attn_backend, req_to_token_pool, num_steps: int, ops, device: torch.device):
+        self.mtp = draft
         self.attn_backend = attn_backend
         self.req_to_token_pool = req_to_token_pool
         self.num_steps = num_steps

@@ -100,7 +100,7 @@ class SpecSteps:
         self.num_accepted_tokens = 0
         self.accept_len_counts = [0] * (config.speculative_num_steps + 1)
         self.policy = DraftPolicy() if config.speculative_draft_policy == "adaptive" else None
-        self.mtp = config.speculative_algorithm == "nextn"  # drafts come from the ranks' MTP layer
+        self.mtp = config.speculative_algorithm in ("nextn", "eagle")  # drafts come from the ranks' draft model
         self.hit_cut = 1 if self.mtp else 0  # see ``PrefillAdder.hit_cut``
 
     def draft_for(self, req: Req, batch_size: int = 1) -> list[int]:
