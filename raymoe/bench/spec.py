@@ -30,6 +30,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algorithms", default="ngram", help="comma-separated speculative_algorithm values to compare "
                                                          "with speculation off; ALGO/fixed runs it with "
                                                          "speculative_draft_policy fixed (default: adaptive)")
+    p.add_argument("--draft-model", default=None, help="eagle: the draft head's folder (speculative_draft_model_path)")
     p.add_argument("--num-steps", type=int, default=4, help="speculative_num_steps (drafts per request and step)")
     p.add_argument("--batches", default="1,8,32", help="running requests to measure at, comma-separated")
     p.add_argument("--input-len", type=int, default=128)
@@ -106,6 +107,8 @@ def run_spec_bench(a: argparse.Namespace) -> dict:
             algo, _, policy = method.partition("/")
             spec = {"speculative_algorithm": algo, "speculative_num_steps": a.num_steps,
                     "speculative_draft_policy": policy or "adaptive"}
+            if algo == "eagle":
+                spec["speculative_draft_model_path"] = a.draft_model
         kv = max(16384, max(batches) * (a.input_len + a.output_len + a.num_steps + 1))
         with Engine(model, dtype=a.dtype, max_running_requests=max(batches), max_total_tokens=kv,
                     max_context_len=a.input_len + a.output_len + a.num_steps + 8, **spec) as engine:
