@@ -20,8 +20,9 @@ import argparse
 import json
 import random
 import sysconfig
-import time
 from pathlib import Path
+
+from raymoe.bench.offline import _time
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -56,16 +57,6 @@ def source_prompts(tokenizer, n: int, length: int, seed: int) -> list[list[int]]
     return prompts
 
 
-def _best(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def measure(engine, prompts: list[list[int]], output_len: int, temperature: float, repeats: int) -> dict:
     """Decode figures of ``engine`` for ``prompts`` (module docstring)."""
     from raymoe import SamplingParams
@@ -79,9 +70,9 @@ def measure(engine, prompts: list[list[int]], output_len: int, temperature: floa
         return SpecCounters.total(s.spec for s in engine.driver.group_stats()) or SpecCounters()
 
     before = counters()
-    full = _best(run(output_len), repeats)
+    full = _time(run(output_len), repeats)
     after = counters()
-    prefill = _best(run(1), repeats)
+    prefill = _time(run(1), repeats)
     n = len(prompts)
     decode = max(full - prefill, 1e-9)
     rows = sum(after.accept_len_counts) - sum(before.accept_len_counts)

@@ -365,23 +365,32 @@ def trained_model_path(arch: str = "qwen3_moe", progress: bool = True) -> Path:
         InvalidRequestError: an architecture that cannot be trained.
         OSError: the cache folder cannot be written.
     """
-    from filelock import FileLock
-
     from raymoe.models.train_demo import train_checkpoint
 
     if arch not in ("qwen3_moe", "deepseek_v3", "deepseek_v2", "mixtral"):
         raise InvalidRequestError("arch", f"no trained demo checkpoint for {arch!r}")
+    def build(path: Path) -> None:
+        tmp = path.parent / f".{path.name}.building"
+        make_checkpoint(arch, tmp, seed=0, progress=progress)
+        train_checkpoint(tmp, 0.0, steps=TRAIN_STEPS, seed=0, progress=progress)
+        _replace_dir(tmp, path)
+
+    return _cached_build(f"demo-trained-{arch}-{TRAIN_STEPS}-v{DEMO_VERSION}", "train_log.json", build)
+
+
+def _cached_build(name: str, marker: str, build: Callable[[Path], None]) -> Path:
+    """``cache_dir() / name``, built once by ``build(path)`` (until ``marker`` exists in it) under a file lock next to
+    it, so concurrent processes build it once (the others wait, then reuse it)."""
+    from filelock import FileLock
+
     root = cache_dir()
-    path = root / f"demo-trained-{arch}-{TRAIN_STEPS}-v{DEMO_VERSION}"
-    if (path / "train_log.json").is_file():
+    path = root / name
+    if (path / marker).is_file():
         return path
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / f"{path.name}.lock")):
-        if not (path / "train_log.json").is_file():
-            tmp = root / f".{path.name}.building"
-            make_checkpoint(arch, tmp, seed=0, progress=progress)
-            train_checkpoint(tmp, 0.0, steps=TRAIN_STEPS, seed=0, progress=progress)
-            _replace_dir(tmp, path)
+        if not (path / marker).is_file():
+            build(path)
     return path
 
 
@@ -394,14 +403,5 @@ def default_model_path(progress: bool = True) -> Path:
     Raises:
         OSError: the cache folder cannot be written (or the lock cannot be taken).
     """
-    from filelock import FileLock
-
-    root = cache_dir()
-    path = root / f"demo-qwen3_moe-v{DEMO_VERSION}"
-    if (path / "config.json").is_file():
-        return path
-    root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / f"{path.name}.lock")):
-        if not (path / "config.json").is_file():
-            make_checkpoint("qwen3_moe", path, seed=0, progress=progress)
-    return path
+    return _cached_build(f"demo-qwen3_moe-v{DEMO_VERSION}", "config.json",
+                         lambda path: make_checkpoint("qwen3_moe", path, seed=0, progress=progress))

@@ -54,6 +54,60 @@ class TrainReport:
     final_mtp_loss: float | None = None
 
 
+class _TrainLoop:
+    """What both trainers share: the budget (``steps``, else ``seconds`` of wall time), the learning-rate schedule
+    (linear warm-up over the first 5 %, cosine decay to 10 % of ``lr``), the optimizer step with gradient clipping,
+    the loss record and the progress bar showing the loss."""
+
+    def __init__(self, name: str, seconds: float, steps: int | None, lr: float, params: list, tokens_per_step: int,
+                 log_every: int, progress: bool):
+        from tqdm.auto import tqdm
+
+        if steps is None and not seconds > 0 or steps is not None and steps < 1:
+            raise ValueError(f"training {name} needs seconds > 0 or steps >= 1")
+        self.seconds, self.steps, self.lr, self.params = seconds, steps, lr, params
+        self.opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+        self.tokens_per_step, self.log_every = tokens_per_step, log_every
+        self.report, self.recent = TrainReport(), []
+        self.bar = tqdm(total=steps if steps is not None else round(seconds), desc=f"raymoe: training {name}",
+                        unit="step" if steps is not None else "s", disable=not progress)
+        self.t0 = time.perf_counter()
+
+    def next(self) -> bool:
+        """Whether the budget allows another step (and set its learning rate)."""
+        r = self.report
+        frac = r.steps / self.steps if self.steps is not None else (time.perf_counter() - self.t0) / self.seconds
+        if frac >= 1.0:
+            return False
+        lr = self.lr * (frac / 0.05 if frac < 0.05 else 0.1 + 0.45 * (1 + math.cos(math.pi * (frac - 0.05) / 0.95)))
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        return True
+
+    def step(self, loss: torch.Tensor, logged: float) -> None:
+        """Back-propagate ``loss``, clip to norm 1, step; record ``logged`` (the loss the report shows)."""
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        r = self.report
+        r.steps += 1
+        r.tokens += self.tokens_per_step
+        self.recent = (self.recent + [logged])[-10:]
+        if r.steps % self.log_every == 0 or r.steps == 1:
+            r.losses.append((r.steps, logged))
+        self.bar.set_postfix(loss=f"{sum(self.recent) / len(self.recent):.3f}")
+        self.bar.n = r.steps if self.steps is not None else min(round(time.perf_counter() - self.t0), self.bar.total)
+        self.bar.refresh()
+
+    def finish(self) -> TrainReport:
+        """The report, with the wall time and the mean loss of the last 10 steps."""
+        self.bar.close()
+        self.report.seconds = time.perf_counter() - self.t0
+        self.report.final_loss = sum(self.recent) / len(self.recent)
+        return self.report
+
+
 class MTPLayer(nn.Module):
     """DeepSeek-V3's multi-token-prediction module for training (module docstring). ``decoder`` is a
     transformers ``DeepseekV3DecoderLayer``; the embedding is the main model's, the head starts as a copy of its."""
@@ -140,7 +194,6 @@ def train_checkpoint(folder: str | Path, seconds: float, *, steps: int | None = 
     Raises:
         ValueError: the folder's architecture cannot be trained here, or the budget is not positive.
     """
-    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
     from raymoe.tokenizer import load_tokenizer
@@ -165,24 +218,14 @@ def train_checkpoint(folder: str | Path, seconds: float, *, steps: int | None = 
         mtp = MTPLayer(hf.config, cfg["num_hidden_layers"], hf.lm_head)
         mtp.train()
     params = list(hf.parameters()) + (list(mtp.parameters()) if mtp is not None else [])
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     tok = load_tokenizer(str(folder))
     eos = cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], int) else cfg["eos_token_id"][0]
     data = corpus_ids(tok, eos)
     gen = torch.Generator().manual_seed(seed)
     mask = torch.full((seq_len, seq_len), float("-inf")).triu(1)[None, None]
-    report = TrainReport()
-    recent, recent_mtp = [], []
-    bar = tqdm(total=steps if steps is not None else round(seconds), desc=f"raymoe: training {folder.name}",
-               unit="step" if steps is not None else "s", disable=not progress)
-    t0 = time.perf_counter()
-    while True:
-        elapsed = time.perf_counter() - t0
-        frac = report.steps / steps if steps is not None else elapsed / seconds
-        if frac >= 1.0:
-            break
-        for g in opt.param_groups:
-            g["lr"] = lr * (frac / 0.05 if frac < 0.05 else 0.1 + 0.45 * (1 + math.cos(math.pi * (frac - 0.05) / 0.95)))
+    loop = _TrainLoop(folder.name, seconds, steps, lr, params, batch_size * seq_len, log_every, progress)
+    recent_mtp: list[float] = []
+    while loop.next():
         starts = torch.randint(0, data.numel() - seq_len - 1, (batch_size,), generator=gen)
         ids = torch.stack([data[s:s + seq_len] for s in starts.tolist()])
         target = torch.stack([data[s + 1:s + seq_len + 1] for s in starts.tolist()])
@@ -201,21 +244,8 @@ def train_checkpoint(folder: str | Path, seconds: float, *, steps: int | None = 
             loss_mtp = nn.functional.cross_entropy(logits.flatten(0, 1), target[:, 1:].flatten())
             loss = loss + MTP_LOSS_WEIGHT * loss_mtp
             recent_mtp = (recent_mtp + [loss_mtp.item()])[-10:]
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        report.steps += 1
-        report.tokens += batch_size * seq_len
-        recent = (recent + [loss_main.item()])[-10:]
-        if report.steps % log_every == 0 or report.steps == 1:
-            report.losses.append((report.steps, recent[-1]))
-        bar.set_postfix(loss=f"{sum(recent) / len(recent):.3f}")
-        bar.n = report.steps if steps is not None else min(round(time.perf_counter() - t0), bar.total)
-        bar.refresh()
-    bar.close()
-    report.seconds = time.perf_counter() - t0
-    report.final_loss = sum(recent) / len(recent)
+        loop.step(loss, loss_main.item())
+    report = loop.finish()
     report.final_mtp_loss = sum(recent_mtp) / len(recent_mtp) if recent_mtp else None
     with torch.no_grad():
         tensors = {k: v.detach().contiguous() for k, v in split_experts(hf.state_dict()).items() if k in original}
@@ -274,7 +304,6 @@ def train_eagle_head(target: str | Path, out: str | Path, seconds: float, *, ste
     Raises:
         ValueError: the target is not a Qwen3-MoE folder, or the budget is not positive.
     """
-    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
     from raymoe.config.speculative import HEAD_MODEL_TYPE
@@ -284,30 +313,20 @@ def train_eagle_head(target: str | Path, out: str | Path, seconds: float, *, ste
     cfg = json.loads((target / "config.json").read_text())
     if cfg["model_type"] != "qwen3_moe":
         raise ValueError(f"EAGLE heads are trained for qwen3_moe targets, not {cfg['model_type']!r}")
-    if steps is None and not seconds > 0 or steps is not None and steps < 1:
-        raise ValueError("train_eagle_head needs seconds > 0 or steps >= 1")
     inter = intermediate_size or cfg["moe_intermediate_size"] * cfg["num_experts_per_tok"]
     hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
     for p in hf.parameters():
         p.requires_grad_(False)
     torch.manual_seed(seed)
     head = EagleTrainHead(hf.config, inter)
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     eos = cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], int) else cfg["eos_token_id"][0]
     data = corpus_ids(load_tokenizer(str(target)), eos)
     gen = torch.Generator().manual_seed(seed)
     mask = torch.full((seq_len - 1, seq_len - 1), float("-inf")).triu(1)[None, None]
-    report, recent = TrainReport(), []
-    bar = tqdm(total=steps if steps is not None else round(seconds), desc=f"raymoe: training {out.name}",
-               unit="step" if steps is not None else "s", disable=not progress)
-    t0 = time.perf_counter()
+    loop = _TrainLoop(out.name, seconds, steps, lr, list(head.parameters()), batch_size * seq_len, log_every,
+                      progress)
     pos = torch.arange(seq_len - 1, dtype=torch.int64)[None].expand(batch_size, -1)
-    while True:
-        frac = report.steps / steps if steps is not None else (time.perf_counter() - t0) / seconds
-        if frac >= 1.0:
-            break
-        for g in opt.param_groups:
-            g["lr"] = lr * (frac / 0.05 if frac < 0.05 else 0.1 + 0.45 * (1 + math.cos(math.pi * (frac - 0.05) / 0.95)))
+    while loop.next():
         starts = torch.randint(0, data.numel() - seq_len - 2, (batch_size,), generator=gen).tolist()
         ids = torch.stack([data[s:s + seq_len] for s in starts])
         target_ids = torch.stack([data[s + 2:s + seq_len + 1] for s in starts])
@@ -317,21 +336,8 @@ def train_eagle_head(target: str | Path, out: str | Path, seconds: float, *, ste
             rot = hf.model.rotary_emb(hidden, pos)
         logits = hf.lm_head(head(hidden, embeds, rot, mask))
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), target_ids.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        report.steps += 1
-        report.tokens += batch_size * seq_len
-        recent = (recent + [loss.item()])[-10:]
-        if report.steps % log_every == 0 or report.steps == 1:
-            report.losses.append((report.steps, recent[-1]))
-        bar.set_postfix(loss=f"{sum(recent) / len(recent):.3f}")
-        bar.n = report.steps if steps is not None else min(round(time.perf_counter() - t0), bar.total)
-        bar.refresh()
-    bar.close()
-    report.seconds = time.perf_counter() - t0
-    report.final_loss = sum(recent) / len(recent)
+        loop.step(loss, loss.item())
+    report = loop.finish()
     out.mkdir(parents=True, exist_ok=True)
     tensors = {"fc.weight": head.fc.weight, "norm.weight": head.norm.weight}
     tensors.update({f"layers.0.{k}": v for k, v in head.layer.state_dict().items()})
