@@ -88,7 +88,7 @@ class FakeRank:
             if not partial and req.req_pool_idx == b.req_pool_indices[i]:
                 older = sum(r is req and not q for ob in inflight[:mine]
                             for r, q in zip(ob.reqs, ob.partial, strict=True))
-                drafts = b.extend_lens[i] - 1 if b.forward_mode == ForwardMode.TARGET_VERIFY else 0
+                drafts = b.draft_lens[i] if b.draft_lens else 0
                 assert rec.output_lens[i] - drafts == len(req.output_ids) + older, req.rid
 
     def check_batch(self, b: ModelWorkerBatch) -> None:
@@ -112,8 +112,9 @@ class FakeRank:
             assert 0 not in b.prefix_slots and not set(b.prefix_slots) & set(b.out_cache_loc)
             n_dec = 0  # a MIXED batch ends with its decode rows (one token, prefix already on the rank)
             if b.forward_mode == ForwardMode.MIXED:
-                while n_dec < bs and b.extend_lens[bs - 1 - n_dec] == 1 and 0 < held[bs - 1 - n_dec] == \
-                        b.prefix_lens[bs - 1 - n_dec]:
+                drafts = b.draft_lens or (0,) * bs  # a decode row may verify drafts: 1 + k tokens
+                while n_dec < bs and b.extend_lens[bs - 1 - n_dec] == 1 + drafts[bs - 1 - n_dec] and \
+                        0 < held[bs - 1 - n_dec] == b.prefix_lens[bs - 1 - n_dec]:
                     n_dec += 1
                 assert n_dec > 0  # (a one-token chunk continuation looks the same: a lower bound on prompts)
             limit = s.config.max_prefill_tokens
@@ -121,7 +122,7 @@ class FakeRank:
                 assert b.prefix_slots == [] and all(t == pre for t, pre in zip(held, b.prefix_lens, strict=True))
             elif s.config.chunked_prefill_size is not None:
                 limit = min(limit, s.config.chunked_prefill_size)
-                assert b.num_tokens <= limit
+                assert b.num_tokens <= limit + sum(b.draft_lens)
             elif bs - n_dec > 1:
                 assert b.num_tokens <= limit
 
@@ -136,8 +137,11 @@ class FakeRank:
         p = o = 0
         out, accepted = [], []
         held = b.table_lens or [0] * b.batch_size
-        for row, pre, sl, tl in zip(b.req_pool_indices, b.prefix_lens, b.seq_lens, held, strict=True):
-            first = o
+        verify = b.forward_mode == ForwardMode.TARGET_VERIFY or any(b.draft_lens)
+        draft_lens = b.draft_lens or [sl - pre - 1 if verify else 0 for pre, sl in zip(b.prefix_lens, b.seq_lens,
+                                                                                          strict=True)]
+        for row, pre, sl, tl, k in zip(b.req_pool_indices, b.prefix_lens, b.seq_lens, held, draft_lens,
+                                       strict=True):
             table = self.table.setdefault(row, {})
             if b.forward_mode.is_extend():
                 if sl - pre > 1 or b.forward_mode == ForwardMode.EXTEND:
@@ -156,12 +160,12 @@ class FakeRank:
                 kv_pos, tok = self.kv[table[pos]]
                 assert kv_pos == pos, f"slot {table[pos]} holds position {kv_pos}, expected {pos}"
                 seq.append(tok)
-            if b.forward_mode == ForwardMode.TARGET_VERIFY:
-                drafts, a = ids[first + 1:o], 0
-                while a < len(drafts) and self.model(seq[:pre + 1 + a]) == drafts[a]:
+            if verify:  # the row's last k tokens are drafts, after its newest token at position sl - 1 - k
+                last, a = sl - 1 - k, 0
+                while a < k and self.model(seq[:last + 1 + a]) == seq[last + 1 + a]:
                     a += 1
                 accepted.append(a)
-                out.append(self.model(seq[:pre + 1 + a]))
+                out.append(self.model(seq[:last + 1 + a]))
             else:
                 out.append(self.model(seq))
         self.last_out = out

@@ -167,6 +167,9 @@ def test_nextn_drafts_with_the_mtp_layer_and_keeps_the_tokens(mtp_model):
     assert [o.token_ids for o in outs] == ref and [o.token_ids for o in again] == ref[:2]
     assert counters.verify_steps > 0 and counters.accepted_tokens > 0, counters
     assert report.clean
+    with Engine(path, **OPTS, **NEXTN) as e:  # MIXED steps on: their decode rows verify the MTP drafts too
+        assert [o.token_ids for o in e.generate(PROMPTS, LONG)] == ref
+        assert e.driver.idle_report().clean
 
 
 def test_nextn_at_dp2_ep2_with_idle_groups_and_tbo(ray_cluster, mtp_model):

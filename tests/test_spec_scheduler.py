@@ -135,3 +135,24 @@ def test_adaptive_and_fixed_policies_give_the_same_tokens():
         finished = drive(s, stagger(work, lambda i: i // 2), rank=FakeRank(s, noisy))
         outs[policy] = {rid: r.output_ids for rid, r in finished.items()}
     assert outs["adaptive"] == outs["fixed"]
+
+
+@pytest.mark.parametrize("model", [cycling, noisy])
+def test_mixed_steps_verify_their_decode_rows_drafts(model):
+    """With MIXED steps on, arrivals keep prefilling while running requests decode: their decode rows verify drafts
+    inside the MIXED batches, and every request still gets the tokens of plain decoding."""
+    workload = specs(16, seed=11, max_tokens=(8, 40))
+    s = make(speculative=NGRAM, max_running_requests=8, enable_mixed_chunk=True, chunked_prefill_size=12)
+    rank = FakeRank(s, model)
+    step, mixed_with_drafts = rank.step, []
+
+    def watched(b):
+        if b.forward_mode == ForwardMode.MIXED and any(b.draft_lens):
+            mixed_with_drafts.append(b)
+        return step(b)
+
+    rank.step = watched
+    finished = drive(s, stagger(workload, lambda i: i), rank=rank)
+    for rid, prompt, params in workload:
+        assert finished[rid].output_ids == reference(prompt, params, model=model), rid
+    assert mixed_with_drafts and s.spec.counters().accepted_tokens > 0

@@ -34,7 +34,7 @@ from raymoe.runner.grammar import RankGrammars
 from raymoe.runner.grammar_compiler import compiler_for_model
 from raymoe.runner.runner_config import DTYPES, RunnerConfig
 from raymoe.runner.sampler import SampledTokens, Sampler
-from raymoe.runner.spec_verify import verify_drafts
+from raymoe.runner.spec_verify import verify_rows
 from raymoe.runner.step_result import PendingStep
 from raymoe.step.host_transfer import to_device
 from raymoe.step.sampling_table import SamplingTable
@@ -253,7 +253,7 @@ class ModelRunner:
         self.apply_expert_update(update)
         use_graph = self.graph_runner is not None and batch.graph_bs is not None and self.graph_runner.can_run(batch)
         fb = self.prepare(batch, for_graph=use_graph)
-        verify = batch.forward_mode.is_target_verify()
+        verify = batch.forward_mode.is_target_verify() or any(batch.draft_lens)  # MIXED rows may verify drafts
         hidden = None
         if self.drafter is not None:  # nextn: the MTP layer reads the target's hidden states (no graphs then)
             hidden = self.model(fb)
@@ -269,7 +269,9 @@ class ModelRunner:
                 self.drafter.draft(batch, fb.input_ids, hidden, [], None)
             return PendingStep(None, None, t0, load)
         if verify:  # speculative decoding: accept drafts, one more token per row (no grammar or log-prob rows)
-            res = verify_drafts(self.ops, logits, fb.input_ids, fb.extend_lens_cpu, fb.sampling, self.sampler.generator)
+            drafts_per_row = list(batch.draft_lens) or [e - 1 for e in fb.extend_lens_cpu]
+            res = verify_rows(self.ops, logits, fb.input_ids, fb.extend_lens_cpu, drafts_per_row, fb.sampling,
+                              self.sampler.generator)
             self.future_tokens.store(res.next_ids)
             drafts = ()
             if self.drafter is not None:

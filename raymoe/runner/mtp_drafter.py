@@ -76,9 +76,11 @@ class MtpDrafter:
         next_info = batch.spec_next_ids or (-1,) * bs
         rows, pre, ext, loc, src, follow, last = [], [], [], [], [], [], []
         start = 0
+        verify_mode = batch.forward_mode == ForwardMode.TARGET_VERIFY
         for r in range(bs):
             e = batch.extend_lens[r]
-            n = accept_lens[r] + 1 if accept_lens is not None else e
+            k = batch.draft_lens[r] if batch.draft_lens else (e - 1 if verify_mode else 0)
+            n = e - k + accept_lens[r] if accept_lens is not None else e  # the positions the step made final
             p = batch.prefix_lens[r]
             rows.append(batch.req_pool_indices[r])
             pre.append(p)

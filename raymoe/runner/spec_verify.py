@@ -60,6 +60,7 @@ def verify_drafts(ops: Platform, logits: torch.Tensor, input_ids: torch.Tensor, 
         extend_lens: ``bs`` host counts ``1 + k_i``.
         info: the rows' sampling parameters ([bs] tensors; ``output_lens`` counts the row's tokens through its
             last draft, as ``SamplingTable.resolve`` derives it from ``seq_lens``).
+        (``extend_lens`` here are the rows' ``1 + drafts``: :func:`verify_rows` cuts a batch's rows to those.)
         generator: the rank's generator, for unseeded rows.
     Raises:
         ValueError: ``logits`` or ``input_ids`` do not have ``sum(extend_lens)`` rows, or a row has no token.
@@ -105,6 +106,20 @@ def verify_drafts(ops: Platform, logits: torch.Tensor, input_ids: torch.Tensor, 
     dist = torch.where(dist.sum(dim=1, keepdim=True) > 0, dist, probs[final])  # (p put all its mass on the draft)
     drawn = ops.sample_rows(torch.log(dist), torch.ones(bs, device=device), u_token[final])
     return VerifyResult(torch.where(greedy_rows, greedy_ids[final], drawn), accept)
+
+
+def verify_rows(ops: Platform, logits: torch.Tensor, input_ids: torch.Tensor, extend_lens: list[int],
+                draft_lens: list[int], info: SamplingBatchInfo, generator: torch.Generator) -> VerifyResult:
+    """:func:`verify_drafts` over the last ``1 + draft_lens[i]`` positions of each row of a batch whose rows may
+    also hold other tokens (a MIXED batch: prefill rows with no draft sample their last position; decode rows
+    verify their drafts). ``logits`` [T, V] at every token; ``extend_lens``, ``draft_lens``: ``bs`` host counts."""
+    window: list[int] = []
+    pos = 0
+    for e, k in zip(extend_lens, draft_lens, strict=True):
+        window += range(pos + e - 1 - k, pos + e)
+        pos += e
+    idx = to_device(window, torch.int64, logits.device)
+    return verify_drafts(ops, logits[idx], input_ids[idx], [1 + k for k in draft_lens], info, generator)
 
 
 def _uniforms(extend_lens: list[int], info: SamplingBatchInfo, generator: torch.Generator,

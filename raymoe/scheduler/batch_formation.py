@@ -77,16 +77,20 @@ class BatchFormation:
             s.inflight.append(batch)
         return batch
 
-    def _build(self, reqs: list[Req], mode: ForwardMode, extend_lens: list[int]) -> ScheduleBatch | None:
+    def _build(self, reqs: list[Req], mode: ForwardMode, extend_lens: list[int],
+               drafts: list[list[int]] | None = None) -> ScheduleBatch | None:
         """``ScheduleBatch.build`` that fails (only) the requests whose rows cannot be built and builds the
         step from the others; ``None`` when none is left."""
         reqs, extend_lens = list(reqs), list(extend_lens)
+        drafts = None if drafts is None else list(drafts)
         while reqs:
             try:
-                return ScheduleBatch.build(reqs, mode, extend_lens)
+                return ScheduleBatch.build(reqs, mode, extend_lens, drafts)
             except RequestFaultError as e:
                 i = next(i for i, r in enumerate(reqs) if r is e.req)
                 del reqs[i], extend_lens[i]
+                if drafts is not None:
+                    del drafts[i]
                 self.state.fail(e.req, e.fault)
         return None
 
@@ -96,16 +100,17 @@ class BatchFormation:
         ratio, ctx = s.new_token_ratio, s.max_seq_len
         return sum(decode_reservation(r, r.kv_len, ratio, ctx) for r in s.running)
 
-    def _prefill_batch(self, decoders: Sequence[Req] = ()) -> ScheduleBatch | None:
+    def _prefill_batch(self, decoders: Sequence[Req] = (),
+                       drafts: list[list[int]] | None = None) -> ScheduleBatch | None:
         """Admit prompts (and continue the chunked one) into an EXTEND batch; with ``decoders`` (their decode
-        slots already allocated) a MIXED batch whose decode rows use ``len(decoders)`` tokens of the budgets.
-        ``None`` when no prompt token is admitted."""
+        slots, and their ``drafts``' slots with speculation, already allocated) a MIXED batch whose decode rows use
+        their tokens of the budgets. ``None`` when no prompt token is admitted."""
         s = self.state
         if not s.waiting and s.chunked_req is None:
             return None
         chunked = s.chunked_req
         live = len(s.running) + (chunked is not None)
-        n_dec = len(decoders)
+        n_dec = len(decoders) + (sum(map(len, drafts)) if drafts else 0)
         chunk = s.config.chunked_prefill_size
         adder = PrefillAdder(
             tree=s.tree_cache, token_allocator=s.token_allocator, req_allocator=s.req_allocator,
@@ -137,6 +142,9 @@ class BatchFormation:
                 req.limits = s.limits_for(req)
             if req is not s.chunked_req:
                 s.running.append(req)
+        if decoders and drafts is not None:  # decode rows that verify their drafts (raymoe.scheduler.spec_steps)
+            return self._build(adder.reqs + list(decoders), ForwardMode.MIXED,
+                               adder.extend_lens + [1 + len(d) for d in drafts], [[]] * len(adder.reqs) + drafts)
         if decoders:
             return self._build(adder.reqs + list(decoders), ForwardMode.MIXED, adder.extend_lens + [1] * n_dec)
         return self._build(adder.reqs, ForwardMode.EXTEND, adder.extend_lens)
@@ -169,8 +177,13 @@ class BatchFormation:
             if cost > alloc.available_size():
                 return None  # pages: the evicted tokens did not free whole pages
         self._alloc_decode_slots(decoders)
-        batch = self._prefill_batch(decoders)
+        drafts = self._spec.step_drafts(decoders) if self._spec is not None else None
+        if drafts is not None:
+            self._spec.alloc_draft_slots(decoders, drafts)
+        batch = self._prefill_batch(decoders, drafts)
         if batch is None:
+            if drafts is not None:
+                return self._build(decoders, ForwardMode.TARGET_VERIFY, [1 + len(d) for d in drafts], drafts)
             return self._build_decode(decoders)
         return batch
 

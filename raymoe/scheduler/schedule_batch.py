@@ -68,7 +68,8 @@ class ScheduleBatch:
 
         Raises:
             ValueError: ``forward_mode`` is IDLE, or the lengths (or ``drafts``) do not match the requests, or
-                ``drafts`` is given exactly when the mode is not TARGET_VERIFY.
+                ``drafts`` is missing for TARGET_VERIFY or given for EXTEND or DECODE (a MIXED batch may carry
+                drafts for its decode rows: empty for its prefill rows).
             RequestFaultError: one request's row cannot be built (a decode row has ``e != 1``, ``e < 1``, its KV
                 would run past its tokens, it holds no ReqToTokenPool row, or its sampling parameters cannot be
                 represented on the ranks); the caller fails that request and builds again without it.
@@ -77,9 +78,9 @@ class ScheduleBatch:
             raise ValueError("ScheduleBatch builds EXTEND, MIXED and DECODE batches, not IDLE")
         if len(reqs) != len(extend_lens):
             raise ValueError("one extend length per request is required")
-        if (drafts is not None) != (forward_mode == ForwardMode.TARGET_VERIFY) or (
+        if (drafts is None) == (forward_mode == ForwardMode.TARGET_VERIFY) and forward_mode != ForwardMode.MIXED or (
                 drafts is not None and len(drafts) != len(reqs)):
-            raise ValueError("drafts (one per request) go with TARGET_VERIFY batches, and only with them")
+            raise ValueError("drafts (one per request) go with TARGET_VERIFY batches (and may with MIXED ones)")
         decode = forward_mode == ForwardMode.DECODE
         input_ids: list[int] = []
         out_cache_loc: list[int] = []
@@ -94,7 +95,8 @@ class ScheduleBatch:
             end = req.kv_len - len(draft)  # the row's last position that holds a token of the request, + 1
             start = end - e + len(draft)
             total = req.sched_seq_len
-            if e < 1 or start < 0 or end > total or (decode and e != 1) or (drafts is not None and end != total):
+            if e < 1 or start < 0 or end > total or (decode and e != 1) or (draft and end != total) or (
+                    forward_mode == ForwardMode.TARGET_VERIFY and end != total):
                 raise RequestFaultError(req, RequestFault(
                     "failed", f"bad extend length {e} for kv_len {end}, seq_len {total}"))
             if req.req_pool_idx is None:
@@ -129,6 +131,7 @@ class ScheduleBatch:
             table_lens=table_lens,
             grammar_rows=tuple(grammar_rows),
             sampling_rows=tuple(sampling_rows),
+            draft_lens=() if drafts is None else tuple(len(d) for d in drafts),
         )
         return cls(reqs=list(reqs), partial=partial, worker_batch=worker_batch,
                    drafts=None if drafts is None else tuple(tuple(d) for d in drafts))

@@ -123,13 +123,9 @@ class SpecSteps:
         return propose_ngram(tail, cap, c.speculative_ngram_min_match_window_size,
                              c.speculative_ngram_max_match_window_size)
 
-    def verify_batch(self, decoders: list[Req], alloc_decode_slots) -> ScheduleBatch | None:
-        """A TARGET_VERIFY batch of ``decoders`` (room made for one decode slot each, none allocated yet), or None
-        (nothing allocated) when the step should be a plain DECODE step (module docstring).
-
-        Args:
-            alloc_decode_slots: appends one decode slot to each of a list of requests (``BatchFormation``).
-        """
+    def step_drafts(self, decoders: list[Req]) -> list[list[int]] | None:
+        """Each decoding request's draft for this step, or None when the step should not verify any (a grammar or
+        log-prob request, no draft at all, or drafts the adaptive policy expects not to pay)."""
         for r in decoders:
             p = r.sampling_params
             if r.pending_ids or p.grammar is not None or p.logprobs is not None:
@@ -142,7 +138,11 @@ class SpecSteps:
         if self.policy is not None and not self.policy.worth_verifying(
                 [(r.rid, len(d)) for r, d in zip(decoders, drafts, strict=True)], len(decoders)):
             return None
-        alloc_decode_slots(decoders)
+        return drafts
+
+    def alloc_draft_slots(self, decoders: list[Req], drafts: list[list[int]]) -> None:
+        """Append KV slots for each draft to its request (after its decode slot), cutting a draft to the slots the
+        pool has (so speculation never retracts); counts the step as a verify step."""
         alloc = self.state.token_allocator
         for req, draft in zip(decoders, drafts, strict=True):
             if not draft:
@@ -153,10 +153,22 @@ class SpecSteps:
                 del draft[room:]
                 got = alloc.alloc(len(draft), req.kv_slots[-1]) if draft else []
             req.kv_slots.extend(got)
-        batch = ScheduleBatch.build(decoders, ForwardMode.TARGET_VERIFY, [1 + len(d) for d in drafts], drafts)
         self.num_verify_steps += 1
         self.num_draft_tokens += sum(map(len, drafts))
-        return batch
+
+    def verify_batch(self, decoders: list[Req], alloc_decode_slots) -> ScheduleBatch | None:
+        """A TARGET_VERIFY batch of ``decoders`` (room made for one decode slot each, none allocated yet), or None
+        (nothing allocated) when the step should be a plain DECODE step (module docstring).
+
+        Args:
+            alloc_decode_slots: appends one decode slot to each of a list of requests (``BatchFormation``).
+        """
+        drafts = self.step_drafts(decoders)
+        if drafts is None:
+            return None
+        alloc_decode_slots(decoders)
+        self.alloc_draft_slots(decoders, drafts)
+        return ScheduleBatch.build(decoders, ForwardMode.TARGET_VERIFY, [1 + len(d) for d in drafts], drafts)
 
     def counters(self) -> SpecCounters:
         """A snapshot of the counters."""
@@ -221,7 +233,7 @@ class SpecSteps:
                 req.spec_drafts = list(drafts)
 
     def observe_step(self, batch: ScheduleBatch, output: StepOutput) -> None:
-        """Feed a decode or verify step's cost to the draft policy."""
+        """Feed a DECODE or TARGET_VERIFY step's cost to the draft policy (MIXED steps' cost is mostly prefill)."""
         mode = batch.worker_batch.forward_mode
         if self.policy is not None and (mode == ForwardMode.DECODE or mode == ForwardMode.TARGET_VERIFY):
             self.policy.observe_step(mode == ForwardMode.TARGET_VERIFY, batch.worker_batch.num_tokens,
@@ -277,9 +289,9 @@ def apply_verify_result(state: GroupState, batch: ScheduleBatch, output: StepOut
     state.inflight.popleft()
     ctx, pool = state.cache_config.max_context_len, state.token_allocator.size
     out: list[Req] = []
-    rows = zip(batch.reqs, batch.drafts, output.accept_lens, output.next_token_ids, strict=True)
-    for req, draft, accepted, token in rows:
-        if req.finished_reason is not None:
+    rows = zip(batch.reqs, batch.partial, batch.drafts, output.accept_lens, output.next_token_ids, strict=True)
+    for req, partial, draft, accepted, token in rows:
+        if req.finished_reason is not None or partial:  # a MIXED step's unfinished prefill chunk samples nothing
             continue
         try:
             tokens = verify_tokens(draft, accepted, token)

@@ -52,6 +52,9 @@ class ModelWorkerBatch:
         spec_next_ids: speculative decoding with the model's MTP layer (``nextn``): ``bs`` ids, per row the
             prompt token after its last position for a prefill chunk that does not sample, else -1 (the row's
             sampled token follows it); empty otherwise (``raymoe.runner.mtp_drafter``).
+        draft_lens: speculative decoding: ``bs`` counts of draft tokens at the end of each row (a TARGET_VERIFY row
+            is its newest token and its drafts; a MIXED batch's decode rows may verify drafts too, its prefill rows
+            have none); empty: none.
         spec_scratch_slots: ``nextn``: KV slots for the draft chain, ``speculative_num_steps - 1`` per row that
             samples, in row order (empty: drafts of one token only this step).
     Raises:
@@ -79,6 +82,7 @@ class ModelWorkerBatch:
     sampling_rows: tuple[tuple[int, SamplingRow], ...] = ()
     spec_next_ids: tuple[int, ...] = ()
     spec_scratch_slots: tuple[int, ...] = ()
+    draft_lens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         bs = len(self.req_pool_indices)
@@ -106,6 +110,9 @@ class ModelWorkerBatch:
             raise ValueError(f"ModelWorkerBatch.sampling_rows names a row outside [0, {bs})")
         if self.spec_next_ids and len(self.spec_next_ids) != bs:
             raise ValueError(f"ModelWorkerBatch.spec_next_ids has {len(self.spec_next_ids)} entries, expected {bs}")
+        if self.draft_lens and (len(self.draft_lens) != bs or any(
+                not 0 <= k < e for k, e in zip(self.draft_lens, self.extend_lens, strict=True))):
+            raise ValueError("ModelWorkerBatch.draft_lens needs one count per row, each below its extend length")
         if self.spec_scratch_slots and not self.spec_next_ids:
             raise ValueError("ModelWorkerBatch.spec_scratch_slots go with spec_next_ids")
 
