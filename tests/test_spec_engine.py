@@ -239,3 +239,34 @@ def test_eagle_needs_a_head_folder(tiny_model, tmp_path):
     with pytest.raises(InvalidRequestError) as err:
         Engine(tiny_model, speculative_algorithm="eagle", speculative_draft_model_path=str(tmp_path))
     assert err.value.field == "speculative_draft_model_path"
+
+
+def test_group_scheduler_processes_speculate_too(ray_cluster, model_and_reference):
+    """``group_schedulers="actors"`` (one scheduler process per DP group): each group forms its own verify steps and
+    applies what its ranks accepted; the tokens are plain decoding's and the counters reach the driver."""
+    import asyncio
+
+    import ray
+
+    from raymoe.client.engine_client import EngineClient
+    from raymoe.config import engine_config_from_options
+
+    path, ref = model_and_reference
+    config = engine_config_from_options(path, {"dp_size": 2, "ep_size": 2, "group_schedulers": "actors",
+                                               "device": "cpu", **OPTS, **SPEC})
+    client = EngineClient(config)
+    try:
+        async def run(i, prompt):
+            out = []
+            async for d in client.generate(f"g{i}", client.tokenizer.encode(prompt), GREEDY):
+                out += d.token_ids
+            return out
+
+        async def main():
+            return await asyncio.gather(*(run(i, p) for i, p in enumerate(PROMPTS)))
+
+        assert asyncio.run(main()) == ref
+        stats = ray.get(client.driver.stats.remote(), timeout=30)
+        assert stats.spec is not None and stats.spec.accepted_tokens > 0
+    finally:
+        client.shutdown()
