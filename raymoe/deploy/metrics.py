@@ -145,7 +145,7 @@ class _EngineStatsCollector:
             "raymoe:engine_step_period_seconds",
             "Wall time each engine step held the ranks, as the driver sees it (with overlap scheduling the time "
             "between consecutive step results while work lasts; idle time excluded), by mode "
-            "(decode / mixed / extend).", labels=["model_name", "mode"])
+            "(decode / mixed / extend / verify: speculative verify steps).", labels=["model_name", "mode"])
         forward = HistogramMetricFamily(
             "raymoe:engine_step_forward_seconds",
             "Forward + sampling time of each engine step measured on the ranks (the slowest DP group), by mode.",
