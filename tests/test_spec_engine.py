@@ -131,6 +131,24 @@ def test_served_streams_with_speculation_and_exports_its_metrics(ray_cluster, mo
         assert sum(r[2] for r in results) == stats.spec.accepted_tokens  # usage: accepted_prediction_tokens
         text = ServerMetrics("m").render(stats).decode()
         assert "raymoe:spec_accepted_tokens" in text and "raymoe:spec_accept_length_bucket" in text
+
+        import httpx
+        from server_harness import metrics, uvicorn_server
+
+        from raymoe.deploy.openai_api import build_openai_app
+
+        with uvicorn_server(build_openai_app(client)) as url:  # the OpenAI API over the same engine
+            accepted = 0
+            for prompt in PROMPTS:
+                usage = httpx.post(f"{url}/v1/completions", timeout=60, json={
+                    "model": client.model_name, "prompt": prompt, "max_tokens": 48, "temperature": 0,
+                    "ignore_eos": True}).json()["usage"]
+                assert usage["completion_tokens"] == 48  # unchanged in meaning
+                details = usage.get("completion_tokens_details")  # present where drafts were verified
+                if details is not None:
+                    assert details["rejected_prediction_tokens"] >= 0
+                    accepted += details["accepted_prediction_tokens"]
+            assert accepted > 0 and metrics(url)["raymoe:spec_accepted_tokens_total"] > 0
     finally:
         client.shutdown()
 
