@@ -156,3 +156,28 @@ def test_mixed_steps_verify_their_decode_rows_drafts(model):
     for rid, prompt, params in workload:
         assert finished[rid].output_ids == reference(prompt, params, model=model), rid
     assert mixed_with_drafts and s.spec.counters().accepted_tokens > 0
+
+
+def test_draft_passes_are_one_decision_for_every_rank_and_pause_when_drafts_do_not_pay():
+    from raymoe.actors.step_decision import StepRules, decide_step
+    from raymoe.config import OverlapConfig
+    from raymoe.scheduler.spec_policy import EXPLORE_EVERY
+    from raymoe.step.step_plan import GroupPlan
+
+    rules = StepRules(OverlapConfig(enable_tbo=False), (), "auto", 64)
+    wanting = [GroupPlan(ForwardMode.DECODE, 4, 4, draft_passes=True), GroupPlan(ForwardMode.IDLE, 0, 0)]
+    decision = decide_step(wanting, rules)
+    assert decision.draft_passes  # one group wants drafts: every rank runs the passes (their MoE collectives)
+    assert decision.apply(None).draft_passes and not decide_step([GroupPlan.idle()] * 2, rules).draft_passes
+
+    s = make(speculative=SpeculativeConfig(speculative_algorithm="nextn"))
+    spec = s.spec
+    assert spec.wants_draft_passes()  # before any decision: draft
+    spec._last_verified = False  # the policy declined the last drafts
+    assert not spec.wants_draft_passes()
+    spec._steps_without_passes = EXPLORE_EVERY
+    assert spec.wants_draft_passes()  # explore now and then
+    fixed = make(speculative=SpeculativeConfig(speculative_algorithm="nextn", speculative_draft_policy="fixed"))
+    fixed.spec._last_verified = False
+    assert fixed.spec.wants_draft_passes()
+    assert not make(speculative=NGRAM).spec.wants_draft_passes()  # ngram drafts on the scheduler

@@ -108,7 +108,9 @@ class GroupScheduler:
         self._formed = self.scheduler.get_next_batch_to_run()
         early = self.scheduler.drain_finished()
         self._forget(early)
-        return plan_of(self._formed.worker_batch if self._formed else None, self.tbo_threshold), early
+        spec = self.scheduler.spec
+        wants = spec is not None and spec.wants_draft_passes()
+        return plan_of(self._formed.worker_batch if self._formed else None, self.tbo_threshold, wants), early
 
     def batch_for(self, decision: StepDecision) -> ModelWorkerBatch:
         """The planned batch with the step's decisions (an IDLE batch without one), recorded as sent."""

@@ -46,4 +46,4 @@ def decide_step(plans: Sequence[GroupPlan], rules: StepRules) -> StepDecision:
         # TBO verify step uses the normal dispatch, which every rank then agrees on.
         capacity = None
     return StepDecision(global_num_tokens=tuple(p.num_tokens for p in plans), use_tbo=use_tbo, graph_bs=graph_bs,
-                        dispatch_capacity=capacity)
+                        dispatch_capacity=capacity, draft_passes=any(p.draft_passes for p in plans))

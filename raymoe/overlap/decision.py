@@ -31,14 +31,15 @@ from raymoe.step.worker_batch import ModelWorkerBatch
 _SPLITTABLE = (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
 
 
-def plan_of(batch: ModelWorkerBatch | None, tbo_threshold: float) -> GroupPlan:
+def plan_of(batch: ModelWorkerBatch | None, tbo_threshold: float, draft_passes: bool = False) -> GroupPlan:
     """A group's batch as the step's decisions need it (``None``: the group has no work), its TBO split checked
-    with the engine's ``tbo_token_distribution_threshold``."""
+    with the engine's ``tbo_token_distribution_threshold``; ``draft_passes``: the group wants the ranks' draft
+    model to run after the step."""
     if batch is None or batch.forward_mode == ForwardMode.IDLE:
-        return GroupPlan.idle()
+        return GroupPlan(ForwardMode.IDLE, 0, 0, draft_passes=draft_passes)
     splittable = batch.forward_mode in _SPLITTABLE and split_is_usable(
         compute_split(batch.forward_mode, batch.extend_lens, tbo_threshold), batch.num_tokens)
-    return GroupPlan(batch.forward_mode, batch.num_tokens, batch.batch_size, splittable)
+    return GroupPlan(batch.forward_mode, batch.num_tokens, batch.batch_size, splittable, draft_passes)
 
 
 def decide_tbo(batches: Sequence[GroupPlan | ModelWorkerBatch], cfg: OverlapConfig) -> bool:

@@ -255,7 +255,8 @@ class ModelRunner:
         fb = self.prepare(batch, for_graph=use_graph)
         verify = batch.forward_mode.is_target_verify() or any(batch.draft_lens)  # MIXED rows may verify drafts
         hidden = None
-        if self.drafter is not None:  # nextn: the MTP layer reads the target's hidden states (no graphs then)
+        drafting = self.drafter is not None and batch.draft_passes  # the step's decision, the same on every rank
+        if drafting:  # the draft model reads the target's hidden states (no graphs then)
             hidden = self.model(fb)
             logits = self.model.compute_logits(hidden if verify else hidden[fb.sample_indices], fb.dispatch_capacity)
         else:
@@ -265,7 +266,7 @@ class ModelRunner:
             snapshot = self.eplb.load_snapshot()
             load = self.ops.copy_to_host([snapshot]) if snapshot is not None else None
         if fb.batch_size == 0:
-            if self.drafter is not None:  # the MTP passes join the step's collectives on every rank
+            if drafting:  # the draft passes join the step's collectives on every rank
                 self.drafter.draft(batch, fb.input_ids, hidden, [], None)
             return PendingStep(None, None, t0, load)
         if verify:  # speculative decoding: accept drafts, one more token per row (no grammar or log-prob rows)
@@ -274,7 +275,7 @@ class ModelRunner:
                               self.sampler.generator)
             self.future_tokens.store(res.next_ids)
             drafts = ()
-            if self.drafter is not None:
+            if drafting:
                 drafts = self.drafter.draft(batch, fb.input_ids, hidden, res.next_ids.tolist(),
                                             res.accept_lens.tolist())
             return PendingStep(SampledTokens(res.next_ids, [None] * fb.batch_size),
@@ -290,7 +291,7 @@ class ModelRunner:
         grammar = self.grammars.accept(constrained, sampled.next_ids) if batch.grammar_rows else None
         self.future_tokens.store(sampled.next_ids)
         drafts = ()
-        if self.drafter is not None:
+        if drafting:
             drafts = self.drafter.draft(batch, fb.input_ids, hidden, sampled.next_ids.tolist(), None)
         return PendingStep(sampled, self.ops.copy_to_host(sampled.device_tensors()), t0, load, grammar,
                            drafts=drafts)

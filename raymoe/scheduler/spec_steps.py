@@ -34,7 +34,7 @@ from raymoe.scheduler.ngram import SEARCH_WINDOW, propose_ngram
 from raymoe.scheduler.req import Req, RequestFault
 from raymoe.scheduler.results import StopRules, finish_in_group
 from raymoe.scheduler.schedule_batch import ScheduleBatch
-from raymoe.scheduler.spec_policy import DraftPolicy
+from raymoe.scheduler.spec_policy import EXPLORE_EVERY, DraftPolicy
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.step_output import StepOutput
 
@@ -101,6 +101,8 @@ class SpecSteps:
         self.accept_len_counts = [0] * (config.speculative_num_steps + 1)
         self.policy = DraftPolicy() if config.speculative_draft_policy == "adaptive" else None
         self.mtp = config.speculative_algorithm in ("nextn", "eagle")  # drafts come from the ranks' draft model
+        self._last_verified = True  # the last step's drafts were worth verifying
+        self._steps_without_passes = 0
         self.hit_cut = 1 if self.mtp else 0  # see ``PrefillAdder.hit_cut``
 
     def draft_for(self, req: Req, batch_size: int = 1) -> list[int]:
@@ -137,8 +139,19 @@ class SpecSteps:
             return None
         if self.policy is not None and not self.policy.worth_verifying(
                 [(r.rid, len(d)) for r, d in zip(decoders, drafts, strict=True)], len(decoders)):
+            self._last_verified = False
             return None
+        self._last_verified = True
         return drafts
+
+    def wants_draft_passes(self) -> bool:
+        """Whether the ranks' draft model (``nextn`` / ``eagle``) should run after the step being planned: always
+        with the fixed policy; with the adaptive one while the last drafts were worth verifying, and once every
+        ``EXPLORE_EVERY`` steps otherwise (to learn when they are again). Skipped passes leave the draft model's
+        KV without those positions: its later drafts are worse there, never the tokens."""
+        if not self.mtp:
+            return False
+        return self.policy is None or self._last_verified or self._steps_without_passes >= EXPLORE_EVERY
 
     def alloc_draft_slots(self, decoders: list[Req], drafts: list[list[int]]) -> None:
         """Append KV slots for each draft to its request (after its decode slot), cutting a draft to the slots the
@@ -225,11 +238,15 @@ class SpecSteps:
                 del req.kv_slots[-chain:]
 
     def store_drafts(self, batch: ScheduleBatch, output: StepOutput) -> None:
-        """Keep the ranks' MTP drafts on the requests that go on (``Req.spec_drafts``)."""
-        if not output.draft_ids:
+        """Keep the ranks' drafts on the requests that go on (``Req.spec_drafts``); a step that ran no draft pass
+        leaves its requests without drafts (the old ones were for an earlier position)."""
+        if not self.mtp:
             return
-        for req, drafts in zip(batch.reqs, output.draft_ids, strict=True):
-            if drafts and req.finished_reason is None and req.req_pool_idx is not None:
+        ran = batch.worker_batch.draft_passes
+        self._steps_without_passes = 0 if ran else self._steps_without_passes + 1
+        drafts_of = output.draft_ids or ((),) * batch.batch_size
+        for req, drafts in zip(batch.reqs, drafts_of, strict=True):
+            if req.finished_reason is None and req.req_pool_idx is not None:
                 req.spec_drafts = list(drafts)
 
     def observe_step(self, batch: ScheduleBatch, output: StepOutput) -> None:

@@ -46,6 +46,8 @@ class GroupPlan(PickledAsFields):
         num_tokens: tokens it computes this step. batch_size: its requests (rows).
         tbo_splittable: a two-batch-overlap split at the engine's ``tbo_token_distribution_threshold`` gives both
             children tokens (``raymoe.overlap.split``; computed by the group, which holds the extend lengths).
+        draft_passes: the group wants the ranks' draft model to run after this step (``nextn`` / ``eagle``:
+            ``raymoe.scheduler.spec_steps.SpecSteps.wants_draft_passes``).
     Raises:
         ValueError: negative sizes, or an IDLE plan with work.
     """
@@ -54,6 +56,7 @@ class GroupPlan(PickledAsFields):
     num_tokens: int
     batch_size: int
     tbo_splittable: bool = False
+    draft_passes: bool = False
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0 or self.batch_size < 0:
@@ -75,7 +78,9 @@ class StepDecision(PickledAsFields):
         global_num_tokens: tokens per DP group this step. use_tbo: two-batch overlap on every rank.
         graph_bs: the decode-graph bucket every rank replays (None: eager). dispatch_capacity: the low-latency
             MoE dispatch's per-rank capacity M, tokens (None: normal mode). expert_update: the step's expert load
-            balancing work (``raymoe.step.expert_update``; None: none).
+            balancing work (``raymoe.step.expert_update``; None: none). draft_passes: every rank runs the draft
+            model's passes after the step (some group wants drafts; the passes hold MoE collectives, so all ranks or
+            none).
     """
 
     global_num_tokens: tuple[int, ...]
@@ -83,6 +88,7 @@ class StepDecision(PickledAsFields):
     graph_bs: int | None = None
     dispatch_capacity: int | None = None
     expert_update: ExpertUpdate | None = None
+    draft_passes: bool = False
 
     def apply(self, batch: ModelWorkerBatch | None) -> ModelWorkerBatch:
         """``batch`` with this step's decisions (one copy, ``ModelWorkerBatch.with_step_decisions``: the batch's
@@ -92,4 +98,5 @@ class StepDecision(PickledAsFields):
             ValueError: the decisions do not fit the batch (its tokens above ``dispatch_capacity``).
         """
         return (ModelWorkerBatch.idle() if batch is None else batch).with_step_decisions(
-            self.global_num_tokens, self.use_tbo, self.graph_bs, self.dispatch_capacity, self.expert_update)
+            self.global_num_tokens, self.use_tbo, self.graph_bs, self.dispatch_capacity, self.expert_update,
+            self.draft_passes)

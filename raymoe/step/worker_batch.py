@@ -52,6 +52,8 @@ class ModelWorkerBatch:
         spec_next_ids: speculative decoding with the model's MTP layer (``nextn``): ``bs`` ids, per row the
             prompt token after its last position for a prefill chunk that does not sample, else -1 (the row's
             sampled token follows it); empty otherwise (``raymoe.runner.mtp_drafter``).
+        draft_passes: the ranks run the draft model after this step (``nextn`` / ``eagle``; the same on every rank,
+            decided by the driver).
         draft_lens: speculative decoding: ``bs`` counts of draft tokens at the end of each row (a TARGET_VERIFY row
             is its newest token and its drafts; a MIXED batch's decode rows may verify drafts too, its prefill rows
             have none); empty: none.
@@ -83,6 +85,7 @@ class ModelWorkerBatch:
     spec_next_ids: tuple[int, ...] = ()
     spec_scratch_slots: tuple[int, ...] = ()
     draft_lens: tuple[int, ...] = ()
+    draft_passes: bool = False
 
     def __post_init__(self) -> None:
         bs = len(self.req_pool_indices)
@@ -117,8 +120,8 @@ class ModelWorkerBatch:
             raise ValueError("ModelWorkerBatch.spec_scratch_slots go with spec_next_ids")
 
     def with_step_decisions(self, global_num_tokens: tuple[int, ...], use_tbo: bool, graph_bs: int | None,
-                            dispatch_capacity: int | None, expert_update: ExpertUpdate | None = None
-                            ) -> ModelWorkerBatch:
+                            dispatch_capacity: int | None, expert_update: ExpertUpdate | None = None,
+                            draft_passes: bool = False) -> ModelWorkerBatch:
         """A copy with the step-wide fields set (the driver's decisions for every rank). The per-request columns
         were checked when this batch was built and are shared with the copy (no one changes a batch's lists), so
         only the rule the new fields enter is checked again, once: the dispatch capacity holds the tokens.
@@ -131,7 +134,7 @@ class ModelWorkerBatch:
         state = copy.__dict__
         state.update(self.__dict__)
         state.update(global_num_tokens=global_num_tokens, use_tbo=use_tbo, graph_bs=graph_bs,
-                     dispatch_capacity=dispatch_capacity, expert_update=expert_update)
+                     dispatch_capacity=dispatch_capacity, expert_update=expert_update, draft_passes=draft_passes)
         return copy
 
     @property
