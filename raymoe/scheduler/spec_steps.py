@@ -242,7 +242,7 @@ class SpecSteps:
         leaves its requests without drafts (the old ones were for an earlier position)."""
         if not self.mtp:
             return
-        ran = batch.worker_batch.draft_passes
+        ran = bool(output.draft_ids)  # the ranks answer a row per request when the step's draft passes ran
         self._steps_without_passes = 0 if ran else self._steps_without_passes + 1
         drafts_of = output.draft_ids or ((),) * batch.batch_size
         for req, drafts in zip(batch.reqs, drafts_of, strict=True):
