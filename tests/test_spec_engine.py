@@ -109,7 +109,7 @@ def test_served_streams_with_speculation_and_exports_its_metrics(ray_cluster, mo
 
     path, ref = model_and_reference
     opts = ServeOptions(model=path, max_running_requests=4, max_context_len=160, speculative_algorithm="ngram",
-                        speculative_num_steps=3)
+                        speculative_num_steps=3, speculative_draft_policy="fixed")  # plumbing, not the policy
     client = EngineClient(opts.engine_config(path))
     try:
         async def run(i, prompt):

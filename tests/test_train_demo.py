@@ -52,3 +52,19 @@ def test_training_refuses_what_it_cannot_train(tmp_path):
     path = make_checkpoint("qwen3_moe", tmp_path / "q", seed=1, **DIMS)
     with pytest.raises(ValueError, match="seconds > 0"):
         train_checkpoint(path, 0.0, progress=False)
+
+
+def test_a_step_with_a_non_finite_loss_is_skipped():
+    import torch
+
+    from raymoe.models.train_demo import _TrainLoop
+
+    w = torch.nn.Parameter(torch.ones(3))
+    loop = _TrainLoop("t", 0.0, 2, 0.1, [w], 3, 1, progress=False)
+    assert loop.next()
+    loop.step((w * float("nan")).sum(), float("nan"))
+    assert torch.equal(w.detach(), torch.ones(3)) and loop.report.skipped_steps == 1
+    assert loop.next()
+    loop.step((w * w).sum(), 3.0)
+    assert not torch.equal(w.detach(), torch.ones(3)) and not loop.next()
+    assert loop.finish().final_loss == 3.0

@@ -44,6 +44,7 @@ class TrainReport:
         steps: optimizer steps. seconds: wall time of the loop. tokens: training tokens seen.
         losses: ``(step, main loss)`` every ``log_every`` steps, natural log units per token.
         final_loss: mean main loss over the last 10 steps. final_mtp_loss: the MTP layer's (None without one).
+        skipped_steps: steps whose loss or gradient was not finite (no update made).
     """
 
     steps: int = 0
@@ -52,6 +53,7 @@ class TrainReport:
     losses: list[tuple[int, float]] = field(default_factory=list)
     final_loss: float = float("nan")
     final_mtp_loss: float | None = None
+    skipped_steps: int = 0
 
 
 class _TrainLoop:
@@ -85,10 +87,17 @@ class _TrainLoop:
         return True
 
     def step(self, loss: torch.Tensor, logged: float) -> None:
-        """Back-propagate ``loss``, clip to norm 1, step; record ``logged`` (the loss the report shows)."""
+        """Back-propagate ``loss``, clip to norm 1, step; record ``logged`` (the loss the report shows). A step whose
+        loss or gradient is not finite is skipped (its update would turn every weight into NaN), counted in
+        ``TrainReport.skipped_steps``."""
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        if not (torch.isfinite(norm) and torch.isfinite(loss)):
+            self.opt.zero_grad(set_to_none=True)
+            self.report.skipped_steps += 1
+            self.report.steps += 1
+            return
         self.opt.step()
         r = self.report
         r.steps += 1
@@ -104,7 +113,7 @@ class _TrainLoop:
         """The report, with the wall time and the mean loss of the last 10 steps."""
         self.bar.close()
         self.report.seconds = time.perf_counter() - self.t0
-        self.report.final_loss = sum(self.recent) / len(self.recent)
+        self.report.final_loss = sum(self.recent) / len(self.recent) if self.recent else float("nan")
         return self.report
 
 
