@@ -153,20 +153,32 @@ def test_served_streams_with_speculation_and_exports_its_metrics(ray_cluster, mo
         client.shutdown()
 
 
+def trained_in_a_fresh_process(code: str) -> None:
+    """Run ``code`` (it builds and trains a tiny checkpoint) in a new interpreter: the trained weights then do not
+    depend on what earlier tests left in this process (in-process runs of the same seeded training gave different
+    weights depending on the tests before them, and with them drafts that were accepted or never)."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=600)
+
+
 @pytest.fixture(scope="module")
 def mtp_model(tmp_path_factory):
     """A tiny DeepSeek-V3 trained briefly with its MTP layer (``raymoe.models.train_demo``), and the engine's
     greedy tokens without speculation."""
-    from raymoe.models.train_demo import train_checkpoint
-
-    path = make_checkpoint("deepseek_v3", tmp_path_factory.mktemp("mtp") / "ds", seed=2, **DIMS)
-    train_checkpoint(path, 0.0, steps=300, seq_len=48, batch_size=8, progress=False)  # ~10 s on 2 cores
+    path = tmp_path_factory.mktemp("mtp") / "ds"
+    trained_in_a_fresh_process(
+        "from raymoe.models.checkpoint import make_checkpoint\n"
+        "from raymoe.models.train_demo import train_checkpoint\n"
+        f"p = make_checkpoint('deepseek_v3', {str(path)!r}, seed=2, **{DIMS!r})\n"
+        "train_checkpoint(p, 0.0, steps=300, seq_len=48, batch_size=8, progress=False)\n")
     with Engine(str(path), **OPTS) as e:
         ref = [o.token_ids for o in e.generate(PROMPTS, LONG)]
     return str(path), ref
 
 
-# every request decodes its 24 tokens; no MIXED steps (their decode rows do not verify drafts), so verify steps run
+# every request decodes its 24 tokens; no MIXED steps, so the drafts are verified in TARGET_VERIFY steps
 LONG = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 NO_MIXED = {**OPTS, "enable_mixed_chunk": False}
 # drafts verified whatever their acceptance (the adaptive policy would stop verifying a barely trained layer's)
@@ -214,12 +226,14 @@ def test_nextn_needs_an_mtp_layer(tiny_model):
 def eagle_model(tmp_path_factory):
     """A tiny Qwen3-MoE target, an EAGLE head trained for it (``train_eagle_head``), and the target's greedy
     tokens."""
-    from raymoe.models.train_demo import train_eagle_head
 
     root = tmp_path_factory.mktemp("eagle")
     target = make_checkpoint("qwen3_moe", root / "target", seed=3, **DIMS)
-    report = train_eagle_head(target, root / "head", 0.0, steps=150, seq_len=48, batch_size=8, progress=False)
-    assert report.final_loss < report.losses[0][1]
+    trained_in_a_fresh_process(
+        "from raymoe.models.train_demo import train_eagle_head\n"
+        f"r = train_eagle_head({str(target)!r}, {str(root / 'head')!r}, 0.0, steps=150, seq_len=48, batch_size=8, "
+        "progress=False)\n"
+        "assert r.final_loss < r.losses[0][1]\n")
     with Engine(str(target), **OPTS) as e:
         ref = [o.token_ids for o in e.generate(PROMPTS, LONG)]
     return str(target), str(root / "head"), ref

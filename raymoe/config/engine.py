@@ -146,8 +146,8 @@ class EngineConfig:
         """Per-rank token bound of eager low-latency steps, tokens (``moe_comm.num_max_dispatch_tokens_per_rank``
         or ``max_running_requests``, times ``speculative_num_steps + 1`` with speculation: a verify step carries that
         many tokens per request); decode-graph steps always fit (``raymoe.comm.a2a_plan``)."""
-        per_request = self.speculative.speculative_num_steps + 1 if self.speculative.enabled else 1
-        return self.moe_comm.num_max_dispatch_tokens_per_rank or self.scheduler.max_running_requests * per_request
+        return (self.moe_comm.num_max_dispatch_tokens_per_rank
+                or self.scheduler.max_running_requests * self.speculative.tokens_per_request)
 
 
 def check_engine_options(values: Mapping[str, Any]) -> None:

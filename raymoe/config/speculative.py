@@ -78,6 +78,12 @@ class SpeculativeConfig:
         """Whether speculative steps run."""
         return self.speculative_algorithm is not None
 
+    @property
+    def tokens_per_request(self) -> int:
+        """Most tokens one request computes in a decode-like step: ``speculative_num_steps + 1`` (its newest token
+        and its drafts) with speculation, else 1 (bounds of the low-latency MoE dispatch)."""
+        return self.speculative_num_steps + 1 if self.enabled else 1
+
 
 HEAD_MODEL_TYPE = "eagle_head"
 """``model_type`` in an EAGLE draft head's ``config.json`` (``raymoe.models.eagle_head``)."""

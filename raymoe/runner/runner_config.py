@@ -91,8 +91,7 @@ class RunnerConfig:
         """Per-rank token bound of low-latency dispatches (sizes DeepEP's buffers), tokens:
         ``moe_comm.num_max_dispatch_tokens_per_rank`` or ``max_req_rows`` (the engine's ``max_running_requests``;
         times ``speculative_num_steps + 1`` with speculation: as ``EngineConfig.max_dispatch_tokens_per_rank``)."""
-        per_request = self.speculative.speculative_num_steps + 1 if self.speculative.enabled else 1
-        return self.moe_comm.num_max_dispatch_tokens_per_rank or self.max_req_rows * per_request
+        return self.moe_comm.num_max_dispatch_tokens_per_rank or self.max_req_rows * self.speculative.tokens_per_request
 
     @property
     def graph_capture_sizes(self) -> tuple[int, ...]:

@@ -71,8 +71,8 @@ class BatchFormation:
                 s.tree_cache.evict(s.tree_cache.evictable_size())
                 batch = self._prefill_batch()
         if batch is not None:
-            if self._spec is not None and self._spec.mtp:
-                batch = self._spec.attach_mtp_inputs(batch)
+            if self._spec is not None and self._spec.ranks_draft:
+                batch = self._spec.attach_draft_inputs(batch)
             batch.mark_scheduled()
             s.inflight.append(batch)
         return batch

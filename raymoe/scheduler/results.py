@@ -41,6 +41,12 @@ class StopRules:
             raise TypeError(f"detokenize must be callable or None, got {type(self.detokenize).__name__}")
 
 
+def check_oldest(state: GroupState, batch: ScheduleBatch) -> None:
+    """Raises ValueError unless ``batch`` is the oldest batch in flight (results are applied in launch order)."""
+    if not state.inflight or batch is not state.inflight[0]:
+        raise ValueError("process_batch_result: this batch is not the oldest one in flight")
+
+
 def apply_batch_result(state: GroupState, batch: ScheduleBatch, output: StepOutput, stop: StopRules) -> list[Req]:
     """Apply the tokens of ``batch`` (the oldest batch in flight), ``output.next_token_ids`` [bs].
 
@@ -57,8 +63,7 @@ def apply_batch_result(state: GroupState, batch: ScheduleBatch, output: StepOutp
         ValueError: ``batch`` is not the oldest batch in flight, or ``output`` has the wrong number of rows
             (nothing is changed then).
     """
-    if not state.inflight or batch is not state.inflight[0]:
-        raise ValueError("process_batch_result: this batch is not the oldest one in flight")
+    check_oldest(state, batch)
     if len(output.next_token_ids) != batch.batch_size:  # StepOutput itself checks logprobs against its tokens
         raise ValueError(f"StepOutput has {len(output.next_token_ids)} tokens for {batch.batch_size} requests")
     state.inflight.popleft()

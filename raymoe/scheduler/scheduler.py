@@ -32,7 +32,7 @@ from raymoe.scheduler.group_state import GroupState, TokenRatioPolicy
 from raymoe.scheduler.intake import RequestIntake
 from raymoe.scheduler.req import Req, RequestFault
 from raymoe.scheduler.request_rules import RequestLimits
-from raymoe.scheduler.results import StopRules, apply_batch_result
+from raymoe.scheduler.results import StopRules, apply_batch_result, check_oldest
 from raymoe.scheduler.schedule_batch import ScheduleBatch
 from raymoe.scheduler.spec_steps import SpecSteps, apply_verify_result
 from raymoe.step.step_output import StepOutput
@@ -164,8 +164,7 @@ class Scheduler:
         """
         if self.spec is None:
             return apply_batch_result(self.state, batch, output, self.stop_rules)
-        if not self.state.inflight or batch is not self.state.inflight[0]:
-            raise ValueError("process_batch_result: this batch is not the oldest one in flight")
+        check_oldest(self.state, batch)  # before the speculative bookkeeping below changes anything
         self.spec.observe_step(batch, output)
         self.spec.release_scratch(batch)
         if batch.drafts is not None:

@@ -5,7 +5,7 @@ Ownership: part of the group's ``Scheduler`` when ``speculative_algorithm`` is s
 verify_batch` asks each decoding request for a draft (``raymoe.scheduler.ngram``) and, when any has one, forms a
 ``ForwardMode.TARGET_VERIFY`` batch instead: every request's newest token and its draft, with KV slots for all of
 them. The ranks accept the longest agreeing prefix of each draft and add one token of their own
-(``raymoe.runner.spec_verify``); :func:`apply_verify_row` appends those tokens one by one (so a stop token, a stop
+(``raymoe.runner.spec_verify``); :func:`apply_verify_result` appends those tokens one by one (so a stop token, a stop
 string or a length limit inside them ends the request exactly where plain decoding would), then gives back the
 slots of the rejected drafts (``free_tail``), so the request's KV again ends one position before its newest token.
 
@@ -32,7 +32,7 @@ from raymoe.config.speculative import SpeculativeConfig
 from raymoe.scheduler.group_state import GroupState
 from raymoe.scheduler.ngram import SEARCH_WINDOW, propose_ngram
 from raymoe.scheduler.req import Req, RequestFault
-from raymoe.scheduler.results import StopRules, finish_in_group
+from raymoe.scheduler.results import StopRules, check_oldest, finish_in_group
 from raymoe.scheduler.schedule_batch import ScheduleBatch
 from raymoe.scheduler.spec_policy import EXPLORE_EVERY, DraftPolicy
 from raymoe.step.forward_mode import ForwardMode
@@ -47,7 +47,7 @@ class SpecCounters:
 
     Attributes:
         verify_steps: TARGET_VERIFY steps. draft_tokens: draft tokens verified. accepted_tokens: drafts accepted.
-        accept_len_counts: verify rows (request-steps) that accepted ``j`` drafts, at index ``j``.
+        accept_len_counts: verify rows with a draft (request-steps) that accepted ``j`` drafts, at index ``j``.
     """
 
     verify_steps: int = 0
@@ -59,12 +59,6 @@ class SpecCounters:
     def acceptance_rate(self) -> float:
         """Accepted / verified draft tokens (0.0 before any draft)."""
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
-    @property
-    def mean_accept_len(self) -> float:
-        """Tokens a verify row gave its request on average: accepted drafts + the target's own token."""
-        rows = sum(self.accept_len_counts)
-        return 1.0 + self.accepted_tokens / rows if rows else 0.0
 
     @staticmethod
     def total(parts: Iterable[SpecCounters | None]) -> SpecCounters | None:
@@ -100,10 +94,10 @@ class SpecSteps:
         self.num_accepted_tokens = 0
         self.accept_len_counts = [0] * (config.speculative_num_steps + 1)
         self.policy = DraftPolicy() if config.speculative_draft_policy == "adaptive" else None
-        self.mtp = config.speculative_algorithm in ("nextn", "eagle")  # drafts come from the ranks' draft model
+        self.ranks_draft = config.speculative_algorithm in ("nextn", "eagle")  # drafts from the ranks' draft model
         self._last_verified = True  # the last step's drafts were worth verifying
         self._steps_without_passes = 0
-        self.hit_cut = 1 if self.mtp else 0  # see ``PrefillAdder.hit_cut``
+        self.hit_cut = 1 if self.ranks_draft else 0  # see ``PrefillAdder.hit_cut``
 
     def draft_for(self, req: Req, batch_size: int = 1) -> list[int]:
         """``req``'s draft for its next step in a step of ``batch_size`` rows (no placeholders may be pending),
@@ -116,7 +110,7 @@ class SpecSteps:
             cap = self.policy.draft_len(req.rid, cap, batch_size)
         if cap <= 0:
             return []
-        if self.mtp:
+        if self.ranks_draft:
             return req.spec_drafts[:cap]
         c = self.config
         out = req.output_ids
@@ -149,7 +143,7 @@ class SpecSteps:
         with the fixed policy; with the adaptive one while the last drafts were worth verifying, and once every
         ``EXPLORE_EVERY`` steps otherwise (to learn when they are again). Skipped passes leave the draft model's
         KV without those positions: its later drafts are worse there, never the tokens."""
-        if not self.mtp:
+        if not self.ranks_draft:
             return False
         return self.policy is None or self._last_verified or self._steps_without_passes >= EXPLORE_EVERY
 
@@ -188,9 +182,9 @@ class SpecSteps:
         return SpecCounters(self.num_verify_steps, self.num_draft_tokens, self.num_accepted_tokens,
                             tuple(self.accept_len_counts))
 
-    def attach_mtp_inputs(self, batch: ScheduleBatch) -> ScheduleBatch:
-        """``batch`` with what the ranks' MTP drafter needs (``nextn``; ``raymoe.runner.mtp_drafter``): each row's
-        next prompt token when it is a prefill chunk that does not sample (else -1), and
+    def attach_draft_inputs(self, batch: ScheduleBatch) -> ScheduleBatch:
+        """``batch`` with what the ranks' drafter needs (``nextn``, ``eagle``; ``raymoe.runner.mtp_drafter``): each
+        row's next prompt token when it is a prefill chunk that does not sample (else -1), and
         ``speculative_num_steps - 1`` scratch KV slots per sampling row for the draft chain, appended to the
         request's ``kv_slots`` (its own tail: freed with it on any failure, and by :meth:`release_scratch` once
         the step's result is back). No scratch (drafts of one token) where the pool or a row's context is short."""
@@ -240,7 +234,7 @@ class SpecSteps:
     def store_drafts(self, batch: ScheduleBatch, output: StepOutput) -> None:
         """Keep the ranks' drafts on the requests that go on (``Req.spec_drafts``); a step that ran no draft pass
         leaves its requests without drafts (the old ones were for an earlier position)."""
-        if not self.mtp:
+        if not self.ranks_draft:
             return
         ran = bool(output.draft_ids)  # the ranks answer a row per request when the step's draft passes ran
         self._steps_without_passes = 0 if ran else self._steps_without_passes + 1
@@ -257,7 +251,10 @@ class SpecSteps:
                                      output.forward_seconds)
 
     def record(self, rid: str, drafts: int, accepted: int) -> None:
-        """Count one verify row's outcome: ``accepted`` of ``drafts`` draft tokens (metrics, draft policy)."""
+        """Count one verify row's outcome: ``accepted`` of ``drafts`` draft tokens (metrics, draft policy); a row
+        without a draft (a MIXED step's prefill row, a request that found none) verified nothing."""
+        if not drafts:
+            return
         if self.policy is not None:
             self.policy.observe_row(rid, drafts, accepted)
         self.num_accepted_tokens += accepted
@@ -297,8 +294,7 @@ def apply_verify_result(state: GroupState, batch: ScheduleBatch, output: StepOut
         ValueError: ``batch`` is not the oldest batch in flight, or ``output`` lacks a token or an accepted count
             per row (nothing is changed then).
     """
-    if not state.inflight or batch is not state.inflight[0]:
-        raise ValueError("process_batch_result: this batch is not the oldest one in flight")
+    check_oldest(state, batch)
     bs = batch.batch_size
     if len(output.next_token_ids) != bs or len(output.accept_lens) != bs or batch.drafts is None:
         raise ValueError(f"a verify step's output needs {bs} tokens and accepted counts, got "
