@@ -68,3 +68,24 @@ def test_a_step_with_a_non_finite_loss_is_skipped():
     loop.step((w * w).sum(), 3.0)
     assert not torch.equal(w.detach(), torch.ones(3)) and not loop.next()
     assert loop.finish().final_loss == 3.0
+
+
+def test_the_mtp_layer_starts_from_seeded_finite_weights(tmp_path):
+    """transformers leaves the fused expert tensors uninitialized outside ``from_pretrained``: the MTP layer draws
+    them itself, so one seed gives one layer (reused memory once made every training step non-finite)."""
+    import torch
+    from transformers import AutoConfig
+
+    from raymoe.models.train_demo import MTPLayer
+
+    cfg = AutoConfig.from_pretrained(str(make_checkpoint("deepseek_v3", tmp_path / "d", seed=2, **DIMS)))
+    head = torch.nn.Linear(DIMS["hidden_size"], DIMS["vocab_size"], bias=False)
+    layers = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        garbage = torch.full((1 << 16,), float("nan"))  # freed memory the next allocations may be handed
+        del garbage
+        layers.append(MTPLayer(cfg, DIMS["num_layers"], head).state_dict())
+    for name, tensor in layers[0].items():
+        assert torch.isfinite(tensor).all(), name
+        assert torch.equal(tensor, layers[1][name]), name

@@ -353,6 +353,9 @@ TRAINED_DEMOS = {"demo-trained": "qwen3_moe", "demo-trained-deepseek": "deepseek
 TRAIN_STEPS = 1500
 """Optimizer steps of a trained demo checkpoint (a fixed count, so every machine builds the same weights; a few
 minutes on two cores)."""
+TRAIN_RECIPE = 2
+"""Bumped whenever training would give other weights for the same steps (part of the trained demos' cache name).
+2: the MTP layer's fused expert tensors are drawn from the seed instead of left as uninitialized memory."""
 
 
 def trained_model_path(arch: str = "qwen3_moe", progress: bool = True) -> Path:
@@ -375,7 +378,7 @@ def trained_model_path(arch: str = "qwen3_moe", progress: bool = True) -> Path:
         train_checkpoint(tmp, 0.0, steps=TRAIN_STEPS, seed=0, progress=progress)
         _replace_dir(tmp, path)
 
-    return _cached_build(f"demo-trained-{arch}-{TRAIN_STEPS}-v{DEMO_VERSION}", "train_log.json", build)
+    return _cached_build(f"demo-trained-{arch}-{TRAIN_STEPS}-r{TRAIN_RECIPE}-v{DEMO_VERSION}", "train_log.json", build)
 
 
 def _cached_build(name: str, marker: str, build: Callable[[Path], None]) -> Path:

@@ -117,6 +117,21 @@ class _TrainLoop:
         return self.report
 
 
+def init_fused_experts(module: nn.Module, std: float) -> None:
+    """Draw every weight of ``module`` that no ``nn.Linear`` or norm owns (transformers' fused expert tensors
+    ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] and the router's ``weight`` [E, H]) from N(0, ``std``),
+    in place. transformers creates the fused expert tensors with ``torch.empty`` and fills them only inside
+    ``from_pretrained``; a layer built on its own would otherwise train from whatever the allocator handed back
+    (sometimes NaN, so every step's gradient was non-finite)."""
+    with torch.no_grad():
+        for sub in module.modules():
+            if isinstance(sub, nn.Linear) or "norm" in type(sub).__name__.lower():
+                continue
+            for param in sub.parameters(recurse=False):
+                if param.dim() >= 2:
+                    param.normal_(0.0, std)
+
+
 class MTPLayer(nn.Module):
     """DeepSeek-V3's multi-token-prediction module for training (module docstring). ``decoder`` is a
     transformers ``DeepseekV3DecoderLayer``; the embedding is the main model's, the head starts as a copy of its."""
@@ -134,6 +149,7 @@ class MTPLayer(nn.Module):
         self.head = nn.Linear(h, config.vocab_size, bias=False)
         with torch.no_grad():
             self.head.weight.copy_(lm_head.weight)
+        init_fused_experts(self.decoder, config.initializer_range)
 
     def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, position_embeddings, mask) -> torch.Tensor:
         """``hidden`` [B, S, H] the main model's final hidden states, ``next_embeds`` [B, S, H] the embeddings of
