@@ -77,6 +77,8 @@ class Engine:
             layouts as ``raymoe bench compare`` takes them (``"dp=1"``, ``"dp=2,ep=2"``; ``raymoe.client.pd_config``),
             overriding the layout options for each side. Requests then run as a front end runs them: an engine
             fault is resumed by the clients, never seen by ``generate`` unless it outlasts their bounds.
+        pd_kv_layerwise: in PD mode, the prefill ranks write the prompt's KV layer by layer while they compute it
+            where the transfer writes one-sided (NIXL); False: after the prefill.
 
     Attributes:
         config: the resolved ``EngineConfig`` (device and per-device defaults decided: ``raymoe.config.
@@ -90,12 +92,12 @@ class Engine:
     """
 
     def __init__(self, model: str | Path, *, pd_prefill: str | None = None, pd_decode: str | None = None,
-                 **options):
+                 pd_kv_layerwise: bool = True, **options):
         self._closed = False
         self._unhealthy: str | None = None
         self.pd = self._blocking = None
         if pd_prefill is not None or pd_decode is not None:
-            self._start_pd(str(model), pd_prefill, pd_decode, options)
+            self._start_pd(str(model), pd_prefill, pd_decode, options, pd_kv_layerwise)
             return
         config = _split_options(str(model), options)
         self.model_config = ModelConfig.from_hf(model)
@@ -110,7 +112,8 @@ class Engine:
         self.tokenizer = load_tokenizer(model)
         self.driver = build_driver(self.config, self.model_config, self.tokenizer, allow_hosted=False)
 
-    def _start_pd(self, model: str, pd_prefill: str | None, pd_decode: str | None, options: dict) -> None:
+    def _start_pd(self, model: str, pd_prefill: str | None, pd_decode: str | None, options: dict,
+                  layerwise: bool = True) -> None:
         """Start the prefill and the decode engine (``raymoe.client.pd_client``).
 
         Raises:
@@ -122,7 +125,7 @@ class Engine:
         if pd_prefill is None or pd_decode is None:
             raise InvalidRequestError("pd_decode" if pd_decode is None else "pd_prefill",
                                       "prefill/decode disaggregation needs both pd_prefill and pd_decode")
-        self.pd = PDEngineClient(*pd_engine_configs(model, options, pd_prefill, pd_decode))
+        self.pd = PDEngineClient(*pd_engine_configs(model, options, pd_prefill, pd_decode), layerwise=layerwise)
         self._blocking = BlockingClient(self.pd)
         self.config, self.device_choice = self.pd.config, self.pd.device_choice
         self.model_config, self.tokenizer, self.driver = self.pd.model_config, self.pd.tokenizer, None

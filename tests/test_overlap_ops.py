@@ -22,7 +22,7 @@ from raymoe.overlap.operations import (
     split_into_stages,
     stage_op,
 )
-from raymoe.overlap.strategy import OperationsStrategy, resolve_decode_schedule
+from raymoe.overlap.strategy import KVLayerMark, OperationsStrategy, resolve_decode_schedule
 from raymoe.platform.selector import select_platform
 from raymoe.step.forward_mode import ForwardMode
 
@@ -120,7 +120,27 @@ def test_coarse_decode_schedule_is_the_prefill_schedule_and_auto_follows_the_dev
 
 def _stage_names(layer, mode, decode_schedule="fine") -> list[list[str]]:
     strategy = OperationsStrategy.tbo([layer], mode, decode_schedule)
-    return [[op.__name__ for op in stage] for stage in split_into_stages(strategy.operations)]
+    return [[op.__name__ for op in stage if not isinstance(op, KVLayerMark)]
+            for stage in split_into_stages(strategy.operations)]
+
+
+def test_every_op_list_ends_each_layer_with_its_kv_mark():
+    """Plain, single-batch and two-batch overlap lists: layer i's last op is ``KVLayerMark(i)`` (a PD prefill
+    rank writes layer i's KV once every half of the step has passed it; ``raymoe.kvcache.kv_stream``), and a
+    mark does nothing on a step without a stream."""
+    layers = [_FakeLayer(0, True), _FakeLayer(1, False), _FakeLayer(2, True)]
+    for strategy in (OperationsStrategy.plain(layers), OperationsStrategy.tbo(layers, ForwardMode.EXTEND),
+                     OperationsStrategy.tbo(layers, ForwardMode.DECODE)):
+        marks = [(i, op.layer) for i, op in enumerate(strategy.operations) if isinstance(op, KVLayerMark)]
+        assert [layer for _, layer in marks] == [0, 1, 2]
+        assert marks[-1][0] == len(strategy.operations) - 1
+        seen = []
+        state = SimpleNamespace(forward_batch=SimpleNamespace(
+            kv_stream=SimpleNamespace(layer_done=lambda layer, fb: seen.append(layer))))
+        for i, _ in marks:
+            strategy.operations[i](state)
+        assert seen == [0, 1, 2]
+        strategy.operations[marks[0][0]](SimpleNamespace(forward_batch=SimpleNamespace(kv_stream=None)))
 
 
 def test_deepseek_schedules_place_shared_experts_per_mode():

@@ -25,6 +25,7 @@ import re
 import pytest
 from server_harness import wait_for
 
+from raymoe.kvcache.kv_transfer import nixl_available
 from raymoe.scheduler.sampling_params import SamplingParams
 from raymoe.step.grammar import GrammarSpec
 
@@ -119,6 +120,8 @@ def test_pd_streams_equal_the_colocated_engines(engines):
     want, got, again = asyncio.run(main())
     assert got == want and again == want[3]
     assert pd.transfers_failed == 0
+    if nixl_available():  # written layer by layer while the prefill computed (chunks of 128, a radix hit)
+        assert pd.kv_streaming and pd.streamed == len(PROMPTS) + 1, pd.streamed
     # The decode engine found every prompt's KV in its cache: it computed only the first tokens' KV.
     received = ray.get(pd.decode.driver.stats.remote(), timeout=30).radix_hit_tokens - hits
     assert received >= sum(map(len, PROMPTS)) + len(PROMPTS[3]), received
@@ -286,6 +289,7 @@ def test_the_engine_api_in_pd_mode_gives_the_colocated_tokens(engines, model):
         engine.generate(prompt_token_ids=[alone], sampling_params=dataclasses.replace(params, max_tokens=2))
         again = engine.generate(prompt_token_ids=[alone + [1, 2]], sampling_params=params)[0]
         assert again.token_ids == want_alone and again.cached_tokens == 200 and engine.pd.transfers_failed == 0
+        assert engine.pd.streamed == (len(PROMPTS) + 2 if nixl_available() else 0)
         assert outs[0].text == engine.tokenizer.decode(want[0], skip_special_tokens=True)
         got = engine.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=constrained)[0]
         assert got.token_ids == want_constrained and got.finish_reason == "stop"

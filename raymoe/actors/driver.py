@@ -42,6 +42,7 @@ from raymoe.scheduler.req import Req, RequestFault
 from raymoe.scheduler.sampling_params import SamplingParams
 from raymoe.scheduler.scheduler import IdleReport, Scheduler
 from raymoe.step.forward_mode import ForwardMode
+from raymoe.step.kv_stream import KVStreamTarget
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
 
@@ -65,11 +66,13 @@ class StepExecutor(Protocol):
 @dataclass
 class _LaunchedStep:
     """A step sent to the ranks: the executor's handle, the step's ``step_timing.step_mode`` label and when it was
-    sent (``StepTimer.clock`` seconds). Each group keeps its own batch of the step."""
+    sent (``StepTimer.clock`` seconds), and the PD requests whose KV it streams. Each group keeps its own batch of
+    the step."""
 
     handle: Any
     mode: str
     launched_at: float
+    streams: frozenset[str] = frozenset()  # tags of the requests whose KV the step writes layer by layer
 
 
 class Driver(StepCoordinator):
@@ -147,10 +150,10 @@ class Driver(StepCoordinator):
         return req
 
     def submit(self, rid: str, input_ids: list[int], params: SamplingParams, output_ids: Sequence[int] = (),
-               export_kv: bool = False, kv_received: bool = False) -> bool:
+               export_kv: bool = False, kv_received: bool = False, kv_stream: KVStreamTarget | None = None) -> bool:
         """Queue a request for the serving loop (``output_ids``: a resumed request's tokens so far;
-        ``export_kv``, ``kv_received``: prefill/decode disaggregation; see ``AddRequest``): a refusal ends it in
-        its group's output rows instead of raising. Returns whether it was accepted."""
+        ``export_kv``, ``kv_received``, ``kv_stream``: prefill/decode disaggregation; see ``AddRequest``): a
+        refusal ends it in its group's output rows instead of raising. Returns whether it was accepted."""
         if rid in self.group_of:
             raise ValueError(f"duplicate request id {rid!r}")
         if kv_received:
@@ -160,7 +163,8 @@ class Driver(StepCoordinator):
             self.groups[group].scheduler.state.cache_received(rid, input_ids)
         else:
             group = self._route(input_ids)
-        if self.groups[group].add(rid, input_ids, params, output_ids=output_ids, export_kv=export_kv) is None:
+        if self.groups[group].add(rid, input_ids, params, output_ids=output_ids, export_kv=export_kv,
+                                  kv_stream=kv_stream) is None:
             return False
         self.group_of[rid] = group
         return True
@@ -182,13 +186,19 @@ class Driver(StepCoordinator):
         group = self._reserved_in.pop(rid, None)
         return group is not None and self.groups[group].scheduler.state.cancel_reservation(rid)
 
-    def kv_export(self, rid: str) -> tuple[int, list[int]] | None:
-        """Prefill side: (group, slots) of ``rid``'s prompt KV held for the decode engine, or None."""
+    def kv_export(self, rid: str) -> tuple[int, list[int], bool] | None:
+        """Prefill side: (group, slots, streamed) of ``rid``'s prompt KV held for the decode engine, or None;
+        ``streamed``: every prompt position went out in a streamed step (``KVExport.streamed``)."""
         for g in self.groups:
             held = g.scheduler.state.kv_exports.get(rid)
             if held is not None:
-                return g.index, list(held.slots)
+                return g.index, list(held.slots), held.streamed
         return None
+
+    def kv_stream_settled(self, rid: str) -> bool:
+        """Prefill side: whether no step can write ``rid``'s streamed KV any more (it has left its group and is
+        not in the step the ranks are computing), so the decode side may free the reservation it wrote into."""
+        return rid not in self.group_of and (self._launched is None or rid not in self._launched.streams)
 
     def release_export(self, rid: str) -> bool:
         """Prefill side: unlock ``rid``'s exported prompt KV. Returns whether it was held."""
@@ -253,7 +263,8 @@ class Driver(StepCoordinator):
         decision, mode = self._decide(plans)
         batches = [g.batch_for(decision) for g in self.groups]
         launched_at = self.step_timer.clock()
-        return _LaunchedStep(self.executor.launch(batches), mode, launched_at)
+        streams = frozenset(c.tag for b in batches for c in b.kv_streams)
+        return _LaunchedStep(self.executor.launch(batches), mode, launched_at, streams)
 
     def _finish(self, launched: _LaunchedStep) -> list[Req]:
         """Wait for a launched step and give each group its ranks' output; a step the ranks raised in fails its

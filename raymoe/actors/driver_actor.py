@@ -314,6 +314,16 @@ class DriverActor:
         self._on_ranks("receive_kv", calls, timeout_s + 30)
 
     @ray.method(concurrency_group=_KV)
+    def expect_kv(self, group: int, tag: str, timeout_s: float) -> None:
+        """Each tp rank of ``group`` expects the streamed rows of ``tag`` (``RankKVTransfer.expect_kv``)."""
+        self._on_ranks("expect_kv", [(r, (tag, timeout_s)) for r in self._group_ranks(group)], 60)
+
+    @ray.method(concurrency_group=_KV)
+    def forget_kv(self, group: int, tag: str) -> None:
+        """Each tp rank of ``group`` stops expecting ``tag`` (``RankKVTransfer.forget_kv``)."""
+        self._on_ranks("forget_kv", [(r, (tag,)) for r in self._group_ranks(group)], 60)
+
+    @ray.method(concurrency_group=_KV)
     def reserve_kv(self, rid: str, num_tokens: int) -> tuple[int, list[int]] | None:
         """Decode side: ``Driver.reserve_kv`` on the loop thread."""
         return self.service.call(lambda d: d.reserve_kv(rid, num_tokens))
@@ -323,9 +333,13 @@ class DriverActor:
         return self.service.call(lambda d: d.cancel_reservation(rid))
 
     @ray.method(concurrency_group=_KV)
-    def kv_export(self, rid: str) -> tuple[int, list[int]] | None:
+    def kv_export(self, rid: str) -> tuple[int, list[int], bool] | None:
         """Prefill side: ``Driver.kv_export`` on the loop thread."""
         return self.service.call(lambda d: d.kv_export(rid))
+
+    def kv_stream_settled(self, rid: str) -> bool:
+        """Prefill side: ``Driver.kv_stream_settled`` on the loop thread."""
+        return self.service.call(lambda d: d.kv_stream_settled(rid))
 
     @ray.method(concurrency_group=_KV)
     def release_export(self, rid: str) -> bool:

@@ -191,7 +191,8 @@ class DriverService:
                 continue
             try:
                 accepted = self.driver.submit(a.request_id, a.prompt_token_ids, a.params, a.output_ids,
-                                              export_kv=a.export_kv, kv_received=a.kv_received)
+                                              export_kv=a.export_kv, kv_received=a.kv_received,
+                                              kv_stream=a.kv_stream)
             except ValueError as e:  # already in flight, or no reservation to receive into
                 self._out.end(a.request_id, RequestEnd(error=RequestError("invalid", str(e), "request_id")))
                 continue

@@ -74,13 +74,14 @@ class GroupScheduler:
 
     # ------------------------------------------------------------------------------------------------ requests
     def add(self, rid: str, input_ids: list[int], params: SamplingParams, report: bool = True,
-            output_ids: Sequence[int] = (), export_kv: bool = False) -> Req | None:
+            output_ids: Sequence[int] = (), export_kv: bool = False, kv_stream=None) -> Req | None:
         """Queue a request; ``output_ids``: the tokens a resumed request generated before a fault (its rows then
         carry only the tokens after them); ``export_kv``: keep its prompt's KV locked for a decode engine when it
-        finishes (``GroupState.kv_exports``). Refused (``InvalidRequestError``): with ``report`` its row ends it
-        with the error (None is returned), else the error is raised."""
+        finishes (``GroupState.kv_exports``); ``kv_stream``: write it into the decode engine's reservation layer by
+        layer while computing it (``raymoe.step.kv_stream.KVStreamTarget``). Refused (``InvalidRequestError``):
+        with ``report`` its row ends it with the error (None is returned), else the error is raised."""
         req = Req(rid, list(input_ids), params, output_ids=[int(t) for t in output_ids],
-                  output_logprobs=[None] * len(output_ids), export_kv=export_kv)
+                  output_logprobs=[None] * len(output_ids), export_kv=export_kv, kv_stream=kv_stream)
         try:
             self.scheduler.add_request(req)
         except InvalidRequestError as e:

@@ -104,7 +104,7 @@ class HostedDriver(StepCoordinator):
         return self.router.route(input_ids, loads).group
 
     def submit(self, rid: str, input_ids: list[int], params: SamplingParams, output_ids: Sequence[int] = (),
-               export_kv: bool = False, kv_received: bool = False) -> bool:
+               export_kv: bool = False, kv_received: bool = False, kv_stream=None) -> bool:
         """Route a request to a group (sent with the next exchange; a refusal ends it in the group's rows);
         ``output_ids``: a resumed request's tokens so far (``AddRequest``). Returns True (queued).
 
@@ -112,7 +112,7 @@ class HostedDriver(StepCoordinator):
             ValueError: ``rid`` is in flight already, or ``export_kv`` / ``kv_received`` (prefill/decode
                 disaggregation reserves and receives KV in the driver's own groups: ``group_schedulers="driver"``).
         """
-        if export_kv or kv_received:
+        if export_kv or kv_received or kv_stream is not None:
             raise ValueError("prefill/decode disaggregation needs group_schedulers=driver")
         if rid in self.group_of:
             raise ValueError(f"duplicate request id {rid!r}")

@@ -5,7 +5,9 @@ lives in the rank's process, next to the pool it reads and writes. The engine's 
 its ranks, collects their metadata and hands them the other engine's (``DriverActor.start_kv_transfer`` /
 ``add_kv_peers``), so nothing but the ranks and the driver actors takes part. Transfers run on the calling thread,
 not the step thread: with the step channel the rank keeps computing steps meanwhile (the slots moved are held by
-the schedulers of both engines for the transfer's duration, so no step touches them).
+the schedulers of both engines for the transfer's duration, so no step touches them). An agent that writes
+one-sided (NIXL) also gets a ``KVStreamer`` on the rank's runner: prefill steps then write streamed requests'
+rows layer by layer themselves (``raymoe.kvcache.kv_stream``), on the step thread's forward.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from raymoe.kvcache.kv_layout import KVLayout
+from raymoe.kvcache.kv_stream import KVStreamer
 from raymoe.kvcache.kv_transfer import KVTransferAgent, KVTransferError, make_kv_transfer
 
 
@@ -38,10 +41,16 @@ class RankKVTransfer:
         """
         import ray
 
+        layout = self._kv_layout()
+        if self.runner.kv_streamer is not None:
+            self.runner.kv_streamer.close()
+            self.runner.kv_streamer = None
         if self._kv_agent is not None:
             self._kv_agent.close()
         host = host or ray.util.get_node_ip_address()
-        self._kv_agent = make_kv_transfer(name, self._kv_layout(), backend, host)
+        self._kv_agent = make_kv_transfer(name, layout, backend, host)
+        if self._kv_agent.streams:  # a prefill rank writes streamed requests' rows layer by layer
+            self.runner.kv_streamer = KVStreamer(self._kv_agent, layout)
         return self._kv_agent.metadata()
 
     def add_kv_peers(self, metadata: Sequence[bytes]) -> list[str]:
@@ -51,7 +60,10 @@ class RankKVTransfer:
             KVTransferError: the agent was not started, or a peer runs another backend.
             KVLayoutMismatch: a peer's KV rows differ from this rank's.
         """
-        return [self._agent().add_peer(m) for m in metadata]
+        agent = self._agent()
+        names = [agent.add_peer(m) for m in metadata]
+        agent.connect(names)  # the other engine's ranks are in their add_kv_peers now, too
+        return names
 
     def _agent(self) -> KVTransferAgent:
         if self._kv_agent is None:
@@ -62,6 +74,15 @@ class RankKVTransfer:
                 timeout_s: float) -> None:
         """Write the rows of ``src_slots`` into the peer rank's ``dst_slots`` (``KVTransferAgent.send``)."""
         self._agent().send(peer, list(src_slots), list(dst_slots), tag, timeout_s)
+
+    def expect_kv(self, tag: str, timeout_s: float) -> None:
+        """A streamed request's rows will arrive while this rank computes (``KVTransferAgent.expect``)."""
+        self._agent().expect(tag, timeout_s)
+
+    def forget_kv(self, tag: str) -> None:
+        """The streamed request went away before its transfer (``KVTransferAgent.forget``)."""
+        if self._kv_agent is not None:
+            self._kv_agent.forget(tag)
 
     def receive_kv(self, peer: str, dst_slots: Sequence[int], tag: str, timeout_s: float) -> None:
         """Wait for the peer rank's rows in ``dst_slots`` (``KVTransferAgent.receive``)."""

@@ -17,6 +17,7 @@ from raymoe.eplb.report import ExpertLoadReport
 from raymoe.errors import EngineUnhealthyError, InvalidRequestError, RaymoeError, RequestFailedError
 from raymoe.scheduler.sampling_params import SamplingParams
 from raymoe.scheduler.spec_steps import SpecCounters
+from raymoe.step.kv_stream import KVStreamTarget
 from raymoe.step.step_output import TokenLogprobs
 
 
@@ -94,6 +95,9 @@ class AddRequest:
     prompt's KV locked when the request finishes, for the decode engine to fetch; ``kv_received`` tells a decode
     engine that the request's reservation (``Driver.reserve_kv``) now holds the prompt's KV, so the request joins the
     group that reserved it and computes only what follows the prompt (``output_ids`` holds the prefill's token).
+    ``kv_stream`` (with ``export_kv``, when the engines' KV agents write one-sided): the prefill ranks write the
+    prompt's KV into the decode engine's reservation layer by layer while they compute it
+    (``raymoe.step.kv_stream``).
     """
 
     request_id: str
@@ -102,6 +106,7 @@ class AddRequest:
     output_ids: tuple[int, ...] = ()
     export_kv: bool = False
     kv_received: bool = False
+    kv_stream: KVStreamTarget | None = None
 
 
 @dataclass(frozen=True)

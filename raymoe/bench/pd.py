@@ -8,8 +8,11 @@
     (a prefill shares the step with every running decode) and on ``--pd-prefill`` + ``--pd-decode`` engines
     (``raymoe.client.pd_client``), each with the OpenAI app on 127.0.0.1. Reported: the decode streams' ITL
     p50/p99 (gaps between streamed chunks after their first; a chunk may carry several tokens) and TPOT p50 (a
-    stream's time per output token after its first), the long prompts' TTFT p50/p99, errors, and the PD
-    engine's fallback count. On a machine with few cores both engines share the CPUs with the client and the front
+    stream's time per output token after its first), the long prompts' TTFT p50/p99 and hand-off p50 (the gap
+    between a long prompt's first chunk, from the prefill engine, and its second, from the decode engine: the KV
+    transfer's tail plus the decode engine's first step), errors, and the PD engine's fallback and streamed
+    transfer counts. PD runs twice: ``pd`` with the KV written layer by layer during the prefill (NIXL) and
+    ``pd-after`` with it written after the prefill. On a machine with few cores both engines share the CPUs with the client and the front
     end, so PD's separation of prefill from decode cannot show as it does on separate GPUs; the figures say what
     it costs here.
 
@@ -46,7 +49,7 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def _server(a: argparse.Namespace, pd: bool):
+def _server(a: argparse.Namespace, pd: bool, layerwise: bool = True):
     from raymoe.cli_args import resolve_model
     from raymoe.deploy.openai_api import build_openai_app
     from raymoe.deploy.server_config import ServeOptions
@@ -55,7 +58,7 @@ def _server(a: argparse.Namespace, pd: bool):
     options = {"model": resolve_model(a.model), "max_running_requests": 64, "max_context_len": 4096,
                "max_total_tokens": 65536}
     if pd:
-        options |= {"pd_prefill": a.pd_prefill, "pd_decode": a.pd_decode}
+        options |= {"pd_prefill": a.pd_prefill, "pd_decode": a.pd_decode, "pd_kv_layerwise": layerwise}
     else:
         options |= {"dp_size": a.dp, "ep_size": a.dp}
     engine = ServeOptions(**options).engine_client(progress=False)
@@ -109,13 +112,14 @@ def run_pd_bench(a: argparse.Namespace) -> dict:
         add_kv_transfer_args(p)
         report["transfer"] = run_kv_transfer_bench(p.parse_args(["--output-json", "/dev/null"]))
     rows = []
-    for name, pd in (("colocated", False), ("pd", True)):
+    for name, pd, layerwise in (("colocated", False, True), ("pd", True, True), ("pd-after", True, False)):
         print(f"--- {name}", flush=True)
-        with _server(a, pd) as (url, engine):
+        with _server(a, pd, layerwise) as (url, engine):
             t0 = time.perf_counter()
             decoders, longs = asyncio.run(_load(url, a))
             wall = time.perf_counter() - t0
             failed = getattr(engine, "transfers_failed", None)
+            streamed = getattr(engine, "streamed", None)
         ok_d = [r for r in decoders if r.error is None]
         ok_l = [r for r in longs if r.error is None]
         itl = [g for r in ok_d for g in r.itl]
@@ -124,14 +128,16 @@ def run_pd_bench(a: argparse.Namespace) -> dict:
                      "errors": len(decoders) + len(longs) - len(ok_d) - len(ok_l),
                      "itl_p50_ms": _q(itl, 0.5), "itl_p99_ms": _q(itl, 0.99), "tpot_p50_ms": _q(tpot, 0.5),
                      "long_ttft_p50_ms": _q([r.ttft for r in ok_l], 0.5),
-                     "long_ttft_p99_ms": _q([r.ttft for r in ok_l], 0.99), "transfers_failed": failed})
+                     "long_ttft_p99_ms": _q([r.ttft for r in ok_l], 0.99),
+                     "long_handoff_p50_ms": _q([r.itl[0] for r in ok_l if r.itl], 0.5),
+                     "transfers_failed": failed, "transfers_streamed": streamed})
         print(json.dumps(rows[-1]), flush=True)
     print(f"{'engine':<11}{'long prompts':>13}{'err':>5}{'ITL p50':>9}{'ITL p99':>9}{'TPOT p50':>10}"
-          f"{'long TTFT p50':>15}{'long TTFT p99':>15}")
+          f"{'long TTFT p50':>15}{'long TTFT p99':>15}{'hand-off p50':>14}")
     for r in rows:
         print(f"{r['engine']:<11}{r['long_prompts']:>13}{r['errors']:>5}{r['itl_p50_ms'] or 0:>7.1f}ms"
               f"{r['itl_p99_ms'] or 0:>7.1f}ms{r['tpot_p50_ms'] or 0:>8.1f}ms{r['long_ttft_p50_ms'] or 0:>13.0f}ms"
-              f"{r['long_ttft_p99_ms'] or 0:>13.0f}ms")
+              f"{r['long_ttft_p99_ms'] or 0:>13.0f}ms{r['long_handoff_p50_ms'] or 0:>12.0f}ms")
     report["decode_under_arrivals"] = rows
     out = Path(a.output_json)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,7 @@ from raymoe.client.request_resume import ResumableRequest
 from raymoe.config import EngineConfig, ModelConfig
 from raymoe.errors import EngineUnhealthyError
 from raymoe.scheduler.sampling_params import SamplingParams
+from raymoe.step.kv_stream import KVStreamTarget
 from raymoe.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -294,12 +295,13 @@ class EngineClient:
     # ------------------------------------------------------------------ requests and aborts
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        output_ids: Sequence[int] = (), export_kv: bool = False,
-                       kv_received: bool = False) -> AsyncIterator[RequestDelta]:
+                       kv_received: bool = False, kv_stream: KVStreamTarget | None = None
+                       ) -> AsyncIterator[RequestDelta]:
         """Stream the request's deltas (the last has ``finished=True``). Leaving early aborts the request.
 
-        ``output_ids``, ``export_kv``, ``kv_received``: prefill/decode disaggregation (``AddRequest``;
-        ``raymoe.client.pd_client``): the tokens the request has already, keep its prompt KV for a decode engine,
-        its prompt KV is in its reservation.
+        ``output_ids``, ``export_kv``, ``kv_received``, ``kv_stream``: prefill/decode disaggregation
+        (``AddRequest``; ``raymoe.client.pd_client``): the tokens the request has already, keep its prompt KV for a
+        decode engine, its prompt KV is in its reservation, write its prompt KV there layer by layer.
 
         Raises:
             InvalidRequestError: refused by the scheduler (prompt too long, queue full: field ``"queue"`` ...).
@@ -314,7 +316,7 @@ class EngineClient:
         q: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)
         req = ResumableRequest(rid, list(prompt_token_ids), params, [int(t) for t in output_ids],
-                               export_kv=export_kv, kv_received=kv_received)
+                               export_kv=export_kv, kv_received=kv_received, kv_stream=kv_stream)
         done = False
         try:
             if self._dead is not None:

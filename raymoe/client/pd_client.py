@@ -14,7 +14,13 @@ A request (:meth:`PDEngineClient.generate`):
    stream's first. A request that ends there (a stop token, ``max_tokens=1``) ends the stream.
 3. **Transfer**: each tp rank of the prefill group writes the prompt's rows into the same tp rank of the decode
    group's reserved slots (``raymoe.kvcache.kv_transfer``: NIXL, else gloo; agents started by the ranks, metadata
-   passed through the driver actors), then the prefill side's lock is released.
+   passed through the driver actors), then the prefill side's lock is released. With NIXL (one-sided writes) the
+   prefill ranks write them **layer by layer while they compute** (``layerwise``, the default): the request
+   carries its destination (``raymoe.step.kv_stream.KVStreamTarget``), every prefill step writes the positions
+   it computed (a radix hit's cached prefix in its first step) as each layer's KV is stored
+   (``raymoe.kvcache.kv_stream``), and the step that computes the prompt's last chunk waits for its writes and
+   notifies the decode ranks, which is all the decode side then waits for. With gloo the rows move after the
+   prefill, in one two-sided send.
 4. **Decode**: the request joins the decode group that holds the reservation with ``kv_received``: the reserved
    slots go to that group's radix cache as the prompt's KV, so the request computes only its first token's KV and
    decodes on (TBO, graphs and MIXED batches as usual; its rows continue from the first token).
@@ -22,7 +28,8 @@ A request (:meth:`PDEngineClient.generate`):
 Faults end in a stream that goes on or a clear error, and leave no KV held: a transfer that fails or times out
 (``transfer_timeout_s``) falls back to the decode engine re-prefilling prompt + first token (the path of a resumed
 request); a client that leaves aborts whichever side holds the request, and the reservation is freed only once the
-transfer calls have returned (a late write must not land in slots another request got); a fault of either engine
+transfer calls have returned and, for a streamed request, once no prefill step can write it any more
+(``Driver.kv_stream_settled``; a late write must not land in slots another request got); a fault of either engine
 is resumed by that engine's ``EngineClient`` as for any request. After a failed transfer the ranks' agents are
 started again before the next one (a restarted rank group has none), and a clean-up call to an engine that went away
 is logged, not raised (the engine took what it held with it).
@@ -37,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import pickle
 import uuid
 from collections.abc import AsyncIterator
 
@@ -45,8 +53,13 @@ from raymoe.client.engine_client import EngineClient
 from raymoe.config import EngineConfig
 from raymoe.errors import InvalidRequestError
 from raymoe.scheduler.sampling_params import SamplingParams
+from raymoe.step.kv_stream import KVStreamTarget
 
 log = logging.getLogger(__name__)
+
+EXPECT_BOUND_S = 600.0
+"""Longest a decode rank keeps progressing NIXL for one streamed request it was told to expect (the request's
+receive or clean-up stops it sooner), seconds."""
 
 
 async def _quietly(ref, what: str) -> None:
@@ -65,6 +78,8 @@ class PDEngineClient:
         model_name: served model name. transfer_timeout_s: bound on one request's KV transfer, seconds.
         reserve_timeout_s: how long a request waits for KV room on the decode side, seconds.
         kv_backend: ``auto`` | ``nixl`` | ``gloo`` (``raymoe.kvcache.kv_transfer``).
+        layerwise: stream the prompt's KV layer by layer during the prefill where the backend writes one-sided
+            (NIXL); False: always after the prefill.
 
     Raises:
         InvalidRequestError: the engines cannot exchange KV (TP size, dtype, page size; names ``pd_decode``).
@@ -72,7 +87,8 @@ class PDEngineClient:
     """
 
     def __init__(self, prefill: EngineConfig, decode: EngineConfig, model_name: str | None = None,
-                 transfer_timeout_s: float = 30.0, reserve_timeout_s: float = 60.0, kv_backend: str = "auto"):
+                 transfer_timeout_s: float = 30.0, reserve_timeout_s: float = 60.0, kv_backend: str = "auto",
+                 layerwise: bool = True):
         import ray
 
         for name, mine, theirs in (("tp_size", prefill.parallel.tp_size, decode.parallel.tp_size),
@@ -93,10 +109,13 @@ class PDEngineClient:
         self.tp = self.decode.config.parallel.tp_size
         self.transfers_failed = 0
         self.kv_backend = kv_backend
+        self.layerwise = layerwise
+        self.streamed = 0  # transfers written layer by layer during the prefill
         self.reconnects = 0
         self._stale = False  # the ranks' agents must be started again (a rank group or driver was restarted)
         self._connect_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         metas = ray.get(self._start_refs(), timeout=300)
+        self._streams = self._can_stream(metas)
         self._decode_ranks, self._prefill_ranks = (n[0] for n in ray.get(self._peer_refs(*metas), timeout=300))
         self._cleanups: set[asyncio.Task] = set()
 
@@ -105,6 +124,15 @@ class PDEngineClient:
         tag = uuid.uuid4().hex[:8]
         return [self.prefill.driver.start_kv_transfer.remote(f"pd{tag}-prefill", self.kv_backend),
                 self.decode.driver.start_kv_transfer.remote(f"pd{tag}-decode", self.kv_backend)]
+
+    def _can_stream(self, metas: list[list[bytes]]) -> bool:
+        """Whether prefill ranks write KV layer by layer: asked for, and every agent writes one-sided."""
+        return self.layerwise and all(pickle.loads(m)["backend"] == "nixl" for side in metas for m in side)
+
+    @property
+    def kv_streaming(self) -> bool:
+        """Whether new requests' KV is written layer by layer during their prefill (``layerwise`` with NIXL)."""
+        return self._streams and not self._stale
 
     def _peer_refs(self, metas_p: list[bytes], metas_d: list[bytes]) -> list:
         """Give each side's ranks the other's metadata (once both have started): refs of the peer names each
@@ -125,6 +153,7 @@ class PDEngineClient:
             try:
                 metas = await asyncio.gather(*self._start_refs())
                 names = await asyncio.gather(*self._peer_refs(*metas))
+                self._streams = self._can_stream(metas)
                 self._decode_ranks, self._prefill_ranks = names[0][0], names[1][0]
             except Exception as e:  # noqa: BLE001 - an engine is still restarting: this request re-prefills
                 log.warning("reconnecting the KV transfer agents failed (%s); trying again at the next transfer", e)
@@ -158,12 +187,19 @@ class PDEngineClient:
         """
         prompt = list(prompt_token_ids)
         group, slots = await self._reserve(request_id, len(prompt))
-        held = {"reservation": True, "export": False}
+        target = None
+        if self.kv_streaming:
+            target = KVStreamTarget(request_id, tuple(self._decode_ranks[group * self.tp:(group + 1) * self.tp]),
+                                    tuple(slots), self.transfer_timeout_s)
+        held = {"reservation": True, "export": False, "streamed": target is not None, "expected": False}
         transfer: list = []
         try:
+            if target is not None:  # the decode ranks keep UCX progressing while the rows arrive
+                await self.decode.driver.expect_kv.remote(group, request_id, EXPECT_BOUND_S)
+                held["expected"] = True
             last = None
             async for delta in self.prefill.generate(request_id, prompt, dataclasses.replace(params, max_tokens=1),
-                                                     export_kv=True):
+                                                     export_kv=True, kv_stream=target):
                 last = delta
             held["export"] = True
             if params.max_tokens == 1 or last.finish_reason != "length" or not last.token_ids:
@@ -172,12 +208,14 @@ class PDEngineClient:
             yield dataclasses.replace(last, finished=False, finish_reason=None)
             first, prefill_cached = last.token_ids[-1], last.cached_tokens
             received = await self._transfer(request_id, group, slots, transfer)
+            held["expected"] = False  # (receive_kv forgets the tag)
             held["reservation"] = not received
             held["export"] = False
             await _quietly(self.prefill.driver.release_export.remote(request_id), "release_export")
             if not received:  # the decode engine re-prefills prompt + first token instead
                 self.transfers_failed += 1
                 held["reservation"] = False
+                await self._settled(request_id, held)
                 await _quietly(self.decode.driver.cancel_reservation.remote(request_id), "cancel_reservation")
             async for delta in self.decode.generate(request_id, prompt, params, output_ids=[first],
                                                     kv_received=received):
@@ -186,7 +224,7 @@ class PDEngineClient:
                 yield delta
         finally:
             if held["reservation"] or held["export"]:
-                self._clean_up(request_id, held, transfer)
+                self._clean_up(request_id, held, transfer, group)
 
     async def _transfer(self, rid: str, group: int, slots: list[int], calls: list) -> bool:
         """Move the prompt's KV from the prefill group holding it into ``slots`` of decode group ``group``;
@@ -201,13 +239,14 @@ class PDEngineClient:
         if export is None:
             log.warning("request %s: the prefill engine kept no KV to send", rid)
             return False
-        pgroup, src = export
+        pgroup, src, streamed = export
         tp = self.tp
         decode_peers = self._decode_ranks[group * tp:(group + 1) * tp]
         prefill_peers = self._prefill_ranks[pgroup * tp:(pgroup + 1) * tp]
         t = self.transfer_timeout_s
-        calls += [self.prefill.driver.send_kv.remote(pgroup, decode_peers, src, slots, rid, t),
-                  self.decode.driver.receive_kv.remote(group, prefill_peers, slots, rid, t)]
+        if not streamed:  # written after the prefill (gloo, or a prefill that could not stream: one send)
+            calls.append(self.prefill.driver.send_kv.remote(pgroup, decode_peers, src, slots, rid, t))
+        calls.append(self.decode.driver.receive_kv.remote(group, prefill_peers, slots, rid, t))
         try:
             await asyncio.gather(*calls)
         except Exception as e:  # noqa: BLE001 - a failed transfer falls back to a re-prefill on the decode side
@@ -217,13 +256,37 @@ class PDEngineClient:
             self._stale = True
             return False
         calls.clear()  # (cancelled: the calls stay, and the clean-up waits for them before freeing the slots)
+        self.streamed += streamed
         return True
 
-    def _clean_up(self, rid: str, held: dict, transfer: list) -> None:
+    async def _settled(self, rid: str, held: dict) -> None:
+        """For a streamed request: wait until no prefill step can write into its reservation any more
+        (``Driver.kv_stream_settled``; every step's writes land within ``transfer_timeout_s``). A prefill engine
+        that went away took its ranks' writes with it."""
+        if not held["streamed"]:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 2 * self.transfer_timeout_s + 10.0
+        while loop.time() < deadline:
+            try:
+                if await self.prefill.driver.kv_stream_settled.remote(rid):
+                    return
+            except Exception as e:  # noqa: BLE001
+                log.warning("request %s: the prefill engine went away (%s); its writes went with it", rid, e)
+                return
+            await asyncio.sleep(0.02)
+        log.warning("request %s: the prefill engine still streams its KV after %.0f s; freeing the reservation",
+                    rid, 2 * self.transfer_timeout_s + 10.0)
+
+    def _clean_up(self, rid: str, held: dict, transfer: list, group: int) -> None:
         """Free what ``rid`` still holds on both engines once its transfer calls (if any) have returned."""
         async def clean() -> None:
             if transfer:
                 await asyncio.gather(*transfer, return_exceptions=True)
+            if held["expected"]:
+                await _quietly(self.decode.driver.forget_kv.remote(group, rid), "forget_kv")
+            if held["reservation"]:
+                await self._settled(rid, held)
             if held["export"]:
                 await _quietly(self.prefill.driver.release_export.remote(rid), "release_export")
             if held["reservation"]:

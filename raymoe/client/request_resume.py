@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from raymoe.actors.records import AddRequest, RequestDelta, RequestError
 from raymoe.config.faults import FaultConfig
 from raymoe.scheduler.sampling_params import SamplingParams
+from raymoe.step.kv_stream import KVStreamTarget
 
 
 @dataclass
@@ -37,8 +38,9 @@ class ResumableRequest:
         prompt_token_ids: the prompt (token ids). params: its sampling parameters.
         output_ids: every token delivered to the stream so far, in order.
         resumes: times it was submitted again after a fault.
-        export_kv, kv_received: prefill/decode disaggregation (``AddRequest``); a resumed request no longer
-            receives KV (its reservation went with the fault): it re-prefills like any resumed request.
+        export_kv, kv_received, kv_stream: prefill/decode disaggregation (``AddRequest``); a resumed request no
+            longer receives KV (its reservation went with the fault): it re-prefills like any resumed request; a
+            resumed prefill no longer streams (the restarted ranks' agents are new): its KV moves after it.
     """
 
     request_id: str
@@ -48,11 +50,13 @@ class ResumableRequest:
     resumes: int = 0
     export_kv: bool = False
     kv_received: bool = False
+    kv_stream: KVStreamTarget | None = None
 
     def add(self) -> AddRequest:
         """The record that (re-)submits it: the prompt and, after a fault, the tokens delivered so far."""
         return AddRequest(self.request_id, self.prompt_token_ids, self.params, tuple(self.output_ids),
-                          export_kv=self.export_kv, kv_received=self.kv_received and self.resumes == 0)
+                          export_kv=self.export_kv, kv_received=self.kv_received and self.resumes == 0,
+                          kv_stream=self.kv_stream if self.resumes == 0 else None)
 
     def delivered(self, delta: RequestDelta) -> None:
         """Note the tokens of a delta the stream is about to deliver."""

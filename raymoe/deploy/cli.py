@@ -34,6 +34,9 @@ def add_serve_parser(sub) -> None:
                         "the engine options apply to both engines)")
     p.add_argument("--pd-decode", default=None, metavar="TOPOLOGY",
                    help="prefill/decode disaggregation: the decode engine's layout, e.g. 'dp=2,ep=2'")
+    p.add_argument("--pd-kv-layerwise", default=True, action=argparse.BooleanOptionalAction,
+                   help="prefill/decode disaggregation: write the prompt's KV layer by layer while the prefill "
+                        "computes it (NIXL; --no-pd-kv-layerwise: after the prefill)")
     p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                    help="split a reasoning model's <think>...</think> into the chat answer's reasoning_content")
     p.add_argument("--tool-call-parser", default="auto", choices=["auto", "qwen3", "deepseek_v3", "mistral"],
@@ -86,7 +89,8 @@ def serve_options_from_args(a: argparse.Namespace):
     try:
         return ServeOptions(model=a.model, served_model_name=a.served_model_name, max_in_flight=a.max_in_flight,
                             api_key=a.api_key or os.environ.get("RAYMOE_API_KEY"), limits=limits_from_args(a),
-                            pd_prefill=a.pd_prefill, pd_decode=a.pd_decode, reasoning_parser=a.reasoning_parser,
+                            pd_prefill=a.pd_prefill, pd_decode=a.pd_decode, pd_kv_layerwise=a.pd_kv_layerwise,
+                            reasoning_parser=a.reasoning_parser,
                             tool_call_parser=a.tool_call_parser, engine_name=a.engine_name, attach=a.attach,
                             **given_options(a, engine_options()))
     except ValidationError as e:

@@ -137,6 +137,9 @@ class _ServeFields(BaseModel):
                                                      "('dp=1'; raymoe.client.pd_config), with pd_decode.")
     pd_decode: str | None = Field(None, description="prefill/decode disaggregation: the decode engine's layout "
                                                     "('dp=2,ep=2').")
+    pd_kv_layerwise: bool = Field(True, description="prefill/decode disaggregation: the prefill ranks write the "
+                                                    "prompt's KV layer by layer while they compute it, where the "
+                                                    "transfer writes one-sided (NIXL); false: after the prefill.")
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
         None, description="split a reasoning model's thinking (<think>...</think>) into the chat answer's "
                           "reasoning_content (raymoe.deploy.reasoning; None: all text is content).")
@@ -219,14 +222,14 @@ class _ServeFields(BaseModel):
             from raymoe.client.pd_config import pd_engine_configs
 
             configs = pd_engine_configs(model, self.engine_option_values(), self.pd_prefill, self.pd_decode)
-            return PDEngineClient(*configs, model_name=self.served_model_name)
+            return PDEngineClient(*configs, model_name=self.served_model_name, layerwise=self.pd_kv_layerwise)
         return EngineClient(self.engine_config(model), model_name=self.served_model_name,
                             engine_name=self.engine_name)
 
 
 SERVE_ONLY_FIELDS = tuple(_ServeFields.model_fields)
 """ServeOptions fields that are not engine options: model, served_model_name, max_in_flight, api_key, limits,
-pd_prefill, pd_decode, reasoning_parser, tool_call_parser, engine_name, attach."""
+pd_prefill, pd_decode, pd_kv_layerwise, reasoning_parser, tool_call_parser, engine_name, attach."""
 
 SERVE_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "dp_size": (int, Field(2, description="DP-attention groups (each schedules its own requests).")),

@@ -28,6 +28,7 @@ class KVLayout:
         buffers: the tensors (CPU or CUDA), in a fixed order (per layer: key then value, or the latent buffer).
         page_tokens: slots per KV page (``CacheConfig.page_tokens``): transfers move whole pages, one descriptor
             per page and buffer (the pool's slot count plus one is a whole number of pages).
+        buffers_per_layer: consecutive buffers of one KV layer (2 for key/value pools, 1 for MLA's latent).
         num_slots: KV slots, not counting dummy slot 0.
 
     Raises:
@@ -37,6 +38,7 @@ class KVLayout:
 
     buffers: tuple[torch.Tensor, ...]
     page_tokens: int = 1
+    buffers_per_layer: int = 1
 
     def __post_init__(self) -> None:
         if not self.buffers:
@@ -48,13 +50,20 @@ class KVLayout:
             raise ValueError(f"KVLayout buffers have different slot counts: {sorted(rows)}")
         if not all(b.is_contiguous() for b in self.buffers):
             raise ValueError("KVLayout buffers must be contiguous")
+        if self.buffers_per_layer < 1 or len(self.buffers) % self.buffers_per_layer:
+            raise ValueError(f"KVLayout: {len(self.buffers)} buffers are not layers of {self.buffers_per_layer}")
 
     @classmethod
     def of_pool(cls, pool, page_tokens: int = 1) -> KVLayout:
         """The layout of a ``TokenToKVPool`` (key and value buffer per layer) or ``MLATokenToKVPool`` (latent)."""
         if hasattr(pool, "kv_buffer"):
             return cls(tuple(pool.kv_buffer), page_tokens)
-        return cls(tuple(b for pair in zip(pool.k_buffer, pool.v_buffer, strict=True) for b in pair), page_tokens)
+        return cls(tuple(b for pair in zip(pool.k_buffer, pool.v_buffer, strict=True) for b in pair), page_tokens, 2)
+
+    @property
+    def num_layers(self) -> int:
+        """KV layers of the pool (every layer that caches KV, the draft model's layers included)."""
+        return len(self.buffers) // self.buffers_per_layer
 
     @property
     def num_slots(self) -> int:
@@ -142,5 +151,31 @@ class KVLayout:
         starts = [run[0] // p for run in runs]
         if p > 1 and any(run != list(range(s * p, s * p + len(run))) for run, s in zip(runs, starts, strict=True)):
             raise ValueError(f"KV transfer slots must be pages of {p} in order (the last one may be partial)")
-        pages = ((self.num_slots if num_slots is None else num_slots) + 1) // p
-        return [k * pages + s for k in range(len(self.buffers)) for s in starts]
+        return self._descriptors(starts, num_slots, range(len(self.buffers)))
+
+    def pages_touched(self, slots: Sequence[int]) -> list[int]:
+        """The pages holding ``slots``, in the order the slots first reach them (consecutive slots of one page
+        give it once): a run of prompt positions laid out by page (position j at offset ``j % page_tokens``)
+        touches the same number of pages on any two pools."""
+        p = self.page_tokens
+        pages: list[int] = []
+        for s in slots:
+            if not pages or s // p != pages[-1]:
+                pages.append(s // p)
+        return pages
+
+    def layer_indices(self, pages: Sequence[int], layers: Sequence[int], num_slots: int | None = None) -> list[int]:
+        """The :meth:`page_ranges` entries of ``pages`` in the buffers of KV ``layers`` (a pool of ``num_slots``
+        slots: a peer's, when indexing its list).
+
+        Raises:
+            ValueError: a layer outside the pool.
+        """
+        if any(not 0 <= layer < self.num_layers for layer in layers):
+            raise ValueError(f"KV layers {list(layers)} outside this pool's {self.num_layers}")
+        per = self.buffers_per_layer
+        return self._descriptors(pages, num_slots, [layer * per + j for layer in layers for j in range(per)])
+
+    def _descriptors(self, pages: Sequence[int], num_slots: int | None, buffers: Sequence[int]) -> list[int]:
+        count = ((self.num_slots if num_slots is None else num_slots) + 1) // self.page_tokens
+        return [k * count + s for k in buffers for s in pages]

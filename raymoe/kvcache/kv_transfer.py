@@ -40,10 +40,13 @@ class KVTransferAgent(Protocol):
 
     Attributes:
         backend: ``"nixl"`` or ``"gloo"``. name: unique among the agents that talk to each other.
+        streams: whether a prefill rank can write rows layer by layer while it computes
+            (``raymoe.kvcache.kv_stream``; ``post_write`` / ``write_state`` / ``release`` / ``notify``).
     """
 
     backend: str
     name: str
+    streams: bool
 
     def metadata(self) -> bytes:
         """What a peer needs to reach this agent (pass it to the peer's :meth:`add_peer`)."""
@@ -51,6 +54,18 @@ class KVTransferAgent(Protocol):
     def add_peer(self, metadata: bytes) -> str:
         """Learn a peer; returns its name. Raises ``KVLayoutMismatch`` when its rows differ from ours,
         :class:`KVTransferError` when it runs another backend."""
+
+    def connect(self, peers: Sequence[str], timeout_s: float = 60.0) -> None:
+        """Finish connecting to ``peers`` (added already; they call this at the same time). Raises
+        :class:`KVTransferError` when one does not answer within ``timeout_s``."""
+
+    def expect(self, tag: str, timeout_s: float) -> None:
+        """A receiving rank: a peer will write the rows of ``tag`` while this rank does other work (layer by
+        layer); keep the transfer library progressing until :meth:`receive` or :meth:`forget` (at most
+        ``timeout_s`` seconds)."""
+
+    def forget(self, tag: str) -> None:
+        """Stop expecting ``tag``."""
 
     def send(self, peer: str, src_slots: Sequence[int], dst_slots: Sequence[int], tag: str,
              timeout_s: float) -> None:
@@ -131,6 +146,7 @@ class GlooKVTransfer:
     """
 
     backend = "gloo"
+    streams = False  # two-sided: the rows move after the prefill, in one send (no layer-by-layer writes)
 
     def __init__(self, name: str, layout: KVLayout, host: str = "127.0.0.1", connect_timeout_s: float = 60.0):
         import torch.distributed as dist
@@ -149,6 +165,15 @@ class GlooKVTransfer:
         meta = peer_metadata(metadata, self.backend, self.layout)
         self._peers[meta["name"]] = meta
         return meta["name"]
+
+    def connect(self, peers: Sequence[str], timeout_s: float = 60.0) -> None:
+        """Nothing to do: a pair's group is built by its first transfer, which both sides enter."""
+
+    def expect(self, tag: str, timeout_s: float) -> None:
+        """Nothing to do: gloo transfers are two-sided (``streams`` is False)."""
+
+    def forget(self, tag: str) -> None:
+        """Nothing to do (:meth:`expect`)."""
 
     def _group(self, peer: str):
         """The pair's gloo group, created on first use (both sides block until the other joins)."""

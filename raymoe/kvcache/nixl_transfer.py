@@ -13,7 +13,12 @@ Metadata goes through the caller (``get_agent_metadata`` / ``add_remote_agent``,
 held to the loopback device (``UCX_NET_DEVICES=lo``, unless set) so it opens no listener on other interfaces.
 NIXL's progress thread stays off: it busy-polls (measured: three idle agents kept two cores busy), and the transfers
 here are two-sided, so the receiver is inside a NIXL call (``get_new_notifs``, which progresses UCX) for as long as
-a write to it runs.
+a write to it runs. Layer-by-layer writes (``raymoe.kvcache.kv_stream``) arrive while the decode rank computes,
+and a write completes only once its target's UCX worker has progressed (with UCX's ``peer`` error handling, which
+detects a dead peer, the messages go over TCP, even between processes of one node; measured: a write whose target
+never called NIXL stayed in progress, its rows landed but its completion never came). So a decode rank that
+expects a streamed request polls its notifications on a thread of its own (:meth:`expect`, every
+``EXPECT_POLL_S``) until the request's notification came, it was :meth:`forget` -ten, or its bound passed.
 """
 
 from __future__ import annotations
@@ -26,8 +31,13 @@ from collections.abc import Sequence
 
 from raymoe.kvcache.kv_layout import KVLayout
 from raymoe.kvcache.kv_transfer import KVTransferError, peer_metadata
+from raymoe.step.kv_stream import FAILED_SUFFIX
 
 _POLL_S = 0.0002
+EXPECT_POLL_S = 0.001
+"""How often a decode rank expecting a streamed request progresses UCX (seconds; each poll is a few microseconds
+of one core)."""
+_HELLO = "raymoe-kv-hello"  # the greeting of connect()
 
 
 def _nixl_api():
@@ -56,6 +66,7 @@ class NixlKVTransfer:
     """
 
     backend = "nixl"
+    streams = True  # one-sided writes: a prefill rank can write rows layer by layer (raymoe.kvcache.kv_stream)
 
     def __init__(self, name: str, layout: KVLayout, host: str = "127.0.0.1"):
         if host in ("127.0.0.1", "localhost"):
@@ -76,6 +87,9 @@ class NixlKVTransfer:
         self._pages = self._agent.get_serialized_descs(self._agent.get_xfer_descs(pages, self._mem))
         self._remote: dict[str, tuple[object, dict]] = {}  # peer -> (prepared descriptor list, layout signature)
         self._notes: dict[str, list[bytes]] = {}  # notifications seen, not yet waited for
+        self._expected: dict[str, float] = {}  # streamed tags this (decode) rank expects -> poll until (monotonic)
+        self._poller: threading.Thread | None = None
+        self._closed = False
 
     def metadata(self) -> bytes:
         return pickle.dumps({"backend": self.backend, "name": self.name, "agent": self._agent.get_agent_metadata(),
@@ -116,24 +130,136 @@ class NixlKVTransfer:
             with self._lock:
                 self._agent.release_xfer_handle(handle)
 
+    def connect(self, peers: Sequence[str], timeout_s: float = 60.0) -> None:
+        """Greet every peer and wait for each one's greeting. Both ends progressing at once is what completes
+        UCX's endpoint wire-up; after it a ``WRITE`` lands and completes while the peer computes without calling
+        NIXL (measured: without it a layer-by-layer write stayed in progress until the peer next polled), which is
+        what :meth:`post_write` needs. The peers call this at the same time (``add_kv_peers`` on both engines).
+
+        Raises:
+            KVTransferError: a peer did not greet within ``timeout_s``.
+        """
+        for peer in peers:
+            self.notify(peer, _HELLO)
+        waiting, deadline = set(peers), time.monotonic() + timeout_s
+        while waiting:
+            self._collect_notes()
+            for peer in list(waiting):
+                seen = self._notes.get(peer, [])
+                if _HELLO.encode() in seen:
+                    seen.remove(_HELLO.encode())
+                    waiting.discard(peer)
+            if waiting and time.monotonic() > deadline:
+                raise KVTransferError(f"KV agents {sorted(waiting)} did not answer {self.name!r} within {timeout_s} s")
+            if waiting:
+                time.sleep(_POLL_S)
+
+    def expect(self, tag: str, timeout_s: float) -> None:
+        """Keep UCX progressing (module docstring) until :meth:`receive` of ``tag`` returns, :meth:`forget`
+        drops it, or ``timeout_s`` seconds pass."""
+        with self._lock:
+            self._expected[tag] = time.monotonic() + timeout_s
+            if self._poller is None or not self._poller.is_alive():
+                self._poller = threading.Thread(target=self._poll_expected, name=f"raymoe-kv-poll-{self.name}",
+                                                daemon=True)
+                self._poller.start()
+
+    def forget(self, tag: str) -> None:
+        """Stop expecting ``tag`` (its request went away before its transfer)."""
+        with self._lock:
+            self._expected.pop(tag, None)
+
+    def _poll_expected(self) -> None:
+        while not self._closed:
+            now = time.monotonic()
+            with self._lock:
+                for tag in [t for t, until in self._expected.items() if until < now]:
+                    del self._expected[tag]
+                if not self._expected:
+                    self._poller = None
+                    return
+            self._collect_notes()
+            time.sleep(EXPECT_POLL_S)
+
+    def _collect_notes(self) -> None:
+        with self._lock:
+            new = self._agent.get_new_notifs()
+        for agent, notes in new.items():
+            agent = agent.decode() if isinstance(agent, bytes) else agent
+            self._notes.setdefault(agent, []).extend(notes)
+
+    # ---------------------------------------------------------------- layer-by-layer writes (kv_stream)
+    def post_write(self, peer: str, src_pages: Sequence[int], dst_pages: Sequence[int], layers: Sequence[int]):
+        """Start a ``WRITE`` of our ``src_pages`` of KV ``layers`` into the peer's ``dst_pages`` (same count,
+        pages as ``KVLayout.pages_touched`` gives them) without a notification; returns its handle (poll
+        :meth:`write_state`, then :meth:`release`).
+
+        Raises:
+            KVTransferError: an unknown peer, or NIXL refused the write.
+        """
+        if peer not in self._remote:
+            raise KVTransferError(f"KV write: unknown peer {peer!r} (add_peer first)")
+        remote, signature = self._remote[peer]
+        with self._lock:
+            handle = self._agent.make_prepped_xfer(
+                "WRITE", self._local, self.layout.layer_indices(src_pages, layers), remote,
+                self.layout.layer_indices(dst_pages, layers, signature["num_slots"]))
+            try:
+                state = self._agent.transfer(handle)
+            except BaseException:
+                self._agent.release_xfer_handle(handle)
+                raise
+        if state == "ERR":
+            self.release(handle)
+            raise KVTransferError(f"KV write to {peer!r} failed in NIXL")
+        return handle
+
+    def write_state(self, handle) -> str:
+        """``"DONE"`` (the rows have landed), ``"PROC"`` or ``"ERR"`` for a :meth:`post_write` handle."""
+        with self._lock:
+            return self._agent.check_xfer_state(handle)
+
+    def release(self, handle) -> None:
+        with self._lock:
+            self._agent.release_xfer_handle(handle)
+
+    def notify(self, peer: str, message: str) -> None:
+        """Send ``message`` to the peer's :meth:`receive` (which waits for it by tag)."""
+        with self._lock:
+            self._agent.send_notif(peer, message.encode())
+
     def receive(self, peer: str, dst_slots: Sequence[int], tag: str, timeout_s: float) -> None:
-        want = tag.encode()
+        """Wait for the notification ``tag`` from ``peer`` (a :meth:`send`, or a streamed request's last step).
+
+        Raises:
+            KVTransferError: none came within ``timeout_s``, or the peer reported that it could not write the rows.
+        """
+        try:
+            self._receive(peer, tag, timeout_s)
+        finally:
+            self.forget(tag)
+
+    def _receive(self, peer: str, tag: str, timeout_s: float) -> None:
+        want, failed = tag.encode(), (tag + FAILED_SUFFIX).encode()
         deadline = time.monotonic() + timeout_s
         while True:
-            with self._lock:
-                new = self._agent.get_new_notifs()
-            for agent, notes in new.items():
-                agent = agent.decode() if isinstance(agent, bytes) else agent
-                self._notes.setdefault(agent, []).extend(notes)
+            self._collect_notes()
             seen = self._notes.get(peer, [])
             if want in seen:
                 seen.remove(want)
                 return
+            if failed in seen:
+                seen.remove(failed)
+                raise KVTransferError(f"KV receive {tag!r}: {peer!r} could not write the rows")
             if time.monotonic() > deadline:
                 raise KVTransferError(f"KV receive {tag!r} with {peer!r} did not complete within {timeout_s} s")
             time.sleep(_POLL_S)
 
     def close(self) -> None:
+        self._closed = True
+        poller = self._poller
+        if poller is not None:
+            poller.join(timeout=1.0)
         for peer in list(self._remote):
             self._agent.remove_remote_agent(peer)
         self._remote.clear()

@@ -120,6 +120,26 @@ def tbo_layer_operations(layer, mode: ForwardMode) -> list[Operation]:
     return insert_yields(ops, frozenset(before))
 
 
+class KVLayerMark:
+    """The op ending decoder layer ``layer`` in every op list: tells the step's layer-by-layer KV writer
+    (``forward_batch.kv_stream``, ``raymoe.kvcache.kv_stream``; prefill ranks of PD disaggregation) that this
+    half of the step has stored the layer's KV. Costs one attribute read on every other step. Platform fusions
+    never span layers, so the marks split no fused run."""
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer: int):
+        self.layer = layer
+
+    def __call__(self, state) -> None:
+        stream = getattr(getattr(state, "forward_batch", None), "kv_stream", None)
+        if stream is not None:
+            stream.layer_done(self.layer, state.forward_batch)
+
+    def __repr__(self) -> str:
+        return f"KVLayerMark({self.layer})"
+
+
 @dataclass(frozen=True)
 class OperationsStrategy:
     """The op list of a whole forward (all layers concatenated) and child B's stage delay under TBO.
@@ -136,14 +156,15 @@ class OperationsStrategy:
     def plain(cls, layers: Sequence, fusions: Sequence[Fusion] = ()) -> OperationsStrategy:
         """Every layer's ops in order, no stage boundaries, with the platform's ``fusions`` applied
         (``raymoe.overlap.fusion``: runs of ops a kernel computes in one call)."""
-        return cls(apply_fusions([op for layer in layers for op in layer.operations()], fusions))
+        return cls([op for i, layer in enumerate(layers)
+                    for op in (*apply_fusions(layer.operations(), fusions), KVLayerMark(i))])
 
     @classmethod
     def sbo(cls, layers: Sequence) -> OperationsStrategy:
         """Single-batch overlap: MoE layers' expert compute and combine interleaved (``raymoe.overlap.sbo``)."""
         from raymoe.overlap.sbo import sbo_operations
 
-        return cls([op for layer in layers for op in sbo_operations(layer)])
+        return cls([op for i, layer in enumerate(layers) for op in (*sbo_operations(layer), KVLayerMark(i))])
 
     @classmethod
     def tbo(cls, layers: Sequence, forward_mode: ForwardMode, decode_schedule: str = "fine") -> OperationsStrategy:
@@ -160,11 +181,12 @@ class OperationsStrategy:
             mode = ForwardMode.EXTEND  # the prefill schedule's stages and delta
         ops: list[Operation] = []
         has_moe = False
-        for layer in layers:
+        for i, layer in enumerate(layers):
             if getattr(layer, "is_moe", False):
                 has_moe = True
                 ops.extend(tbo_layer_operations(layer, mode))
             else:
                 ops.extend(layer.operations())
+            ops.append(KVLayerMark(i))
         delta = DECODE_DELTA_STAGES if mode == ForwardMode.DECODE else EXTEND_DELTA_STAGES
         return cls(ops, delta if has_moe else 0)

@@ -71,7 +71,9 @@ class ForwardBatch:
     ``tbo_parent_token_range`` (start, end) are the parent rows it covers. ``dispatch_capacity``: per-rank token
     capacity of this (child) batch's low-latency MoE dispatch (None: normal mode; ``raymoe.comm.a2a_plan``).
     ``padding_mask``: [T] bool, True on the padding rows of a decode graph's bucket (``raymoe.runner.graph_buffers``),
-    whose MoE pairs go to no expert; None (eager batches): every token is real.
+    whose MoE pairs go to no expert; None (eager batches): every token is real. ``kv_stream``: the step's
+    layer-by-layer KV writer of a PD prefill rank (``raymoe.kvcache.kv_stream.KVLayerStream``, shared by the TBO
+    children); None on every other step.
 
     Raises:
         ValueError: a token tensor does not have as many rows as ``input_ids``, or a row tensor or host list
@@ -108,6 +110,7 @@ class ForwardBatch:
     tbo_parent_token_range: tuple[int, int] | None = None
     dispatch_capacity: int | None = None
     padding_mask: torch.Tensor | None = None
+    kv_stream: Any = None
 
     def __post_init__(self) -> None:
         num_tokens = self.num_tokens

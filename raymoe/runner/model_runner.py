@@ -107,6 +107,8 @@ class ModelRunner:
             lambda: compiler_for_model(cfg.model_path, mc.vocab_size, tuple(mc.eos_token_ids)), self.device)
         self.future_tokens = FutureTokenMap(cfg.max_req_rows, self.device)
         self.drafter = None
+        self.kv_streamer = None  # PD prefill: set with the rank's KV agent (raymoe.actors.rank_kv_transfer)
+        self._kv_stream = None  # the step's layer-by-layer writer, between launch_step and its end
         if draft is not None:
             from raymoe.runner.mtp_drafter import MtpDrafter
 
@@ -209,6 +211,12 @@ class ModelRunner:
                 raise ValueError("batch.use_tbo is set but this rank was built without overlap.enable_tbo")
             TboForwardBatchPreparer.prepare(fb, self.cfg.overlap.tbo_token_distribution_threshold,
                                             self.attn_backend.children)
+        stream = self._kv_stream
+        if stream is not None:  # PD prefill: the layers' marks write the step's prompt rows as they pass
+            fb.kv_stream = stream
+            stream.children = len(fb.tbo_children) if fb.tbo_children else 1
+            for child in fb.tbo_children or ():
+                child.kv_stream = stream
         self.attn_backend.init_forward_metadata(fb)
         return fb
 
@@ -236,8 +244,22 @@ class ModelRunner:
         elif update is not None and not update.empty:
             raise ValueError("an expert-load update reached a rank built without an expert location")
 
-    @torch.inference_mode()
     def launch_step(self, batch: ModelWorkerBatch) -> PendingStep:
+        """One step (:meth:`_launch_step`). A PD prefill step with streamed requests (``batch.kv_streams``, on a
+        rank whose KV agent writes one-sided) writes their prompt rows layer by layer during the forward and
+        returns once they have landed (``raymoe.kvcache.kv_stream``): also when the step raises, so no write of it
+        lands later."""
+        if not batch.kv_streams or self.kv_streamer is None:
+            return self._launch_step(batch)
+        self._kv_stream = self.kv_streamer.begin(batch.kv_streams, self.groups.tp_rank)
+        try:
+            return self._launch_step(batch)
+        finally:
+            stream, self._kv_stream = self._kv_stream, None
+            stream.finish()
+
+    @torch.inference_mode()
+    def _launch_step(self, batch: ModelWorkerBatch) -> PendingStep:
         """One step up to its tokens' copy to the host: prepare, forward, sample, keep the ids for the next step's
         placeholders and start the copy; returns without waiting for the device (no host sync: a decode step is
         proven free of them on CPU, ``tests/test_decode_host_sync.py``). An IDLE batch runs the layers on zero

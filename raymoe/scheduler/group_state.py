@@ -37,11 +37,14 @@ class KVExport:
             laid them out (``[prompt_len]`` slot indices: with a paged allocator, pages in position order, the last
             possibly partial, so they move page by page). held: the request's slots the radix cache did not take
             (it held those positions already), kept until the export is released so that ``slots`` stay valid.
+        streamed: every prompt position went out in a step that wrote it to the decode engine layer by layer
+            (``Req.kv_stream``); the decode side then only waits for the ranks' notification.
     """
 
     node: Any
     slots: list[int]
     held: list[int]
+    streamed: bool = False
 
 
 @dataclass(frozen=True)
@@ -181,7 +184,8 @@ class GroupState:
         if len(m.slots) != len(prompt) or len(slots) < len(prompt):
             return False
         self.tree_cache.inc_lock_ref(m.last_node)
-        self.kv_exports[req.rid] = KVExport(m.last_node, slots[: len(prompt)], duplicates)
+        streamed = req.kv_stream is not None and req.kv_stream_sent >= len(prompt)
+        self.kv_exports[req.rid] = KVExport(m.last_node, slots[: len(prompt)], duplicates, streamed)
         return True
 
     def release_export(self, rid: str) -> bool:

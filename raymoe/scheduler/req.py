@@ -24,6 +24,7 @@ from typing import Any
 
 from raymoe.scheduler.sampling_params import SamplingParams
 from raymoe.scheduler.stop_limits import StopLimits
+from raymoe.step.kv_stream import KVStreamTarget
 from raymoe.step.step_output import TokenLogprobs
 
 # A token decodes to at least one byte and a character takes at most four UTF-8 bytes, so the text of a stop
@@ -128,6 +129,10 @@ class Req:
             (a re-admitted request sends them again).
         export_kv: prefill side of PD disaggregation: when it finishes, its prompt's KV stays locked in the radix
             cache for a decode engine to fetch (``GroupState.kv_exports``) until released.
+        kv_stream: prefill side of PD disaggregation with layer-by-layer streaming: where the ranks write its
+            prompt's KV while they compute it (``raymoe.step.kv_stream``); None: not streamed.
+        kv_stream_sent: prompt positions whose KV went into a streamed step so far (0 after every
+            (re-)admission: a re-computed prompt streams again from its start).
         spec_drafts: the draft tokens the ranks' MTP layer proposed for its next step (``nextn``; empty without
             one), cleared with its KV.
         accepted_draft_tokens, rejected_draft_tokens: speculative decoding's draft tokens of this request the
@@ -146,6 +151,8 @@ class Req:
     prefix_len: int = 0
     last_node: Any = None
     export_kv: bool = False
+    kv_stream: KVStreamTarget | None = field(default=None, repr=False)
+    kv_stream_sent: int = 0
     arrival: int = -1
     admit_seq: int = -1
     cached_tokens: int = 0

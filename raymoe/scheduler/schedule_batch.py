@@ -19,6 +19,7 @@ from raymoe.errors import InvalidRequestError
 from raymoe.scheduler.req import Req, RequestFault, RequestFaultError
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.grammar import GrammarRow
+from raymoe.step.kv_stream import KVStreamChunk
 from raymoe.step.sampling_inputs import SamplingRow
 from raymoe.step.worker_batch import ModelWorkerBatch
 
@@ -90,6 +91,7 @@ class ScheduleBatch:
         partial: list[bool] = []
         grammar_rows: list[GrammarRow] = []
         sampling_rows: list[tuple[int, SamplingRow]] = []
+        kv_streams: list[KVStreamChunk] = []
         for i, (req, e) in enumerate(zip(reqs, extend_lens, strict=True)):
             draft = drafts[i] if drafts is not None else ()
             end = req.kv_len - len(draft)  # the row's last position that holds a token of the request, + 1
@@ -111,6 +113,10 @@ class ScheduleBatch:
                 prefix_slots += req.kv_slots[held:start]
                 table_lens.append(held)
             prefix_lens.append(start)
+            if req.kv_stream is not None and not decode:
+                chunk = _stream_chunk(req, end)
+                if chunk is not None:
+                    kv_streams.append(chunk)
             partial.append(end < total)  # never for a verify row (its tokens end at its newest)
             spec = req.sampling_params.grammar
             if spec is not None and end == total:  # a row that samples: the rank masks it
@@ -132,6 +138,7 @@ class ScheduleBatch:
             grammar_rows=tuple(grammar_rows),
             sampling_rows=tuple(sampling_rows),
             draft_lens=() if drafts is None else tuple(len(d) for d in drafts),
+            kv_streams=tuple(kv_streams),
         )
         return cls(reqs=list(reqs), partial=partial, worker_batch=worker_batch,
                    drafts=None if drafts is None else tuple(tuple(d) for d in drafts))
@@ -147,11 +154,30 @@ class ScheduleBatch:
                 req.pending_ids.append(-i)
         for g in self.worker_batch.grammar_rows:  # the ranks now hold these matchers
             self.reqs[g.row].grammar_synced = True
+        for req in self.reqs:
+            if req.kv_stream is not None:
+                req.kv_stream_sent = min(req.kv_len, len(req.kv_stream.dst_slots))  # (sent: [0, kv_len))
 
     @property
     def batch_size(self) -> int:
         """Number of requests."""
         return len(self.reqs)
+
+
+def _stream_start(req: Req) -> int:
+    """The first prompt position of ``req`` whose KV no streamed step has carried since its admission."""
+    return 0 if req.table_len == 0 else req.kv_stream_sent
+
+
+def _stream_chunk(req: Req, end: int) -> KVStreamChunk | None:
+    """The rows a step computing ``req``'s positions up to ``end`` streams: every prompt position from the first
+    not yet streamed (after a radix hit, the cached prefix too) to ``end``; None when they hold no prompt
+    position."""
+    target = req.kv_stream
+    start, stop = _stream_start(req), min(end, len(target.dst_slots))
+    if stop <= start:
+        return None
+    return target.chunk(req.kv_slots[start:stop], start, stop)
 
 
 def _checked_sampling_row(req: Req) -> SamplingRow:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from raymoe.step.expert_update import ExpertUpdate
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.grammar import GrammarRow
+from raymoe.step.kv_stream import KVStreamChunk
 from raymoe.step.sampling_inputs import SamplingInputs, SamplingRow
 
 
@@ -59,6 +60,8 @@ class ModelWorkerBatch:
             have none); empty: none.
         spec_scratch_slots: ``nextn``: KV slots for the draft chain, ``speculative_num_steps - 1`` per row that
             samples, in row order (empty: drafts of one token only this step).
+        kv_streams: prefill/decode disaggregation: the prompt rows of this step's streamed requests that each
+            rank writes into the decode engine's slots layer by layer (``raymoe.step.kv_stream``); empty: none.
     Raises:
         ValueError: a per-request list or ``sampling`` does not have ``bs`` entries, ``out_cache_loc`` does not
             have ``T``, ``prefix_slots`` does not match ``prefix_lens - table_lens``, an IDLE batch carries
@@ -86,6 +89,7 @@ class ModelWorkerBatch:
     spec_scratch_slots: tuple[int, ...] = ()
     draft_lens: tuple[int, ...] = ()
     draft_passes: bool = False
+    kv_streams: tuple[KVStreamChunk, ...] = ()
 
     def __post_init__(self) -> None:
         bs = len(self.req_pool_indices)
