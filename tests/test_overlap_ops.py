@@ -134,9 +134,9 @@ def test_every_op_list_ends_each_layer_with_its_kv_mark():
         marks = [(i, op.layer) for i, op in enumerate(strategy.operations) if isinstance(op, KVLayerMark)]
         assert [layer for _, layer in marks] == [0, 1, 2]
         assert marks[-1][0] == len(strategy.operations) - 1
-        seen = []
-        state = SimpleNamespace(forward_batch=SimpleNamespace(
-            kv_stream=SimpleNamespace(layer_done=lambda layer, fb: seen.append(layer))))
+        seen: list[int] = []
+        state = SimpleNamespace(forward_batch=SimpleNamespace(kv_stream=SimpleNamespace(layer_done=(
+            lambda layer, fb, seen=seen: seen.append(layer)))))
         for i, _ in marks:
             strategy.operations[i](state)
         assert seen == [0, 1, 2]

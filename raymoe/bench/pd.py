@@ -12,9 +12,9 @@
     between a long prompt's first chunk, from the prefill engine, and its second, from the decode engine: the KV
     transfer's tail plus the decode engine's first step), errors, and the PD engine's fallback and streamed
     transfer counts. PD runs twice: ``pd`` with the KV written layer by layer during the prefill (NIXL) and
-    ``pd-after`` with it written after the prefill. On a machine with few cores both engines share the CPUs with the client and the front
-    end, so PD's separation of prefill from decode cannot show as it does on separate GPUs; the figures say what
-    it costs here.
+    ``pd-after`` with it written after the prefill. On a machine with few cores both engines share the CPUs with
+    the client and the front end, so PD's separation of prefill from decode cannot show as it does on separate
+    GPUs; the figures say what it costs here.
 
 A benchmark: it prints figures and writes JSON, it asserts nothing.
 """
