@@ -70,6 +70,7 @@ def _wait_until(cond, timeout_s: float = 10.0) -> None:
 def test_rows_move_layer_by_layer_and_a_split_page_ends_with_the_later_step(agents):
     a = agents
     a.d.expect("r1", 30)
+    assert a.d._poller is not None  # the decode agent progresses UCX while it expects the rows
     # positions 0..5 in source slots 8..13 (pages 2, 3), destination slots 20..25 (pages 5, 6)
     first = KVStreamChunk("r1", (a.d_name,), tuple(range(8, 14)), tuple(range(20, 26)), last=False)
     stream = a.streamer.begin([first], tp_rank=0)
@@ -91,6 +92,7 @@ def test_rows_move_layer_by_layer_and_a_split_page_ends_with_the_later_step(agen
     stream = a.streamer.begin([second], tp_rank=0)
     stream.finish()  # no marks at all: every layer goes after the forward
     a.d.receive(a.p_name, [], "r1", 10)
+    _wait_until(lambda: a.d._poller is None)  # the expected request came: the poller ended
     for layer in range(LAYERS):
         assert torch.equal(_rows(a.dst, layer, list(range(20, 30))), _rows(a.src, layer, list(range(8, 18))))
     assert a.streamer.failures == 0 and a.streamer.writes == 2 * LAYERS

@@ -191,12 +191,12 @@ class PDEngineClient:
         if self.kv_streaming:
             target = KVStreamTarget(request_id, tuple(self._decode_ranks[group * self.tp:(group + 1) * self.tp]),
                                     tuple(slots), self.transfer_timeout_s)
-        held = {"reservation": True, "export": False, "streamed": target is not None, "expected": False}
+        held = {"reservation": True, "export": False, "streamed": target is not None, "expected": None}
         transfer: list = []
         try:
-            if target is not None:  # the decode ranks keep UCX progressing while the rows arrive
-                await self.decode.driver.expect_kv.remote(group, request_id, EXPECT_BOUND_S)
-                held["expected"] = True
+            if target is not None:  # the decode ranks keep UCX progressing while the rows arrive (not awaited:
+                # the prefill need not wait for it; a write posted before the poller starts just lands later)
+                held["expected"] = self.decode.driver.expect_kv.remote(group, request_id, EXPECT_BOUND_S)
             last = None
             async for delta in self.prefill.generate(request_id, prompt, dataclasses.replace(params, max_tokens=1),
                                                      export_kv=True, kv_stream=target):
@@ -207,8 +207,10 @@ class PDEngineClient:
                 return
             yield dataclasses.replace(last, finished=False, finish_reason=None)
             first, prefill_cached = last.token_ids[-1], last.cached_tokens
+            if held["expected"] is not None:  # (in place long ago; so receive_kv's forget comes after it)
+                await _quietly(held["expected"], "expect_kv")
             received = await self._transfer(request_id, group, slots, transfer)
-            held["expected"] = False  # (receive_kv forgets the tag)
+            held["expected"] = None  # (receive_kv forgets the tag)
             held["reservation"] = not received
             held["export"] = False
             await _quietly(self.prefill.driver.release_export.remote(request_id), "release_export")
@@ -283,7 +285,8 @@ class PDEngineClient:
         async def clean() -> None:
             if transfer:
                 await asyncio.gather(*transfer, return_exceptions=True)
-            if held["expected"]:
+            if held["expected"] is not None:
+                await _quietly(held["expected"], "expect_kv")
                 await _quietly(self.decode.driver.forget_kv.remote(group, rid), "forget_kv")
             if held["reservation"]:
                 await self._settled(rid, held)

@@ -13,12 +13,20 @@ Metadata goes through the caller (``get_agent_metadata`` / ``add_remote_agent``,
 held to the loopback device (``UCX_NET_DEVICES=lo``, unless set) so it opens no listener on other interfaces.
 NIXL's progress thread stays off: it busy-polls (measured: three idle agents kept two cores busy), and the transfers
 here are two-sided, so the receiver is inside a NIXL call (``get_new_notifs``, which progresses UCX) for as long as
-a write to it runs. Layer-by-layer writes (``raymoe.kvcache.kv_stream``) arrive while the decode rank computes,
-and a write completes only once its target's UCX worker has progressed (with UCX's ``peer`` error handling, which
-detects a dead peer, the messages go over TCP, even between processes of one node; measured: a write whose target
-never called NIXL stayed in progress, its rows landed but its completion never came). So a decode rank that
-expects a streamed request polls its notifications on a thread of its own (:meth:`expect`, every
-``EXPECT_POLL_S``) until the request's notification came, it was :meth:`forget` -ten, or its bound passed.
+a write to it runs. Layer-by-layer writes (``raymoe.kvcache.kv_stream``) arrive while the decode rank computes, so
+they must complete without it. UCX's error-handling mode decides that: NIXL's default, ``peer`` (keep-alives that
+detect a dead peer), excludes the shared-memory transports, so between processes of one node the messages go over
+TCP and a write completes only after its target's worker progressed (measured: the rows landed, the write stayed in
+progress while the target computed). The agents therefore use mode ``none`` (both ends of a pair must: a pair of
+mixed modes never connected, measured): between processes of one node a write is a cross-memory copy by the writer
+that completes at once (0.5 us for a 256-byte page), and a dead peer is still reported, as
+``NIXL_ERR_REMOTE_DISCONNECT`` on the next write or notification (measured with a SIGKILLed target; the writer
+lives on); every wait here has its own bound besides. Some writes still need the target's progress: across nodes
+(TCP emulates writes with messages) and, measured under ``raymoe bench pd``, between some rank processes of one
+node too (writes to one decode rank stayed in progress for 30 s while writes to the other completed; the cause was
+not isolated). So a decode rank that expects a streamed request polls its notifications on a thread of its own
+(:meth:`expect`, every :data:`EXPECT_POLL_S`) until the request's notification came, it was :meth:`forget` -ten, or
+its bound passed; with it the same benchmark streamed every request.
 """
 
 from __future__ import annotations
@@ -34,9 +42,12 @@ from raymoe.kvcache.kv_transfer import KVTransferError, peer_metadata
 from raymoe.step.kv_stream import FAILED_SUFFIX
 
 _POLL_S = 0.0002
-EXPECT_POLL_S = 0.001
-"""How often a decode rank expecting a streamed request progresses UCX (seconds; each poll is a few microseconds
-of one core)."""
+EXPECT_POLL_S = {"cpu": 0.005, "cuda": 0.001}
+"""How often a decode rank expecting a streamed request progresses UCX, by the rank's device (seconds). On CPU ranks
+the poller shares the cores with the ranks' compute: polling every 1 ms added 10-18 ms to an unloaded PD request's
+TTFT on the 2-core machine (a 1,500-token prompt, a ~25 ms prefill step; the decode ranks' pollers took CPU from
+the prefill), every 5 ms about 2 ms, while a streamed write waits at most one interval for its completion. GPU
+nodes have cores to spare."""
 _HELLO = "raymoe-kv-hello"  # the greeting of connect()
 
 
@@ -73,10 +84,12 @@ class NixlKVTransfer:
             os.environ.setdefault("UCX_NET_DEVICES", "lo")
         api = _nixl_api()
         self.name, self.layout, self.host = name, layout, host
-        config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"],
+        config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[],
                                        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self._lock = threading.Lock()  # one NIXL call at a time: transfers of several requests share the agent
         self._agent = api.nixl_agent(name, config)
+        # module docstring: shared-memory transports between processes of a node (writes complete without the peer)
+        self._agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
         cuda = layout.device_type == "cuda"
         self._mem = "VRAM" if cuda else "DRAM"
         dev = (layout.buffers[0].device.index or 0) if cuda else 0
@@ -88,6 +101,7 @@ class NixlKVTransfer:
         self._remote: dict[str, tuple[object, dict]] = {}  # peer -> (prepared descriptor list, layout signature)
         self._notes: dict[str, list[bytes]] = {}  # notifications seen, not yet waited for
         self._expected: dict[str, float] = {}  # streamed tags this (decode) rank expects -> poll until (monotonic)
+        self._poll_s = EXPECT_POLL_S["cuda" if cuda else "cpu"]
         self._poller: threading.Thread | None = None
         self._closed = False
 
@@ -179,7 +193,7 @@ class NixlKVTransfer:
                     self._poller = None
                     return
             self._collect_notes()
-            time.sleep(EXPECT_POLL_S)
+            time.sleep(self._poll_s)
 
     def _collect_notes(self) -> None:
         with self._lock:
