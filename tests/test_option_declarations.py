@@ -23,7 +23,7 @@ from raymoe.errors import InvalidRequestError
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVE_ONLY_FLAGS = {"model", "served_model_name", "max_in_flight", "api_key", "host", "port", "demo_request",
-                    "log_level", "help", "pd_prefill", "pd_decode", "reasoning_parser",
+                    "log_level", "help", "pd_prefill", "pd_decode", "pd_kv_layerwise", "reasoning_parser",
                     "tool_call_parser", "engine_name", "attach"}
 """``raymoe serve`` flags that are neither engine options nor limits (documented in README, Serve)."""
 
@@ -95,7 +95,8 @@ def test_serve_config_keys_map_to_declarations_and_back():
     assert fields == options | set(SERVE_ONLY_FIELDS)
     assert not options & set(SERVE_ONLY_FIELDS)
     assert set(SERVE_ONLY_FIELDS) == {"model", "served_model_name", "max_in_flight", "api_key", "limits", "pd_prefill",
-                                      "pd_decode", "reasoning_parser", "tool_call_parser", "engine_name", "attach"}
+                                      "pd_decode", "pd_kv_layerwise", "reasoning_parser", "tool_call_parser",
+                                      "engine_name", "attach"}
     for name, decl in engine_options().items():  # same defaults as the engine, except the documented serve ones
         if name not in SERVE_DEFAULTS:
             assert ServeOptions.model_fields[name].default == decl.default, name
