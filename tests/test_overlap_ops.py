@@ -65,10 +65,13 @@ class _FakeLayer:
                 self.own.op_comm_prepare_mlp, *mlp, self.own.op_comm_postprocess_layer]
 
 
+NO_STREAM = SimpleNamespace(kv_stream=None)  # the ForwardBatch field the layers' KVLayerMark ops read
+
+
 def _run(layers, mode, decode_schedule="fine"):
     strategy = OperationsStrategy.tbo(layers, mode, decode_schedule)
     log: list = []
-    states = [SimpleNamespace(name=n, log=log) for n in "AB"]
+    states = [SimpleNamespace(name=n, log=log, forward_batch=NO_STREAM) for n in "AB"]
     execute_overlapped_operations(states, [strategy.operations] * 2, [0, strategy.tbo_delta_stages])
     return strategy, log
 
@@ -81,7 +84,8 @@ def test_tbo_schedule_keeps_op_order_and_overlaps_transfers(mode, decode_schedul
     coarse = mode == ForwardMode.EXTEND or decode_schedule == "coarse"
     assert strategy.tbo_delta_stages == (0 if coarse else 2)
     plain_log: list = []
-    execute_operations(SimpleNamespace(name="A", log=plain_log), OperationsStrategy.plain(layers).operations)
+    execute_operations(SimpleNamespace(name="A", log=plain_log, forward_batch=NO_STREAM),
+                       OperationsStrategy.plain(layers).operations)
     for child in "AB":  # each child runs exactly the plain op sequence
         assert [e[1:] for e in log if e[0] == child] == [e[1:] for e in plain_log]
     # Every transfer except child B's very last combine has the other child's work while it is in flight.

@@ -55,7 +55,7 @@ class KVStreamer:
         self.cuda = layout.device_type == "cuda"
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="raymoe-kv-stream")
         self._failed: set[str] = set()  # tags with a failed write on this rank, until their last chunk
-        self.steps = self.writes = self.failures = 0
+        self.writes = self.failures = 0  # writes posted; requests reported failed to their decode rank
 
     def begin(self, chunks: Sequence[KVStreamChunk], tp_rank: int) -> KVLayerStream:
         """The stream of one step's ``chunks`` as TP rank ``tp_rank`` writes them.
@@ -171,7 +171,6 @@ class KVLayerStream:
                     time.sleep(_POLL_S)
         except KVTransferError as e:  # the agent itself failed: every peer of the step failed
             failed_peers.update({peer: str(e) for peer in self.peers})
-        streamer.steps += 1
         self._notify(failed_peers)
 
     def _notify(self, failed_peers: dict[str, str]) -> None:

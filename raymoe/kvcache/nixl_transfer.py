@@ -121,34 +121,47 @@ class NixlKVTransfer:
              timeout_s: float) -> None:
         if len(src_slots) != len(dst_slots):
             raise ValueError(f"send: {len(src_slots)} source slots for {len(dst_slots)} destination slots")
-        if peer not in self._remote:
-            raise KVTransferError(f"KV send {tag!r}: unknown peer {peer!r} (add_peer first)")
-        remote, signature = self._remote[peer]
-        with self._lock:
-            handle = self._agent.make_prepped_xfer(
-                "WRITE", self._local, self.layout.page_indices(src_slots), remote,
-                self.layout.page_indices(dst_slots, signature["num_slots"]), tag.encode())
+        handle = self._start_write(peer, self.layout.page_indices(src_slots),
+                                   lambda num_slots: self.layout.page_indices(dst_slots, num_slots), tag.encode())
         try:
-            with self._lock:
-                state = self._agent.transfer(handle)
             deadline = time.monotonic() + timeout_s
-            while state not in ("DONE", "ERR"):
+            while (state := self.write_state(handle)) not in ("DONE", "ERR"):
                 if time.monotonic() > deadline:
                     raise KVTransferError(f"KV send {tag!r} with {peer!r} did not complete within {timeout_s} s")
                 time.sleep(_POLL_S)
-                with self._lock:
-                    state = self._agent.check_xfer_state(handle)
             if state == "ERR":
                 raise KVTransferError(f"KV send {tag!r} to {peer!r} failed in NIXL")
         finally:
-            with self._lock:
+            self.release(handle)
+
+    def _start_write(self, peer: str, local: list[int], remote_of, notif: bytes = b""):
+        """Post a ``WRITE`` of our descriptors ``local`` into the peer's ``remote_of(peer's slot count)``, carrying
+        ``notif`` (empty: none); returns its handle.
+
+        Raises:
+            KVTransferError: an unknown peer, or NIXL refused the write at once.
+        """
+        if peer not in self._remote:
+            raise KVTransferError(f"KV write: unknown peer {peer!r} (add_peer first)")
+        remote, signature = self._remote[peer]
+        with self._lock:
+            handle = self._agent.make_prepped_xfer("WRITE", self._local, local, remote,
+                                                   remote_of(signature["num_slots"]), notif)
+            try:
+                state = self._agent.transfer(handle)
+            except BaseException:
                 self._agent.release_xfer_handle(handle)
+                raise
+        if state == "ERR":
+            self.release(handle)
+            raise KVTransferError(f"KV write to {peer!r} failed in NIXL")
+        return handle
 
     def connect(self, peers: Sequence[str], timeout_s: float = 60.0) -> None:
-        """Greet every peer and wait for each one's greeting. Both ends progressing at once is what completes
-        UCX's endpoint wire-up; after it a ``WRITE`` lands and completes while the peer computes without calling
-        NIXL (measured: without it a layer-by-layer write stayed in progress until the peer next polled), which is
-        what :meth:`post_write` needs. The peers call this at the same time (``add_kv_peers`` on both engines).
+        """Greet every peer and wait for each one's greeting, so that UCX's endpoint wire-up, which needs both ends
+        progressing, is done before the first layer-by-layer write (whose target is computing, not in NIXL). The
+        peers call this at the same time (``add_kv_peers`` on both engines); it also proves each pair can talk
+        before a request depends on it.
 
         Raises:
             KVTransferError: a peer did not greet within ``timeout_s``.
@@ -211,22 +224,8 @@ class NixlKVTransfer:
         Raises:
             KVTransferError: an unknown peer, or NIXL refused the write.
         """
-        if peer not in self._remote:
-            raise KVTransferError(f"KV write: unknown peer {peer!r} (add_peer first)")
-        remote, signature = self._remote[peer]
-        with self._lock:
-            handle = self._agent.make_prepped_xfer(
-                "WRITE", self._local, self.layout.layer_indices(src_pages, layers), remote,
-                self.layout.layer_indices(dst_pages, layers, signature["num_slots"]))
-            try:
-                state = self._agent.transfer(handle)
-            except BaseException:
-                self._agent.release_xfer_handle(handle)
-                raise
-        if state == "ERR":
-            self.release(handle)
-            raise KVTransferError(f"KV write to {peer!r} failed in NIXL")
-        return handle
+        return self._start_write(peer, self.layout.layer_indices(src_pages, layers),
+                                 lambda num_slots: self.layout.layer_indices(dst_pages, layers, num_slots))
 
     def write_state(self, handle) -> str:
         """``"DONE"`` (the rows have landed), ``"PROC"`` or ``"ERR"`` for a :meth:`post_write` handle."""

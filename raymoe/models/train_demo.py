@@ -118,14 +118,14 @@ class _TrainLoop:
 
 
 def init_fused_experts(module: nn.Module, std: float) -> None:
-    """Draw every weight of ``module`` that no ``nn.Linear`` or norm owns (transformers' fused expert tensors
-    ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] and the router's ``weight`` [E, H]) from N(0, ``std``),
-    in place. transformers creates the fused expert tensors with ``torch.empty`` and fills them only inside
+    """Draw every matrix of ``module`` that no ``nn.Linear`` owns (transformers' fused expert tensors
+    ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] and the router's ``weight`` [E, H]; norms hold vectors)
+    from N(0, ``std``), in place. transformers creates the fused expert tensors with ``torch.empty`` and fills them only inside
     ``from_pretrained``; a layer built on its own would otherwise train from whatever the allocator handed back
     (sometimes NaN, so every step's gradient was non-finite)."""
     with torch.no_grad():
         for sub in module.modules():
-            if isinstance(sub, nn.Linear) or "norm" in type(sub).__name__.lower():
+            if isinstance(sub, nn.Linear):
                 continue
             for param in sub.parameters(recurse=False):
                 if param.dim() >= 2:

@@ -132,7 +132,7 @@ class KVLayerMark:
         self.layer = layer
 
     def __call__(self, state) -> None:
-        stream = getattr(getattr(state, "forward_batch", None), "kv_stream", None)
+        stream = state.forward_batch.kv_stream
         if stream is not None:
             stream.layer_done(self.layer, state.forward_batch)
 
