@@ -120,9 +120,9 @@ class _TrainLoop:
 def init_fused_experts(module: nn.Module, std: float) -> None:
     """Draw every matrix of ``module`` that no ``nn.Linear`` owns (transformers' fused expert tensors
     ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] and the router's ``weight`` [E, H]; norms hold vectors)
-    from N(0, ``std``), in place. transformers creates the fused expert tensors with ``torch.empty`` and fills them only inside
-    ``from_pretrained``; a layer built on its own would otherwise train from whatever the allocator handed back
-    (sometimes NaN, so every step's gradient was non-finite)."""
+    from N(0, ``std``), in place. transformers creates the fused expert tensors with ``torch.empty`` and fills them
+    only inside ``from_pretrained``; a layer built on its own would otherwise train from whatever the allocator
+    handed back (sometimes NaN, so every step's gradient was non-finite)."""
     with torch.no_grad():
         for sub in module.modules():
             if isinstance(sub, nn.Linear):
