@@ -75,7 +75,7 @@ def _cmd_env(a: argparse.Namespace) -> None:
 def _add_make_checkpoint_parser(sub) -> None:
     p = sub.add_parser("make-checkpoint", help="write a seeded tiny Hugging Face checkpoint")
     p.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "deepseek_v3", "deepseek_v2", "mixtral",
-                                                                  "gpt_oss", "qwen3_5_moe", "eagle"],
+                                                                  "gpt_oss", "qwen3_5_moe", "qwen3_next", "eagle"],
                    help="eagle: an EAGLE draft head for --target (a Qwen3-MoE folder), trained (speculative_algorithm "
                         "eagle, speculative_draft_model_path)")
     p.add_argument("--target", default=None, help="eagle: the target model's folder")

@@ -16,9 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-HYBRID_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
+HYBRID_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
 """``model_type`` values normalized by :func:`qwen3_5_fields` (``qwen3_5_moe``: the released image-text checkpoints,
-whose ``text_config`` holds the language model's keys: :func:`text_config_of`)."""
+whose ``text_config`` holds the language model's keys: :func:`text_config_of`; ``qwen3_next``: Qwen3-Next, the same
+layer types with head-grouped fused projections and optional dense layers)."""
 
 
 def text_config_of(d: dict[str, Any]) -> dict[str, Any]:
@@ -93,9 +94,10 @@ class HybridArch:
 
 
 def qwen3_5_fields(d: dict[str, Any]) -> dict[str, Any]:
-    """``ModelConfig`` fields of a Qwen3.5-MoE text config dict ``d``: ``layer_types`` (default: a full-attention
-    layer every ``full_attention_interval`` layers, else linear), the linear-attention sizes, the shared expert
-    and every layer MoE (its router always renormalizes the top-k weights: the caller sets that).
+    """``ModelConfig`` fields of a Qwen3.5-MoE text (or Qwen3-Next) config dict ``d``: ``layer_types`` (default: a
+    full-attention layer every ``full_attention_interval`` layers, else linear), the linear-attention sizes, the
+    shared expert, and which layers are MoE: every layer for Qwen3.5 (its router always renormalizes the top-k
+    weights: the caller sets that), ``mlp_only_layers`` / ``decoder_sparse_step`` for Qwen3-Next.
 
     Raises:
         KeyError: a linear-attention size is missing. ValueError: bad sizes or layer types.
@@ -109,4 +111,5 @@ def qwen3_5_fields(d: dict[str, Any]) -> dict[str, Any]:
                                    int(d.get("linear_conv_kernel_dim", 4)))
     return {"layer_types": tuple(str(t) for t in types),
             "hybrid": HybridArch(linear, int(d.get("shared_expert_intermediate_size") or 0)),
-            "mlp_only_layers": ()}
+            "mlp_only_layers": tuple(int(i) for i in d.get("mlp_only_layers") or ())
+            if d.get("model_type") == "qwen3_next" else ()}

@@ -78,6 +78,15 @@ QWEN35_CONFIGS = {
         "linear_conv_kernel_dim": 4,
         "layer_types": ["full_attention", "linear_attention", "linear_attention", "full_attention"],
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1 / 3}}),
+    # Qwen3-Next: head-grouped in_proj_qkvz / in_proj_ba (3 value heads per key head), a dense layer
+    # (mlp_only_layers), top-k weights not renormalized, linear attention first and last.
+    "qwen3_next": ("qwen3_next", {
+        "num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 24, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "intermediate_size": 40,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 6, "linear_key_head_dim": 16, "linear_value_head_dim": 12,
+        "linear_conv_kernel_dim": 4, "mlp_only_layers": [1], "norm_topk_prob": False,
+        "layer_types": ["linear_attention", "full_attention", "full_attention", "linear_attention"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}),
 }
 """Qwen3.5-MoE cases built by transformers (``tests/test_qwen3_5_parity.py``)."""
 

@@ -145,7 +145,8 @@ class ModelConfig:
         elif model_type == "gpt_oss":
             extra = gpt_oss_fields(d)
         elif model_type in HYBRID_MODEL_TYPES:
-            extra = {**qwen3_5_fields(d), "router": RouterConfig(norm_topk_prob=True)}
+            extra = {**qwen3_5_fields(d), "router": RouterConfig(
+                norm_topk_prob=model_type != "qwen3_next" or bool(d.get("norm_topk_prob", True)))}
         return cls(
             model_type=model_type,
             vocab_size=int(d["vocab_size"]),

@@ -165,6 +165,7 @@ ARCHS: dict[str, _Arch] = {
     "mixtral": _Arch(tiny_archs.mixtral_config, tiny_archs.mixtral_weights),
     "gpt_oss": _Arch(tiny_gpt_oss.gpt_oss_config, tiny_gpt_oss.gpt_oss_weights),
     "qwen3_5_moe": _Arch(tiny_qwen3_5.qwen3_5_config, tiny_qwen3_5.qwen3_5_weights),
+    "qwen3_next": _Arch(tiny_qwen3_5.qwen3_next_config, tiny_qwen3_5.qwen3_next_weights),
 }
 """Architectures ``make_checkpoint`` can build (builders of the others than Qwen3-MoE: ``raymoe.models.tiny_archs``,
 ``raymoe.models.tiny_gpt_oss``, ``raymoe.models.tiny_qwen3_5``)."""
@@ -259,7 +260,7 @@ def make_checkpoint(
 
     Args:
         arch: architecture key of ``ARCHS``: ``"qwen3_moe"``, ``"deepseek_v3"``, ``"deepseek_v2"``, ``"mixtral"``,
-            ``"gpt_oss"``, ``"qwen3_5_moe"`` (the text model, ``model_type`` ``qwen3_5_moe_text``).
+            ``"gpt_oss"``, ``"qwen3_5_moe"`` (the text model, ``model_type`` ``qwen3_5_moe_text``), ``"qwen3_next"``.
         sliding_window: gpt-oss: the window of its sliding layers (tokens); other architectures ignore it.
         mxfp4: gpt-oss: write the experts as MXFP4 blocks and scales; other architectures ignore it.
         out: destination folder.

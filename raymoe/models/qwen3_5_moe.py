@@ -46,7 +46,7 @@ from raymoe.layers.gated_delta import (
     recurrent_gated_delta_rule,
 )
 from raymoe.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from raymoe.layers.moe import SparseMoeBlock
+from raymoe.layers.moe import DenseMLP, SparseMoeBlock
 from raymoe.layers.rotary import RotaryEmbedding
 from raymoe.models.decoder import DecoderLayer, MoeCausalLM
 from raymoe.models.reader_views import RenamedReader
@@ -317,11 +317,14 @@ class Qwen3_5MoeForCausalLM(MoeCausalLM):
                 mixer, name, lin = GatedDeltaNetAttention(config, i, lin, groups, dtype, ops), "linear_attn", lin + 1
             else:
                 mixer, name, kv = Qwen35GatedAttention(config, i, kv, groups, rotary, dtype, ops), "self_attn", kv + 1
-            mlp = SparseMoeBlock(config.num_experts, config.num_experts_per_tok, config.hidden_size,
-                                 config.moe_intermediate_size, True, groups, dtype, ops, a2a_backend,
-                                 router=config.router,
-                                 shared_intermediate_size=config.hybrid.shared_expert_intermediate_size,
-                                 prefix=f"model.layers.{i}.mlp", shared_name="shared_expert", shared_gate=True)
+            if not config.is_moe_layer(i):  # Qwen3-Next's mlp_only_layers / decoder_sparse_step
+                mlp = DenseMLP(config.hidden_size, config.intermediate_size, groups, dtype, ops)
+            else:
+                mlp = SparseMoeBlock(config.num_experts, config.num_experts_per_tok, config.hidden_size,
+                                     config.moe_intermediate_size, config.router.norm_topk_prob, groups, dtype, ops,
+                                     a2a_backend, router=config.router,
+                                     shared_intermediate_size=config.hybrid.shared_expert_intermediate_size,
+                                     prefix=f"model.layers.{i}.mlp", shared_name="shared_expert", shared_gate=True)
             layers.append(Qwen35DecoderLayer(i, mixer, mlp, config.hidden_size, config.rms_norm_eps, dtype, ops,
                                              mixer_name=name))
         self.layers = nn.ModuleList(layers)

@@ -14,6 +14,7 @@ _MODELS = {
     "gpt_oss": ("raymoe.models.gpt_oss", "GptOssForCausalLM"),
     "qwen3_5_moe_text": ("raymoe.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
     "qwen3_5_moe": ("raymoe.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),  # the language model of the image-text one
+    "qwen3_next": ("raymoe.models.qwen3_next", "Qwen3NextForCausalLM"),
 }
 
 

@@ -1,5 +1,6 @@
 """Seeded tiny Qwen3.5-MoE text checkpoints (``raymoe make-checkpoint --arch qwen3_5_moe``), under transformers' on-disk
-names (``Qwen3_5MoeForCausalLM``, ``model_type`` ``qwen3_5_moe_text``).
+names (``Qwen3_5MoeForCausalLM``, ``model_type`` ``qwen3_5_moe_text``), and Qwen3-Next ones (``--arch qwen3_next``:
+the same tensors with the linear-attention projections fused as ``Qwen3NextForCausalLM`` stores them).
 
 Sizes come from ``TinyModelSpec``: ``num_layers`` layers, a full-attention layer every third (``layer_types``: linear,
 linear, full, ...; not the released every-fourth, so both kinds sit at several depths), GQA heads of ``head_dim``
@@ -96,3 +97,31 @@ def qwen3_5_weights(s, gen: torch.Generator) -> Iterator[dict[str, torch.Tensor]
     if not s.tie_word_embeddings:
         last["lm_head.weight"] = linear(gen, s.vocab_size, h, LM_HEAD_GAIN)
     yield last
+
+
+def qwen3_next_config(s) -> dict[str, Any]:
+    """config.json of a tiny Qwen3-Next (``Qwen3NextForCausalLM``): the Qwen3.5 sizes, every layer MoE."""
+    cfg = qwen3_5_config(s)
+    cfg.update({"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "norm_topk_prob": True,
+                "decoder_sparse_step": 1, "mlp_only_layers": []})
+    return cfg
+
+
+def qwen3_next_weights(s, gen: torch.Generator) -> Iterator[dict[str, torch.Tensor]]:
+    """The Qwen3.5 tensors of the same seed with each Gated DeltaNet layer's projections fused as Qwen3-Next stores
+    them: per key head its query, key, values and output gates (``in_proj_qkvz``), then its b and a rows
+    (``in_proj_ba``; ``raymoe.models.qwen3_next`` regroups them back on load)."""
+    d = _linear_dims(s)
+    hk, hv = d["linear_num_key_heads"], d["linear_num_value_heads"]
+    dk, dv, r = d["linear_key_head_dim"], d["linear_value_head_dim"], hv // hk
+    for t in qwen3_5_weights(s, gen):
+        for name in [n for n in t if n.endswith("linear_attn.in_proj_qkv.weight")]:
+            a = name[:-len("in_proj_qkv.weight")]
+            q, k, v = t.pop(name).split((hk * dk, hk * dk, hv * dv))
+            z = t.pop(a + "in_proj_z.weight")
+            h = q.shape[1]
+            heads = [x.reshape(hk, -1, h) for x in (q, k, v, z)]
+            t[a + "in_proj_qkvz.weight"] = torch.cat(heads, dim=1).reshape(-1, h)
+            b, aa = (t.pop(a + f"in_proj_{p}.weight").reshape(hk, r, h) for p in "ba")
+            t[a + "in_proj_ba.weight"] = torch.cat([b, aa], dim=1).reshape(-1, h)
+        yield t
