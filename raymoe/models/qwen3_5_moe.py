@@ -18,7 +18,9 @@ shared expert (``raymoe.config_linear``).
 
 On CUDA the delta rule runs in flash-linear-attention's kernels where ``fla`` is installed
 (``raymoe.platform.cuda.fla_gated_delta``: one varlen chunked call for a step's extend rows, one fused recurrent call
-for its decode rows; the conv stays on torch).
+for its decode rows) and the conv in causal-conv1d's where ``causal_conv1d`` is installed and takes the layer's
+channels (``raymoe.platform.cuda.causal_conv1d``: per request for extend rows, one in-place update of the pool's
+rows for decode).
 
 Limits of this version (the engine's config rules refuse or switch them off, ``raymoe.config.model_rules``): no
 radix-cache prefix hits (a prefix's recurrent state is not kept), no prefill/decode disaggregation. The MTP layer
@@ -208,8 +210,12 @@ class GatedDeltaNetAttention(nn.Module):
         pool, li = self.pool, self.state_layer
         rows = fb.req_pool_indices
         dst = rows if fb.padding_mask is None else torch.where(fb.padding_mask, pool.dummy_row, rows)
-        y, conv = causal_conv1d_decode(mixed, self.conv_weight, pool.conv[li].index_select(0, rows))
-        pool.conv[li].index_copy_(0, dst, conv)
+        conv_kernel = self._conv_kernel()
+        if conv_kernel is not None:  # reads and updates the pool rows in place (padding rows: the dummy row)
+            y = conv_kernel.decode(mixed, self.conv_weight, pool.conv[li], dst)
+        else:
+            y, conv = causal_conv1d_decode(mixed, self.conv_weight, pool.conv[li].index_select(0, rows))
+            pool.conv[li].index_copy_(0, dst, conv)
         q, k, v = self._split(y)
         kernel = self._kernel()
         rule = kernel.decode if kernel is not None else recurrent_gated_delta_rule
@@ -223,6 +229,14 @@ class GatedDeltaNetAttention(nn.Module):
         kernel = getattr(self.ops, "gated_delta", None)
         return kernel if kernel is not None and kernel.available() else None
 
+    def _conv_kernel(self):
+        """The platform's causal-conv1d kernels (``raymoe.platform.cuda.causal_conv1d``) where it has them and they
+        take this layer's channels and width, else None (the torch functions)."""
+        kernel = getattr(self.ops, "causal_conv1d", None)
+        if kernel is None or not kernel.supports(self.cfg.conv_dim, self.cfg.conv_kernel):
+            return None
+        return kernel if kernel.available() else None
+
     def _extend(self, fb, mixed, g, beta) -> torch.Tensor:
         """A row with a prefix continues from its states (an earlier chunk of the same admission, or a decode row of
         a MIXED step), a row without starts from zeros; the final states are stored. The conv runs row by row; the
@@ -231,10 +245,15 @@ class GatedDeltaNetAttention(nn.Module):
         pool, li = self.pool, self.state_layer
         rows, prefixes, lens = fb.req_pool_indices_cpu, fb.prefix_lens_cpu, fb.extend_lens_cpu
         y = torch.empty_like(mixed)
+        conv_kernel = self._conv_kernel()
         t0 = 0
         for row, prefix, n in zip(rows, prefixes, lens, strict=True):
-            conv0 = pool.conv[li, row] if prefix else torch.zeros_like(pool.conv[li, row])
-            y[t0:t0 + n], pool.conv[li, row] = causal_conv1d_prefill(mixed[t0:t0 + n], self.conv_weight, conv0)
+            if conv_kernel is not None:
+                y[t0:t0 + n], pool.conv[li, row] = conv_kernel.extend_row(
+                    mixed[t0:t0 + n], self.conv_weight, pool.conv[li, row] if prefix else None)
+            else:
+                conv0 = pool.conv[li, row] if prefix else torch.zeros_like(pool.conv[li, row])
+                y[t0:t0 + n], pool.conv[li, row] = causal_conv1d_prefill(mixed[t0:t0 + n], self.conv_weight, conv0)
             t0 += n
         q, k, v = self._split(y)
         kernel = self._kernel()

@@ -8,9 +8,10 @@
   written back by index (no host read: graphs capture it).
 
 q and k are L2-normalized in the kernel (``use_qk_l2norm_in_kernel``) and the scale is fla's default ``K**-0.5``,
-which is Qwen3.5's; states are ``[N, HV, K, V]`` float32 (fla's default layout, the pool's). The causal conv stays
-on torch (its state is small and per request). ``fla`` is imported on first use; where it is missing the layers
-keep the torch path (``raymoe.layers.gated_delta``). CPU tests pass a strict double (``tests/fla_double.py``).
+which is Qwen3.5's; states are ``[N, HV, K, V]`` float32 (fla's default layout, the pool's). The causal conv runs
+in causal-conv1d's kernels (``raymoe.platform.cuda.causal_conv1d``). ``fla`` is imported on first use; where it is
+missing the layers keep the torch path (``raymoe.layers.gated_delta``). CPU tests pass a strict double
+(``tests/fla_double.py``).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from raymoe.platform.cuda.causal_conv1d import CausalConv1dKernels
 from raymoe.platform.cuda.deepgemm_experts import DeepGemmExperts
 from raymoe.platform.cuda.experts import CudaExpertOps
 from raymoe.platform.cuda.fla_gated_delta import FlaGatedDelta
@@ -44,6 +45,8 @@ class CudaPlatform(CudaExpertOps, TorchPlatform):
             DeepGemmExperts` over ``deep_gemm``, imported on first use; tests pass one over a conformance double).
         gated_delta: hybrid models' gated delta rule kernels (None: :class:`~raymoe.platform.cuda.fla_gated_delta.
             FlaGatedDelta` over ``fla``, imported on first use; tests pass one over a conformance double).
+        causal_conv1d: hybrid models' causal conv kernels (None: :class:`~raymoe.platform.cuda.causal_conv1d.
+            CausalConv1dKernels` over ``causal_conv1d``, imported on first use; tests pass one over a double).
     """
 
     name = "cuda"
@@ -53,13 +56,15 @@ class CudaPlatform(CudaExpertOps, TorchPlatform):
 
     def __init__(self, backends: BackendRegistry | None = None, cuda_api: Any = None,
                  grouped_gemm: GroupedGemm | None = None, fp8_gemm: BlockFp8Gemm | None = None,
-                 fp8_experts: DeepGemmExperts | None = None, gated_delta: FlaGatedDelta | None = None):
+                 fp8_experts: DeepGemmExperts | None = None, gated_delta: FlaGatedDelta | None = None,
+                 causal_conv1d: CausalConv1dKernels | None = None):
         super().__init__(backends)
         self.cuda = cuda_api if cuda_api is not None else default_cuda_api()
         self.grouped_gemm = grouped_gemm if grouped_gemm is not None else TorchGroupedMm()
         self.fp8_gemm = fp8_gemm or BlockFp8Gemm()
         self.fp8_experts = fp8_experts or DeepGemmExperts()
         self.gated_delta = gated_delta or FlaGatedDelta()
+        self.causal_conv1d = causal_conv1d or CausalConv1dKernels()
         self._tbo_streams: CudaTboStreams | None = None
 
     def prepare_weight(self, weight: torch.Tensor, kind: WeightKind, scales: BlockScales | None = None) -> Any:
