@@ -34,7 +34,7 @@ def runner_config_for(config: EngineConfig) -> RunnerConfig:
         device=device, graph=config.graph, moe_comm=dataclasses.replace(config.moe_comm, a2a_mode=a2a_mode),
         overlap=config.overlap, cpu_threads=config.cpu_threads, cpu_rank_nice=config.cpu_rank_nice,
         eplb=config.eplb, expert_location=initial_location(config, ModelConfig.from_hf(config.model)),
-        speculative=config.speculative)
+        speculative=config.speculative, swa_kv_eviction=config.cache.swa_kv_eviction)
 
 
 def initial_location(config: EngineConfig, model_config: ModelConfig) -> ExpertLocation | None:

@@ -49,6 +49,9 @@ def pd_engine_configs(model: str, options: Mapping[str, Any], prefill: str, deco
     from raymoe.config.model_rules import refuse_pd
 
     refuse_pd(ModelConfig.from_hf(model))
+    if options.get("swa_kv_eviction"):
+        raise InvalidRequestError("swa_kv_eviction", "a request's sliding-window rings do not move with its KV: "
+                                                     "prefill/decode disaggregation runs without swa_kv_eviction")
     if options.get("enable_radix_cache") is False:
         raise InvalidRequestError("enable_radix_cache", "prefill/decode disaggregation exports the prompt's KV from "
                                                         "the prefill engine's radix cache: keep it on")

@@ -13,6 +13,10 @@ summarizes its whole prefix (``raymoe.kvcache.state_pool``):
   rejected draft cannot be taken back out of it (SGLang keeps per-draft intermediate states for that; not built
   here). ``speculative_algorithm`` is refused, naming it.
 
+``swa_kv_eviction`` (sliding-window layers' KV in per-row rings, ``raymoe.kvcache.swa_ring``) needs a model with
+``sliding_attention`` layers, switches radix hits off (a ring holds one request's window only) and refuses
+speculative decoding (a rejected draft would have overwritten ring slots still in the window).
+
 Speculative decoding with ``nextn`` needs a checkpoint with a multi-token-prediction layer (DeepSeek-V3) and runs
 without decode graphs (the layer reads the target's hidden states, which a graph replay does not return).
 """
@@ -39,6 +43,8 @@ def apply_model_rules(config: EngineConfig, model: ModelConfig) -> EngineConfig:
     """
     if config.speculative.speculative_algorithm in ("nextn", "eagle"):
         config = _draft_model_rules(config, model)
+    if config.cache.swa_kv_eviction:
+        config = _swa_ring_rules(config, model)
     if model.hybrid is None:
         return config
     if config.speculative.enabled:
@@ -51,6 +57,22 @@ def apply_model_rules(config: EngineConfig, model: ModelConfig) -> EngineConfig:
                                              f"{lin.num_value_heads} value) must divide by tp_size {tp}")
     if config.cache.enable_radix_cache:
         log.info("%s keeps a recurrent state per request: radix-cache prefix hits are off", model.model_type)
+        config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_radix_cache=False))
+    return config
+
+
+def _swa_ring_rules(config: EngineConfig, model: ModelConfig) -> EngineConfig:
+    """``swa_kv_eviction`` (``raymoe.kvcache.swa_ring``): a model with sliding-window layers; a request's rings hold
+    only its own last window, which a radix hit cannot bring (hits off), a rejected draft would have overwritten
+    (speculative decoding refused) and a KV transfer does not carry (``refuse_pd``)."""
+    if "sliding_attention" not in model.layer_types:
+        raise InvalidRequestError("swa_kv_eviction", f"{model.model_type} has no sliding_attention layers")
+    if config.speculative.enabled:
+        raise InvalidRequestError("speculative_algorithm", "speculative decoding does not run with swa_kv_eviction "
+                                                           "(a rejected draft would have overwritten ring slots)")
+    if config.cache.enable_radix_cache:
+        log.info("swa_kv_eviction keeps each request's sliding-window KV in its own ring: radix-cache prefix hits "
+                 "are off")
         config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_radix_cache=False))
     return config
 

@@ -7,6 +7,8 @@ frequencies and attention factor), a learned sink logit per query head, and a sl
 sparse: biased router, softmax over the top-k logits, biased clamped-SwiGLU experts
 (``raymoe.layers.gpt_oss_moe``). Attention is the platform's backend given each layer's window and sinks
 (``torch_native``: ``raymoe.attention.sink_window``; ``flash_attn``: the FA3 kernel's ``window_size`` / ``s_aux``).
+With ``swa_kv_eviction`` the sliding layers' KV lives in per-request rings of ``sliding_window`` slots
+(``raymoe.kvcache.swa_ring``, ``raymoe.attention.swa_ring``) and the token pool holds the full layers only.
 
 Checkpoint names are transformers' (``self_attn.sinks``, ``mlp.router.{weight,bias}``, fused
 ``mlp.experts.{gate_up_proj,gate_up_proj_bias,down_proj,down_proj_bias}``); MXFP4 expert checkpoints are read
@@ -18,9 +20,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from raymoe.attention.swa_ring import SwaRingAttnBackend
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ModelConfig
 from raymoe.errors import CheckpointError, InvalidRequestError
+from raymoe.kvcache.pools import TokenToKVPool
+from raymoe.kvcache.swa_ring import SlidingWindowRing
 from raymoe.layers.gpt_oss_moe import GptOssMoeBlock
 from raymoe.layers.rotary import RotaryEmbedding
 from raymoe.models.decoder import DecoderLayer, MoeCausalLM
@@ -61,7 +66,8 @@ class GptOssForCausalLM(MoeCausalLM):
     """
 
     def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype, ops: Platform,
-                 a2a_backend: str = "torch", enable_sbo: bool = False, expert_location=None):
+                 a2a_backend: str = "torch", enable_sbo: bool = False, expert_location=None,
+                 swa_kv_eviction: bool = False):
         super().__init__(config, groups, dtype, ops, enable_sbo)
         if expert_location is not None:
             raise InvalidRequestError("ep_num_redundant_experts", "expert-parallel load balancing (redundant experts, "
@@ -78,6 +84,29 @@ class GptOssForCausalLM(MoeCausalLM):
             for i in range(config.num_hidden_layers))
         self.num_local_heads = self.layers[0].self_attn.num_heads
         self.num_local_kv_heads = self.layers[0].self_attn.num_kv_heads
+        self.sliding = [config.attention_window(i) is not None for i in range(config.num_hidden_layers)]
+        if swa_kv_eviction and not any(self.sliding):
+            raise InvalidRequestError("swa_kv_eviction", "the model has no sliding_attention layers")
+        self.swa_kv_eviction, self.kv_dtype = swa_kv_eviction, dtype
+        self.swa_ring: SlidingWindowRing | None = None  # create_state_pool, with swa_kv_eviction
+
+    def create_kv_pool(self, num_slots: int, dtype: torch.dtype, device: torch.device | str):
+        """The token pool; with ``swa_kv_eviction`` of the full-attention layers only (the sliding layers keep
+        per-row rings: :meth:`create_state_pool`)."""
+        if not self.swa_kv_eviction:
+            return super().create_kv_pool(num_slots, dtype, device)
+        self.kv_dtype = dtype
+        full = len(self.sliding) - sum(self.sliding)
+        return TokenToKVPool(num_slots, full, self.num_local_kv_heads, self.config.head_dim, dtype, device)
+
+    def create_state_pool(self, rows: int, device: torch.device | str) -> SlidingWindowRing | None:
+        """With ``swa_kv_eviction``: the sliding layers' rings of ``sliding_window`` slots per request row
+        (``raymoe.kvcache.swa_ring``); else None."""
+        if not self.swa_kv_eviction:
+            return None
+        self.swa_ring = SlidingWindowRing(rows, self.config.sliding_window, sum(self.sliding), self.num_local_kv_heads,
+                                          self.config.head_dim, self.kv_dtype, device)
+        return self.swa_ring
 
     def create_attn_backend(self, name: str, req_to_token_pool, token_to_kv_pool):
         """The platform's backend ``name`` over the per-head K/V cache, given each layer's window and sinks
@@ -87,11 +116,18 @@ class GptOssForCausalLM(MoeCausalLM):
         Raises:
             ValueError: the backend cannot take sinks (``flash_attn`` on FA2) or ``name`` is unknown.
         """
-        return self.ops.attention_backend(
-            name, req_to_token_pool=req_to_token_pool, token_to_kv_pool=token_to_kv_pool,
-            num_heads=self.num_local_heads, num_kv_heads=self.num_local_kv_heads, head_dim=self.config.head_dim,
-            windows=[self.config.attention_window(i) for i in range(len(self.layers))],
-            sinks=[layer.self_attn.sinks for layer in self.layers])
+        sinks = [layer.self_attn.sinks for layer in self.layers]
+        heads = {"num_heads": self.num_local_heads, "num_kv_heads": self.num_local_kv_heads,
+                 "head_dim": self.config.head_dim}
+        if self.swa_ring is None:
+            return self.ops.attention_backend(
+                name, req_to_token_pool=req_to_token_pool, token_to_kv_pool=token_to_kv_pool, **heads,
+                windows=[self.config.attention_window(i) for i in range(len(self.layers))], sinks=sinks)
+        full = [s for s, sliding in zip(sinks, self.sliding, strict=True) if not sliding]
+        inner = self.ops.attention_backend(name, req_to_token_pool=req_to_token_pool,
+                                           token_to_kv_pool=token_to_kv_pool, **heads, windows=[None] * len(full),
+                                           sinks=full)
+        return SwaRingAttnBackend(inner, self.swa_ring, self.sliding, sinks, **heads)
 
     @torch.no_grad()
     def load_weights(self, reader) -> None:

@@ -75,6 +75,8 @@ class ModelRunner:
                 algo = cfg.speculative.speculative_algorithm
                 if algo == "nextn":
                     extra["enable_mtp"] = True
+                if cfg.swa_kv_eviction:
+                    extra["swa_kv_eviction"] = True
                 self.model = model_cls(self.model_config, self.groups, self.dtype, self.ops, a2a,
                                        enable_sbo=cfg.overlap.enable_sbo, **extra)
             self.model.load_weights(reader)
@@ -88,11 +90,12 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(cfg.max_req_rows, cfg.max_context_len, self.device, cfg.page_size)
         # The model knows its cache layout (per-head K/V, or the MLA latent) and the backend that reads it.
         self.token_to_kv_pool = self.model.create_kv_pool(cfg.num_kv_slots, self.dtype, self.device)
-        # hybrid models: the linear-attention layers' per-request states, one row per ReqToTokenPool row
+        # per ReqToTokenPool row: hybrid models' linear-attention states, or gpt-oss's sliding-window rings
+        # (swa_kv_eviction)
         create_states = getattr(self.model, "create_state_pool", None)
         self.state_pool = create_states(cfg.max_req_rows, self.device) if create_states is not None else None
         if self.state_pool is not None:
-            log.info("recurrent state pool: %d request rows x %d linear-attention layers = %.1f MiB",
+            log.info("%s: %d request rows x %d layers = %.1f MiB", type(self.state_pool).__name__,
                      self.state_pool.rows, self.state_pool.num_layers, self.state_pool.nbytes() / 2**20)
 
         def make_backend():

@@ -47,6 +47,7 @@ class RunnerConfig:
             ranks load (``raymoe.eplb.location``; None: one slot per expert, nothing recorded).
         speculative: the engine's speculative decoding options (``nextn``: the ranks build the model's MTP layer
             and draft with it, ``raymoe.runner.mtp_drafter``).
+        swa_kv_eviction: sliding-window layers' KV in per-row rings (``CacheConfig.swa_kv_eviction``).
     Raises:
         ValueError: a size out of range, an unknown dtype, or graph sizes that cannot be captured.
         InvalidRequestError: ``flash_attn`` with a dtype or page size it does not take, or without its package.
@@ -70,6 +71,7 @@ class RunnerConfig:
     eplb: EplbConfig = field(default_factory=EplbConfig)
     expert_location: ExpertLocation | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    swa_kv_eviction: bool = False
 
     def __post_init__(self) -> None:
         if self.inject_a2a_latency_ms < 0:
