@@ -4,7 +4,7 @@ written by transformers (windows of 4 and 7 tokens, prompts far longer).
 
 Checked: the token pool holds the full layers only and the rings ``rows x window`` slots; greedy tokens equal
 transformers' with decode graphs (padding rows of a bucket), with chunked prefill in chunks longer than the window
-and MIXED steps, and under retraction; dp=2 ep=2 with two-batch overlap; the option's rules (radix hits off,
+and MIXED steps, and under retraction; tp=2, and dp=2 ep=2 with two-batch overlap; the option's rules (radix hits off,
 speculative decoding and models without sliding layers refused by name).
 """
 
@@ -69,14 +69,16 @@ def test_the_pools_hold_the_full_layers_and_one_window_per_row(hf_case):
     assert ring.num_layers == sliding and ring.k_buffer[0].shape[0] == 3 * cfg.sliding_window + 1
 
 
-def test_dp2_ep2_with_two_batch_overlap(ray_cluster, hf_case):
+@pytest.mark.parametrize(("tp", "dp", "ep", "tbo"), [(2, 1, 1, False), (1, 2, 2, True)])
+def test_topologies(ray_cluster, hf_case, tp, dp, ep, tbo):
+    """tp=2 (each rank's ring holds its kv heads) and dp=2 ep=2 with two-batch overlap (split by sequence)."""
     path, hf = hf_case
-    with Engine(path, dp_size=2, ep_size=2, max_running_requests=4, chunked_prefill_size=16, max_context_len=128,
-                cuda_graph_max_bs=4, swa_kv_eviction=True, **TBO) as e:
+    with Engine(path, tp_size=tp, dp_size=dp, ep_size=ep, max_running_requests=4, chunked_prefill_size=16,
+                max_context_len=128, cuda_graph_max_bs=4, swa_kv_eviction=True, **(TBO if tbo else {})) as e:
         ref = [_hf_greedy(hf, e.encode(p)) for p in PROMPTS[:6]]
         outs = e.generate(PROMPTS[:6], GREEDY)
         tbo_steps = e.driver.num_tbo_steps
-    assert tbo_steps > 0 and [o.token_ids for o in outs] == ref
+    assert (tbo_steps > 0) == tbo and [o.token_ids for o in outs] == ref
 
 
 def test_rules_name_the_option(tmp_path):
