@@ -85,13 +85,15 @@ def test_seeded_sampling_continues_from_seed_and_position(tiny_model):
     assert together[0].token_ids == alone and len(alone) == 20
 
 
-def test_recurrent_models_refuse_speculation(tmp_path):
+def test_recurrent_models_refuse_nextn_without_an_mtp_layer(tmp_path):
+    """Hybrid models verify ngram drafts (``tests/test_hybrid_spec.py``); their MTP layer is not loaded, so
+    ``nextn`` is refused by name."""
     from raymoe.errors import InvalidRequestError
 
     path = str(make_checkpoint("qwen3_5_moe", tmp_path / "q35", seed=1, num_layers=4, hidden_size=64, num_heads=4,
                                num_kv_heads=2, head_dim=16, moe_intermediate_size=32, vocab_size=512))
     with pytest.raises(InvalidRequestError) as err:
-        Engine(path, **SPEC)
+        Engine(path, speculative_algorithm="nextn")
     assert err.value.field == "speculative_algorithm"
 
 

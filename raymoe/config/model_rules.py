@@ -9,9 +9,10 @@ summarizes its whole prefix (``raymoe.kvcache.state_pool``):
   prompt, and a retracted request re-prefills from its first token.
 * **No prefill/decode disaggregation** (the states would have to move with the KV): refused, naming the option.
 * **Tensor parallelism splits the linear-attention heads**: key and value head counts must divide by ``tp_size``.
-* **No speculative decoding**: a verify forward advances the recurrent state over every draft token, and a
-  rejected draft cannot be taken back out of it (SGLang keeps per-draft intermediate states for that; not built
-  here). ``speculative_algorithm`` is refused, naming it.
+* **Speculative decoding keeps per-draft states**: a verify forward advances the recurrent state over every draft
+  token, so each linear-attention layer keeps the state after each draft and the rank commits the one its accepted
+  drafts reach (``raymoe.kvcache.state_pool.VerifyStates``, as SGLang does). ``ngram`` drafts run; ``nextn`` and
+  ``eagle`` are refused by their own rules (no MTP layer is loaded for these families).
 
 ``swa_kv_eviction`` (sliding-window layers' KV in per-row rings, ``raymoe.kvcache.swa_ring``) needs a model with
 ``sliding_attention`` layers, switches radix hits off (a ring holds one request's window only) and refuses
@@ -38,8 +39,8 @@ def apply_model_rules(config: EngineConfig, model: ModelConfig) -> EngineConfig:
     """``config`` with what ``model``'s family cannot use switched off (module docstring).
 
     Raises:
-        InvalidRequestError: ``tp_size`` does not divide the linear-attention heads, or speculative decoding is
-            on for a hybrid model, or ``nextn`` for a model without an MTP layer, naming the option.
+        InvalidRequestError: ``tp_size`` does not divide the linear-attention heads, or ``nextn`` for a model
+            without an MTP layer, naming the option.
     """
     if config.speculative.speculative_algorithm in ("nextn", "eagle"):
         config = _draft_model_rules(config, model)
@@ -47,10 +48,6 @@ def apply_model_rules(config: EngineConfig, model: ModelConfig) -> EngineConfig:
         config = _swa_ring_rules(config, model)
     if model.hybrid is None:
         return config
-    if config.speculative.enabled:
-        raise InvalidRequestError("speculative_algorithm", f"{model.model_type} keeps recurrent states that a "
-                                                           "rejected draft cannot be taken out of: speculative "
-                                                           "decoding is not supported")
     tp, lin = config.parallel.tp_size, model.hybrid.linear
     if lin.num_key_heads % tp or lin.num_value_heads % tp:
         raise InvalidRequestError("tp_size", f"{model.model_type}'s linear-attention heads ({lin.num_key_heads} key, "

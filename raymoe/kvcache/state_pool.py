@@ -47,3 +47,44 @@ class RecurrentStatePool:
     def nbytes(self) -> int:
         """Bytes of both tensors."""
         return self.conv.numel() * 4 + self.ssm.numel() * 4
+
+
+class VerifyStates:
+    """A speculative verify step's candidate states (SGLang keeps the same per-draft intermediate states for hybrid
+    models): a TARGET_VERIFY (or MIXED) row with ``k`` drafts advances every linear-attention layer over its newest
+    token and the drafts, but only the newest token and the accepted drafts are final. Each layer stashes, for its
+    rows with drafts, the conv and recurrent states after the newest token and after each draft; once the rank has
+    accepted ``a`` drafts of a row (``raymoe.runner.spec_verify``), :meth:`commit` writes candidate ``a`` into the
+    pool row. Everything stays on the device (no host read).
+
+    Args:
+        pool: the states' pool.
+    """
+
+    def __init__(self, pool: RecurrentStatePool):
+        self.pool = pool
+        self._stash: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def clear(self) -> None:
+        """Forget what an earlier step stashed (a forward that raised before its commit)."""
+        self._stash.clear()
+
+    def stash(self, layer: int, rows: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Layer ``layer``'s candidates for request rows ``rows`` [R] int64: ``conv`` [R, k+1, C, K-1] and ``ssm``
+        [R, k+1, Hv, Dk, Dv] float32, candidate ``j`` the state after the row's newest token and ``j`` drafts (rows
+        with fewer drafts repeat their last candidate)."""
+        self._stash.append((layer, rows, conv, ssm))
+
+    def commit(self, batch_rows: torch.Tensor, accept_lens: torch.Tensor) -> None:
+        """Write each stashed row's candidate ``accept_lens[i]`` where ``batch_rows[i]`` is its request row
+        (``batch_rows``, ``accept_lens``: [bs] int64 of the step's batch), then forget the stash."""
+        if not self._stash:
+            return
+        at = torch.zeros(self.pool.rows + 1, dtype=torch.int64, device=accept_lens.device)
+        at[batch_rows] = accept_lens
+        for layer, rows, conv, ssm in self._stash:
+            pick = at[rows].clamp(max=conv.shape[1] - 1)
+            r = torch.arange(rows.shape[0], device=rows.device)
+            self.pool.conv[layer].index_copy_(0, rows, conv[r, pick])
+            self.pool.ssm[layer].index_copy_(0, rows, ssm[r, pick])
+        self._stash.clear()

@@ -23,8 +23,9 @@ channels (``raymoe.platform.cuda.causal_conv1d``: per request for extend rows, o
 rows for decode).
 
 Limits of this version (the engine's config rules refuse or switch them off, ``raymoe.config.model_rules``): no
-radix-cache prefix hits (a prefix's recurrent state is not kept), no prefill/decode disaggregation. The MTP layer
-a released checkpoint carries is not loaded (speculative decoding is not built).
+radix-cache prefix hits (a prefix's recurrent state is not kept), no prefill/decode disaggregation. Speculative
+decoding verifies drafts with per-draft candidate states (``GatedDeltaNetAttention._verify``, ``VerifyStates``);
+the MTP layer a released checkpoint carries is not loaded, so drafts come from ``ngram``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ModelConfig
 from raymoe.config_linear import LinearAttentionConfig
 from raymoe.errors import CheckpointError
-from raymoe.kvcache.state_pool import RecurrentStatePool
+from raymoe.kvcache.state_pool import RecurrentStatePool, VerifyStates
 from raymoe.layers.gated_delta import (
     causal_conv1d_decode,
     causal_conv1d_prefill,
@@ -176,6 +177,7 @@ class GatedDeltaNetAttention(nn.Module):
         self.eps = config.rms_norm_eps
         self.ops = ops
         self.pool: RecurrentStatePool | None = None  # set by the model's create_state_pool
+        self.verify: VerifyStates | None = None  # likewise: a verify step's candidate states
 
     @stage_op(OpRole.ATTN_PREPARE)
     def op_prepare(self, state: ForwardState) -> None:
@@ -242,6 +244,8 @@ class GatedDeltaNetAttention(nn.Module):
         a MIXED step), a row without starts from zeros; the final states are stored. The conv runs row by row; the
         delta rule row by row on torch, or over every row in one varlen call of the platform's kernel. Returns
         [T, Hv, Dv]."""
+        if fb.draft_lens_cpu is not None and any(fb.draft_lens_cpu):
+            return self._verify(fb, mixed, g, beta, fb.draft_lens_cpu)
         pool, li = self.pool, self.state_layer
         rows, prefixes, lens = fb.req_pool_indices_cpu, fb.prefix_lens_cpu, fb.extend_lens_cpu
         y = torch.empty_like(mixed)
@@ -273,6 +277,55 @@ class GatedDeltaNetAttention(nn.Module):
             pool.ssm[li, row] = ssm
             out[t0:t1] = o
             t0 = t1
+        return out
+
+    def _verify(self, fb, mixed, g, beta, drafts: list[int]) -> torch.Tensor:
+        """A step whose rows end in draft tokens (TARGET_VERIFY, or MIXED with verifying decode rows), on torch: a
+        row without drafts as :meth:`_extend`; a row with ``k`` drafts steps the recurrent rule token by token (as
+        plain decoding would) and stashes the conv and recurrent states after its newest token and after each
+        draft (``VerifyStates``), of which the rank commits the one its accepted drafts reach. The pool row holds
+        the state after every token until then. Returns [T, Hv, Dv]."""
+        pool, li, lin = self.pool, self.state_layer, self.cfg
+        rows, prefixes, lens = fb.req_pool_indices_cpu, fb.prefix_lens_cpu, fb.extend_lens_cpu
+        y = torch.empty_like(mixed)
+        convs, t0 = [], 0
+        for row, prefix, n, k in zip(rows, prefixes, lens, drafts, strict=True):
+            conv0 = pool.conv[li, row] if prefix else torch.zeros_like(pool.conv[li, row])
+            if k:  # the state after j inputs is the last K-1 columns of (state ++ inputs[:j]); before the row moves
+                full = torch.cat([conv0.float(), mixed[t0:t0 + n].float().t()], dim=1)
+                width = conv0.shape[1]
+                convs.append(torch.stack([full[:, j:j + width] for j in range(n - k, n + 1)]))
+            y[t0:t0 + n], pool.conv[li, row] = causal_conv1d_prefill(mixed[t0:t0 + n], self.conv_weight, conv0)
+            t0 += n
+        q, kk, v = self._split(y)
+        out = v.new_empty((v.shape[0], lin.num_value_heads, lin.value_head_dim))
+        ssms, verify_rows, t0 = [], [], 0
+        for row, prefix, n, k in zip(rows, prefixes, lens, drafts, strict=True):
+            t1 = t0 + n
+            start = pool.ssm[li, row] if prefix else None
+            if not k:
+                out[t0:t1], pool.ssm[li, row] = chunk_gated_delta_rule(q[t0:t1], kk[t0:t1], v[t0:t1], g[t0:t1],
+                                                                       beta[t0:t1], start)
+                t0 = t1
+                continue
+            s = (start if start is not None else torch.zeros_like(pool.ssm[li, row])).unsqueeze(0)
+            cands = []
+            for j in range(t0, t1):
+                o, s = recurrent_gated_delta_rule(q[j:j + 1], kk[j:j + 1], v[j:j + 1], g[j:j + 1], beta[j:j + 1], s)
+                out[j] = o[0]
+                if j >= t1 - 1 - k:
+                    cands.append(s[0])
+            pool.ssm[li, row] = s[0]
+            ssms.append(torch.stack(cands))
+            verify_rows.append(row)
+            t0 = t1
+        width = max(c.shape[0] for c in convs)
+
+        def padded(c: torch.Tensor) -> torch.Tensor:  # rows with fewer drafts repeat their last candidate
+            return torch.cat([c, c[-1:].expand(width - c.shape[0], *c.shape[1:])])
+
+        self.verify.stash(li, to_device(verify_rows, torch.int64, mixed.device),
+                          torch.stack([padded(c) for c in convs]), torch.stack([padded(s) for s in ssms]))
         return out
 
     def load(self, reader, prefix: str) -> None:
@@ -353,6 +406,7 @@ class Qwen3_5MoeForCausalLM(MoeCausalLM):
         self.num_kv_layers = len(full)
         self.num_local_heads, self.num_local_kv_heads = full[0].num_heads, full[0].num_kv_heads
         self.state_pool: RecurrentStatePool | None = None
+        self.verify_states: VerifyStates | None = None
 
     def create_kv_pool(self, num_slots: int, dtype: torch.dtype, device: torch.device | str):
         """K/V of the full-attention layers only (the linear ones keep recurrent states instead)."""
@@ -365,10 +419,23 @@ class Qwen3_5MoeForCausalLM(MoeCausalLM):
         """The per-request states of the linear-attention layers, ``rows`` request rows (ReqToTokenPool's)."""
         lin = local_linear_config(self.config, self.tp_size)
         self.state_pool = RecurrentStatePool(lin, self.config.num_linear_layers, rows, device)
+        self.verify_states = VerifyStates(self.state_pool)
         for layer in self.layers:
             if isinstance(layer.self_attn, GatedDeltaNetAttention):
-                layer.self_attn.pool = self.state_pool
+                layer.self_attn.pool, layer.self_attn.verify = self.state_pool, self.verify_states
         return self.state_pool
+
+    def forward(self, forward_batch) -> torch.Tensor:
+        """All layers (``MoeCausalLM.forward``), after forgetting candidate states a failed step left."""
+        if self.verify_states is not None:
+            self.verify_states.clear()
+        return super().forward(forward_batch)
+
+    def commit_verify_states(self, batch_rows: torch.Tensor, accept_lens: torch.Tensor) -> None:
+        """After a verify step's acceptance: each row's linear-attention states at its last accepted token
+        (``VerifyStates.commit``; ``batch_rows``, ``accept_lens``: [bs] int64 of the step's batch)."""
+        if self.verify_states is not None:
+            self.verify_states.commit(batch_rows, accept_lens)
 
     def load_weights(self, reader) -> None:
         """Load the weights (an image-text checkpoint's through :class:`LanguageModelNames`).

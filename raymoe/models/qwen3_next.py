@@ -12,8 +12,7 @@ gated shared expert, zero-centered RMSNorms), with two differences this module b
   ``intermediate_size`` instead of a MoE block; the router renormalizes its top-k weights iff ``norm_topk_prob``
   (Qwen3.5 always does).
 
-The released checkpoints' MTP layer (``mtp.*``) is not read: speculative decoding refuses hybrid models (their
-recurrent state cannot roll back rejected draft tokens yet).
+The released checkpoints' MTP layer (``mtp.*``) is not read: speculative decoding runs with ``ngram`` drafts.
 """
 
 from __future__ import annotations

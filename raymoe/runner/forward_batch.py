@@ -73,7 +73,9 @@ class ForwardBatch:
     ``padding_mask``: [T] bool, True on the padding rows of a decode graph's bucket (``raymoe.runner.graph_buffers``),
     whose MoE pairs go to no expert; None (eager batches): every token is real. ``kv_stream``: the step's
     layer-by-layer KV writer of a PD prefill rank (``raymoe.kvcache.kv_stream.KVLayerStream``, shared by the TBO
-    children); None on every other step.
+    children); None on every other step. ``draft_lens_cpu``: speculative decoding: per request, the draft tokens
+    at the end of its row (``ModelWorkerBatch.draft_lens``; a TARGET_VERIFY row without them: all but its first
+    token); None on steps that verify nothing.
 
     Raises:
         ValueError: a token tensor does not have as many rows as ``input_ids``, or a row tensor or host list
@@ -111,6 +113,7 @@ class ForwardBatch:
     dispatch_capacity: int | None = None
     padding_mask: torch.Tensor | None = None
     kv_stream: Any = None
+    draft_lens_cpu: list[int] | None = None
 
     def __post_init__(self) -> None:
         num_tokens = self.num_tokens
@@ -144,6 +147,8 @@ class ForwardBatch:
         (t0, t1), (s0, s1) = token_range, row_range
         sliced: dict[str, Any] = {name: getattr(self, name)[t0:t1] for name in self.token_tensor_names()}
         sliced.update({name: getattr(self, name)[s0:s1] for name in self.ROW_TENSORS + self.ROW_LISTS})
+        if self.draft_lens_cpu is not None:
+            sliced["draft_lens_cpu"] = self.draft_lens_cpu[s0:s1]
         return dataclasses.replace(self, batch_size=s1 - s0, **{**sliced, **changes})
 
     @classmethod
@@ -182,4 +187,6 @@ class ForwardBatch:
             extend_lens_cpu=list(b.extend_lens),
             sampling=SamplingBatchInfo.from_inputs(sampling, device) if b.batch_size else None,
             use_tbo=b.use_tbo, graph_bs=b.graph_bs, dispatch_capacity=b.dispatch_capacity,
+            draft_lens_cpu=list(b.draft_lens) if any(b.draft_lens) else (
+                [e - 1 for e in b.extend_lens] if b.forward_mode.is_target_verify() else None),
         )

@@ -298,6 +298,9 @@ class ModelRunner:
             drafts_per_row = list(batch.draft_lens) or [e - 1 for e in fb.extend_lens_cpu]
             res = verify_rows(self.ops, logits, fb.input_ids, fb.extend_lens_cpu, drafts_per_row, fb.sampling,
                               self.sampler.generator)
+            commit = getattr(self.model, "commit_verify_states", None)
+            if commit is not None:  # hybrid models: linear-attention states at each row's last accepted token
+                commit(fb.req_pool_indices, res.accept_lens)
             self.future_tokens.store(res.next_ids)
             drafts = ()
             if drafting:
