@@ -3,8 +3,10 @@ drafts, keeps the conv and recurrent states after each (``VerifyStates``) and co
 reach. Checked: one verify step against plain decoding with 0, 1 and 2 of 2 drafts accepted (the next step's logits);
 in the engine, ``ngram`` drafts verified every step (``fixed`` policy) give the greedy tokens of speculation off
 (and transformers') on one rank (MIXED steps, chunked prefill) and at dp=2 ep=2 with two-batch overlap, nothing
-leaks; a stash a failed step left is not committed by the next. (The random-weight model does not repeat itself,
-so the engine's drafts are all rejected: every verify step rolls back; partial acceptance is the unit test's.)"""
+leaks; a stash a failed step left is not committed by the next. The MTP layer (``nextn``): its pass against the same
+computation written with transformers' modules, and in the engine for Qwen3.5 and Qwen3-Next. (The random-weight
+model does not repeat itself and its MTP layer is untrained, so the engine's drafts are all rejected: every verify
+step rolls back; partial acceptance is the unit test's.)"""
 
 from __future__ import annotations
 
@@ -102,3 +104,73 @@ def test_commit_writes_the_accepted_candidate_and_clear_forgets():
     states.clear()
     states.commit(torch.tensor([2]), torch.tensor([1]))
     assert not pool.conv[0, 2].any()
+
+
+def test_the_mtp_layer_matches_transformers_parts(tmp_path):
+    """``make-checkpoint --arch qwen3_5_moe`` with ``mtp_layers=1``: raymoe's MTP pass over a prompt (the target's
+    hidden state at each position and the next token) gives the logits of the same computation written with
+    transformers' own modules: its zero-centered norms, ``fc`` over [embedding; hidden], a
+    ``Qwen3_5MoeDecoderLayer`` of the full-attention kind loaded with ``mtp.layers.0.*`` (causal mask and rotary
+    embedding as transformers' model passes them), the final norm and the shared LM head."""
+    from safetensors.torch import load_file
+    from test_deepseek_parity import _extend_batch
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm
+
+    from raymoe.config import GraphConfig
+    from raymoe.config.speculative import SpeculativeConfig
+    from raymoe.runner.model_runner import ModelRunner, RunnerConfig
+
+    path = str(make_checkpoint("qwen3_5_moe", tmp_path / "mtp", seed=5, mtp_layers=1, **DIMS))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    full = hf.config.layer_types.index("full_attention")
+    seen = {}
+    hf.model.layers[full].register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
+    prompt = torch.randint(3, 500, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    nxt = prompt[1:] + [7]  # the token after each position (the last one: a sampled token)
+    with torch.no_grad():
+        hidden = hf.model(torch.tensor([prompt])).last_hidden_state[0]
+        w = {k[len("mtp."):]: v for k, v in load_file(f"{path}/model.safetensors").items() if k.startswith("mtp.")}
+        layer = Qwen3_5MoeDecoderLayer(hf.config, full).eval()
+        lw = {k[len("layers.0."):]: v for k, v in w.items() if k.startswith("layers.0.") and ".experts." not in k}
+        e = hf.config.num_experts
+        ex = "layers.0.mlp.experts"
+        lw["mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([w[f"{ex}.{i}.gate_proj.weight"], w[f"{ex}.{i}.up_proj.weight"]]) for i in range(e)])
+        lw["mlp.experts.down_proj"] = torch.stack([w[f"{ex}.{i}.down_proj.weight"] for i in range(e)])
+        layer.load_state_dict(lw)
+        norms = {}
+        for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            norms[name] = Qwen3_5MoeRMSNorm(hf.config.hidden_size, eps=hf.config.rms_norm_eps)
+            norms[name].weight.copy_(w[f"{name}.weight"])
+        x = torch.cat([norms["pre_fc_norm_embedding"](hf.model.embed_tokens(torch.tensor(nxt))),
+                       norms["pre_fc_norm_hidden"](hidden)], dim=-1) @ w["fc.weight"].T
+        out = layer(x[None], position_embeddings=seen["position_embeddings"], attention_mask=seen["attention_mask"],
+                    position_ids=seen.get("position_ids"))
+        ref = hf.lm_head(norms["norm"](out[0] if out.dim() == 3 else out))
+
+    runner = ModelRunner(RunnerConfig(path, "float32", num_kv_slots=64, max_req_rows=2, max_context_len=64,
+                                      graph=GraphConfig(disable_cuda_graph=True),
+                                      speculative=SpeculativeConfig(speculative_algorithm="nextn")))
+    with torch.no_grad():
+        fb = runner.prepare(_extend_batch([prompt]))
+        mine = runner.model.mtp.logits(runner.model.mtp(fb, torch.tensor(nxt), runner.model(fb)))
+    torch.testing.assert_close(mine, ref.float(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next"])
+def test_nextn_drafts_with_the_checkpoints_mtp_layer_and_keeps_the_tokens(tmp_path, arch):
+    """``nextn`` on a checkpoint with an MTP layer (Qwen3.5's ``mtp_num_hidden_layers``, Qwen3-Next's
+    ``num_nextn_predict_layers``): drafts are made every step and the tokens are plain decoding's."""
+    path = str(make_checkpoint(arch, tmp_path / arch, seed=3, mtp_layers=1, **DIMS))
+    with Engine(path, **OPTS) as e:
+        ref = [o.token_ids for o in e.generate(PROMPTS, GREEDY)]
+    with Engine(path, **OPTS, speculative_algorithm="nextn", speculative_num_steps=2,
+                speculative_draft_policy="fixed") as e:
+        assert e.config.graph.disable_cuda_graph  # the MTP layer reads the target's hidden states
+        outs = e.generate(PROMPTS, GREEDY)
+        counters = spec_counters(e)
+        report = e.driver.idle_report()
+    assert [o.token_ids for o in outs] == ref
+    assert counters.verify_steps > 10 and counters.draft_tokens >= counters.verify_steps, counters
+    assert (report.leaked_kv_slots, report.leaked_req_rows) == (0, 0)

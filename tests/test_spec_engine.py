@@ -86,8 +86,8 @@ def test_seeded_sampling_continues_from_seed_and_position(tiny_model):
 
 
 def test_recurrent_models_refuse_nextn_without_an_mtp_layer(tmp_path):
-    """Hybrid models verify ngram drafts (``tests/test_hybrid_spec.py``); their MTP layer is not loaded, so
-    ``nextn`` is refused by name."""
+    """Hybrid models verify ngram drafts, and nextn drafts with their checkpoint's MTP layer
+    (``tests/test_hybrid_spec.py``); a checkpoint without one refuses ``nextn`` by name."""
     from raymoe.errors import InvalidRequestError
 
     path = str(make_checkpoint("qwen3_5_moe", tmp_path / "q35", seed=1, num_layers=4, hidden_size=64, num_heads=4,

@@ -108,9 +108,10 @@ class ModelConfig:
 
     @property
     def num_nextn_predict_layers(self) -> int:
-        """Multi-token-prediction layers the checkpoint carries after its decoder layers (DeepSeek-V3's
-        ``num_nextn_predict_layers``; 0 for the other families)."""
-        return int(self.hf_config.get("num_nextn_predict_layers", 0) or 0)
+        """Multi-token-prediction layers the checkpoint carries (DeepSeek-V3's and Qwen3-Next's
+        ``num_nextn_predict_layers``, Qwen3.5's ``mtp_num_hidden_layers``; 0 for the other families)."""
+        return int(self.hf_config.get("num_nextn_predict_layers", 0) or self.hf_config.get("mtp_num_hidden_layers", 0)
+                   or 0)
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether decoder layer ``layer_id`` has a sparse MoE block (else a dense MLP)."""

@@ -11,8 +11,8 @@ summarizes its whole prefix (``raymoe.kvcache.state_pool``):
 * **Tensor parallelism splits the linear-attention heads**: key and value head counts must divide by ``tp_size``.
 * **Speculative decoding keeps per-draft states**: a verify forward advances the recurrent state over every draft
   token, so each linear-attention layer keeps the state after each draft and the rank commits the one its accepted
-  drafts reach (``raymoe.kvcache.state_pool.VerifyStates``, as SGLang does). ``ngram`` drafts run; ``nextn`` and
-  ``eagle`` are refused by their own rules (no MTP layer is loaded for these families).
+  drafts reach (``raymoe.kvcache.state_pool.VerifyStates``, as SGLang does). ``ngram`` drafts, and ``nextn`` with
+  the checkpoint's MTP layer (``raymoe.models.qwen3_5_mtp``).
 
 ``swa_kv_eviction`` (sliding-window layers' KV in per-row rings, ``raymoe.kvcache.swa_ring``) needs a model with
 ``sliding_attention`` layers, switches radix hits off (a ring holds one request's window only) and refuses
@@ -75,12 +75,13 @@ def _swa_ring_rules(config: EngineConfig, model: ModelConfig) -> EngineConfig:
 
 
 def _draft_model_rules(config: EngineConfig, model: ModelConfig) -> EngineConfig:
-    """``nextn`` drafts with the checkpoint's MTP layer (``raymoe.models.deepseek_mtp``): only DeepSeek-V3-style
-    checkpoints that carry one. ``eagle`` drafts with a separate head (``raymoe.models.eagle_head``): Qwen3-MoE
-    targets in float weights, the head's folder readable. Both read the target's hidden states, which a
+    """``nextn`` drafts with the checkpoint's MTP layer (``raymoe.models.deepseek_mtp``,
+    ``raymoe.models.qwen3_5_mtp``): DeepSeek-V3-style, Qwen3.5-MoE and Qwen3-Next checkpoints that carry one.
+    ``eagle`` drafts with a separate head (``raymoe.models.eagle_head``): Qwen3-MoE targets in float weights, the
+    head's folder readable. Both read the target's hidden states, which a
     decode-graph replay does not return, so decode graphs are off."""
     algo = config.speculative.speculative_algorithm
-    if algo == "nextn" and (model.mla is None or model.num_nextn_predict_layers < 1):
+    if algo == "nextn" and ((model.mla is None and model.hybrid is None) or model.num_nextn_predict_layers < 1):
         raise InvalidRequestError("speculative_algorithm", f"nextn drafts with the checkpoint's multi-token-"
                                                            f"prediction layer; {model.model_type} has none "
                                                            "(num_nextn_predict_layers)")

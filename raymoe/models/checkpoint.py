@@ -57,6 +57,7 @@ class TinyModelSpec:
     tie_word_embeddings: bool = False
     sliding_window: int = 16
     mxfp4: bool = False
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_experts", "num_experts_per_tok", "num_heads", "num_kv_heads",
@@ -64,6 +65,8 @@ class TinyModelSpec:
                      "max_position_embeddings", "decoder_sparse_step", "sliding_window"):
             if int(getattr(self, name)) < 1:
                 raise InvalidRequestError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.mtp_layers not in (0, 1):
+            raise InvalidRequestError("mtp_layers", f"must be 0 or 1, got {self.mtp_layers}")
         if self.num_heads % self.num_kv_heads:
             raise InvalidRequestError("num_kv_heads", "num_heads must be a multiple of num_kv_heads")
         if self.num_experts_per_tok > self.num_experts:
@@ -242,6 +245,7 @@ def make_checkpoint(
     tie_word_embeddings: bool = False,
     sliding_window: int = 16,
     mxfp4: bool = False,
+    mtp_layers: int = 0,
     max_shard_bytes: int | None = None,
     progress: bool = False,
     quant: str | None = None,
@@ -263,6 +267,8 @@ def make_checkpoint(
             ``"gpt_oss"``, ``"qwen3_5_moe"`` (the text model, ``model_type`` ``qwen3_5_moe_text``), ``"qwen3_next"``.
         sliding_window: gpt-oss: the window of its sliding layers (tokens); other architectures ignore it.
         mxfp4: gpt-oss: write the experts as MXFP4 blocks and scales; other architectures ignore it.
+        mtp_layers: qwen3_5_moe / qwen3_next: 1 writes a multi-token-prediction layer (``mtp.*``, drawn after every
+            other tensor, so those stay byte-identical; ``raymoe.models.qwen3_5_mtp``); others ignore it.
         out: destination folder.
         seed: seed of the weight generator; equal arguments give byte-identical tensors.
         max_shard_bytes: split the weights into ``model-0000i-of-0000K.safetensors`` files of at most this many
@@ -303,7 +309,7 @@ def make_checkpoint(
         vocab_size=vocab_size, max_position_embeddings=max_position_embeddings,
         decoder_sparse_step=decoder_sparse_step, mlp_only_layers=tuple(int(x) for x in mlp_only_layers),
         norm_topk_prob=norm_topk_prob, tie_word_embeddings=tie_word_embeddings, sliding_window=sliding_window,
-        mxfp4=mxfp4,
+        mxfp4=mxfp4, mtp_layers=mtp_layers,
     )
     from tqdm.auto import tqdm
 

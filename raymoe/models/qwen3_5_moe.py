@@ -25,7 +25,8 @@ rows for decode).
 Limits of this version (the engine's config rules refuse or switch them off, ``raymoe.config.model_rules``): no
 radix-cache prefix hits (a prefix's recurrent state is not kept), no prefill/decode disaggregation. Speculative
 decoding verifies drafts with per-draft candidate states (``GatedDeltaNetAttention._verify``, ``VerifyStates``);
-the MTP layer a released checkpoint carries is not loaded, so drafts come from ``ngram``.
+drafts come from ``ngram``, or with ``enable_mtp`` (``nextn``) from the checkpoint's MTP layer
+(``raymoe.models.qwen3_5_mtp``).
 """
 
 from __future__ import annotations
@@ -377,7 +378,7 @@ class Qwen3_5MoeForCausalLM(MoeCausalLM):
     """The whole model on one rank (arguments as ``raymoe.models.qwen3_moe.Qwen3MoeForCausalLM``)."""
 
     def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype, ops: Platform,
-                 a2a_backend: str = "torch", enable_sbo: bool = False, expert_location=None):
+                 a2a_backend: str = "torch", enable_sbo: bool = False, expert_location=None, enable_mtp: bool = False):
         super().__init__(config, groups, dtype, ops, enable_sbo)
         self.tp_size = groups.tp_size
         if config.hybrid is None:
@@ -405,15 +406,25 @@ class Qwen3_5MoeForCausalLM(MoeCausalLM):
             raise ValueError("a Qwen3.5-MoE model needs at least one full_attention layer")
         self.num_kv_layers = len(full)
         self.num_local_heads, self.num_local_kv_heads = full[0].num_heads, full[0].num_kv_heads
+        self.__dict__["mtp"] = None  # a plain attribute, not a submodule, as DeepSeek's (``enable_mtp``)
+        if enable_mtp:
+            if config.num_nextn_predict_layers < 1:
+                raise ValueError(f"{config.model_type}: enable_mtp, but the config has no MTP layer")
+            from raymoe.models.qwen3_5_mtp import Qwen35MTP
+
+            self.__dict__["mtp"] = Qwen35MTP(config, groups, dtype, ops, a2a_backend, rotary, self.num_kv_layers,
+                                             self.embed_tokens, self.lm_head)
+            self.extra_kv_layers = 1
         self.state_pool: RecurrentStatePool | None = None
         self.verify_states: VerifyStates | None = None
 
     def create_kv_pool(self, num_slots: int, dtype: torch.dtype, device: torch.device | str):
-        """K/V of the full-attention layers only (the linear ones keep recurrent states instead)."""
+        """K/V of the full-attention layers only (the linear ones keep recurrent states instead), and of the MTP
+        layer when it is built."""
         from raymoe.kvcache.pools import TokenToKVPool
 
-        return TokenToKVPool(num_slots, self.num_kv_layers, self.num_local_kv_heads, self.config.head_dim, dtype,
-                             device)
+        return TokenToKVPool(num_slots, self.num_kv_layers + self.extra_kv_layers, self.num_local_kv_heads,
+                             self.config.head_dim, dtype, device)
 
     def create_state_pool(self, rows: int, device: torch.device | str) -> RecurrentStatePool:
         """The per-request states of the linear-attention layers, ``rows`` request rows (ReqToTokenPool's)."""
@@ -443,7 +454,10 @@ class Qwen3_5MoeForCausalLM(MoeCausalLM):
         Raises:
             CheckpointError: a tensor is missing or has the wrong shape (names the tensor).
         """
-        super().load_weights(LanguageModelNames(reader) if self.config.model_type == "qwen3_5_moe" else reader)
+        view = LanguageModelNames(reader) if self.config.model_type == "qwen3_5_moe" else reader
+        super().load_weights(view)
+        if self.mtp is not None:
+            self.mtp.load(view)
 
     def load_final_norm(self, reader) -> None:
         """The final norm is zero-centered too: ``1 + w``."""

@@ -12,7 +12,8 @@ gated shared expert, zero-centered RMSNorms), with two differences this module b
   ``intermediate_size`` instead of a MoE block; the router renormalizes its top-k weights iff ``norm_topk_prob``
   (Qwen3.5 always does).
 
-The released checkpoints' MTP layer (``mtp.*``) is not read: speculative decoding runs with ``ngram`` drafts.
+The released checkpoints' MTP layer (``mtp.*``, ``num_nextn_predict_layers``) is Qwen3.5's
+(``raymoe.models.qwen3_5_mtp``): ``nextn`` drafts with it.
 """
 
 from __future__ import annotations

@@ -42,6 +42,8 @@ def qwen3_5_config(s) -> dict[str, Any]:
                 "shared_expert_intermediate_size": s.moe_intermediate_size, "layer_types": layer_types(s.num_layers),
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
                 "output_router_logits": False, "router_aux_loss_coef": 0.001})
+    if s.mtp_layers:
+        cfg["mtp_num_hidden_layers"] = s.mtp_layers
     return cfg
 
 
@@ -75,28 +77,38 @@ def _full_attn(s, gen: torch.Generator, a: str) -> dict[str, torch.Tensor]:
 
 def qwen3_5_weights(s, gen: torch.Generator) -> Iterator[dict[str, torch.Tensor]]:
     """Weights in build steps: embeddings, one dict per layer, final norm + LM head."""
-    h, i = s.hidden_size, s.moe_intermediate_size
+    h = s.hidden_size
     yield {"model.embed_tokens.weight": torch.randn(s.vocab_size, h, generator=gen)}
     for layer, kind in enumerate(layer_types(s.num_layers)):
-        p = f"model.layers.{layer}."
-        t = {p + "input_layernorm.weight": _centered(gen, h), p + "post_attention_layernorm.weight": _centered(gen, h)}
-        t.update(_linear_attn(s, gen, p + "linear_attn.") if kind == "linear_attention"
-                 else _full_attn(s, gen, p + "self_attn."))
-        m = p + "mlp."
-        t[m + "gate.weight"] = linear(gen, s.num_experts, h, ROUTER_GAIN)
-        for e in range(s.num_experts):
-            t[f"{m}experts.{e}.gate_proj.weight"] = linear(gen, i, h)
-            t[f"{m}experts.{e}.up_proj.weight"] = linear(gen, i, h)
-            t[f"{m}experts.{e}.down_proj.weight"] = linear(gen, h, i, OUT_PROJ_GAIN)
-        t[m + "shared_expert.gate_proj.weight"] = linear(gen, i, h)
-        t[m + "shared_expert.up_proj.weight"] = linear(gen, i, h)
-        t[m + "shared_expert.down_proj.weight"] = linear(gen, h, i, OUT_PROJ_GAIN)
-        t[m + "shared_expert_gate.weight"] = linear(gen, 1, h)
-        yield t
+        yield _decoder_layer(s, gen, f"model.layers.{layer}.", kind)
     last = {"model.norm.weight": _centered(gen, h)}
     if not s.tie_word_embeddings:
         last["lm_head.weight"] = linear(gen, s.vocab_size, h, LM_HEAD_GAIN)
     yield last
+    if s.mtp_layers:  # drawn last: the tensors above do not depend on it
+        t = {"mtp.fc.weight": linear(gen, h, 2 * h), "mtp.pre_fc_norm_embedding.weight": _centered(gen, h),
+             "mtp.pre_fc_norm_hidden.weight": _centered(gen, h), "mtp.norm.weight": _centered(gen, h)}
+        t.update(_decoder_layer(s, gen, "mtp.layers.0.", "full_attention"))
+        yield t
+
+
+def _decoder_layer(s, gen: torch.Generator, p: str, kind: str) -> dict[str, torch.Tensor]:
+    """One decoder layer's tensors under prefix ``p``: norms, its token mixer, the MoE with a gated shared expert."""
+    h, i = s.hidden_size, s.moe_intermediate_size
+    t = {p + "input_layernorm.weight": _centered(gen, h), p + "post_attention_layernorm.weight": _centered(gen, h)}
+    t.update(_linear_attn(s, gen, p + "linear_attn.") if kind == "linear_attention"
+             else _full_attn(s, gen, p + "self_attn."))
+    m = p + "mlp."
+    t[m + "gate.weight"] = linear(gen, s.num_experts, h, ROUTER_GAIN)
+    for e in range(s.num_experts):
+        t[f"{m}experts.{e}.gate_proj.weight"] = linear(gen, i, h)
+        t[f"{m}experts.{e}.up_proj.weight"] = linear(gen, i, h)
+        t[f"{m}experts.{e}.down_proj.weight"] = linear(gen, h, i, OUT_PROJ_GAIN)
+    t[m + "shared_expert.gate_proj.weight"] = linear(gen, i, h)
+    t[m + "shared_expert.up_proj.weight"] = linear(gen, i, h)
+    t[m + "shared_expert.down_proj.weight"] = linear(gen, h, i, OUT_PROJ_GAIN)
+    t[m + "shared_expert_gate.weight"] = linear(gen, 1, h)
+    return t
 
 
 def qwen3_next_config(s) -> dict[str, Any]:
@@ -104,6 +116,8 @@ def qwen3_next_config(s) -> dict[str, Any]:
     cfg = qwen3_5_config(s)
     cfg.update({"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "norm_topk_prob": True,
                 "decoder_sparse_step": 1, "mlp_only_layers": []})
+    if s.mtp_layers:  # Qwen3-Next's name for it
+        cfg["num_nextn_predict_layers"] = cfg.pop("mtp_num_hidden_layers")
     return cfg
 
 
