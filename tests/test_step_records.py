@@ -75,7 +75,7 @@ def test_every_tensor_and_host_list_field_is_declared_once():
     declared = ForwardBatch.TOKEN_TENSORS + ForwardBatch.ROW_TENSORS
     assert set(declared) == tensors and len(declared) == len(tensors)
     assert set(ForwardBatch.OPTIONAL_TOKEN_TENSORS) == {n for n, t in by_type.items() if t == "torch.Tensor | None"}
-    assert set(ForwardBatch.ROW_LISTS) == host_lists
+    assert set(ForwardBatch.ROW_LISTS + ForwardBatch.OPTIONAL_ROW_LISTS) == host_lists
     assert set(PADDING) == tensors
 
 

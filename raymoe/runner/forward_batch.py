@@ -91,6 +91,8 @@ class ForwardBatch:
     """Host lists with one entry per request (``bs``)."""
     OPTIONAL_TOKEN_TENSORS: ClassVar[tuple[str, ...]] = ("padding_mask",)
     """Device tensors with one entry per token, [T], or None."""
+    OPTIONAL_ROW_LISTS: ClassVar[tuple[str, ...]] = ("draft_lens_cpu",)
+    """Host lists with one entry per request, or None (verify steps only: never in a decode graph)."""
 
     forward_mode: ForwardMode
     batch_size: int
@@ -120,7 +122,8 @@ class ForwardBatch:
         for name in self.token_tensor_names():
             if getattr(self, name).shape[0] != num_tokens:
                 raise ValueError(f"ForwardBatch.{name} has {getattr(self, name).shape[0]} rows, expected {num_tokens}")
-        for name in self.ROW_TENSORS + self.ROW_LISTS:
+        for name in self.ROW_TENSORS + self.ROW_LISTS + tuple(
+                n for n in self.OPTIONAL_ROW_LISTS if getattr(self, n) is not None):
             if len(getattr(self, name)) != self.batch_size:
                 raise ValueError(f"ForwardBatch.{name} has {len(getattr(self, name))} entries, "
                                  f"expected {self.batch_size}")
@@ -147,8 +150,8 @@ class ForwardBatch:
         (t0, t1), (s0, s1) = token_range, row_range
         sliced: dict[str, Any] = {name: getattr(self, name)[t0:t1] for name in self.token_tensor_names()}
         sliced.update({name: getattr(self, name)[s0:s1] for name in self.ROW_TENSORS + self.ROW_LISTS})
-        if self.draft_lens_cpu is not None:
-            sliced["draft_lens_cpu"] = self.draft_lens_cpu[s0:s1]
+        sliced.update({name: getattr(self, name)[s0:s1] for name in self.OPTIONAL_ROW_LISTS
+                       if getattr(self, name) is not None})
         return dataclasses.replace(self, batch_size=s1 - s0, **{**sliced, **changes})
 
     @classmethod
