@@ -221,8 +221,11 @@ class GatedDeltaNetAttention(nn.Module):
             pool.conv[li].index_copy_(0, dst, conv)
         q, k, v = self._split(y)
         kernel = self._kernel()
-        rule = kernel.decode if kernel is not None else recurrent_gated_delta_rule
-        o, ssm = rule(q, k, v, g, beta, pool.ssm[li].index_select(0, rows))
+        states = pool.ssm[li].index_select(0, rows)  # a fresh gather: the torch rule may update it in place
+        if kernel is not None:
+            o, ssm = kernel.decode(q, k, v, g, beta, states)
+        else:
+            o, ssm = recurrent_gated_delta_rule(q, k, v, g, beta, states, inplace=True)
         pool.ssm[li].index_copy_(0, dst, ssm)
         return o
 
