@@ -119,3 +119,18 @@ def test_sinks_on_fa2_are_refused(gpt_oss_model, monkeypatch):
     _provider(monkeypatch, 2)
     with pytest.raises(ValueError, match="attention sinks need the FA3 kernels"):
         Engine(path, attention_backend="flash_attn", disable_cuda_graph=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU double reads host values, which a CUDA graph "
+                                                      "capture refuses; the GPU suite covers CUDA graphs")
+def test_swa_kv_eviction_over_flash_attn_matches(gpt_oss_model, monkeypatch):
+    """``swa_kv_eviction`` as on CUDA: the full-attention layers through the kernel on pages of 16 (windows off,
+    sinks on), the sliding layers through the rings; chunks of 5 and decode graphs."""
+    path, ref = gpt_oss_model
+    double = _provider(monkeypatch, 3)
+    with Engine(path, attention_backend="flash_attn", cuda_graph_bs=(1, 2, 4), chunked_prefill_size=5,
+                swa_kv_eviction=True) as e:
+        assert e.config.cache.page_size == 16 and not e.config.cache.enable_radix_cache
+        outs = e.generate(PROMPTS, GREEDY)
+        assert e.driver.num_graph_steps > 0
+    assert [o.token_ids for o in outs] == ref and double.calls > 0
