@@ -18,26 +18,20 @@ import fla_double
 import pytest
 import torch
 from test_deepseek_parity import _extend_batch
+from test_fla_gated_delta import _runner as fla_runner
 
-from raymoe.config import GraphConfig
 from raymoe.models.qwen3_5_moe import GatedDeltaNetAttention
 from raymoe.platform.cuda.causal_conv1d import CausalConv1dKernels
 from raymoe.platform.cuda.fla_gated_delta import FlaGatedDelta
-from raymoe.runner.model_runner import ModelRunner, RunnerConfig
+from raymoe.runner.model_runner import ModelRunner
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.sampling_inputs import SamplingInputs
 from raymoe.step.worker_batch import ModelWorkerBatch
 
 
 def _runner(path: str, kernels: bool) -> ModelRunner:
-    runner = ModelRunner(RunnerConfig(path, "float32", num_kv_slots=512, max_req_rows=4, max_context_len=128,
-                                      graph=GraphConfig(disable_cuda_graph=True)))
-    if kernels:  # what the CUDA platform hands these layers
-        provider = SimpleNamespace(gated_delta=FlaGatedDelta(fla_double), causal_conv1d=CausalConv1dKernels(ccd))
-        for m in runner.model.modules():
-            if isinstance(m, GatedDeltaNetAttention):
-                m.ops = provider
-    return runner
+    provider = SimpleNamespace(gated_delta=FlaGatedDelta(fla_double), causal_conv1d=CausalConv1dKernels(ccd))
+    return fla_runner(path, kernels, provider)
 
 
 def test_the_kernels_give_the_torch_paths_logits_and_states(tmp_path):

@@ -24,11 +24,13 @@ from raymoe.step.sampling_inputs import SamplingInputs
 from raymoe.step.worker_batch import ModelWorkerBatch
 
 
-def _runner(path: str, kernels: bool) -> ModelRunner:
+def _runner(path: str, kernels: bool, provider=None) -> ModelRunner:
+    """An eager runner on ``path``; with ``kernels`` its linear-attention layers get ``provider`` (default: fla's
+    kernels over the double), as the CUDA platform hands them its kernels."""
     runner = ModelRunner(RunnerConfig(path, "float32", num_kv_slots=512, max_req_rows=4, max_context_len=128,
                                       graph=GraphConfig(disable_cuda_graph=True)))
-    if kernels:  # what the CUDA platform hands these layers
-        provider = SimpleNamespace(gated_delta=FlaGatedDelta(fla_double))
+    if kernels:
+        provider = provider or SimpleNamespace(gated_delta=FlaGatedDelta(fla_double))
         for m in runner.model.modules():
             if isinstance(m, GatedDeltaNetAttention):
                 m.ops = provider

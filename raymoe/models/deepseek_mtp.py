@@ -26,7 +26,7 @@ from raymoe.layers.mla import MLAAttention
 from raymoe.layers.norm import RMSNorm
 from raymoe.layers.rotary import RotaryEmbedding
 from raymoe.models.decoder import DecoderLayer, build_mlp, load_norm
-from raymoe.overlap.operations import ForwardState
+from raymoe.models.draft_layer import load_matrix, run_decoder_layer
 from raymoe.platform.interface import Platform
 
 
@@ -59,10 +59,7 @@ class DeepseekMTP(nn.Module):
         hidden states [T, H] (its KV written at ``forward_batch.out_cache_loc`` in cache layer ``layer_id``)."""
         e = self.enorm(self.embed_tokens[0](input_ids))
         x = torch.nn.functional.linear(torch.cat([e, self.hnorm(hidden)], dim=-1), self.eh_proj)
-        state = ForwardState(hidden_states=x, residual=None, forward_batch=forward_batch)
-        for op in self.layer.operations():
-            op(state)
-        return state.hidden_states
+        return run_decoder_layer(self.layer, x, forward_batch)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The draft distribution's logits, float32 [N, vocab], of output hidden states [N, H]."""
@@ -74,15 +71,10 @@ class DeepseekMTP(nn.Module):
         Raises:
             CheckpointError: a tensor is missing or has the wrong shape.
         """
-        from raymoe.errors import CheckpointError
-
         p = f"model.layers.{self.layer_id}"
         load_norm(self.enorm, reader, f"{p}.enorm.weight")
         load_norm(self.hnorm, reader, f"{p}.hnorm.weight")
-        w = reader.get(f"{p}.eh_proj.weight", dtype=self.eh_proj.dtype)
-        if tuple(w.shape) != tuple(self.eh_proj.shape):
-            raise CheckpointError(f"{p}.eh_proj.weight", f"shape {tuple(w.shape)} != {tuple(self.eh_proj.shape)}")
-        self.eh_proj.data.copy_(w)
+        load_matrix(self.eh_proj, reader, f"{p}.eh_proj.weight")
         self.layer.load(reader, p)
         load_norm(self.head_norm, reader, f"{p}.shared_head.norm.weight")
         self.head.load(reader, f"{p}.shared_head.head.weight")

@@ -24,13 +24,12 @@ from torch import nn
 
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ModelConfig
-from raymoe.errors import CheckpointError
 from raymoe.layers.moe import DenseMLP
 from raymoe.layers.norm import RMSNorm
 from raymoe.layers.rotary import RotaryEmbedding
 from raymoe.models.decoder import DecoderLayer, load_norm
+from raymoe.models.draft_layer import load_matrix, run_decoder_layer
 from raymoe.models.qwen3_moe import Qwen3MoeAttention
-from raymoe.overlap.operations import ForwardState
 from raymoe.platform.interface import Platform
 
 
@@ -57,10 +56,7 @@ class EagleHead(nn.Module):
         """``input_ids`` [T] (the token after each position), ``hidden`` [T, H] (the target's, or the head's own
         output) -> the head's output hidden states [T, H] (its KV written at ``forward_batch.out_cache_loc``)."""
         x = torch.nn.functional.linear(torch.cat([self.shared[0](input_ids), hidden], dim=-1), self.fc)
-        state = ForwardState(hidden_states=x, residual=None, forward_batch=forward_batch)
-        for op in self.layer.operations():
-            op(state)
-        return state.hidden_states
+        return run_decoder_layer(self.layer, x, forward_batch)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits, float32 [N, vocab], through the head's norm and the target's LM head."""
@@ -72,9 +68,6 @@ class EagleHead(nn.Module):
         Raises:
             CheckpointError: a tensor is missing or has the wrong shape.
         """
-        w = reader.get("fc.weight", dtype=self.fc.dtype)
-        if tuple(w.shape) != tuple(self.fc.shape):
-            raise CheckpointError("fc.weight", f"shape {tuple(w.shape)} != {tuple(self.fc.shape)}")
-        self.fc.data.copy_(w)
+        load_matrix(self.fc, reader, "fc.weight")
         load_norm(self.norm, reader, "norm.weight")
         self.layer.load(reader, "layers.0")

@@ -21,11 +21,10 @@ from torch import nn
 
 from raymoe.comm.groups import ParallelGroups
 from raymoe.config import ModelConfig
-from raymoe.errors import CheckpointError
 from raymoe.layers.moe import SparseMoeBlock
 from raymoe.layers.norm import RMSNorm
 from raymoe.layers.rotary import RotaryEmbedding
-from raymoe.overlap.operations import ForwardState
+from raymoe.models.draft_layer import load_matrix, run_decoder_layer
 from raymoe.platform.interface import Platform
 
 
@@ -64,10 +63,7 @@ class Qwen35MTP(nn.Module):
         hidden states [T, H] (its keys written at ``forward_batch.out_cache_loc`` in its KV layer)."""
         e = self.pre_fc_norm_embedding(self.shared[0](input_ids))
         x = torch.nn.functional.linear(torch.cat([e, self.pre_fc_norm_hidden(hidden)], dim=-1), self.fc)
-        state = ForwardState(hidden_states=x, residual=None, forward_batch=forward_batch)
-        for op in self.layer.operations():
-            op(state)
-        return state.hidden_states
+        return run_decoder_layer(self.layer, x, forward_batch)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The draft distribution's logits, float32 [N, vocab], of output hidden states [N, H]."""
@@ -83,8 +79,5 @@ class Qwen35MTP(nn.Module):
 
         for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
             load_centered(getattr(self, norm).weight.data, reader, f"mtp.{norm}.weight")
-        w = reader.get("mtp.fc.weight", dtype=self.fc.dtype)
-        if tuple(w.shape) != tuple(self.fc.shape):
-            raise CheckpointError("mtp.fc.weight", f"shape {tuple(w.shape)} != {tuple(self.fc.shape)}")
-        self.fc.data.copy_(w)
+        load_matrix(self.fc, reader, "mtp.fc.weight")
         self.layer.load(reader, "mtp.layers.0")
