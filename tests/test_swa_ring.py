@@ -4,8 +4,8 @@ written by transformers (windows of 4 and 7 tokens, prompts far longer).
 
 Checked: the token pool holds the full layers only and the rings ``rows x window`` slots; greedy tokens equal
 transformers' with decode graphs (padding rows of a bucket), with chunked prefill in chunks longer than the window
-and MIXED steps, and under retraction; tp=2, and dp=2 ep=2 with two-batch overlap; the option's rules (radix hits off,
-speculative decoding and models without sliding layers refused by name).
+and MIXED steps, and under retraction; tp=2, and dp=2 ep=2 with two-batch overlap; ngram verify steps (the rings'
+slack for drafts); the option's rules (radix hits off, models without sliding layers refused by name).
 """
 
 from __future__ import annotations
@@ -81,12 +81,26 @@ def test_topologies(ray_cluster, hf_case, tp, dp, ep, tbo):
     assert (tbo_steps > 0) == tbo and [o.token_ids for o in outs] == ref
 
 
+def test_speculative_verify_steps_keep_the_tokens(hf_case):
+    """ngram drafts verified every step: the rings have room for the drafts (``slack``), so a rejected draft never
+    overwrites a position the next window reads; the tokens are plain decoding's."""
+    from test_spec_engine import spec_counters
+
+    path, hf = hf_case
+    prompts = [p * 3 for p in PROMPTS[:4]]  # repeated text: drafts to verify
+    with Engine(path, max_context_len=256, max_running_requests=4, swa_kv_eviction=True,
+                speculative_algorithm="ngram", speculative_num_steps=3, speculative_draft_policy="fixed") as e:
+        ref = [_hf_greedy(hf, e.encode(p)) for p in prompts]
+        outs = e.generate(prompts, GREEDY)
+        counters = spec_counters(e)
+    assert [o.token_ids for o in outs] == ref
+    assert counters.verify_steps > 0 and counters.draft_tokens > counters.verify_steps, counters
+
+
 def test_rules_name_the_option(tmp_path):
     from raymoe.models.checkpoint import make_checkpoint
 
     qwen = str(make_checkpoint("qwen3_moe", tmp_path / "q", seed=0, num_layers=2))
     with pytest.raises(InvalidRequestError, match="swa_kv_eviction"):
         Engine(qwen, max_context_len=64, swa_kv_eviction=True)
-    path = build("gpt_oss_w4", tmp_path / "g")
-    with pytest.raises(InvalidRequestError, match="speculative_algorithm"):
-        Engine(path, max_context_len=64, swa_kv_eviction=True, speculative_algorithm="ngram")
+

@@ -10,8 +10,9 @@ sliding layers itself, in plain torch on the rank's device, with the layer's att
   ``p - W + 1 .. p``: ``[bs, W]`` ring slots gathered, positions below 0 masked.
 * **Extend / MIXED** (eager): per request, the keys of positions ``max(0, pre - W + 1) .. pre - 1`` are read from
   the ring before anything is written, the chunk's own keys are taken as computed, a causal window mask joins them;
-  then the chunk's last ``min(n, W)`` positions are written. So a chunk longer than the window never overwrites a
-  key one of its own queries reads, and ``W`` slots per row suffice.
+  then the chunk's last ``min(n, R)`` positions are written (``R``: the ring's size). So a chunk longer than the
+  window never overwrites a key one of its own queries reads. TARGET_VERIFY rows (a newest token and its drafts)
+  take this path too; the ring's slack keeps rejected drafts off the next window.
 
 Every other step the wrapped backend runs as it would (its metadata, its decode graph hooks).
 """
@@ -97,7 +98,7 @@ class SwaRingAttnBackend(AttentionBackend):
                                        vals.transpose(0, 1).repeat_interleave(self.group, dim=0), mask,
                                        self.sinks[layer_id], self.scale)
             out[t0:t0 + n] = o.transpose(0, 1)
-            keep = min(n, w)
+            keep = min(n, ring.size)
             new = ring.slots(torch.tensor(row, device=dev), torch.arange(sl - keep, sl, device=dev))
             ring.store(li, new, k[t0 + n - keep:t0 + n], v[t0 + n - keep:t0 + n])
             t0 += n

@@ -15,8 +15,7 @@ summarizes its whole prefix (``raymoe.kvcache.state_pool``):
   the checkpoint's MTP layer (``raymoe.models.qwen3_5_mtp``).
 
 ``swa_kv_eviction`` (sliding-window layers' KV in per-row rings, ``raymoe.kvcache.swa_ring``) needs a model with
-``sliding_attention`` layers, switches radix hits off (a ring holds one request's window only) and refuses
-speculative decoding (a rejected draft would have overwritten ring slots still in the window).
+``sliding_attention`` layers and switches radix hits off (a ring holds one request's window only).
 
 Speculative decoding with ``nextn`` needs a checkpoint with a multi-token-prediction layer (DeepSeek-V3) and runs
 without decode graphs (the layer reads the target's hidden states, which a graph replay does not return).
@@ -60,13 +59,10 @@ def apply_model_rules(config: EngineConfig, model: ModelConfig) -> EngineConfig:
 
 def _swa_ring_rules(config: EngineConfig, model: ModelConfig) -> EngineConfig:
     """``swa_kv_eviction`` (``raymoe.kvcache.swa_ring``): a model with sliding-window layers; a request's rings hold
-    only its own last window, which a radix hit cannot bring (hits off), a rejected draft would have overwritten
-    (speculative decoding refused) and a KV transfer does not carry (``refuse_pd``)."""
+    only its own last window (plus room for a verify step's drafts), which a radix hit cannot bring (hits off) and
+    a KV transfer does not carry (``refuse_pd``)."""
     if "sliding_attention" not in model.layer_types:
         raise InvalidRequestError("swa_kv_eviction", f"{model.model_type} has no sliding_attention layers")
-    if config.speculative.enabled:
-        raise InvalidRequestError("speculative_algorithm", "speculative decoding does not run with swa_kv_eviction "
-                                                           "(a rejected draft would have overwritten ring slots)")
     if config.cache.enable_radix_cache:
         log.info("swa_kv_eviction keeps each request's sliding-window KV in its own ring: radix-cache prefix hits "
                  "are off")

@@ -27,7 +27,7 @@ class CacheConfig:
         False, help="models with sliding-window layers (gpt-oss): keep those layers' KV in a ring of sliding_window "
                     "slots per request row and the token pool for the full-attention layers only, so a token costs "
                     "the full layers' bytes (raymoe.kvcache.swa_ring). Switches radix-cache prefix hits off; not with "
-                    "speculative decoding or prefill/decode disaggregation.")
+                    "prefill/decode disaggregation.")
     page_size: int | None = option(
         None, help="tokens per KV page: slots are handed out in pages, and each aligned run of page_size positions "
                    "of a request lies in one page (raymoe.kvcache.paged_allocator; block-table kernels need it). "

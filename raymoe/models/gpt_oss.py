@@ -67,7 +67,7 @@ class GptOssForCausalLM(MoeCausalLM):
 
     def __init__(self, config: ModelConfig, groups: ParallelGroups, dtype: torch.dtype, ops: Platform,
                  a2a_backend: str = "torch", enable_sbo: bool = False, expert_location=None,
-                 swa_kv_eviction: bool = False):
+                 swa_kv_eviction: bool = False, swa_ring_slack: int = 0):
         super().__init__(config, groups, dtype, ops, enable_sbo)
         if expert_location is not None:
             raise InvalidRequestError("ep_num_redundant_experts", "expert-parallel load balancing (redundant experts, "
@@ -87,7 +87,7 @@ class GptOssForCausalLM(MoeCausalLM):
         self.sliding = [config.attention_window(i) is not None for i in range(config.num_hidden_layers)]
         if swa_kv_eviction and not any(self.sliding):
             raise InvalidRequestError("swa_kv_eviction", "the model has no sliding_attention layers")
-        self.swa_kv_eviction, self.kv_dtype = swa_kv_eviction, dtype
+        self.swa_kv_eviction, self.swa_ring_slack, self.kv_dtype = swa_kv_eviction, swa_ring_slack, dtype
         self.swa_ring: SlidingWindowRing | None = None  # create_state_pool, with swa_kv_eviction
 
     def create_kv_pool(self, num_slots: int, dtype: torch.dtype, device: torch.device | str):
@@ -100,12 +100,12 @@ class GptOssForCausalLM(MoeCausalLM):
         return TokenToKVPool(num_slots, full, self.num_local_kv_heads, self.config.head_dim, dtype, device)
 
     def create_state_pool(self, rows: int, device: torch.device | str) -> SlidingWindowRing | None:
-        """With ``swa_kv_eviction``: the sliding layers' rings of ``sliding_window`` slots per request row
-        (``raymoe.kvcache.swa_ring``); else None."""
+        """With ``swa_kv_eviction``: the sliding layers' rings of ``sliding_window + swa_ring_slack`` slots per
+        request row (``raymoe.kvcache.swa_ring``; the slack: speculative drafts per request); else None."""
         if not self.swa_kv_eviction:
             return None
         self.swa_ring = SlidingWindowRing(rows, self.config.sliding_window, sum(self.sliding), self.num_local_kv_heads,
-                                          self.config.head_dim, self.kv_dtype, device)
+                                          self.config.head_dim, self.kv_dtype, device, slack=self.swa_ring_slack)
         return self.swa_ring
 
     def create_attn_backend(self, name: str, req_to_token_pool, token_to_kv_pool):

@@ -75,8 +75,9 @@ class ModelRunner:
                 algo = cfg.speculative.speculative_algorithm
                 if algo == "nextn":
                     extra["enable_mtp"] = True
-                if cfg.swa_kv_eviction:
+                if cfg.swa_kv_eviction:  # rings with room for a verify step's drafts
                     extra["swa_kv_eviction"] = True
+                    extra["swa_ring_slack"] = cfg.speculative.tokens_per_request - 1
                 self.model = model_cls(self.model_config, self.groups, self.dtype, self.ops, a2a,
                                        enable_sbo=cfg.overlap.enable_sbo, **extra)
             self.model.load_weights(reader)
