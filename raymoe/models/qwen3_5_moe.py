@@ -285,17 +285,18 @@ class GatedDeltaNetAttention(nn.Module):
 
     def _verify(self, fb, mixed, g, beta, drafts: list[int]) -> torch.Tensor:
         """A step whose rows end in draft tokens (TARGET_VERIFY, or MIXED with verifying decode rows), on torch: a
-        row without drafts as :meth:`_extend`; a row with ``k`` drafts steps the recurrent rule token by token (as
-        plain decoding would) and stashes the conv and recurrent states after its newest token and after each
-        draft (``VerifyStates``), of which the rank commits the one its accepted drafts reach. The pool row holds
-        the state after every token until then. Returns [T, Hv, Dv]."""
+        row without drafts as :meth:`_extend`; rows with drafts step the recurrent rule token by token (as plain
+        decoding would), batched over the rows of equal length, and stash the conv and recurrent states after the
+        newest token and after each draft (``VerifyStates``), of which the rank commits the one its accepted
+        drafts reach. The pool row holds the state after every token until then. Returns [T, Hv, Dv]."""
         pool, li, lin = self.pool, self.state_layer, self.cfg
         rows, prefixes, lens = fb.req_pool_indices_cpu, fb.prefix_lens_cpu, fb.extend_lens_cpu
         y = torch.empty_like(mixed)
-        convs, t0 = [], 0
+        convs, verify_rows, t0 = [], [], 0
         for row, prefix, n, k in zip(rows, prefixes, lens, drafts, strict=True):
             conv0 = pool.conv[li, row] if prefix else torch.zeros_like(pool.conv[li, row])
             if k:  # the state after j inputs is the last K-1 columns of (state ++ inputs[:j]); before the row moves
+                verify_rows.append(row)
                 full = torch.cat([conv0.float(), mixed[t0:t0 + n].float().t()], dim=1)
                 width = conv0.shape[1]
                 convs.append(torch.stack([full[:, j:j + width] for j in range(n - k, n + 1)]))
@@ -303,26 +304,36 @@ class GatedDeltaNetAttention(nn.Module):
             t0 += n
         q, kk, v = self._split(y)
         out = v.new_empty((v.shape[0], lin.num_value_heads, lin.value_head_dim))
-        ssms, verify_rows, t0 = [], [], 0
+        # rows with drafts step together, one batched recurrent step per token index, grouped by (tokens, drafts)
+        groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        t0 = 0
         for row, prefix, n, k in zip(rows, prefixes, lens, drafts, strict=True):
             t1 = t0 + n
-            start = pool.ssm[li, row] if prefix else None
-            if not k:
-                out[t0:t1], pool.ssm[li, row] = chunk_gated_delta_rule(q[t0:t1], kk[t0:t1], v[t0:t1], g[t0:t1],
-                                                                       beta[t0:t1], start)
-                t0 = t1
-                continue
-            s = (start if start is not None else torch.zeros_like(pool.ssm[li, row])).unsqueeze(0)
-            cands = []
-            for j in range(t0, t1):
-                o, s = recurrent_gated_delta_rule(q[j:j + 1], kk[j:j + 1], v[j:j + 1], g[j:j + 1], beta[j:j + 1], s)
-                out[j] = o[0]
-                if j >= t1 - 1 - k:
-                    cands.append(s[0])
-            pool.ssm[li, row] = s[0]
-            ssms.append(torch.stack(cands))
-            verify_rows.append(row)
+            if k:
+                groups.setdefault((n, k), []).append((row, t0, prefix))
+            else:
+                out[t0:t1], pool.ssm[li, row] = chunk_gated_delta_rule(
+                    q[t0:t1], kk[t0:t1], v[t0:t1], g[t0:t1], beta[t0:t1], pool.ssm[li, row] if prefix else None)
             t0 = t1
+        candidates: dict[int, torch.Tensor] = {}
+        dev = mixed.device
+        for (n, k), members in groups.items():
+            rows_t = to_device([r for r, _, _ in members], torch.int64, dev)
+            starts = to_device([s for _, s, _ in members], torch.int64, dev)
+            fresh = to_device([p == 0 for _, _, p in members], torch.bool, dev).view(-1, 1, 1, 1)
+            s = pool.ssm[li].index_select(0, rows_t).masked_fill_(fresh, 0.0)
+            cands = []
+            for j in range(n):
+                tok = starts + j
+                o, s = recurrent_gated_delta_rule(q[tok], kk[tok], v[tok], g[tok], beta[tok], s)
+                out[tok] = o
+                if j >= n - 1 - k:
+                    cands.append(s)
+            pool.ssm[li].index_copy_(0, rows_t, s)
+            stacked = torch.stack(cands, dim=1)  # [R, k+1, Hv, Dk, Dv]
+            for i, (row, _, _) in enumerate(members):
+                candidates[row] = stacked[i]
+        ssms = [candidates[row] for row in verify_rows]
         width = max(c.shape[0] for c in convs)
 
         def padded(c: torch.Tensor) -> torch.Tensor:  # rows with fewer drafts repeat their last candidate
