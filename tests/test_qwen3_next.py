@@ -4,7 +4,7 @@ top-k weights not renormalized, linear attention first and last).
 
 Checked: the regrouping of the fused projections row for row against transformers' own split; prefill logits; greedy
 tokens with chunked prefill (chunks of 9), MIXED steps and decode graphs on one rank; tp=2 (heads split across the
-regrouped rows) and dp=2 ep=2 with two-batch overlap on Ray ranks.
+regrouped rows) and dp=2 ep=2 with two-batch overlap on Ray ranks; served by the engine client with serve defaults.
 """
 
 from __future__ import annotations
@@ -93,3 +93,31 @@ def test_make_checkpoint_qwen3_next_gives_the_tokens_of_its_qwen3_5_twin(tmp_pat
     with Engine(twin, max_context_len=128, max_running_requests=4) as e:
         twin_tokens = [o.token_ids for o in e.generate(None, GREEDY, prompt_token_ids=ids)]
     assert mine == ref == twin_tokens
+
+
+def test_served_by_the_engine_client_with_serve_defaults(ray_cluster, case):
+    """``raymoe serve``'s engine (its defaults: dp=2 ep=2 on rank actors, the driver actor) streams transformers'
+    greedy tokens for Qwen3-Next, with the family's rules applied (radix hits off)."""
+    import asyncio
+
+    from raymoe.client.engine_client import EngineClient
+    from raymoe.deploy.server_config import ServeOptions
+
+    path, hf = case
+    client = EngineClient(ServeOptions(model=path, max_running_requests=4, max_context_len=128).engine_config(path))
+    try:
+        assert not client.config.cache.enable_radix_cache and client.config.parallel.dp_size == 2
+        ids = [client.tokenizer.encode(p) for p in PROMPTS[:4]]
+
+        async def run(i, prompt_ids):
+            out = []
+            async for d in client.generate(f"r{i}", prompt_ids, GREEDY):
+                out += d.token_ids
+            return out
+
+        async def main():
+            return await asyncio.gather(*(run(i, p) for i, p in enumerate(ids)))
+
+        assert asyncio.run(main()) == [_hf_greedy(hf, p) for p in ids]
+    finally:
+        client.shutdown()
