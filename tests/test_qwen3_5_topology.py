@@ -71,3 +71,18 @@ def test_served_by_the_engine_client_with_serve_defaults(ray_cluster, model_and_
         assert asyncio.run(main()) == ref
     finally:
         client.shutdown()
+
+
+def test_expert_parallel_load_balancing_keeps_the_tokens(ray_cluster, model_and_reference):
+    """Redundant expert slots and rebalances while requests decode (``raymoe.eplb``): each rank's MoE blocks load
+    the experts its slots name (the model builds them from the expert location, as ``build_mlp`` does), so the
+    tokens stay transformers'."""
+    from test_eplb_parity import REBALANCE
+
+    path, ref = model_and_reference
+    with Engine(path, dp_size=2, ep_size=2, ep_num_redundant_experts=2, **OPTS, **REBALANCE) as e:
+        outs = e.generate(PROMPTS, GREEDY)
+        eplb = e.driver.eplb
+        commits, moved = eplb.num_layer_commits, eplb.location != eplb.initial
+    assert [o.token_ids for o in outs] == ref
+    assert commits >= 1 and moved

@@ -42,6 +42,18 @@ def moe_layer_ordinal(config: ModelConfig, layer_id: int) -> int:
     return sum(config.is_moe_layer(i) for i in range(layer_id))
 
 
+def expert_slots(config: ModelConfig, layer_id: int, groups: ParallelGroups,
+                 expert_location: ExpertLocation | None) -> tuple[int | None, list[int] | None]:
+    """MoE layer ``layer_id``'s physical expert slots (``raymoe.eplb``) and the logical expert each of this rank's
+    slots holds; ``(None, None)`` without an expert location (one slot per expert)."""
+    if expert_location is None:
+        return None, None
+    physical = expert_location.num_physical
+    per_rank = physical // groups.ep_size
+    row = expert_location.physical_to_logical[moe_layer_ordinal(config, layer_id)]
+    return physical, list(row[groups.ep_rank * per_rank:(groups.ep_rank + 1) * per_rank])
+
+
 def build_mlp(config: ModelConfig, layer_id: int, groups: ParallelGroups, dtype: torch.dtype, ops: Platform,
               a2a_backend: str | A2ABackendSpec, mlp_name: str = "mlp",
               expert_location: ExpertLocation | None = None) -> nn.Module:
@@ -53,12 +65,7 @@ def build_mlp(config: ModelConfig, layer_id: int, groups: ParallelGroups, dtype:
     if not config.is_moe_layer(layer_id):
         return DenseMLP(config.hidden_size, config.intermediate_size, groups, dtype, ops,
                         quant=config.quantization, prefix=prefix)
-    physical, slots = None, None
-    if expert_location is not None:
-        physical = expert_location.num_physical
-        per_rank = physical // groups.ep_size
-        row = expert_location.physical_to_logical[moe_layer_ordinal(config, layer_id)]
-        slots = row[groups.ep_rank * per_rank:(groups.ep_rank + 1) * per_rank]
+    physical, slots = expert_slots(config, layer_id, groups, expert_location)
     return SparseMoeBlock(config.num_experts, config.num_experts_per_tok, config.hidden_size,
                           config.moe_intermediate_size, config.router.norm_topk_prob, groups, dtype, ops, a2a_backend,
                           router=config.router,

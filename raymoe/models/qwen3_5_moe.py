@@ -52,7 +52,7 @@ from raymoe.layers.gated_delta import (
 from raymoe.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from raymoe.layers.moe import DenseMLP, SparseMoeBlock
 from raymoe.layers.rotary import RotaryEmbedding
-from raymoe.models.decoder import DecoderLayer, MoeCausalLM
+from raymoe.models.decoder import DecoderLayer, MoeCausalLM, expert_slots
 from raymoe.models.reader_views import RenamedReader
 from raymoe.overlap.operations import ForwardState, OpRole, stage_op
 from raymoe.platform.interface import Platform
@@ -407,11 +407,13 @@ class Qwen3_5MoeForCausalLM(MoeCausalLM):
             if not config.is_moe_layer(i):  # Qwen3-Next's mlp_only_layers / decoder_sparse_step
                 mlp = DenseMLP(config.hidden_size, config.intermediate_size, groups, dtype, ops)
             else:
+                physical, slots = expert_slots(config, i, groups, expert_location)
                 mlp = SparseMoeBlock(config.num_experts, config.num_experts_per_tok, config.hidden_size,
                                      config.moe_intermediate_size, config.router.norm_topk_prob, groups, dtype, ops,
                                      a2a_backend, router=config.router,
                                      shared_intermediate_size=config.hybrid.shared_expert_intermediate_size,
-                                     prefix=f"model.layers.{i}.mlp", shared_name="shared_expert", shared_gate=True)
+                                     prefix=f"model.layers.{i}.mlp", shared_name="shared_expert", shared_gate=True,
+                                     num_physical_experts=physical, slot_experts=slots)
             layers.append(Qwen35DecoderLayer(i, mixer, mlp, config.hidden_size, config.rms_norm_eps, dtype, ops,
                                              mixer_name=name))
         self.layers = nn.ModuleList(layers)
