@@ -19,6 +19,7 @@ import pytest
 import torch
 from test_deepseek_parity import _extend_batch
 from test_fla_gated_delta import _runner as fla_runner
+from test_fla_gated_delta import compare_steps
 
 from raymoe.models.qwen3_5_moe import GatedDeltaNetAttention
 from raymoe.platform.cuda.causal_conv1d import CausalConv1dKernels
@@ -47,18 +48,7 @@ def test_the_kernels_give_the_torch_paths_logits_and_states(tmp_path):
     rest = ModelWorkerBatch(ForwardMode.EXTEND, prompts[1][40:], [1], [42], [40], [2],  # 2 < K-1 new inputs
                             list(range(200, 202)), list(range(1 + 9, 1 + 49)), SamplingInputs.greedy(1))
     fn, update = ccd.Calls.fn, ccd.Calls.update
-    for b in (first, rest):
-        ref = torch_path.forward(torch_path.prepare(b), return_all_logits=True)
-        got = kernels.forward(kernels.prepare(b), return_all_logits=True)
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
-    seq = [9, 42, 1]
-    for step in range(3):
-        seq = [n + 1 for n in seq]
-        b = ModelWorkerBatch(ForwardMode.DECODE, [5 + step] * 3, [0, 1, 2], seq, [n - 1 for n in seq], [1] * 3,
-                             [300 + 3 * step + r for r in range(3)], sampling=SamplingInputs.greedy(3))
-        ref = torch_path.forward(torch_path.prepare(b))
-        got = kernels.forward(kernels.prepare(b))
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    compare_steps(torch_path, kernels, [first, rest], [9, 42, 1])
     linear_layers = sum(isinstance(m, GatedDeltaNetAttention) for m in kernels.model.modules())
     assert ccd.Calls.fn - fn == 4 * linear_layers  # three rows, then one
     assert ccd.Calls.update - update == 3 * linear_layers
@@ -84,7 +74,17 @@ def test_decode_updates_only_the_rows_it_is_pointed_at():
     assert torch.equal(pool[untouched], before[untouched])
 
 
-def test_the_layer_keeps_torch_for_what_the_library_refuses():
+def test_the_layer_keeps_torch_for_what_the_library_refuses(tmp_path):
+    """A layer whose conv channels the channel-last layout refuses (not a multiple of 8) takes the torch path."""
+    import dataclasses
+
+    from raymoe.models.checkpoint import make_checkpoint
+
+    layer = next(m for m in _runner(str(make_checkpoint("qwen3_5_moe", tmp_path / "q", seed=1, num_layers=3)),
+                                    True).model.modules() if isinstance(m, GatedDeltaNetAttention))
+    assert layer._conv_kernel() is layer.ops.causal_conv1d
+    layer.cfg = dataclasses.replace(layer.cfg, value_head_dim=layer.cfg.value_head_dim + 1)  # conv_dim + Hv
+    assert layer.cfg.conv_dim % 8 and layer._conv_kernel() is None
     assert CausalConv1dKernels.supports(136, 4) and not CausalConv1dKernels.supports(132, 4)
     assert not CausalConv1dKernels.supports(64, 5) and not CausalConv1dKernels.supports(64, 1)
     try:

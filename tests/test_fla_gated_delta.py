@@ -37,6 +37,22 @@ def _runner(path: str, kernels: bool, provider=None) -> ModelRunner:
     return runner
 
 
+def compare_steps(torch_path: ModelRunner, kernels: ModelRunner, extends: list[ModelWorkerBatch],
+                  seq: list[int], decode_steps: int = 3) -> None:
+    """Run the ``extends`` (logits at every token), then ``decode_steps`` decode steps of rows 0..2 whose lengths
+    start at ``seq``, on both runners; their logits agree within float32 rounding."""
+    for b in extends:
+        ref = torch_path.forward(torch_path.prepare(b), return_all_logits=True)
+        got = kernels.forward(kernels.prepare(b), return_all_logits=True)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    for step in range(decode_steps):  # decode: one token per row, states from the pool
+        seq = [n + 1 for n in seq]
+        b = ModelWorkerBatch(ForwardMode.DECODE, [5 + step] * 3, [0, 1, 2], seq, [n - 1 for n in seq], [1] * 3,
+                             [300 + 3 * step + r for r in range(3)], sampling=SamplingInputs.greedy(3))
+        torch.testing.assert_close(kernels.forward(kernels.prepare(b)), torch_path.forward(torch_path.prepare(b)),
+                                   rtol=1e-4, atol=1e-4)
+
+
 def test_the_fla_kernels_give_the_torch_paths_logits(tmp_path):
     from raymoe.models.checkpoint import make_checkpoint
 
@@ -48,19 +64,7 @@ def test_the_fla_kernels_give_the_torch_paths_logits(tmp_path):
     rest = ModelWorkerBatch(ForwardMode.EXTEND, prompts[1][40:], [1], [70], [40], [30],
                             list(range(200, 230)), list(range(1 + 9, 1 + 49)), SamplingInputs.greedy(1))
     chunks, recurrent = fla_double.Calls.chunk, fla_double.Calls.recurrent
-    steps = [first, rest]
-    for b in steps:
-        ref = torch_path.forward(torch_path.prepare(b), return_all_logits=True)
-        got = kernels.forward(kernels.prepare(b), return_all_logits=True)
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
-    seq = [9, 70, 1]
-    for step in range(3):  # decode: one token per row, states from the pool
-        seq = [n + 1 for n in seq]
-        b = ModelWorkerBatch(ForwardMode.DECODE, [5 + step] * 3, [0, 1, 2], seq, [n - 1 for n in seq], [1] * 3,
-                             [300 + 3 * step + r for r in range(3)], sampling=SamplingInputs.greedy(3))
-        ref = torch_path.forward(torch_path.prepare(b))
-        got = kernels.forward(kernels.prepare(b))
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    compare_steps(torch_path, kernels, [first, rest], [9, 70, 1])
     linear_layers = sum(isinstance(m, GatedDeltaNetAttention) for m in kernels.model.modules())
     assert fla_double.Calls.chunk - chunks == 2 * linear_layers
     assert fla_double.Calls.recurrent - recurrent == 3 * linear_layers
