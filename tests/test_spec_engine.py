@@ -190,15 +190,23 @@ NEXTN = {"speculative_algorithm": "nextn", "speculative_num_steps": 3, "speculat
 def test_nextn_drafts_with_the_mtp_layer_and_keeps_the_tokens(mtp_model):
     path, ref = mtp_model
     with Engine(path, **NO_MIXED, **NEXTN) as e:
-        assert e.config.graph.disable_cuda_graph  # the MTP layer reads the target's hidden states
         outs = e.generate(PROMPTS, LONG)
         # a second wave hits the radix cache (cut by one token: the MTP entry of a cached position)
         again = e.generate(PROMPTS[:2], LONG)
         counters = spec_counters(e)
         report = e.driver.idle_report()
+        drafter = e.driver.executor.worker.runner.drafter
+        graph_steps = e.driver.num_graph_steps
     assert [o.token_ids for o in outs] == ref and [o.token_ids for o in again] == ref[:2]
     assert counters.verify_steps > 0 and counters.accepted_tokens > 0, counters
+    # decode steps replay the target's graphs (which return the hidden states the MTP layer reads), and the MTP
+    # layer's decode passes replay graphs of their own; a verify step's draft extend stays eager
+    assert graph_steps > 0 and drafter.graph_passes > 0 and drafter.eager_passes > 0
     assert report.clean
+    with Engine(path, **NO_MIXED, **NEXTN, disable_cuda_graph=True) as e:  # the same drafts without graphs
+        e.generate(PROMPTS, LONG)
+        e.generate(PROMPTS[:2], LONG)
+        assert spec_counters(e) == counters and e.driver.executor.worker.runner.drafter.graph_passes == 0
     with Engine(path, **OPTS, **NEXTN) as e:  # MIXED steps on: their decode rows verify the MTP drafts too
         assert [o.token_ids for o in e.generate(PROMPTS, LONG)] == ref
         assert e.driver.idle_report().clean
@@ -212,8 +220,10 @@ def test_nextn_at_dp2_ep2_with_idle_groups_and_tbo(ray_cluster, mtp_model):
         lone = e.generate(PROMPTS[:1], LONG)  # one group idles while the other decodes
         counters = spec_counters(e)
         report = e.driver.idle_report()
+        graph_steps, ll_steps = e.driver.num_graph_steps, e.driver.num_low_latency_steps
     assert [o.token_ids for o in outs] == ref and lone[0].token_ids == ref[0]
     assert counters.accepted_tokens > 0 and report.clean
+    assert graph_steps > 0 and ll_steps > 0  # graphs of the target and of the MTP passes, low-latency dispatch
 
 
 def test_nextn_needs_an_mtp_layer(tiny_model):
@@ -248,9 +258,10 @@ def test_eagle_head_drafts_and_keeps_the_tokens(eagle_model):
         outs = e.generate(PROMPTS, LONG)
         counters = spec_counters(e)
         report = e.driver.idle_report()
+        drafter = e.driver.executor.worker.runner.drafter
     assert [o.token_ids for o in outs] == ref
     assert counters.verify_steps > 0 and counters.accepted_tokens > 0, counters
-    assert report.clean
+    assert drafter.graph_passes > 0 and report.clean
 
 
 def test_eagle_at_dp2_ep2_with_tbo(ray_cluster, eagle_model):

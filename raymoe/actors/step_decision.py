@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from raymoe.comm.a2a_plan import dispatch_capacity_for
 from raymoe.config import OverlapConfig
 from raymoe.overlap.decision import decide_tbo
-from raymoe.runner.graph_buckets import plan_graph_bs
+from raymoe.runner.graph_buckets import plan_draft_graph_bs, plan_graph_bs
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.step_plan import GroupPlan, StepDecision
 
@@ -45,5 +45,7 @@ def decide_step(plans: Sequence[GroupPlan], rules: StepRules) -> StepDecision:
         # for DECODE and IDLE rows split in halves); a verify child's token share is not bounded by half, so a
         # TBO verify step uses the normal dispatch, which every rank then agrees on.
         capacity = None
+    draft_passes = any(p.draft_passes for p in plans)
     return StepDecision(global_num_tokens=tuple(p.num_tokens for p in plans), use_tbo=use_tbo, graph_bs=graph_bs,
-                        dispatch_capacity=capacity, draft_passes=any(p.draft_passes for p in plans))
+                        dispatch_capacity=capacity, draft_passes=draft_passes,
+                        draft_graph_bs=plan_draft_graph_bs(plans, rules.graph_capture_sizes) if draft_passes else None)

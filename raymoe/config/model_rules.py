@@ -17,8 +17,8 @@ summarizes its whole prefix (``raymoe.kvcache.state_pool``):
 ``swa_kv_eviction`` (sliding-window layers' KV in per-row rings, ``raymoe.kvcache.swa_ring``) needs a model with
 ``sliding_attention`` layers and switches radix hits off (a ring holds one request's window only).
 
-Speculative decoding with ``nextn`` needs a checkpoint with a multi-token-prediction layer (DeepSeek-V3) and runs
-without decode graphs (the layer reads the target's hidden states, which a graph replay does not return).
+Speculative decoding with ``nextn`` needs a checkpoint with a multi-token-prediction layer (DeepSeek-V3, Qwen3.5-MoE,
+Qwen3-Next); ``eagle`` a Qwen3-MoE target in float weights.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ def _draft_model_rules(config: EngineConfig, model: ModelConfig) -> EngineConfig
     """``nextn`` drafts with the checkpoint's MTP layer (``raymoe.models.deepseek_mtp``,
     ``raymoe.models.qwen3_5_mtp``): DeepSeek-V3-style, Qwen3.5-MoE and Qwen3-Next checkpoints that carry one.
     ``eagle`` drafts with a separate head (``raymoe.models.eagle_head``): Qwen3-MoE targets in float weights, the
-    head's folder readable. Both read the target's hidden states, which a
-    decode-graph replay does not return, so decode graphs are off."""
+    head's folder readable. Both read the target's hidden states: the decode graphs return them beside the logits,
+    and the draft model's decode passes have graphs of their own (``raymoe.runner.mtp_drafter``)."""
     algo = config.speculative.speculative_algorithm
     if algo == "nextn" and ((model.mla is None and model.hybrid is None) or model.num_nextn_predict_layers < 1):
         raise InvalidRequestError("speculative_algorithm", f"nextn drafts with the checkpoint's multi-token-"
@@ -86,9 +86,6 @@ def _draft_model_rules(config: EngineConfig, model: ModelConfig) -> EngineConfig
             raise InvalidRequestError("speculative_algorithm", f"eagle draft heads run on Qwen3-MoE targets with "
                                                                f"float weights, not {model.model_type}")
         read_head_config(config.speculative.speculative_draft_model_path)
-    if not config.graph.disable_cuda_graph:
-        log.info("%s: decode graphs are off (the draft model reads the target's hidden states)", algo)
-        config = dataclasses.replace(config, graph=dataclasses.replace(config.graph, disable_cuda_graph=True))
     return config
 
 

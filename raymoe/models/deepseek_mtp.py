@@ -61,9 +61,11 @@ class DeepseekMTP(nn.Module):
         x = torch.nn.functional.linear(torch.cat([e, self.hnorm(hidden)], dim=-1), self.eh_proj)
         return run_decoder_layer(self.layer, x, forward_batch)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The draft distribution's logits, float32 [N, vocab], of output hidden states [N, H]."""
-        return self.head(self.head_norm(hidden)).float()
+    def logits(self, hidden: torch.Tensor, rows_per_rank: int | None = None) -> torch.Tensor:
+        """The draft distribution's logits, float32 [N, vocab], of output hidden states [N, H]. ``rows_per_rank``:
+        a bound of N every rank shares, for a head split over the DP ranks (a graph replay's bucket; None: found
+        by an exchange, ``ParallelLMHead``)."""
+        return self.head(self.head_norm(hidden), rows_per_rank).float()
 
     def load(self, reader) -> None:
         """Load ``model.layers.{L}.*`` (module docstring).

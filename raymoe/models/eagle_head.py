@@ -58,9 +58,10 @@ class EagleHead(nn.Module):
         x = torch.nn.functional.linear(torch.cat([self.shared[0](input_ids), hidden], dim=-1), self.fc)
         return run_decoder_layer(self.layer, x, forward_batch)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits, float32 [N, vocab], through the head's norm and the target's LM head."""
-        return self.shared[1](self.norm(hidden)).float()
+    def logits(self, hidden: torch.Tensor, rows_per_rank: int | None = None) -> torch.Tensor:
+        """Draft logits, float32 [N, vocab], through the head's norm and the target's LM head (``rows_per_rank``:
+        as ``DeepseekMTP.logits``)."""
+        return self.shared[1](self.norm(hidden), rows_per_rank).float()
 
     def load(self, reader) -> None:
         """``fc.weight``, ``norm.weight`` and ``layers.0.*`` from the head's folder.

@@ -99,10 +99,16 @@ class HostCopy(Protocol):
         """Block until the copies are complete (a host sync with the work queued before the copy, and only it)."""
 
 
-class GraphStep(Protocol):
-    """One captured decode-graph bucket; :meth:`replay` runs it and returns its logits [bs, V] float32."""
+GraphOutput = torch.Tensor | tuple[torch.Tensor, ...]
+"""What a captured forward returns: one tensor, or a tuple of them (e.g. logits and the final hidden states a draft
+model reads), each with the bucket's rows first."""
 
-    def replay(self) -> torch.Tensor: ...
+
+class GraphStep(Protocol):
+    """One captured decode-graph bucket; :meth:`replay` runs it and returns what the captured forward returned
+    (:data:`GraphOutput`: its logits [bs, V] float32, possibly with more outputs)."""
+
+    def replay(self) -> GraphOutput: ...
 
 
 class GraphCapture(Protocol):
@@ -115,8 +121,9 @@ class GraphCapture(Protocol):
 
     fixed_kv_width: bool
 
-    def capture(self, run: Callable[[], torch.Tensor], bs: int, max_bs: int, host_sync_free: bool) -> GraphStep:
-        """Capture ``run`` (one bucket's forward, ``bs`` rows; ``max_bs`` the largest bucket). ``host_sync_free``:
+    def capture(self, run: Callable[[], GraphOutput], bs: int, max_bs: int, host_sync_free: bool) -> GraphStep:
+        """Capture ``run`` (one bucket's forward, ``bs`` rows; ``max_bs`` the largest bucket; it returns the same
+        number of tensors on every call, each with ``bs`` rows first). ``host_sync_free``:
         the forward must not read device values on the host (a CUDA graph cannot hold such a read; a CPU
         recording proves the forward free of them under ``raymoe.platform.reference.sync_guard.HostSyncGuard``).
 

@@ -92,6 +92,23 @@ def plan_graph_bs(batches: Sequence, sizes: Sequence[int]) -> int | None:
     return select_graph_bs(max(b.batch_size for b in batches), sizes)
 
 
+def plan_draft_graph_bs(batches: Sequence, sizes: Sequence[int]) -> int | None:
+    """The one bucket every rank replays the draft model's decode passes in (``raymoe.runner.mtp_drafter``), or
+    ``None`` for eager passes.
+
+    A draft decode pass has a row per row of the step that samples, at most the group's ``batch_size`` whatever
+    its mode (a verify or MIXED step too), so the bucket covers the largest group's rows; IDLE groups replay it with
+    padding rows only. ``None`` when no size holds the largest group or no group has rows.
+
+    Args:
+        batches: one plan or ``ModelWorkerBatch`` per DP group (``batch_size``). sizes: as :func:`plan_graph_bs`.
+    """
+    if not sizes or not batches:
+        return None
+    rows = max(b.batch_size for b in batches)
+    return select_graph_bs(rows, sizes) if rows else None
+
+
 def apply_graph_plan(batches: Sequence, sizes: Sequence[int]) -> list:
     """``batches`` (``ModelWorkerBatch`` per DP group) with ``graph_bs`` set to :func:`plan_graph_bs` on each."""
     graph_bs = plan_graph_bs(batches, sizes)

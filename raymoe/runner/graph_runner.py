@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 import torch
 from tqdm import tqdm
 
-from raymoe.platform.interface import GraphCapture, GraphStep
+from raymoe.platform.interface import GraphCapture, GraphOutput, GraphStep
 from raymoe.runner.forward_batch import ForwardBatch
 from raymoe.runner.graph_buckets import select_graph_bs, select_kv_width
 from raymoe.runner.graph_buffers import GraphInputBuffers
@@ -51,15 +51,17 @@ from raymoe.step.forward_mode import ForwardMode
 
 logger = logging.getLogger(__name__)
 
-ForwardFn = Callable[[ForwardBatch], torch.Tensor]
+ForwardFn = Callable[[ForwardBatch], GraphOutput]
 
 
 class GraphRunner:
     """Decode graphs of one rank.
 
     Args:
-        forward_fn: ``fb -> logits`` [bs, V] float32 of every row (the runner's eager forward); it must read
-            the batch only through its tensors and the attention backend.
+        forward_fn: ``fb -> logits`` [bs, V] float32 of every row (the runner's eager forward), or a tuple of
+            outputs with a row per batch row each (logits and the final hidden states [bs, H] where a draft model
+            reads them; a draft model's pass, ``raymoe.runner.mtp_drafter``); it must read the batch only through
+            its tensors, the attention backend and buffers of fixed address.
         attn_backend: the backend the forward uses; must implement the graph hooks of ``AttentionBackend``.
         sizes: bucket sizes to capture (any order; ``graph_buckets.capture_sizes``).
         capture: the platform's capturer on the rank's device (``Platform.graph_capture``: CUDA graphs, or
@@ -82,6 +84,9 @@ class GraphRunner:
         before_replay: called on the host before each replay, outside the graph: a replay runs only the captured
             kernels, so host-side state a captured forward relies on is restored here (the DeepEP dispatcher's
             low-latency mode, ``DeepEPDispatcher.prepare_graph_replay``).
+        init_backend_state: allocate the attention backend's graph buffers (``init_cuda_graph_state``); False where
+            another runner's graphs share the backend and did it already (a draft model's graphs: both sets of
+            graphs read the same buffers, each replay refreshes them).
     Raises:
         NotImplementedError: the attention backend cannot be captured.
         ValueError: ``sizes`` is empty or has a size below 1, a KV width outside ``[1, max_kv_len]``, or TBO
@@ -92,7 +97,7 @@ class GraphRunner:
                  device: torch.device | str, max_kv_len: int, tbo_modes: Sequence[bool] = (False,),
                  tbo_prepare: Callable[[ForwardBatch], None] | None = None, use_compile: bool = False,
                  low_latency: bool = False, show_progress: bool = True, kv_widths: Sequence[int] | None = None,
-                 before_replay: Callable[[], None] | None = None):
+                 before_replay: Callable[[], None] | None = None, init_backend_state: bool = True):
         if not sizes or min(sizes) < 1:
             raise ValueError(f"graph batch sizes must be a non-empty list of sizes >= 1, got {list(sizes)}")
         if True in tbo_modes and tbo_prepare is None:
@@ -117,7 +122,8 @@ class GraphRunner:
         self.low_latency = low_latency
         self.before_replay = before_replay
         self.forward_fn = torch.compile(forward_fn, dynamic=False) if use_compile else forward_fn
-        attn_backend.init_cuda_graph_state(self.max_bs, max_kv_len)
+        if init_backend_state:
+            attn_backend.init_cuda_graph_state(self.max_bs, max_kv_len)
         self._backends_with_state = {id(attn_backend)}
         self.buffers = GraphInputBuffers.create(self.max_bs, self.device,
                                                 attn_backend.get_cuda_graph_seq_len_fill_value())
@@ -173,7 +179,7 @@ class GraphRunner:
                                                                        kv_width=width)
         forward_fn = self.forward_fn
 
-        def run() -> torch.Tensor:
+        def run() -> GraphOutput:
             return forward_fn(fb)
 
         # the low-latency dispatch must be free of host syncs, as a CUDA graph needs (a recording proves it)
@@ -218,13 +224,13 @@ class GraphRunner:
         return width if self.fixed_width else self.max_kv_len
 
     @torch.no_grad()
-    def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
+    def replay(self, forward_batch: ForwardBatch) -> GraphOutput:
         """Run ``forward_batch`` through the graph of its bucket, TBO decision and KV width (:meth:`kv_width_for`,
         chosen on this rank from host values; counted in ``replayed_widths``).
 
         Returns:
-            float32 logits [batch_size, V] (on CUDA a view of the graphs' shared output, valid until the next
-            replay).
+            float32 logits [batch_size, V], or the forward's tuple with each output cut to ``batch_size`` rows (on
+            CUDA views of the graphs' shared outputs, valid until the next replay).
         Raises:
             ValueError: :meth:`can_run` is false for this batch, or a sequence is longer than ``max_kv_len``.
         """
@@ -245,4 +251,5 @@ class GraphRunner:
             self.before_replay()
         out = self.graphs[(bs, fb.use_tbo, width)].replay()
         self.replayed_widths[width] += 1
-        return out[:fb.batch_size]
+        n = fb.batch_size
+        return tuple(o[:n] for o in out) if isinstance(out, tuple) else out[:n]

@@ -153,7 +153,9 @@ class ModelRunner:
         return total
 
     def build_graph_runner(self, kv_widths: Sequence[int] | None = None):
-        """Capture the decode graphs of ``cfg.graph_capture_sizes`` (a ``GraphRunner``).
+        """Capture the decode graphs of ``cfg.graph_capture_sizes`` (a ``GraphRunner``), and the draft model's
+        (``MtpDrafter.capture_graphs``) where one drafts: the target's graphs then also return the final hidden
+        states [bs, H] the draft model reads.
 
         Args:
             kv_widths: KV widths to capture, tokens. ``None``: ``cfg.graph_kv_widths`` where the platform's graphs
@@ -174,11 +176,23 @@ class ModelRunner:
             kv_widths = cfg.graph_kv_widths
         tbo = cfg.overlap.enable_tbo
         low_latency = resolve_a2a_mode(cfg.moe_comm.a2a_mode, True) == "low_latency"
-        return GraphRunner(self.forward, self.attn_backend, cfg.graph_capture_sizes, capture, self.device,
-                           max_kv_len=cfg.max_context_len, tbo_modes=(False, True) if tbo else (False,),
-                           tbo_prepare=tbo_prepare if tbo else None, use_compile=cfg.graph.enable_torch_compile,
-                           low_latency=low_latency, show_progress=self.groups.world_rank == 0, kv_widths=kv_widths,
-                           before_replay=self._graph_replay_preparation() if low_latency else None)
+        before_replay = self._graph_replay_preparation() if low_latency else None
+        target = GraphRunner(self.forward_with_hidden if self.drafter is not None else self.forward,
+                             self.attn_backend, cfg.graph_capture_sizes, capture, self.device,
+                             max_kv_len=cfg.max_context_len, tbo_modes=(False, True) if tbo else (False,),
+                             tbo_prepare=tbo_prepare if tbo else None, use_compile=cfg.graph.enable_torch_compile,
+                             low_latency=low_latency, show_progress=self.groups.world_rank == 0, kv_widths=kv_widths,
+                             before_replay=before_replay)
+        if self.drafter is not None:
+            def draft_runner(forward_fn) -> GraphRunner:
+                return GraphRunner(forward_fn, self.attn_backend, cfg.graph_capture_sizes,
+                                   self.ops.graph_capture(self.device), self.device, max_kv_len=cfg.max_context_len,
+                                   low_latency=low_latency, show_progress=False, kv_widths=target.kv_widths
+                                   if target.fixed_width else None, before_replay=before_replay,
+                                   init_backend_state=False)
+
+            self.drafter.capture_graphs(draft_runner, self.model_config.hidden_size, self.dtype, target.max_bs)
+        return target
 
     def _graph_replay_preparation(self):
         """A call that readies every MoE dispatcher with host-side state for a replay of a low-latency graph
@@ -223,6 +237,13 @@ class ModelRunner:
                 child.kv_stream = stream
         self.attn_backend.init_forward_metadata(fb)
         return fb
+
+    @torch.no_grad()
+    def forward_with_hidden(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode forward that also returns what a draft model reads: float32 logits [bs, V] and the final
+        hidden states [bs, H] (one token per row)."""
+        hidden = self.model(fb)
+        return self.model.compute_logits(hidden[fb.sample_indices], fb.dispatch_capacity), hidden
 
     @torch.no_grad()
     def forward(self, fb: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
@@ -282,11 +303,15 @@ class ModelRunner:
         verify = batch.forward_mode.is_target_verify() or any(batch.draft_lens)  # MIXED rows may verify drafts
         hidden = None
         drafting = self.drafter is not None and batch.draft_passes  # the step's decision, the same on every rank
-        if drafting:  # the draft model reads the target's hidden states (no graphs then)
+        if use_graph and self.drafter is not None:  # the graphs return the hidden states the draft model reads
+            logits, hidden = self.graph_runner.replay(fb)
+        elif use_graph:
+            logits = self.graph_runner.replay(fb)
+        elif drafting:
             hidden = self.model(fb)
             logits = self.model.compute_logits(hidden if verify else hidden[fb.sample_indices], fb.dispatch_capacity)
         else:
-            logits = self.graph_runner.replay(fb) if use_graph else self.forward(fb, return_all_logits=verify)
+            logits = self.forward(fb, return_all_logits=verify)
         load = None
         if update is not None and update.report_load and self.eplb is not None:
             snapshot = self.eplb.load_snapshot()

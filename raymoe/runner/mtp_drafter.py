@@ -16,13 +16,26 @@ step, the rank runs it twice over (the "MTP layer" below is either):
    (``ModelWorkerBatch.spec_scratch_slots``; without them the chain stops at one draft).
 
 Every rank runs both, with the same number of passes (IDLE ranks and ranks without sampling rows run them with no
-tokens), so the MTP layer's MoE collectives pair up across the expert-parallel group; the passes use the normal
+tokens), so the MTP layer's MoE collectives pair up across the expert-parallel group; eager passes use the normal
 dispatch without two-batch overlap. Drafts are greedy (a point-mass draft distribution), which the verify step's
 rejection sampling takes as it is (``raymoe.runner.spec_verify``). The accepted counts of a verify step are read
 on the host here (one sync per step).
+
+**Decode graphs of the passes** (:meth:`MtpDrafter.capture_graphs`): every pass with one token per row is a decode
+of the MTP layer, captured per bucket like the target's decode (the same sizes; the same attention backend and its
+graph buffers; the low-latency dispatch where the target's graphs use it). A graph's inputs are its static batch,
+the tokens, and the hidden states copied into a buffer of fixed address; it returns the layer's output hidden states
+and the greedy drafts. Which passes replay is decided by the driver for all ranks alike, since the dispatch mode of
+their MoE collectives must match: the chain passes replay bucket ``ModelWorkerBatch.draft_graph_bs`` (a bound of
+every group's rows), and the draft extend too on a step whose groups all decode (``graph_bs`` set: each row has one
+new position then); ranks without rows replay the bucket with padding rows only. SGLang captures its draft passes
+the same way (``EAGLEDraftCudaGraphRunner``).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -50,6 +63,46 @@ class MtpDrafter:
         self.num_steps = num_steps
         self.ops = ops
         self.device = device
+        self.graphs = None  # a GraphRunner of the decode passes (capture_graphs)
+        self._hidden_in: torch.Tensor | None = None  # [max_bs, H] the graphs' hidden-state input
+        self.graph_passes = 0  # passes replayed from a graph
+        self.eager_passes = 0
+
+    def capture_graphs(self, make_runner: Callable, hidden_size: int, dtype: torch.dtype, max_bs: int) -> None:
+        """Capture the decode passes (module docstring).
+
+        Args:
+            make_runner: ``forward_fn -> GraphRunner`` over this rank's buckets (``ModelRunner.build_graph_runner``
+                builds it beside the target's graphs, sharing the attention backend's graph buffers).
+            hidden_size: H of the hidden states. dtype: theirs. max_bs: the largest bucket, rows.
+        """
+        self._hidden_in = torch.zeros(max_bs, hidden_size, dtype=dtype, device=self.device)
+
+        def forward(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+            g = self.mtp(fb, fb.input_ids, self._hidden_in[:fb.batch_size])
+            return g, self.ops.greedy_argmax(self.mtp.logits(g, fb.batch_size))
+
+        self.graphs = make_runner(forward)
+
+    def _pass(self, wb: ModelWorkerBatch, ids: torch.Tensor, hidden: torch.Tensor, bucket: int | None,
+              pick: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass of the MTP layer over ``wb`` (its table written): ``ids`` [T], ``hidden`` [T, H] -> the output
+        hidden states and greedy drafts of the rows ``pick`` selects (None: every row). ``bucket``: replay that
+        decode graph (``wb`` has one token per row; ``pick`` must be None), else eager."""
+        if bucket is not None and self.graphs is not None:
+            fb = ForwardBatch.from_worker_batch(dataclasses.replace(wb, graph_bs=bucket), self.device,
+                                                SamplingInputs.greedy(wb.batch_size))
+            fb.input_ids = ids
+            fb.attn_backend = self.attn_backend
+            if wb.batch_size:
+                self._hidden_in[:wb.batch_size].copy_(hidden)
+            g, d = self.graphs.replay(fb)
+            self.graph_passes += 1
+            return g, d.clone()  # CUDA: views of the graphs' outputs, rewritten by the next replay
+        out = self.mtp(self._fb(wb), ids, hidden)
+        g = out if pick is None else out[pick]
+        self.eager_passes += 1
+        return g, self._logits_argmax(g)
 
     def _fb(self, wb: ModelWorkerBatch) -> ForwardBatch:
         fb = ForwardBatch.from_worker_batch(wb, self.device, SamplingInputs.greedy(wb.batch_size))
@@ -94,19 +147,21 @@ class MtpDrafter:
             start += e
         tokens = len(src)
         # after a decode or verify step each row has a few new positions: decode rows, one per token (on MLA the
-        # absorbed form, which reads the cached latent rows instead of up-projecting the whole prefix)
+        # absorbed form, which reads the cached latent rows instead of up-projecting the whole prefix); after a step
+        # of decodes only (every group's: graph_bs is the driver's) one per row, a decode pass a graph can replay
+        extend_graph = batch.draft_graph_bs if batch.graph_bs is not None else None
         few = batch.forward_mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
-        mode = ForwardMode.TARGET_VERIFY if few else ForwardMode.EXTEND
+        mode = ForwardMode.DECODE if extend_graph is not None else (
+            ForwardMode.TARGET_VERIFY if few else ForwardMode.EXTEND)
         wb = ModelWorkerBatch(mode, [0] * tokens, rows, [p + n for p, n in zip(pre, ext, strict=True)],
                               pre, ext, loc, table_lens=list(pre)) if bs else ModelWorkerBatch.idle()
         src_t = to_device(src, torch.int64, self.device)
         shifted = input_ids[(src_t + 1).clamp(max=max(input_ids.shape[0] - 1, 0))] if tokens else input_ids[:0]
         follow_t = to_device(follow, torch.int64, self.device)
         ids = torch.where(follow_t >= 0, follow_t, shifted) if tokens else shifted
-        out = self.mtp(self._fb(wb), ids, hidden[src_t])
-        pick = to_device([i for _, i in last], torch.int64, self.device)
-        g = out[pick]
-        drafts = [self._logits_argmax(g)]
+        pick = None if extend_graph is not None else to_device([i for _, i in last], torch.int64, self.device)
+        g, d = self._pass(wb, ids, hidden[src_t], extend_graph, pick)
+        drafts = [d]
         scratch = batch.spec_scratch_slots
         chain = self.num_steps - 1
         sample_rows = [r for r, _ in last]
@@ -120,12 +175,10 @@ class MtpDrafter:
                 self.req_to_token_pool.write_decode(to_device(rows_i, torch.int64, self.device),
                                                     to_device([q + 1 for q in pos], torch.int64, self.device),
                                                     to_device(slots, torch.int64, self.device))
-                g = self.mtp(self._fb(wb), drafts[-1], g)
-            else:  # no chain this step on this rank: the pass still joins the MoE collectives
-                g = self.mtp(self._fb(ModelWorkerBatch.idle()), drafts[-1][:0], g[:0])
-            d = self._logits_argmax(g)
-            if scratch and sample_rows:
+                g, d = self._pass(wb, drafts[-1], g, batch.draft_graph_bs)
                 drafts.append(d)
+            else:  # no chain this step on this rank: the pass still joins the MoE collectives
+                self._pass(ModelWorkerBatch.idle(), drafts[-1][:0], g[:0], batch.draft_graph_bs)
         host = torch.stack(drafts, dim=1).tolist() if sample_rows else []
         out_rows: list[tuple[int, ...]] = [()] * bs
         for k, r in enumerate(sample_rows):

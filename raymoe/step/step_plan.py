@@ -80,7 +80,8 @@ class StepDecision(PickledAsFields):
             MoE dispatch's per-rank capacity M, tokens (None: normal mode). expert_update: the step's expert load
             balancing work (``raymoe.step.expert_update``; None: none). draft_passes: every rank runs the draft
             model's passes after the step (some group wants drafts; the passes hold MoE collectives, so all ranks or
-            none).
+            none). draft_graph_bs: the graph bucket every rank replays the draft model's decode passes in (None:
+            eager passes; ``raymoe.runner.mtp_drafter``).
     """
 
     global_num_tokens: tuple[int, ...]
@@ -89,6 +90,7 @@ class StepDecision(PickledAsFields):
     dispatch_capacity: int | None = None
     expert_update: ExpertUpdate | None = None
     draft_passes: bool = False
+    draft_graph_bs: int | None = None
 
     def apply(self, batch: ModelWorkerBatch | None) -> ModelWorkerBatch:
         """``batch`` with this step's decisions (one copy, ``ModelWorkerBatch.with_step_decisions``: the batch's
@@ -99,4 +101,4 @@ class StepDecision(PickledAsFields):
         """
         return (ModelWorkerBatch.idle() if batch is None else batch).with_step_decisions(
             self.global_num_tokens, self.use_tbo, self.graph_bs, self.dispatch_capacity, self.expert_update,
-            self.draft_passes)
+            self.draft_passes, self.draft_graph_bs)

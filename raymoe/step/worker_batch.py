@@ -55,6 +55,8 @@ class ModelWorkerBatch:
             sampled token follows it); empty otherwise (``raymoe.runner.mtp_drafter``).
         draft_passes: the ranks run the draft model after this step (``nextn`` / ``eagle``; the same on every rank,
             decided by the driver).
+        draft_graph_bs: the graph bucket of the draft model's decode passes, the same on every rank (a bound of
+            every group's rows); None: eager passes.
         draft_lens: speculative decoding: ``bs`` counts of draft tokens at the end of each row (a TARGET_VERIFY row
             is its newest token and its drafts; a MIXED batch's decode rows may verify drafts too, its prefill rows
             have none); empty: none.
@@ -90,6 +92,7 @@ class ModelWorkerBatch:
     draft_lens: tuple[int, ...] = ()
     draft_passes: bool = False
     kv_streams: tuple[KVStreamChunk, ...] = ()
+    draft_graph_bs: int | None = None
 
     def __post_init__(self) -> None:
         bs = len(self.req_pool_indices)
@@ -125,7 +128,7 @@ class ModelWorkerBatch:
 
     def with_step_decisions(self, global_num_tokens: tuple[int, ...], use_tbo: bool, graph_bs: int | None,
                             dispatch_capacity: int | None, expert_update: ExpertUpdate | None = None,
-                            draft_passes: bool = False) -> ModelWorkerBatch:
+                            draft_passes: bool = False, draft_graph_bs: int | None = None) -> ModelWorkerBatch:
         """A copy with the step-wide fields set (the driver's decisions for every rank). The per-request columns
         were checked when this batch was built and are shared with the copy (no one changes a batch's lists), so
         only the rule the new fields enter is checked again, once: the dispatch capacity holds the tokens.
@@ -138,7 +141,8 @@ class ModelWorkerBatch:
         state = copy.__dict__
         state.update(self.__dict__)
         state.update(global_num_tokens=global_num_tokens, use_tbo=use_tbo, graph_bs=graph_bs,
-                     dispatch_capacity=dispatch_capacity, expert_update=expert_update, draft_passes=draft_passes)
+                     dispatch_capacity=dispatch_capacity, expert_update=expert_update, draft_passes=draft_passes,
+                     draft_graph_bs=draft_graph_bs)
         return copy
 
     @property

@@ -30,3 +30,24 @@ def test_cuda_ngram_matches_the_cpu_engine(tiny_model, tbo):
     assert outs == ref
     assert spec.verify_steps > 0 and spec.accepted_tokens > 0
     assert report.clean
+
+
+def test_cuda_nextn_replays_graphs_of_the_target_and_the_mtp_layer(tmp_path):
+    """``nextn`` with decode graphs on a CUDA rank: the target's graphs return the hidden states beside the logits
+    (two shared outputs per CUDA graph) and the MTP layer's decode passes replay graphs of their own; the tokens are
+    the CPU engine's."""
+    from raymoe.models.checkpoint import make_checkpoint
+    from raymoe.models.train_demo import train_checkpoint
+
+    path = make_checkpoint("deepseek_v3", tmp_path / "ds", seed=2, num_layers=2, hidden_size=64, num_experts=8)
+    train_checkpoint(path, 0.0, steps=20, seq_len=32, batch_size=4, progress=False)  # writes the MTP layer
+    with Engine(str(path), device="cpu", **OPTS) as e:
+        ref = [o.token_ids for o in e.generate(PROMPTS, GREEDY)]
+    nextn = {**SPEC, "speculative_algorithm": "nextn"}
+    with Engine(str(path), device="cuda", cuda_graph_max_bs=4, **OPTS, **nextn) as e:
+        outs = [o.token_ids for o in e.generate(PROMPTS, GREEDY)]
+        drafter = e.driver.executor.worker.runner.drafter
+        graph_steps = e.driver.num_graph_steps
+        report = e.driver.idle_report()
+    assert outs == ref
+    assert graph_steps > 0 and drafter.graph_passes > 0 and report.clean

@@ -1,6 +1,8 @@
 """CUDA graph capture of decode buckets (``torch.cuda.CUDAGraph``): each bucket's forward is warmed up on a side
 stream (lazy inits, allocator, kernel selection), then captured into one memory pool shared by every graph; all
-graphs write their logits into one buffer (``[max_bs, V]`` float32), so a replay returns a view of it."""
+graphs write their logits into one buffer (``[max_bs, V]`` float32), so a replay returns a view of it. A forward
+that returns more than its logits (a tuple: the final hidden states a draft model reads, a draft's tokens) has one
+shared buffer per output."""
 
 from __future__ import annotations
 
@@ -12,12 +14,13 @@ import torch
 class CudaGraphStep:
     """A captured graph and the output rows it writes (fixed addresses in the pool)."""
 
-    def __init__(self, graph, output: torch.Tensor):
+    def __init__(self, graph, output: torch.Tensor | tuple[torch.Tensor, ...]):
         self.graph = graph
         self.output = output
 
-    def replay(self) -> torch.Tensor:
-        """Logits [bs, V] float32 of the bucket's static batch (a view of the shared buffer)."""
+    def replay(self) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The bucket's outputs, as the captured forward returned them (views of the shared buffers): logits
+        [bs, V] float32, or a tuple of tensors with ``bs`` rows first."""
         self.graph.replay()
         return self.output
 
@@ -36,20 +39,27 @@ class CudaGraphCapture:
         self.warmup_runs = warmup_runs
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device)
-        self._output: torch.Tensor | None = None  # logits [max_bs, V] shared by every graph
+        self._outputs: list[torch.Tensor] | None = None  # per output [max_bs, ...] shared by every graph
 
-    def capture(self, run: Callable[[], torch.Tensor], bs: int, max_bs: int, host_sync_free: bool) -> CudaGraphStep:
-        """Warm up, then capture ``run`` writing its logits into the shared buffer's first ``bs`` rows.
+    def capture(self, run: Callable[[], torch.Tensor | tuple[torch.Tensor, ...]], bs: int, max_bs: int,
+                host_sync_free: bool) -> CudaGraphStep:
+        """Warm up, then capture ``run`` writing each output into its shared buffer's first ``bs`` rows.
 
         Raises:
-            RuntimeError: the capture failed, e.g. the forward read a device value on the host.
+            RuntimeError: the capture failed, e.g. the forward read a device value on the host, or it returned
+                another number of outputs than the first bucket's.
         """
 
-        def run_into_output() -> torch.Tensor:
-            logits = run()
-            if self._output is None:  # first (eager warm-up) run of the largest bucket: V is known now
-                self._output = logits.new_empty((max_bs, logits.shape[1]))
-            return self._output[:bs].copy_(logits)
+        def run_into_output():
+            got = run()
+            outs = got if isinstance(got, tuple) else (got,)
+            if self._outputs is None:  # first (eager warm-up) run of the largest bucket: the shapes are known now
+                self._outputs = [o.new_empty((max_bs, *o.shape[1:])) for o in outs]
+            if len(outs) != len(self._outputs):
+                raise RuntimeError(f"bucket {bs} returned {len(outs)} outputs, the first bucket "
+                                   f"{len(self._outputs)}")
+            copied = tuple(buf[:bs].copy_(o) for buf, o in zip(self._outputs, outs, strict=True))
+            return copied if isinstance(got, tuple) else copied[0]
 
         try:
             self.stream.wait_stream(torch.cuda.current_stream())

@@ -19,11 +19,11 @@ from raymoe.platform.reference.sync_guard import HostSyncGuard
 class RecordedStep:
     """One bucket's forward, replayed by calling it again."""
 
-    def __init__(self, run: Callable[[], torch.Tensor]):
+    def __init__(self, run: Callable[[], torch.Tensor | tuple[torch.Tensor, ...]]):
         self.run = run
 
-    def replay(self) -> torch.Tensor:
-        """Logits [bs, V] float32 of the bucket's static batch."""
+    def replay(self) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """What the bucket's forward returns over its static batch (logits [bs, V] float32, or a tuple)."""
         return self.run()
 
 
@@ -32,7 +32,8 @@ class RecordingCapture:
 
     fixed_kv_width = False
 
-    def capture(self, run: Callable[[], torch.Tensor], bs: int, max_bs: int, host_sync_free: bool) -> RecordedStep:
+    def capture(self, run: Callable[[], torch.Tensor | tuple[torch.Tensor, ...]], bs: int, max_bs: int,
+                host_sync_free: bool) -> RecordedStep:
         """Run the bucket once (which also compiles it under ``torch.compile``), under the host-sync guard when
         ``host_sync_free``.
 
