@@ -9,8 +9,9 @@ Agreement: every DP group's batch carries the same ``use_tbo``, ``graph_bs``, ``
 * TBO runs only with TBO on, never with a MIXED group, on one mode (EXTEND steps without IDLE groups), above the
   token bound, with both children of every busy group non-empty (the ranks' own split); and it runs whenever all
   of that holds;
-* a graph bucket only on DECODE/IDLE steps with a decode, the smallest captured size holding every group's rows
-  (and every decode steps with such a size replays one);
+* a graph bucket only on DECODE/IDLE steps with a decode, or, without TBO, steps whose busy groups decode or
+  verify (a verify group counts one row per token), the smallest captured size holding every group's rows (and
+  every such step with a size holding them replays one);
 * the low-latency capacity only when the step's a2a mode is low-latency, equal to the bucket on graph steps, else
   the busiest group's tokens within the per-rank bound; it holds every group's tokens, and each TBO child's
   capacity holds that child's tokens (padded graph batches included).
@@ -72,9 +73,10 @@ def check_step_decisions(batches: Sequence[ModelWorkerBatch], dp_size: int, over
         assert ForwardMode.MIXED not in modes and overlap.enable_tbo, what
 
     decode_step = all(m.is_decode_or_idle() for m in modes)
-    max_bs = max(b.batch_size for b in batches)
+    graphed = decode_step or (not first.use_tbo and all(m.is_decode_or_idle() or m.is_target_verify() for m in modes))
+    max_bs = max(b.num_tokens if b.forward_mode.is_target_verify() else b.batch_size for b in batches)
     holding = [s for s in sorted(capture_sizes) if s >= max_bs]
-    want_graph = holding[0] if decode_step and holding else None
+    want_graph = holding[0] if graphed and holding else None
     assert first.graph_bs == want_graph, ("graph bucket", what, list(capture_sizes))
 
     capacity = first.dispatch_capacity

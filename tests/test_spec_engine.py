@@ -51,6 +51,21 @@ def test_one_rank_gives_the_tokens_of_plain_decoding_and_transformers(model_and_
         assert ref[:2] == greedy_reference(path, PROMPTS[:2], GREEDY.max_tokens)
 
 
+def test_verify_steps_replay_decode_graphs_as_one_row_per_token(model_and_reference):
+    """A verify step whose tokens fit a decode-graph bucket replays it, one decode row per token
+    (``raymoe.runner.token_rows``; GQA through the CPU decode kernel, MLA through the absorbed decode), and keeps
+    plain decoding's tokens."""
+    path, ref = model_and_reference
+    with Engine(path, **{**OPTS, "cuda_graph_max_bs": 16}, **SPEC, speculative_draft_policy="fixed") as e:
+        outs = e.generate(PROMPTS, GREEDY)
+        counters = spec_counters(e)
+        verify_graphs = e.driver.executor.worker.runner.verify_graph_steps
+        report = e.driver.idle_report()
+    assert [o.token_ids for o in outs] == ref
+    assert counters.verify_steps > 0 and counters.accepted_tokens > 0 and verify_graphs > 0, (counters, verify_graphs)
+    assert report.clean
+
+
 def test_dp2_ep2_with_tbo_graphs_and_low_latency_dispatch(ray_cluster, model_and_reference):
     path, ref = model_and_reference
     with Engine(path, dp_size=2, ep_size=2, **OPTS, **TBO, **SPEC) as e:
@@ -197,11 +212,13 @@ def test_nextn_drafts_with_the_mtp_layer_and_keeps_the_tokens(mtp_model):
         report = e.driver.idle_report()
         drafter = e.driver.executor.worker.runner.drafter
         graph_steps = e.driver.num_graph_steps
+        verify_graphs = e.driver.executor.worker.runner.verify_graph_steps
     assert [o.token_ids for o in outs] == ref and [o.token_ids for o in again] == ref[:2]
     assert counters.verify_steps > 0 and counters.accepted_tokens > 0, counters
-    # decode steps replay the target's graphs (which return the hidden states the MTP layer reads), and the MTP
-    # layer's decode passes replay graphs of their own; a verify step's draft extend stays eager
-    assert graph_steps > 0 and drafter.graph_passes > 0 and drafter.eager_passes > 0
+    # decode steps replay the target's graphs (which return the hidden states the MTP layer reads), verify steps
+    # replay them as one row per token where the bucket holds their tokens, and the MTP layer's decode passes replay
+    # graphs of their own; a prefill's draft extend stays eager
+    assert graph_steps > 0 and verify_graphs > 0 and drafter.graph_passes > 0 and drafter.eager_passes > 0
     assert report.clean
     with Engine(path, **NO_MIXED, **NEXTN, disable_cuda_graph=True) as e:  # the same drafts without graphs
         e.generate(PROMPTS, LONG)

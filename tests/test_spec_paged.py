@@ -2,7 +2,8 @@
 strict CPU double, pages of 16 tokens: a block-table kernel reads a row's keys page by page, so the draft slots of a
 verify step must keep each aligned run of 16 positions in one page): greedy tokens equal plain decoding's with
 ``ngram`` drafts (Qwen3-MoE) and with the MTP layer's ``nextn`` drafts (Qwen3.5-MoE, whose full-attention layers and
-MTP layer read the paged cache)."""
+MTP layer read the paged cache). Decode graphs of up to 8 rows are on: verify steps of up to 8 tokens replay them as
+one decode row per token (the block-table decode kernel), larger ones run the extend kernel."""
 
 from __future__ import annotations
 
@@ -25,12 +26,16 @@ def test_verify_steps_on_pages_of_16_keep_the_tokens(tmp_path, fa_double, algo):
     with Engine(path, **opts) as e:
         ref = [o.token_ids for o in e.generate(PROMPTS, GREEDY)]
     calls = fa_double.calls
-    with Engine(path, attention_backend="flash_attn", **opts, speculative_algorithm=algo, speculative_num_steps=3,
+    graphs = {**opts, "disable_cuda_graph": False, "cuda_graph_max_bs": 8}
+    with Engine(path, attention_backend="flash_attn", **graphs, speculative_algorithm=algo, speculative_num_steps=3,
                 speculative_draft_policy="fixed") as e:
         assert e.config.cache.page_size == 16
         outs = e.generate(PROMPTS, GREEDY)
         counters = spec_counters(e)
+        verify_graphs = e.driver.executor.worker.runner.verify_graph_steps
         e.driver.schedulers[0].check_memory_invariants()
     assert fa_double.calls > calls
     assert [o.token_ids for o in outs] == ref
     assert counters.verify_steps > 0 and counters.draft_tokens > 0, counters
+    if algo == "ngram":  # Qwen3.5's recurrent layers verify eagerly
+        assert 0 < verify_graphs < counters.verify_steps, (verify_graphs, counters)

@@ -37,8 +37,9 @@ class StepRules:
 
 def decide_step(plans: Sequence[GroupPlan], rules: StepRules) -> StepDecision:
     """The decisions every rank of the step shares (module docstring)."""
-    graph_bs = plan_graph_bs(plans, rules.graph_capture_sizes)
     use_tbo = decide_tbo(plans, rules.overlap)
+    # verify steps replay decode graphs as one row per token, without two-batch overlap (raymoe.runner.token_rows)
+    graph_bs = plan_graph_bs(plans, rules.graph_capture_sizes, verify_rows=not use_tbo)
     capacity = dispatch_capacity_for(plans, graph_bs, rules.a2a_mode, rules.max_dispatch_tokens_per_rank)
     if use_tbo and any(p.forward_mode == ForwardMode.TARGET_VERIFY for p in plans):
         # Each rank derives its TBO children's capacity from its own mode (``child_dispatch_capacity``: half of M

@@ -73,23 +73,31 @@ def select_graph_bs(batch_size: int, sizes: Sequence[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def plan_graph_bs(batches: Sequence, sizes: Sequence[int]) -> int | None:
+def plan_graph_bs(batches: Sequence, sizes: Sequence[int], verify_rows: bool = False) -> int | None:
     """The one bucket every rank replays this step, or ``None`` for an eager step.
 
     Graphs run only when every DP group is DECODE or IDLE and at least one decodes; the bucket covers the
-    largest group, and IDLE groups replay it with padding rows only (so collective sizes match).
+    largest group, and IDLE groups replay it with padding rows only (so collective sizes match). With
+    ``verify_rows`` a TARGET_VERIFY group counts too, as one decode row per token (``raymoe.runner.token_rows``:
+    its ``num_tokens`` rows).
 
     Args:
-        batches: one ``ModelWorkerBatch`` per DP group (anything with ``forward_mode`` and ``batch_size``).
+        batches: one ``ModelWorkerBatch`` per DP group (anything with ``forward_mode``, ``batch_size`` and
+            ``num_tokens``).
         sizes: the ranks' captured sizes, ascending (``RunnerConfig.graph_capture_sizes``).
+        verify_rows: verify steps may replay decode graphs (the driver passes it for steps without two-batch
+            overlap).
     """
     if not sizes or not batches:
         return None
-    if any(b.forward_mode not in (ForwardMode.DECODE, ForwardMode.IDLE) for b in batches):
+    graphed = (ForwardMode.DECODE, ForwardMode.IDLE, ForwardMode.TARGET_VERIFY) if verify_rows else (
+        ForwardMode.DECODE, ForwardMode.IDLE)
+    if any(b.forward_mode not in graphed for b in batches):
         return None
     if all(b.forward_mode == ForwardMode.IDLE for b in batches):
         return None
-    return select_graph_bs(max(b.batch_size for b in batches), sizes)
+    return select_graph_bs(max(b.num_tokens if b.forward_mode == ForwardMode.TARGET_VERIFY else b.batch_size
+                               for b in batches), sizes)
 
 
 def plan_draft_graph_bs(batches: Sequence, sizes: Sequence[int]) -> int | None:

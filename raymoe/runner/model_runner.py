@@ -36,7 +36,9 @@ from raymoe.runner.runner_config import DTYPES, RunnerConfig
 from raymoe.runner.sampler import SampledTokens, Sampler
 from raymoe.runner.spec_verify import verify_rows
 from raymoe.runner.step_result import PendingStep
+from raymoe.runner.token_rows import token_rows
 from raymoe.step.host_transfer import to_device
+from raymoe.step.sampling_inputs import SamplingInputs
 from raymoe.step.sampling_table import SamplingTable
 from raymoe.step.step_output import StepOutput
 from raymoe.step.worker_batch import ModelWorkerBatch
@@ -112,6 +114,7 @@ class ModelRunner:
         self.future_tokens = FutureTokenMap(cfg.max_req_rows, self.device)
         self.drafter = None
         self.kv_streamer = None  # PD prefill: set with the rank's KV agent (raymoe.actors.rank_kv_transfer)
+        self.verify_graph_steps = 0  # verify steps replayed as decode rows (raymoe.runner.token_rows)
         self._kv_stream = None  # the step's layer-by-layer writer, between launch_step and its end
         if draft is not None:
             from raymoe.runner.mtp_drafter import MtpDrafter
@@ -290,7 +293,8 @@ class ModelRunner:
         proven free of them on CPU, ``tests/test_decode_host_sync.py``). An IDLE batch runs the layers on zero
         tokens (so collectives match) and answers with no tokens. With ``batch.graph_bs`` set and a matching
         capture, the forward is a graph replay of that bucket (an IDLE batch then replays it with padding rows
-        only).
+        only; a verify step replays it as decode rows, one per token, ``raymoe.runner.token_rows``, where the model
+        keeps no recurrent state).
 
         Runs under ``torch.inference_mode`` (no version counters or view tracking: about 5-8 % less CPU per
         decode step than ``no_grad`` on the CI machine). Tensors a step creates and keeps (gather buffers) are
@@ -298,15 +302,28 @@ class ModelRunner:
         t0 = time.perf_counter()
         update = batch.expert_update
         self.apply_expert_update(update)
-        use_graph = self.graph_runner is not None and batch.graph_bs is not None and self.graph_runner.can_run(batch)
+        use_graph = self.graph_runner is not None and batch.graph_bs is not None
+        rows = None  # a verify step replayed as decode rows, one per token (raymoe.runner.token_rows)
+        if use_graph and batch.forward_mode.is_target_verify():
+            if self.state_pool is None and not batch.use_tbo:  # recurrent layers step token after token
+                rows = token_rows(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.out_cache_loc,
+                                  batch.input_ids, batch.graph_bs, batch.dispatch_capacity, batch.global_num_tokens)
+            use_graph = rows is not None and self.graph_runner.can_run(rows)
+        else:
+            use_graph = use_graph and self.graph_runner.can_run(batch)
         fb = self.prepare(batch, for_graph=use_graph)
+        graph_fb = fb
+        if use_graph and rows is not None:
+            graph_fb = ForwardBatch.from_worker_batch(rows, self.device, SamplingInputs.greedy(rows.batch_size))
+            graph_fb.input_ids, graph_fb.attn_backend = fb.input_ids, self.attn_backend
+            self.verify_graph_steps += 1
         verify = batch.forward_mode.is_target_verify() or any(batch.draft_lens)  # MIXED rows may verify drafts
         hidden = None
         drafting = self.drafter is not None and batch.draft_passes  # the step's decision, the same on every rank
         if use_graph and self.drafter is not None:  # the graphs return the hidden states the draft model reads
-            logits, hidden = self.graph_runner.replay(fb)
+            logits, hidden = self.graph_runner.replay(graph_fb)
         elif use_graph:
-            logits = self.graph_runner.replay(fb)
+            logits = self.graph_runner.replay(graph_fb)
         elif drafting:
             hidden = self.model(fb)
             logits = self.model.compute_logits(hidden if verify else hidden[fb.sample_indices], fb.dispatch_capacity)

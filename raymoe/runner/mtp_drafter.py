@@ -27,9 +27,10 @@ graph buffers; the low-latency dispatch where the target's graphs use it). A gra
 the tokens, and the hidden states copied into a buffer of fixed address; it returns the layer's output hidden states
 and the greedy drafts. Which passes replay is decided by the driver for all ranks alike, since the dispatch mode of
 their MoE collectives must match: the chain passes replay bucket ``ModelWorkerBatch.draft_graph_bs`` (a bound of
-every group's rows), and the draft extend too on a step whose groups all decode (``graph_bs`` set: each row has one
-new position then); ranks without rows replay the bucket with padding rows only. SGLang captures its draft passes
-the same way (``EAGLEDraftCudaGraphRunner``).
+every group's rows), and the draft extend, as one decode row per final position (``raymoe.runner.token_rows``),
+replays bucket ``graph_bs`` on a step the target ran as a graph (a decode step, or a verify step as decode rows: its
+tokens bound the final positions); ranks without rows replay the bucket with padding rows only. SGLang captures its
+draft passes the same way (``EAGLEDraftCudaGraphRunner``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from collections.abc import Callable
 import torch
 
 from raymoe.runner.forward_batch import ForwardBatch
+from raymoe.runner.token_rows import token_rows
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.host_transfer import to_device
 from raymoe.step.sampling_inputs import SamplingInputs
@@ -88,7 +90,7 @@ class MtpDrafter:
               pick: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass of the MTP layer over ``wb`` (its table written): ``ids`` [T], ``hidden`` [T, H] -> the output
         hidden states and greedy drafts of the rows ``pick`` selects (None: every row). ``bucket``: replay that
-        decode graph (``wb`` has one token per row; ``pick`` must be None), else eager."""
+        decode graph (``wb`` has one token per row), else eager."""
         if bucket is not None and self.graphs is not None:
             fb = ForwardBatch.from_worker_batch(dataclasses.replace(wb, graph_bs=bucket), self.device,
                                                 SamplingInputs.greedy(wb.batch_size))
@@ -98,6 +100,8 @@ class MtpDrafter:
                 self._hidden_in[:wb.batch_size].copy_(hidden)
             g, d = self.graphs.replay(fb)
             self.graph_passes += 1
+            if pick is not None:
+                return g[pick], d[pick]
             return g, d.clone()  # CUDA: views of the graphs' outputs, rewritten by the next replay
         out = self.mtp(self._fb(wb), ids, hidden)
         g = out if pick is None else out[pick]
@@ -147,20 +151,22 @@ class MtpDrafter:
             start += e
         tokens = len(src)
         # after a decode or verify step each row has a few new positions: decode rows, one per token (on MLA the
-        # absorbed form, which reads the cached latent rows instead of up-projecting the whole prefix); after a step
-        # of decodes only (every group's: graph_bs is the driver's) one per row, a decode pass a graph can replay
-        extend_graph = batch.draft_graph_bs if batch.graph_bs is not None else None
-        few = batch.forward_mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
-        mode = ForwardMode.DECODE if extend_graph is not None else (
-            ForwardMode.TARGET_VERIFY if few else ForwardMode.EXTEND)
-        wb = ModelWorkerBatch(mode, [0] * tokens, rows, [p + n for p, n in zip(pre, ext, strict=True)],
-                              pre, ext, loc, table_lens=list(pre)) if bs else ModelWorkerBatch.idle()
+        # absorbed form, which reads the cached latent rows instead of up-projecting the whole prefix); on a graph
+        # step (graph_bs is the driver's, the same on every rank) they replay the bucket that held the step's tokens
+        bucket = batch.graph_bs
+        if bucket is not None:
+            wb = token_rows(rows, pre, ext, loc, [0] * tokens, bucket)
+        else:
+            few = batch.forward_mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
+            mode = ForwardMode.TARGET_VERIFY if few else ForwardMode.EXTEND
+            wb = ModelWorkerBatch(mode, [0] * tokens, rows, [p + n for p, n in zip(pre, ext, strict=True)],
+                                  pre, ext, loc, table_lens=list(pre)) if bs else ModelWorkerBatch.idle()
         src_t = to_device(src, torch.int64, self.device)
         shifted = input_ids[(src_t + 1).clamp(max=max(input_ids.shape[0] - 1, 0))] if tokens else input_ids[:0]
         follow_t = to_device(follow, torch.int64, self.device)
         ids = torch.where(follow_t >= 0, follow_t, shifted) if tokens else shifted
-        pick = None if extend_graph is not None else to_device([i for _, i in last], torch.int64, self.device)
-        g, d = self._pass(wb, ids, hidden[src_t], extend_graph, pick)
+        pick = to_device([i for _, i in last], torch.int64, self.device)
+        g, d = self._pass(wb, ids, hidden[src_t], bucket, pick)
         drafts = [d]
         scratch = batch.spec_scratch_slots
         chain = self.num_steps - 1
