@@ -37,7 +37,8 @@ def _cmd_make_checkpoint(a: argparse.Namespace) -> None:
                           num_experts=a.num_experts, num_experts_per_tok=a.top_k, vocab_size=a.vocab_size,
                           sliding_window=a.sliding_window, mxfp4=a.mxfp4, max_shard_bytes=a.max_shard_bytes,
                           progress=True, quant=a.quant, fp8_scheme=a.fp8_scheme, fp8_block=tuple(a.fp8_block),
-                          moe_intermediate_size=a.moe_intermediate_size, router_skew=a.router_skew)
+                          moe_intermediate_size=a.moe_intermediate_size, router_skew=a.router_skew,
+                          tokenizer=a.tokenizer)
     if a.train_seconds is not None or a.train_steps is not None:
         from raymoe.models.train_demo import train_checkpoint
 
@@ -97,6 +98,9 @@ def _add_make_checkpoint_parser(sub) -> None:
                         "output channel (weight_scale)")
     p.add_argument("--fp8-block", type=int, nargs=2, default=[128, 128], metavar=("BN", "BK"),
                    help="FP8 block size [rows, columns] for --fp8-scheme block")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="copy DIR's tokenizer (tokenizer.json, its config and generation config) instead of training "
+                        "one, e.g. a released model's; --vocab-size must hold its ids")
     p.add_argument("--router-skew", type=float, default=0.0, metavar="S",
                    help="S >= 0: bias every MoE router so a few experts take most tokens, as in trained models "
                         "(Zipf-like by rank, other hot experts per layer, hot ones in the first half of the experts); "

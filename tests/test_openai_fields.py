@@ -64,6 +64,7 @@ BEHAVIOUR = {
     "tool_calls": "test_tool_fields_reach_the_template_and_shape_the_answer",
     "tool_call_id": "test_tool_fields_reach_the_template_and_shape_the_answer",
     "response_format": "test_output_constraints_reach_the_engine_and_bad_ones_are_400s",
+    "reasoning_effort": "test_reasoning_effort_is_taken_by_harmony_models_only",
 }
 
 
@@ -136,6 +137,14 @@ def test_every_honoured_field_has_a_behaviour_test():
                 if rule.status == "honoured"}
     assert honoured == set(BEHAVIOUR)
     assert all(callable(globals().get(test)) for test in BEHAVIOUR.values())
+
+
+def test_reasoning_effort_is_taken_by_harmony_models_only(served):
+    """A harmony model (gpt-oss) states it in its system message (``test_harmony``); any other model refuses it."""
+    engine, post = served
+    r = post(CHAT, _body(CHAT, reasoning_effort="low"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
+    assert not engine.seen
 
 
 NOT_HONOURED = [(path, name) for path, table in ((COMPLETIONS, COMPLETION_FIELDS), (CHAT, CHAT_FIELDS))

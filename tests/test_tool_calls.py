@@ -52,7 +52,8 @@ def test_what_does_not_parse_stays_text(parser, text):
 
 def test_parsers_by_model_family_and_unknown_names():
     assert [default_tool_parser(t) for t in ("qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss")] == [
-        "qwen3", "deepseek_v3", "mistral", None]
+        "qwen3", "deepseek_v3", "mistral", "harmony"]  # harmony: raymoe.deploy.harmony (test_harmony)
+    assert default_tool_parser("llama") is None
     with pytest.raises(ValueError, match="tool-call parser"):
         ToolCallStreamer("hermes2", NAMES)
     with pytest.raises(ValueError, match="tool-call parser"):

@@ -39,7 +39,7 @@ def add_serve_parser(sub) -> None:
                         "computes it (NIXL; --no-pd-kv-layerwise: after the prefill)")
     p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                    help="split a reasoning model's <think>...</think> into the chat answer's reasoning_content")
-    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "qwen3", "deepseek_v3", "mistral"],
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "qwen3", "deepseek_v3", "mistral", "harmony"],
                    help="the model's tool-call format (auto: from the model family)")
     p.add_argument("--engine-name", default=None, metavar="NAME",
                    help="register the engine under NAME so more front-end processes can serve it (--attach)")

@@ -31,6 +31,7 @@ from raymoe.client.engine_client import EngineClient
 from raymoe.deploy.admin import admin_router
 from raymoe.deploy.drain import Drain, DrainConfig, DrainGuard
 from raymoe.deploy.generation import ClientDisconnected, Piece, collect, stream_pieces, until_disconnected
+from raymoe.deploy.harmony import HarmonyChat
 from raymoe.deploy.http_errors import APIError, from_raymoe_error, install_error_handlers, request_id_of
 from raymoe.deploy.http_guard import RequestGuard
 from raymoe.deploy.metrics import ServerMetrics
@@ -74,7 +75,13 @@ class OpenAIServing:
         limits: per-request limits (None: the ``ServerLimits`` defaults).
         reasoning_parser: split chat answers' thinking into ``reasoning_content`` (``raymoe.deploy.reasoning``).
         tool_call_parser: the model's tool-call format (``raymoe.deploy.tool_calls``; ``auto``: from the model's
-            family, none when unknown, and then requests with tools are refused).
+            family, none when unknown, and then requests with tools are refused). ``harmony`` (gpt-oss's ``auto``):
+            chat prompts and outputs go through openai-harmony (``raymoe.deploy.harmony``).
+
+    Raises:
+        ValueError: ``tool_call_parser`` ``harmony`` for a model whose tokenizer is not harmony's, or without
+            ``openai-harmony``.
+        CheckpointError: a harmony model whose vocabulary openai-harmony cannot load.
 
     Why the default ``max_in_flight`` is ``dp_size * (max_running_requests + max_queued_requests)``: that is
     exactly how many requests the engine can hold at once (running plus queued over all DP groups); one more
@@ -90,8 +97,16 @@ class OpenAIServing:
                  reasoning_parser: str | None = None, tool_call_parser: str | None = "auto"):
         self.engine = engine
         self.reasoning_parser = reasoning_parser
-        self.tool_call_parser = (default_tool_parser(engine.model_config.model_type) if tool_call_parser == "auto"
-                                 else tool_call_parser)
+        model_type = engine.model_config.model_type
+        self.tool_call_parser = default_tool_parser(model_type) if tool_call_parser == "auto" else tool_call_parser
+        self.harmony = None
+        if self.tool_call_parser == "harmony":
+            self.harmony = HarmonyChat.for_model("gpt_oss", engine.tokenizer)
+            if self.harmony is None and tool_call_parser == "harmony":
+                raise ValueError("tool_call_parser harmony needs openai-harmony and a tokenizer with harmony's "
+                                 "special tokens (the log says which is missing)")
+            if self.harmony is None:  # auto: the chat template renders the chats, tools are refused
+                self.tool_call_parser = None
         self.limits = limits or ServerLimits()
         sched, dp = engine.config.scheduler, engine.config.parallel.dp_size
         self.max_in_flight = max_in_flight or dp * (sched.max_running_requests + sched.max_queued_requests)
@@ -132,9 +147,11 @@ class OpenAIServing:
             deadline = arrival + prep.timeout_s
             splitter = None if prep.in_reasoning is None else ReasoningSplitter(self.reasoning_parser,
                                                                                 prep.in_reasoning)
-            tools = None if prep.tool_names is None else ToolCallStreamer(self.tool_call_parser, prep.tool_names)
+            harmony = self.harmony.stream(prep.tool_names) if prep.harmony_output else None
+            tools = None if prep.tool_names is None or harmony is not None else ToolCallStreamer(
+                self.tool_call_parser, prep.tool_names)
             builder = ResponseBuilder(isinstance(body, ChatCompletionRequest), engine.model_name, self.token_texts,
-                                      prep.logprobs, request_id, splitter, tools, prep.parallel_tool_calls)
+                                      prep.logprobs, request_id, splitter, tools, prep.parallel_tool_calls, harmony)
             pieces = stream_pieces(engine, builder.id, prep, self.metrics.request())
             with anyio.CancelScope(deadline=deadline) as scope:
                 if body.stream:
@@ -178,7 +195,7 @@ class OpenAIServing:
         """
         engine = self.engine
         args = (body, engine.tokenizer, engine.model_config.vocab_size, engine.max_context_len, self.limits,
-                self.reasoning_parser, self.tool_call_parser)
+                self.reasoning_parser, self.tool_call_parser, self.harmony)
         size = request.headers.get("content-length")
         if constrained(body):  # building and compiling a grammar: milliseconds, off the event loop (one hop)
             return await anyio.to_thread.run_sync(self._prepare_constrained, args)

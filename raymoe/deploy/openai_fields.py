@@ -110,7 +110,8 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "prediction": _r("predicted outputs are not supported"),
     "prompt_cache_options": _r("prompt-cache options are not supported (prefixes are cached automatically)"),
     "prompt_cache_retention": _r("prompt-cache retention is not configurable"),
-    "reasoning_effort": _r("reasoning effort is not supported"),
+    "reasoning_effort": _h("harmony models (gpt-oss): the system message's reasoning effort (raymoe.deploy.harmony); "
+                           "a 400 for other models"),
     "verbosity": _r("verbosity is not supported"),
     "web_search_options": _r("web search is not supported"),
 }

@@ -301,6 +301,8 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = Field(
         None, description="text, json_object or json_schema (enforced by grammar-constrained decoding)")
     parallel_tool_calls: bool | None = Field(None, description="false keeps only the first call of an answer")
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None, description="harmony models (gpt-oss): how much the model reasons, stated in its system message")
     # raymoe extension (``extra_body``), as vLLM and SGLang name it.
     chat_template_kwargs: Annotated[dict[Name, bool | int | float | Name | None],
                                     Field(max_length=16)] | None = Field(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from raymoe.deploy.harmony import HarmonyChat
 from raymoe.deploy.http_errors import APIError
 from raymoe.deploy.protocol import ChatCompletionRequest, CompletionRequest
 from raymoe.deploy.reasoning import starts_in_reasoning
@@ -46,6 +47,8 @@ class PreparedRequest:
             left a ``<think>`` open; ``raymoe.deploy.reasoning``); None without one (or for text completions).
         tool_names: the request's tools when the output is parsed for calls (``tools`` with ``tool_choice``
             ``auto``; ``raymoe.deploy.tool_calls``), else None. parallel_tool_calls: False keeps the first call.
+        harmony_output: the output is harmony, parsed by ``raymoe.deploy.harmony.HarmonyStream`` (a gpt-oss chat
+            without a grammar).
     """
 
     prompt_ids: list[int]
@@ -55,6 +58,7 @@ class PreparedRequest:
     in_reasoning: bool | None = None
     tool_names: frozenset[str] | None = None
     parallel_tool_calls: bool = True
+    harmony_output: bool = False
 
 
 def _check_combinations(req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -213,10 +217,11 @@ def _check_prompt(ids: list[int], asked: int | None, vocab_size: int, max_contex
 
 def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_size: int,
             max_context_len: int, limits: ServerLimits, reasoning_parser: str | None = None,
-            tool_parser: str | None = None) -> PreparedRequest:
+            tool_parser: str | None = None, harmony: HarmonyChat | None = None) -> PreparedRequest:
     """Tokenize and validate ``req`` (blocking CPU work: call it from a worker thread). ``reasoning_parser``
     (``raymoe.deploy.reasoning``): a chat request's output is split into reasoning and answer. ``tool_parser``
-    (``raymoe.deploy.tool_calls``): the model family's tool-call format (None: tools are refused).
+    (``raymoe.deploy.tool_calls``): the model family's tool-call format (None: tools are refused). ``harmony``: the
+    model chats in harmony (``raymoe.deploy.harmony``: prompts rendered and outputs parsed by openai-harmony).
 
     Raises:
         APIError: 400 naming the field (empty or too long prompt, prompt + max_tokens over the context, bad sampling
@@ -232,8 +237,16 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_siz
     else:
         asked, logprobs = req.max_tokens, req.logprobs
     tool_names = _tool_names(req, tool_parser) if chat else None
+    harmony = harmony if chat else None
+    if chat:
+        _check_harmony(req, harmony)
     grammar = _grammar(req, tool_parser)
-    ids = _chat_prompt(req, tokenizer, tool_names is not None) if chat else _completion_prompt(req, tokenizer)
+    if harmony is not None:
+        ids = _harmony_prompt(req, harmony, grammar is not None)
+        stop_ids = tuple(dict.fromkeys((*(req.stop_token_ids or ()), *harmony.stop_token_ids)))
+    else:
+        ids = _chat_prompt(req, tokenizer, tool_names is not None) if chat else _completion_prompt(req, tokenizer)
+        stop_ids = tuple(req.stop_token_ids or ())
     _check_prompt(ids, asked, vocab_size, max_context_len, "messages" if chat else "prompt")
     room = max_context_len - len(ids)
     if asked is not None:
@@ -244,7 +257,7 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_siz
         params = SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
-            min_p=req.min_p or 0.0, seed=req.seed, stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()),
+            min_p=req.min_p or 0.0, seed=req.seed, stop=tuple(stop), stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos, logprobs=logprobs, grammar=grammar)
     except InvalidRequestError as e:
         raise APIError(400, e.message, param=e.field, code="invalid_value") from e
@@ -253,4 +266,35 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_siz
         tail = tokenizer.decode(ids[-16:], skip_special_tokens=False)
         in_reasoning = starts_in_reasoning(reasoning_parser, tail)
     return PreparedRequest(ids, params, logprobs, timeout_s, in_reasoning, tool_names,
-                           not chat or req.parallel_tool_calls is not False)
+                           not chat or req.parallel_tool_calls is not False, harmony is not None and grammar is None)
+
+
+def _check_harmony(req: ChatCompletionRequest, harmony: HarmonyChat | None) -> None:
+    """What only a harmony chat takes (``reasoning_effort``) and what it does not (forced tool calls).
+
+    Raises:
+        APIError: 400 naming ``reasoning_effort`` for a model that is not harmony's; for one that is,
+            ``chat_template_kwargs`` (no template renders its prompt) or ``tool_choice`` required or named (the call
+            would have to be forced through harmony's special tokens, which the grammar engine does not cover).
+    """
+    if harmony is None:
+        if req.reasoning_effort is not None:
+            raise APIError(400, "reasoning_effort is taken by harmony models (gpt-oss) only",
+                           param="reasoning_effort", code="unsupported_value")
+        return
+    if req.chat_template_kwargs:
+        raise APIError(400, "chat_template_kwargs has no use for harmony models (gpt-oss): their prompts are rendered "
+                            "by openai-harmony, not by a chat template", param="chat_template_kwargs",
+                       code="unsupported_value")
+    if req.tools and _forces_a_call(req):
+        raise APIError(400, "tool_choice required or a named function is not supported for harmony models "
+                            "(gpt-oss): use auto", param="tool_choice", code="unsupported_value")
+
+
+def _harmony_prompt(req: ChatCompletionRequest, harmony: HarmonyChat, constrained: bool) -> list[int]:
+    """The harmony rendering of ``req`` (``HarmonyChat.render``); its refusals as 400s naming the field."""
+    try:
+        return harmony.render(req, constrained)
+    except ValueError as e:
+        field = "reasoning_effort" if "reasoning_effort" in str(e) else "messages"
+        raise APIError(400, str(e), param=field) from None

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from raymoe.deploy.generation import Piece
+from raymoe.deploy.harmony import HarmonyStream
 from raymoe.deploy.reasoning import ReasoningSplit, ReasoningSplitter
 from raymoe.deploy.tool_calls import ToolCall, ToolCallStreamer
 from raymoe.step.step_output import TokenLogprobs
@@ -66,12 +67,15 @@ class ResponseBuilder:
             ``reasoning_content`` (``raymoe.deploy.reasoning``; None: all text is ``content``). tools: for a chat
             answer with tools, the parser of the model's tool calls (``raymoe.deploy.tool_calls``; applied to the
             content, after the reasoning split). parallel_tool_calls: False keeps only the first call.
+        harmony: for a harmony chat answer (gpt-oss), the parser of its token ids into reasoning, content and tool
+            calls (``raymoe.deploy.harmony``); it replaces ``reasoning`` and ``tools``.
     """
 
     def __init__(self, chat: bool, model: str, token_text: Callable[[int], str], top_logprobs: int | None,
                  request_id: str, reasoning: ReasoningSplitter | None = None, tools: ToolCallStreamer | None = None,
-                 parallel_tool_calls: bool = True):
+                 parallel_tool_calls: bool = True, harmony: HarmonyStream | None = None):
         self.chat = chat
+        self.harmony = harmony
         self.reasoning = reasoning
         self.tools = tools
         self.parallel_tool_calls = parallel_tool_calls
@@ -120,9 +124,9 @@ class ResponseBuilder:
         merged = Piece(text, [t for p in pieces for t in p.token_ids], [lp for p in pieces for lp in p.logprobs])
         logprobs = self._logprobs(merged)
         if self.chat:
-            reasoning, content, calls = self._split_chat(text, final=True)
+            reasoning, content, calls = self._split_chat(merged, final=True)
             message = {"role": "assistant", "content": None if calls and not content.strip() else content}
-            if self.reasoning is not None:
+            if self.reasoning is not None or self.harmony is not None:
                 message["reasoning_content"] = reasoning or None
             if calls:
                 message["tool_calls"] = [c.to_openai() for c in calls]
@@ -144,9 +148,10 @@ class ResponseBuilder:
 
     def chunk(self, piece: Piece) -> dict | None:
         """The stream chunk of ``piece``; ``None`` when it carries nothing to show (text held back)."""
-        if not piece.text and piece.finish_reason is None and self.top_logprobs is None:
+        if not piece.text and piece.finish_reason is None and self.top_logprobs is None and (
+                self.harmony is None or not piece.token_ids):
             return None
-        if self.chat and (self.reasoning is not None or self.tools is not None):
+        if self.chat and (self.reasoning is not None or self.tools is not None or self.harmony is not None):
             return self._split_chunk(piece)
         logprobs = self._logprobs(piece)
         if self.chat:
@@ -156,9 +161,18 @@ class ResponseBuilder:
         choice = {"index": 0, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
         return {**self._header("text_completion"), "choices": [choice]}
 
-    def _split_chat(self, text: str, final: bool) -> tuple[str, str, tuple[ToolCall, ...]]:
-        """The next piece of a chat answer's text as (reasoning, content, tool calls); ``final``: the answer ended
-        (what the splitters held back is placed, the held tool-call text parsed)."""
+    def _split_chat(self, piece: Piece, final: bool) -> tuple[str, str, tuple[ToolCall, ...]]:
+        """The next piece of a chat answer as (reasoning, content, tool calls); ``final``: the answer ended (what the
+        splitters held back is placed, the held tool-call text parsed). A harmony answer is read from its token
+        ids, any other from its text."""
+        if self.harmony is not None:
+            split = self.harmony.feed(piece.token_ids)
+            calls: tuple[ToolCall, ...] = ()
+            if final:
+                rest, calls = self.harmony.finish()
+                split = ReasoningSplit(split.reasoning + rest.reasoning, split.content + rest.content)
+            return split.reasoning, split.content, calls if self.parallel_tool_calls else calls[:1]
+        text = piece.text
         reasoning, content, calls = "", text, ()
         if self.reasoning is not None:
             split = self.reasoning.feed(text)
@@ -178,7 +192,7 @@ class ResponseBuilder:
         """A chat chunk whose text is split into ``reasoning_content``, ``content`` and, at the end, ``tool_calls``
         (partial tags and call text held back until they are whole)."""
         final = piece.finish_reason is not None
-        reasoning, content, calls = self._split_chat(piece.text, final)
+        reasoning, content, calls = self._split_chat(piece, final)
         if not (reasoning or content) and not final and self.top_logprobs is None:
             return None
         delta = {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": content} if content else {}),

@@ -143,9 +143,9 @@ class _ServeFields(BaseModel):
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
         None, description="split a reasoning model's thinking (<think>...</think>) into the chat answer's "
                           "reasoning_content (raymoe.deploy.reasoning; None: all text is content).")
-    tool_call_parser: Literal["auto", "qwen3", "deepseek_v3", "mistral"] | None = Field(
-        "auto", description="the model's tool-call format (raymoe.deploy.tool_calls; auto: from the model family; "
-                            "None: requests with tools are refused).")
+    tool_call_parser: Literal["auto", "qwen3", "deepseek_v3", "mistral", "harmony"] | None = Field(
+        "auto", description="the model's tool-call format (raymoe.deploy.tool_calls; auto: from the model family, "
+                            "harmony for gpt-oss: raymoe.deploy.harmony; None: requests with tools are refused).")
     engine_name: str | None = Field(None, min_length=1, description="register the engine under this name, so "
                                     "more front-end processes can serve it (attach).")
     attach: str | None = Field(None, min_length=1, description="serve the running engine registered under this "

@@ -25,12 +25,14 @@ import re
 import uuid
 from dataclasses import dataclass
 
-TOOL_CALL_PARSERS = ("qwen3", "deepseek_v3", "mistral")
-"""The ``--tool-call-parser`` choices."""
+TOOL_CALL_PARSERS = ("qwen3", "deepseek_v3", "mistral", "harmony")
+"""The ``--tool-call-parser`` choices (``harmony``: gpt-oss's chats, read from token ids by
+``raymoe.deploy.harmony``, not by this module's text parsers)."""
 
 _BY_MODEL_TYPE = {"qwen3_moe": "qwen3", "qwen3": "qwen3", "qwen2_moe": "qwen3", "qwen3_next": "qwen3",
                   "qwen3_5_moe": "qwen3", "qwen3_5_moe_text": "qwen3", "deepseek_v3": "deepseek_v3",
-                  "deepseek_v2": "deepseek_v3", "mixtral": "mistral", "mistral": "mistral"}
+                  "deepseek_v2": "deepseek_v3", "mixtral": "mistral", "mistral": "mistral",
+                  "gpt_oss": "harmony"}
 
 _START = {"qwen3": "<tool_call>", "deepseek_v3": "<｜tool▁calls▁begin｜>", "mistral": "[TOOL_CALLS]"}
 
@@ -67,7 +69,9 @@ class ParsedOutput:
     calls: tuple[ToolCall, ...] = ()
 
 
-def _call(name, arguments, names: frozenset[str]) -> ToolCall | None:
+def make_tool_call(name, arguments, names: frozenset[str]) -> ToolCall | None:
+    """A call to one of ``names`` whose ``arguments`` (a dict, or its JSON text) are a JSON object, with a fresh id;
+    None for anything else (it stays text)."""
     if not isinstance(name, str) or name not in names:
         return None
     if isinstance(arguments, str):
@@ -85,7 +89,9 @@ def _json_call(text: str, names: frozenset[str]) -> ToolCall | None:
         obj = json.loads(text)
     except json.JSONDecodeError:
         return None
-    return _call(obj.get("name"), obj.get("arguments", obj.get("parameters")), names) if isinstance(obj, dict) else None
+    if not isinstance(obj, dict):
+        return None
+    return make_tool_call(obj.get("name"), obj.get("arguments", obj.get("parameters")), names)
 
 
 def parse_tool_calls(parser: str, text: str, tool_names: frozenset[str]) -> ParsedOutput:
@@ -111,7 +117,8 @@ def parse_tool_calls(parser: str, text: str, tool_names: frozenset[str]) -> Pars
         block = _DEEPSEEK_BLOCK.search(text)
         if block is None:
             return ParsedOutput(text)
-        calls = [_call(name.strip(), args, tool_names) for name, args in _DEEPSEEK_CALL.findall(block.group(1))]
+        calls = [make_tool_call(name.strip(), args, tool_names)
+                 for name, args in _DEEPSEEK_CALL.findall(block.group(1))]
         if not calls or any(c is None for c in calls):
             return ParsedOutput(text)
         return ParsedOutput(text[:block.start()] + text[block.end():], tuple(calls))
@@ -124,7 +131,8 @@ def parse_tool_calls(parser: str, text: str, tool_names: frozenset[str]) -> Pars
         except json.JSONDecodeError:
             return ParsedOutput(text)
         items = items if isinstance(items, list) else [items]
-        calls = [_call(i.get("name"), i.get("arguments"), tool_names) if isinstance(i, dict) else None for i in items]
+        calls = [make_tool_call(i.get("name"), i.get("arguments"), tool_names) if isinstance(i, dict) else None
+                 for i in items]
         if not calls or any(c is None for c in calls):
             return ParsedOutput(text)
         return ParsedOutput(text[:at], tuple(calls))

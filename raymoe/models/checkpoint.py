@@ -223,6 +223,32 @@ def _replace_dir(tmp: Path, out: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def _copy_tokenizer(src: Path, dst: Path, vocab_size: int) -> dict:
+    """Copy ``src``'s tokenizer files into ``dst``; returns the generation config to write (``src``'s own, else one
+    with the tokenizer's eos token).
+
+    Raises:
+        InvalidRequestError: no ``tokenizer.json`` in ``src``, or an id of its vocabulary is not below ``vocab_size``
+            (names ``tokenizer``).
+    """
+    from tokenizers import Tokenizer
+
+    if not (src / "tokenizer.json").is_file():
+        raise InvalidRequestError("tokenizer", f"{src} has no tokenizer.json")
+    size = Tokenizer.from_file(str(src / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    if size > vocab_size:
+        raise InvalidRequestError("tokenizer", f"{src}'s tokenizer has {size} ids, above vocab_size {vocab_size}")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+    if (src / "generation_config.json").is_file():
+        return json.loads((src / "generation_config.json").read_text())
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(dst))
+    return {"eos_token_id": [tok.eos_token_id], "do_sample": False}
+
+
 def make_checkpoint(
     arch: str,
     out: str | Path,
@@ -253,6 +279,7 @@ def make_checkpoint(
     fp8_block: tuple[int, int] = (128, 128),
     modules_to_not_convert: tuple[str, ...] = (),
     router_skew: float = 0.0,
+    tokenizer: str | Path | None = None,
 ) -> Path:
     """Build a seeded tiny Hugging Face checkpoint folder at ``out`` (atomically) and return its path.
 
@@ -283,12 +310,17 @@ def make_checkpoint(
         router_skew: S >= 0; S > 0 biases every MoE layer's router so a few experts take most tokens (Zipf-like
             by rank, other hot experts per layer, hot ones in the first half of the experts:
             ``raymoe.models.router_skew``); recorded in ``raymoe_build.json``. 0: today's routers, byte-identical.
+        tokenizer: a folder whose tokenizer files (``tokenizer.json``, ``tokenizer_config.json``, and its
+            ``generation_config.json`` if it has one) are copied instead of training one, e.g. a released model's, so
+            that a tiny model speaks its chat format (gpt-oss with harmony's tokens); ``vocab_size`` must hold its
+            ids. None: a byte-level BPE trained on the standard library's source.
         Other arguments: model sizes, named as in the Qwen3-MoE config (``num_layers`` = ``num_hidden_layers``,
             ``num_heads``/``num_kv_heads`` = attention/key-value heads).
 
     Raises:
         InvalidRequestError: unknown ``arch``, inconsistent sizes, ``max_shard_bytes < 1``, an unknown ``quant`` or
-            ``fp8_scheme``, ``router_skew`` negative or not finite, or ``out`` is a file.
+            ``fp8_scheme``, ``router_skew`` negative or not finite, a ``tokenizer`` folder without ``tokenizer.json``
+            or with ids beyond ``vocab_size``, or ``out`` is a file.
         OSError: the destination cannot be written.
     """
     if arch not in ARCHS:
@@ -319,13 +351,16 @@ def make_checkpoint(
     builder = ARCHS[arch]
     bar = tqdm(total=spec.num_layers + 4, desc=f"raymoe: building {out.name}", unit="step", disable=not progress)
     try:
-        build_tokenizer(tmp, vocab_size=spec.vocab_size)
+        if tokenizer is None:
+            build_tokenizer(tmp, vocab_size=spec.vocab_size)
+        else:
+            generation = _copy_tokenizer(Path(tokenizer), tmp, spec.vocab_size)
         bar.update()
         hf_config = builder.hf_config(spec)
         if fp8 is not None:
             hf_config["quantization_config"] = fp8.to_hf()
         _write_json(tmp / "config.json", hf_config)
-        _write_json(tmp / "generation_config.json", {
+        _write_json(tmp / "generation_config.json", generation if tokenizer is not None else {
             "bos_token_id": ENDOFTEXT_ID, "pad_token_id": ENDOFTEXT_ID,
             "eos_token_id": [IM_END_ID, ENDOFTEXT_ID], "do_sample": False,
         })
