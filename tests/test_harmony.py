@@ -186,3 +186,15 @@ def test_a_tokenizer_bigger_than_the_vocabulary_is_refused(tmp_path, tokenizer_d
     with pytest.raises(InvalidRequestError) as err:
         make_checkpoint("gpt_oss", tmp_path / "small", vocab_size=512, tokenizer=tokenizer_dir)
     assert err.value.field == "tokenizer" and "201088 ids" in err.value.message
+
+
+def test_a_gpt_oss_tokenizer_without_harmonys_tokens_keeps_the_chat_template(tiny_model, monkeypatch):
+    """The seeded tiny checkpoints' tokenizer has no harmony tokens: no harmony, and no vocabulary download."""
+    from raymoe.deploy import harmony
+    from raymoe.tokenizer import load_tokenizer
+
+    def loaded():
+        raise AssertionError("the vocabulary was loaded")
+
+    monkeypatch.setattr(harmony, "harmony_encoding", loaded)
+    assert harmony.HarmonyChat.for_model("gpt_oss", load_tokenizer(tiny_model)) is None

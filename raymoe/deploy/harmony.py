@@ -46,7 +46,9 @@ HARMONY_MODEL_TYPES = frozenset({"gpt_oss"})
 REASONING_EFFORTS = ("low", "medium", "high")
 """``reasoning_effort`` values harmony's system message takes."""
 
-_CHECKED_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
+HARMONY_SPECIAL_IDS = {"<|return|>": 200002, "<|channel|>": 200005, "<|start|>": 200006, "<|end|>": 200007,
+                       "<|message|>": 200008, "<|call|>": 200012}
+"""Harmony's special tokens a chat uses, at their ids in ``o200k_harmony`` (checked against the encoding too)."""
 
 
 @lru_cache(maxsize=1)
@@ -91,18 +93,20 @@ class HarmonyChat:
         """
         if model_type not in HARMONY_MODEL_TYPES:
             return None
+        for token, want in HARMONY_SPECIAL_IDS.items():  # before the vocabulary is loaded (a download)
+            if tokenizer.convert_tokens_to_ids(token) != want:
+                log.warning("the tokenizer's %s is not harmony's id %d: chats use the checkpoint's chat template",
+                            token, want)
+                return None
         try:
             encoding = harmony_encoding()
         except ImportError:
             log.warning("%s chats are harmony, but openai-harmony is not installed: the chat template renders "
                         "them and tool calls are not parsed (pip install openai-harmony)", model_type)
             return None
-        for token in _CHECKED_TOKENS:
-            want = encoding.encode(token, allowed_special="all")
-            if tokenizer.convert_tokens_to_ids(token) != want[0]:
-                log.warning("the tokenizer's %s is not harmony's id %d: chats use the checkpoint's chat template",
-                            token, want[0])
-                return None
+        if any(encoding.encode(t, allowed_special="all") != [i] for t, i in HARMONY_SPECIAL_IDS.items()):
+            raise CheckpointError("o200k_harmony", "openai-harmony's special token ids differ from the ones "
+                                                   "gpt-oss's tokenizer uses")
         return cls(encoding)
 
     def render(self, req: ChatCompletionRequest, constrained: bool = False) -> list[int]:
