@@ -188,11 +188,20 @@ def live_slots(s: Scheduler) -> dict[int, set[int]]:
 def drive(s: Scheduler, arrivals: dict[int, list[Req]], max_steps: int = 20000, aborts=None,
           rank: FakeRank | None = None, overlap: bool = False) -> dict[str, Req]:
     """Run the scheduler to completion, checking invariants every step. ``arrivals``: step -> requests to add.
-    ``overlap``: form each step before applying the previous step's tokens (the driver's overlap scheduling)."""
+    ``overlap``: form each step before applying the previous step's tokens (the driver's overlap scheduling; with
+    speculation the driver's rules: the running step is applied first when the group may draft, and a verify step
+    is applied before the next is formed)."""
     rank = rank or getattr(s, "rank", None) or FakeRank(s)
     finished: dict[str, Req] = {}
     aborts = aborts or {}
     inflight: deque = deque()
+
+    def apply_oldest() -> None:
+        for r in s.process_batch_result(*inflight.popleft()):
+            if r.finished:
+                finished[r.rid] = r
+        s.check_memory_invariants()
+
     for step in range(max_steps):
         for r in arrivals.get(step, []):
             s.add_request(r)
@@ -202,6 +211,8 @@ def drive(s: Scheduler, arrivals: dict[int, list[Req]], max_steps: int = 20000, 
                 finished[rid] = r
         if not s.has_unfinished() and not inflight and step > max(arrivals, default=0):
             break
+        if overlap and inflight and s.spec is not None and s.spec.wants_fresh_tokens():
+            apply_oldest()
         before = live_slots(s)
         batch = s.get_next_batch_to_run()
         for r in s.drain_finished():
@@ -217,12 +228,12 @@ def drive(s: Scheduler, arrivals: dict[int, list[Req]], max_steps: int = 20000, 
         elif not inflight:
             assert not s.has_unfinished(), "scheduler stalled with unfinished requests"
             continue
-        if not overlap or len(inflight) == 2 or batch is None:
-            done = s.process_batch_result(*inflight.popleft())
-            s.check_memory_invariants()
-            for r in done:
-                if r.finished:
-                    finished[r.rid] = r
+        wb = batch.worker_batch if batch is not None else None
+        sync = wb is not None and (wb.forward_mode == ForwardMode.TARGET_VERIFY or any(wb.draft_lens))
+        if not overlap or len(inflight) == 2 or batch is None or sync:
+            apply_oldest()
+            if sync and inflight:
+                apply_oldest()
     else:
         raise AssertionError("did not finish")
     assert_clean(s)

@@ -5,6 +5,8 @@ nothing leaks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hf_models import greedy_reference
 
@@ -38,7 +40,7 @@ def spec_counters(engine: Engine) -> SpecCounters:
 def test_one_rank_gives_the_tokens_of_plain_decoding_and_transformers(model_and_reference):
     path, ref = model_and_reference
     with Engine(path, **OPTS, **SPEC) as e:
-        assert not e.driver.overlap_schedule  # speculative steps run one at a time
+        assert e.driver.overlap_schedule  # between verify steps
         outs = e.generate(PROMPTS, GREEDY)
         counters = spec_counters(e)
         report = e.driver.idle_report()
@@ -49,6 +51,41 @@ def test_one_rank_gives_the_tokens_of_plain_decoding_and_transformers(model_and_
     assert report.clean
     if "qwen3" in path:
         assert ref[:2] == greedy_reference(path, PROMPTS[:2], GREEDY.max_tokens)
+
+
+def test_overlap_scheduling_runs_between_verify_steps(model_and_reference):
+    """Verify steps are formed from the previous step's result and finished before the next is formed; the plain
+    steps between them overlap (rows with log-probs never verify: the adaptive policy stops asking for fresh
+    tokens, and the driver sends each step while the one before runs)."""
+    from raymoe.step.forward_mode import ForwardMode
+
+    path, ref = model_and_reference
+    with Engine(path, **OPTS, **SPEC) as e:
+        ex, seen = e.driver.executor, {"running": 0, "verify_running": False, "sent_over_verify": 0}
+        launch, collect = ex.launch, ex.collect
+
+        def launching(batches):  # a step sent while a verify step still runs would be formed without its result
+            seen["sent_over_verify"] += bool(seen["running"] and seen["verify_running"])
+            seen["running"] += 1
+            seen["verify_running"] = any(b.forward_mode == ForwardMode.TARGET_VERIFY or any(b.draft_lens)
+                                         for b in batches)
+            return launch(batches)
+
+        def collecting(handle):
+            seen["running"] -= 1
+            return collect(handle)
+
+        ex.launch, ex.collect = launching, collecting
+        outs = e.generate(PROMPTS, GREEDY)
+        verified = spec_counters(e).verify_steps
+        before = e.driver.num_overlapped_steps
+        with_logprobs = e.generate(PROMPTS, dataclasses.replace(GREEDY, logprobs=1))
+        overlapped = e.driver.num_overlapped_steps - before
+        report = e.driver.idle_report()
+    assert [o.token_ids for o in outs] == ref and [o.token_ids for o in with_logprobs] == ref
+    assert verified > 0 and overlapped > 10, (verified, overlapped)
+    assert seen["sent_over_verify"] == 0
+    assert report.clean
 
 
 def test_verify_steps_replay_decode_graphs_as_one_row_per_token(model_and_reference):

@@ -66,8 +66,8 @@ class StepCoordinator:
         self._step_errors_in_a_row = 0
         self.last_step_seconds: list[float] = []
         self.step_timer = StepTimer()
-        # speculative steps run one at a time: a request's next positions depend on the drafts its last step accepted
-        self.overlap_schedule = not config.scheduler.disable_overlap_schedule and not config.speculative.enabled
+        # with speculation, verify and draft steps run one at a time (the driver's rule, raymoe.actors.driver)
+        self.overlap_schedule = not config.scheduler.disable_overlap_schedule
 
     def new_rid(self) -> str:
         return f"req-{next(self._ids)}"

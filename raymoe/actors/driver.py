@@ -17,6 +17,11 @@ building and output handling run while the ranks compute. Step N+1's decode rows
 step N samples (``raymoe.scheduler.req``), which the ranks resolve on the device (``raymoe.runner.future_tokens``).
 A request that step N finishes may have a row in step N+1; that row's token is dropped, so stop conditions and
 aborts take effect at the same token as without overlap. ``SchedulerConfig.disable_overlap_schedule`` turns it off.
+With speculative decoding a step that verifies drafts or runs the draft model's passes is formed after the step
+before it finished and is finished before the next one is formed (positions and drafts follow from its result);
+plain steps between them overlap as above, and the driver waits for the running step before it forms the next only
+when a group may draft (``raymoe.scheduler.spec_steps.SpecSteps.wants_fresh_tokens``): with the adaptive draft
+policy a batch where drafting does not pay keeps overlap scheduling's gain.
 
 Fault scope: a request whose own row cannot be built or post-processed fails alone (the schedulers see to it).
 A step that a rank could not compute (:class:`~raymoe.actors.executor.RankStepError`) fails the requests of that
@@ -73,6 +78,7 @@ class _LaunchedStep:
     mode: str
     launched_at: float
     streams: frozenset[str] = frozenset()  # tags of the requests whose KV the step writes layer by layer
+    sync: bool = False  # speculative decoding: the next step must be formed from this one's result
 
 
 class Driver(StepCoordinator):
@@ -103,6 +109,7 @@ class Driver(StepCoordinator):
         self.router = DpRouter(dp_size, config.scheduler.load_balance_method,
                                config.scheduler.prefix_routing_max_load_ratio)
         self._launched: _LaunchedStep | None = None  # overlap scheduling: the step the ranks are computing
+        self.num_overlapped_steps = 0  # steps sent while the one before was still running
         self._reserved_in: dict[str, int] = {}  # PD decode side: request id -> group holding its KV reservation
 
     @property
@@ -240,9 +247,16 @@ class Driver(StepCoordinator):
             RankFailure: the ranks must be restarted (every in-flight request is left to the caller to fail).
         """
         updated: list[Req] = []
+        if self._launched is not None and self._wants_fresh_tokens():  # the next step may verify or draft
+            previous, self._launched = self._launched, None
+            updated.extend(self._finish(previous))
         launched = self._launch_next(updated)
-        if self.overlap_schedule:  # finish the previous step; this one stays in flight until the next call
-            launched, self._launched = self._launched, launched
+        if self.overlap_schedule and not (launched is not None and launched.sync):
+            self.num_overlapped_steps += launched is not None and self._launched is not None
+            launched, self._launched = self._launched, launched  # finish the previous; this one stays in flight
+        elif self._launched is not None:  # a verify or draft step: the previous one first, then this one
+            previous, self._launched = self._launched, None
+            updated.extend(self._finish(previous))
         if launched is not None:
             updated.extend(self._finish(launched))
         self._index_prefixes()
@@ -264,7 +278,14 @@ class Driver(StepCoordinator):
         batches = [g.batch_for(decision) for g in self.groups]
         launched_at = self.step_timer.clock()
         streams = frozenset(c.tag for b in batches for c in b.kv_streams)
-        return _LaunchedStep(self.executor.launch(batches), mode, launched_at, streams)
+        sync = decision.draft_passes or any(b.draft_lens or b.forward_mode == ForwardMode.TARGET_VERIFY
+                                            for b in batches)
+        return _LaunchedStep(self.executor.launch(batches), mode, launched_at, streams, sync)
+
+    def _wants_fresh_tokens(self) -> bool:
+        """Whether some group's next step may verify drafts or run the draft model's passes
+        (``SpecSteps.wants_fresh_tokens``), so it must see the running step's tokens."""
+        return any(g.scheduler.spec is not None and g.scheduler.spec.wants_fresh_tokens() for g in self.groups)
 
     def _finish(self, launched: _LaunchedStep) -> list[Req]:
         """Wait for a launched step and give each group its ranks' output; a step the ranks raised in fails its

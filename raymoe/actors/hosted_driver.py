@@ -61,6 +61,8 @@ class HostedDriver(StepCoordinator):
     def __init__(self, config: EngineConfig, executor, dp_size: int, graph_capture_sizes: Sequence[int] = (),
                  vocab_size: int | None = None, a2a_mode: str | None = None, eplb=None):
         super().__init__(config, executor, graph_capture_sizes, vocab_size, a2a_mode, eplb)
+        # the group processes plan before they see a step's result: speculative steps run one at a time here
+        self.overlap_schedule = self.overlap_schedule and not config.speculative.enabled
         self.dp_size = dp_size
         self.router = DpRouter(dp_size, config.scheduler.load_balance_method,
                                config.scheduler.prefix_routing_max_load_ratio)

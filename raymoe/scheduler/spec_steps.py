@@ -11,8 +11,11 @@ slots of the rejected drafts (``free_tail``), so the request's KV again ends one
 
 Rules that keep it exact and simple:
 
-* Steps run one at a time (the driver turns overlap scheduling off with speculation): a request's next positions
-  depend on how many drafts were accepted, so no step can be formed before the previous one's result.
+* A step that verifies drafts or runs the draft model's passes is formed from the previous step's result and its
+  own result is applied before the next step is formed (a request's next positions depend on how many drafts were
+  accepted, its next drafts on the passes). Between such steps overlap scheduling goes on: the driver forms a step
+  while the one before runs, and a request whose token is still on its way (``pending_ids``) gets no draft. The
+  driver waits for the running step first only when a group may draft (:meth:`SpecSteps.wants_fresh_tokens`).
 * A step with a grammar-constrained request or one that asks for log-probs runs as plain DECODE (the ranks mask and
   report one position per row); so does a step where no request found a draft, and, with the adaptive draft policy
   (``raymoe.scheduler.spec_policy``), one whose drafts are not expected to pay for the verify step.
@@ -39,6 +42,10 @@ from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.step_output import StepOutput
 
 log = logging.getLogger(__name__)
+
+MISS_BACKOFF = 2
+"""Decode batches formed under overlap scheduling (tokens pending, no drafts) after an ``ngram`` lookup found no
+draft, before the driver waits for fresh tokens to look again (``SpecSteps.wants_fresh_tokens``)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,8 @@ class SpecSteps:
         self.ranks_draft = config.speculative_algorithm in ("nextn", "eagle")  # drafts from the ranks' draft model
         self._last_verified = True  # the last step's drafts were worth verifying
         self._steps_without_passes = 0
+        self._since_evaluated = 0  # decode batches formed since drafts were last evaluated (no token pending)
+        self._overlap_for = 0  # decode batches to form with tokens pending before drafts are evaluated again
         self.hit_cut = 1 if self.ranks_draft else 0  # see ``PrefillAdder.hit_cut``
 
     def draft_for(self, req: Req, batch_size: int = 1) -> list[int]:
@@ -122,21 +131,37 @@ class SpecSteps:
     def step_drafts(self, decoders: list[Req]) -> list[list[int]] | None:
         """Each decoding request's draft for this step, or None when the step should not verify any (a grammar or
         log-prob request, no draft at all, or drafts the adaptive policy expects not to pay)."""
+        if any(r.pending_ids for r in decoders):  # overlap scheduling: a token is still on its way
+            self._since_evaluated += 1
+            return None
+        self._since_evaluated, self._overlap_for = 0, EXPLORE_EVERY
         for r in decoders:
             p = r.sampling_params
-            if r.pending_ids or p.grammar is not None or p.logprobs is not None:
+            if p.grammar is not None or p.logprobs is not None:
                 return None
         drafts = [self.draft_for(r, len(decoders)) for r in decoders]
         if self.policy is not None:
             self.policy.prune(self.state.unfinished)
         if not any(drafts):
+            self._overlap_for = MISS_BACKOFF  # new tokens may bring a match soon
             return None
         if self.policy is not None and not self.policy.worth_verifying(
                 [(r.rid, len(d)) for r, d in zip(decoders, drafts, strict=True)], len(decoders)):
             self._last_verified = False
             return None
-        self._last_verified = True
+        self._last_verified, self._overlap_for = True, 0
         return drafts
+
+    def wants_fresh_tokens(self) -> bool:
+        """Whether the next step may verify drafts or run the draft model's passes, and so must be formed from the
+        result of the step before it (module docstring): with a draft model while its passes run
+        (:meth:`wants_draft_passes`); with ``ngram`` and the fixed policy always; with the adaptive one right after a
+        verify step, :data:`MISS_BACKOFF` decode batches after the last look found no draft, and ``EXPLORE_EVERY``
+        after the policy found the drafts not worth verifying (or a request that cannot verify, grammar or
+        log-probs, was in the batch)."""
+        if self.ranks_draft:
+            return self.wants_draft_passes()
+        return self.policy is None or self._since_evaluated >= self._overlap_for
 
     def wants_draft_passes(self) -> bool:
         """Whether the ranks' draft model (``nextn`` / ``eagle``) should run after the step being planned: always
