@@ -5,6 +5,7 @@ slots go back (token and paged pools), and nothing leaks."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -28,11 +29,6 @@ def cycling(seq: list[int]) -> int:
 def noisy(seq: list[int]) -> int:
     """Mostly ``cycling``, with a deviation now and then (drafts partly rejected)."""
     return (cycling(seq) + (len(seq) % 7 == 0)) % VOCAB
-
-
-def scrambled(seq: list[int]) -> int:
-    """A fake model whose text rarely repeats (n-gram drafts are mostly wrong or missing)."""
-    return (seq[-1] * 31 + len(seq) * 17 + 3) % VOCAB
 
 
 def specs(n: int, seed: int, max_tokens=(1, 40)):
@@ -193,13 +189,14 @@ def test_draft_passes_are_one_decision_for_every_rank_and_pause_when_drafts_do_n
 def test_overlap_scheduling_between_verify_steps_gives_the_tokens_of_plain_decoding(policy, mixed):
     """The driver's rules under overlap scheduling (``drive(overlap=True)``): a step is formed while the one before
     runs unless the group may draft, and a verify step is applied before the next one is formed. Rows formed with
-    a token pending get no draft; every request gets plain decoding's tokens, drafts are still verified, and (the
-    adaptive policy, a model whose text rarely repeats: drafts are found and mostly rejected, or not found) some
-    steps overlap; with fixed drafting none does."""
-    workload = specs(16, seed=5, max_tokens=(8, 40))
+    a token pending get no draft; every request gets plain decoding's tokens. The first 8 requests verify drafts;
+    the 8 that arrive later ask for log-probs, so their steps cannot verify: with the adaptive policy those steps
+    overlap, with fixed drafting none does (it always waits for fresh tokens)."""
+    workload = [(rid, prompt, dataclasses.replace(params, logprobs=0) if i >= 8 else params)
+                for i, (rid, prompt, params) in enumerate(specs(16, seed=5, max_tokens=(8, 40)))]
     cfg = SpeculativeConfig(speculative_algorithm="ngram", speculative_draft_policy=policy)
     s = make(speculative=cfg, max_running_requests=8, enable_mixed_chunk=mixed, chunked_prefill_size=12)
-    rank = FakeRank(s, scrambled)
+    rank = FakeRank(s, noisy)
     step, overlapped = rank.step, []
 
     def watched(b):
@@ -207,8 +204,8 @@ def test_overlap_scheduling_between_verify_steps_gives_the_tokens_of_plain_decod
         return step(b)
 
     rank.step = watched
-    finished = drive(s, stagger(workload, lambda i: i // 2), rank=rank, overlap=True)
+    finished = drive(s, stagger(workload, lambda i: i // 2 if i < 8 else 60 + i), rank=rank, overlap=True)
     for rid, prompt, params in workload:
-        assert finished[rid].output_ids == reference(prompt, params, model=scrambled), rid
+        assert finished[rid].output_ids == reference(prompt, params, model=noisy), rid
     assert s.spec.counters().verify_steps > 0
     assert any(overlapped) == (policy == "adaptive"), sum(overlapped)  # fixed drafting always wants fresh tokens

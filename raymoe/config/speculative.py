@@ -35,8 +35,8 @@ class SpeculativeConfig:
              "multi-token-prediction layer drafts on the ranks, a chain of speculative_num_steps tokens: DeepSeek-V3 "
              "with num_nextn_predict_layers >= 1), eagle (an EAGLE-style draft head from speculative_draft_model_path "
              "drafts on the ranks the same way: Qwen3-MoE targets; `raymoe make-checkpoint --arch eagle --target DIR` "
-             "trains one) or None (off). Speculative steps run without overlap scheduling "
-             "(the next step's positions depend on how many drafts were accepted).")
+             "trains one) or None (off). A step that verifies drafts or runs the draft model waits for the step "
+             "before it (the next positions depend on how many drafts were accepted); the steps between overlap.")
     speculative_draft_model_path: str | None = option(
         None, help="eagle: the draft head's folder (EAGLE's layout: fc.weight, norm.weight, layers.0.*, "
                    "config.json; raymoe.models.eagle_head).")

@@ -13,7 +13,8 @@ do, or none.
 
 ``p`` is estimated per request from its own verify rows, starting from the group's overall acceptance. A request
 that drafts nothing still verifies one draft every ``PROBE_EVERY`` steps, and every ``EXPLORE_EVERY``-th decision
-is flipped, so both costs and every acceptance stay measured. Before a cost has data the step verifies (exploring).
+is flipped, so both costs and every acceptance stay measured (steps formed under overlap scheduling, which look for
+no drafts, count as decisions for plain decoding: ``skip_step``). Before a cost has data the step verifies (exploring).
 This is the engine's own rule (SGLang and vLLM take a fixed draft length; vLLM can switch speculation off above a
 batch size); it is what makes ``speculative_algorithm`` safe to leave on.
 """
@@ -114,6 +115,9 @@ class DraftPolicy:
         """Whether a verify step of ``rows`` (``(rid, draft tokens)``, one per decoding request) is expected to
         give more tokens per second than a plain decode step of ``batch_size`` rows (module docstring)."""
         self._decisions += 1
+        explore = self._decisions >= EXPLORE_EVERY
+        if explore:
+            self._decisions = 0
         drafts = sum(n for _, n in rows)
         c_verify = self.verify_cost.at(batch_size + drafts)
         c_decode = self.decode_cost.at(batch_size)
@@ -128,7 +132,7 @@ class DraftPolicy:
                     term *= p
                     expected += term
             choice = expected / c_verify > batch_size / c_decode
-        return choice != (self._decisions % EXPLORE_EVERY == 0)
+        return choice != explore
 
     # ------------------------------------------------------------------ acceptance
     def acceptance(self, rid: str) -> float:
@@ -160,6 +164,14 @@ class DraftPolicy:
         if len(self._reqs) > 2 * len(live) + 64:
             for rid in [rid for rid in self._reqs if rid not in live]:
                 del self._reqs[rid]
+
+    def skip_step(self, rids: list[str]) -> None:
+        """A decode step formed without a look for drafts (overlap scheduling formed it with its requests' tokens
+        pending): it counts toward the next flipped decision and each request's next probe, as a step that chose
+        plain decoding would."""
+        self._decisions += 1
+        for rid in rids:
+            self._reqs.setdefault(rid, _Acceptance(0.0, 0.0)).skipped += 1
 
     def draft_len(self, rid: str, max_len: int, batch_size: int) -> int:
         """Draft tokens worth verifying for ``rid`` (``0 .. max_len``) in a step of ``batch_size`` rows."""

@@ -37,15 +37,15 @@ from raymoe.scheduler.ngram import SEARCH_WINDOW, propose_ngram
 from raymoe.scheduler.req import Req, RequestFault
 from raymoe.scheduler.results import StopRules, check_oldest, finish_in_group
 from raymoe.scheduler.schedule_batch import ScheduleBatch
-from raymoe.scheduler.spec_policy import EXPLORE_EVERY, DraftPolicy
+from raymoe.scheduler.spec_policy import EXPLORE_EVERY, PROBE_EVERY, DraftPolicy
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.step_output import StepOutput
 
 log = logging.getLogger(__name__)
 
-MISS_BACKOFF = 2
-"""Decode batches formed under overlap scheduling (tokens pending, no drafts) after an ``ngram`` lookup found no
-draft, before the driver waits for fresh tokens to look again (``SpecSteps.wants_fresh_tokens``)."""
+MAX_OVERLAP_BACKOFF = PROBE_EVERY
+"""Most decode batches formed under overlap scheduling (tokens pending, so no drafts) between two looks for drafts
+that gave no verify step (``SpecSteps.wants_fresh_tokens``)."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,7 @@ class SpecSteps:
         self._last_verified = True  # the last step's drafts were worth verifying
         self._steps_without_passes = 0
         self._since_evaluated = 0  # decode batches formed since drafts were last evaluated (no token pending)
+        self._wanted = False  # the last look asked for a draft for some request
         self._overlap_for = 0  # decode batches to form with tokens pending before drafts are evaluated again
         self.hit_cut = 1 if self.ranks_draft else 0  # see ``PrefillAdder.hit_cut``
 
@@ -119,6 +120,7 @@ class SpecSteps:
             cap = self.policy.draft_len(req.rid, cap, batch_size)
         if cap <= 0:
             return []
+        self._wanted = True
         if self.ranks_draft:
             return req.spec_drafts[:cap]
         c = self.config
@@ -133,17 +135,22 @@ class SpecSteps:
         log-prob request, no draft at all, or drafts the adaptive policy expects not to pay)."""
         if any(r.pending_ids for r in decoders):  # overlap scheduling: a token is still on its way
             self._since_evaluated += 1
+            if self.policy is not None:  # a step without drafts, as the policy's probes and exploration count it
+                self.policy.skip_step([r.rid for r in decoders])
             return None
-        self._since_evaluated, self._overlap_for = 0, EXPLORE_EVERY
+        self._since_evaluated = 0
+        self._overlap_for = min(max(1, 2 * self._overlap_for), MAX_OVERLAP_BACKOFF)  # unless it verifies, below
         for r in decoders:
             p = r.sampling_params
             if p.grammar is not None or p.logprobs is not None:
                 return None
+        self._wanted = False
         drafts = [self.draft_for(r, len(decoders)) for r in decoders]
         if self.policy is not None:
             self.policy.prune(self.state.unfinished)
         if not any(drafts):
-            self._overlap_for = MISS_BACKOFF  # new tokens may bring a match soon
+            if self._wanted:  # the policy wanted drafts and none was found: the next tokens may bring one
+                self._overlap_for = 0
             return None
         if self.policy is not None and not self.policy.worth_verifying(
                 [(r.rid, len(d)) for r, d in zip(decoders, drafts, strict=True)], len(decoders)):
@@ -156,9 +163,11 @@ class SpecSteps:
         """Whether the next step may verify drafts or run the draft model's passes, and so must be formed from the
         result of the step before it (module docstring): with a draft model while its passes run
         (:meth:`wants_draft_passes`); with ``ngram`` and the fixed policy always; with the adaptive one right after a
-        verify step, :data:`MISS_BACKOFF` decode batches after the last look found no draft, and ``EXPLORE_EVERY``
-        after the policy found the drafts not worth verifying (or a request that cannot verify, grammar or
-        log-probs, was in the batch)."""
+        verify step or a look that wanted drafts and found none (the next tokens may bring a match), and after looks
+        where drafting did not pay (no request's drafts worth it, a request that cannot verify in the batch) once
+        1, 2, 4, ... up to :data:`MAX_OVERLAP_BACKOFF` decode batches overlapped (doubling with each such look).
+        Overlapped batches count as plain-decoding steps for the policy's probes and exploration
+        (``DraftPolicy.skip_step``), so it keeps measuring whether drafting pays."""
         if self.ranks_draft:
             return self.wants_draft_passes()
         return self.policy is None or self._since_evaluated >= self._overlap_for
