@@ -198,3 +198,13 @@ def test_a_gpt_oss_tokenizer_without_harmonys_tokens_keeps_the_chat_template(tin
 
     monkeypatch.setattr(harmony, "harmony_encoding", loaded)
     assert harmony.HarmonyChat.for_model("gpt_oss", load_tokenizer(tiny_model)) is None
+
+
+def test_output_that_stops_being_harmony_keeps_its_text(chat):
+    enc = chat.enc
+    answer = _answer(enc, oh.Message.from_role_and_content(oh.Role.ASSISTANT, "Think.").with_channel("analysis"))
+    broken = answer + enc.encode("<|message|>", allowed_special="all") + enc.encode(" tail text")
+    stream = chat.harmony.stream(None)
+    split = stream.feed(broken)
+    rest, calls = stream.finish()
+    assert split.reasoning == "Think." and rest.content.endswith(" tail text") and calls == ()

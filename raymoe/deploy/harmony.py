@@ -119,7 +119,7 @@ class HarmonyChat:
         """
         oh = self.oh
         system = oh.SystemContent.new()
-        effort = getattr(req, "reasoning_effort", None)
+        effort = req.reasoning_effort
         if effort is not None:
             if effort not in REASONING_EFFORTS:
                 raise ValueError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}")
@@ -178,20 +178,20 @@ class HarmonyStream:
         self.tool_names = tool_names
         self._parser = chat.oh.StreamableParser(chat.encoding, chat.oh.Role.ASSISTANT)
         self._tokens: list[int] = []  # everything generated, for output that is not harmony
+        self._broken_at: int | None = None  # index of the first token the parser refused: from it on, text
         self._shown = False  # some text went out as reasoning or content
-        self._broken = False  # the parser refused a token: the rest is shown as text at the end
 
     def feed(self, token_ids: Sequence[int]) -> ReasoningSplit:
         """The reasoning and content text of the next generated tokens (a tool call's arguments are held)."""
         reasoning, content = [], []
         for t in token_ids:
             self._tokens.append(t)
-            if self._broken:
+            if self._broken_at is not None:
                 continue
             try:
                 self._parser.process(t)
             except self.chat.oh.HarmonyError:
-                self._broken = True
+                self._broken_at = len(self._tokens) - 1
                 continue
             delta = self._parser.last_content_delta
             if not delta or self._parser.current_recipient is not None:
@@ -203,14 +203,17 @@ class HarmonyStream:
     def finish(self) -> tuple[ReasoningSplit, tuple[ToolCall, ...]]:
         """The answer ended: what is left to show and its tool calls."""
         oh = self.chat.oh
-        if not self._broken and self._parser.state != oh.StreamState.EXPECT_START:
+        stops = self.chat.stop_token_ids
+        # the tokens from one the parser refused come out as text; an answer that ended inside a header ends there;
+        # one that was not harmony at all comes out whole
+        tail_from = self._broken_at
+        if tail_from is None and self._parser.state != oh.StreamState.EXPECT_START:
             try:
                 self._parser.process_eos()
             except oh.HarmonyError:
-                self._broken = True
-        if self._broken and not self._shown:  # not harmony at all: the text as it is
-            text = self.chat.encoding.decode([t for t in self._tokens if t not in self.chat.stop_token_ids])
-            return ReasoningSplit("", text), ()
+                tail_from = len(self._tokens)
+        if tail_from is not None and not self._shown and not self._parser.messages:
+            tail_from = 0
         calls, content = [], []
         for m in self._parser.messages:
             if m.recipient is None or not m.recipient.startswith("functions."):
@@ -221,5 +224,7 @@ class HarmonyStream:
                 content.append(text)
             else:
                 calls.append(call)
+        if tail_from is not None:
+            content.append(self.chat.encoding.decode([t for t in self._tokens[tail_from:] if t not in stops]))
         return ReasoningSplit("", "".join(content)), tuple(calls)
 
