@@ -41,7 +41,7 @@ def chat(tokenizer_dir):
     from raymoe.deploy.harmony import HarmonyChat
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    found = HarmonyChat.for_model("gpt_oss", tok)
+    found = HarmonyChat.for_tokenizer(tok)
     assert found is not None
     return SimpleNamespace(harmony=found, tokenizer=tok, enc=found.encoding)
 
@@ -197,7 +197,7 @@ def test_a_gpt_oss_tokenizer_without_harmonys_tokens_keeps_the_chat_template(tin
         raise AssertionError("the vocabulary was loaded")
 
     monkeypatch.setattr(harmony, "harmony_encoding", loaded)
-    assert harmony.HarmonyChat.for_model("gpt_oss", load_tokenizer(tiny_model)) is None
+    assert harmony.HarmonyChat.for_tokenizer(load_tokenizer(tiny_model)) is None
 
 
 def test_output_that_stops_being_harmony_keeps_its_text(chat):

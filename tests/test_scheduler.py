@@ -189,8 +189,8 @@ def drive(s: Scheduler, arrivals: dict[int, list[Req]], max_steps: int = 20000, 
           rank: FakeRank | None = None, overlap: bool = False) -> dict[str, Req]:
     """Run the scheduler to completion, checking invariants every step. ``arrivals``: step -> requests to add.
     ``overlap``: form each step before applying the previous step's tokens (the driver's overlap scheduling; with
-    speculation the driver's rules: the running step is applied first when the group may draft, and a verify step
-    is applied before the next is formed)."""
+    speculation the driver's rule: the running step is applied first when the group may draft, which must hold
+    whenever that step verifies drafts: checked)."""
     rank = rank or getattr(s, "rank", None) or FakeRank(s)
     finished: dict[str, Req] = {}
     aborts = aborts or {}
@@ -213,6 +213,9 @@ def drive(s: Scheduler, arrivals: dict[int, list[Req]], max_steps: int = 20000, 
             break
         if overlap and inflight and s.spec is not None and s.spec.wants_fresh_tokens():
             apply_oldest()
+        if inflight:  # a step formed now would not see the accepted drafts of a verify step still running
+            wb = inflight[-1][0].worker_batch
+            assert wb.forward_mode != ForwardMode.TARGET_VERIFY and not any(wb.draft_lens), "formed over a verify"
         before = live_slots(s)
         batch = s.get_next_batch_to_run()
         for r in s.drain_finished():
@@ -228,12 +231,8 @@ def drive(s: Scheduler, arrivals: dict[int, list[Req]], max_steps: int = 20000, 
         elif not inflight:
             assert not s.has_unfinished(), "scheduler stalled with unfinished requests"
             continue
-        wb = batch.worker_batch if batch is not None else None
-        sync = wb is not None and (wb.forward_mode == ForwardMode.TARGET_VERIFY or any(wb.draft_lens))
-        if not overlap or len(inflight) == 2 or batch is None or sync:
+        if not overlap or len(inflight) == 2 or batch is None:
             apply_oldest()
-            if sync and inflight:
-                apply_oldest()
     else:
         raise AssertionError("did not finish")
     assert_clean(s)

@@ -17,11 +17,12 @@ building and output handling run while the ranks compute. Step N+1's decode rows
 step N samples (``raymoe.scheduler.req``), which the ranks resolve on the device (``raymoe.runner.future_tokens``).
 A request that step N finishes may have a row in step N+1; that row's token is dropped, so stop conditions and
 aborts take effect at the same token as without overlap. ``SchedulerConfig.disable_overlap_schedule`` turns it off.
-With speculative decoding a step that verifies drafts or runs the draft model's passes is formed after the step
-before it finished and is finished before the next one is formed (positions and drafts follow from its result);
-plain steps between them overlap as above, and the driver waits for the running step before it forms the next only
-when a group may draft (``raymoe.scheduler.spec_steps.SpecSteps.wants_fresh_tokens``): with the adaptive draft
-policy a batch where drafting does not pay keeps overlap scheduling's gain.
+With speculative decoding the driver waits for the running step before it forms the next whenever a group may
+verify drafts or run the draft model's passes next (``raymoe.scheduler.spec_steps.SpecSteps.wants_fresh_tokens``,
+which is also True right after a group formed such a step): a verify or draft step is formed from the result of the
+step before it, and its own result is applied before the next is formed (positions and drafts follow from it).
+Plain steps between them overlap as above: with the adaptive draft policy a batch where drafting does not pay keeps
+overlap scheduling's gain.
 
 Fault scope: a request whose own row cannot be built or post-processed fails alone (the schedulers see to it).
 A step that a rank could not compute (:class:`~raymoe.actors.executor.RankStepError`) fails the requests of that
@@ -78,7 +79,6 @@ class _LaunchedStep:
     mode: str
     launched_at: float
     streams: frozenset[str] = frozenset()  # tags of the requests whose KV the step writes layer by layer
-    sync: bool = False  # speculative decoding: the next step must be formed from this one's result
 
 
 class Driver(StepCoordinator):
@@ -251,12 +251,9 @@ class Driver(StepCoordinator):
             previous, self._launched = self._launched, None
             updated.extend(self._finish(previous))
         launched = self._launch_next(updated)
-        if self.overlap_schedule and not (launched is not None and launched.sync):
+        if self.overlap_schedule:  # finish the previous step; this one stays in flight until the next call
             self.num_overlapped_steps += launched is not None and self._launched is not None
-            launched, self._launched = self._launched, launched  # finish the previous; this one stays in flight
-        elif self._launched is not None:  # a verify or draft step: the previous one first, then this one
-            previous, self._launched = self._launched, None
-            updated.extend(self._finish(previous))
+            launched, self._launched = self._launched, launched
         if launched is not None:
             updated.extend(self._finish(launched))
         self._index_prefixes()
@@ -278,13 +275,12 @@ class Driver(StepCoordinator):
         batches = [g.batch_for(decision) for g in self.groups]
         launched_at = self.step_timer.clock()
         streams = frozenset(c.tag for b in batches for c in b.kv_streams)
-        sync = decision.draft_passes or any(b.draft_lens or b.forward_mode == ForwardMode.TARGET_VERIFY
-                                            for b in batches)
-        return _LaunchedStep(self.executor.launch(batches), mode, launched_at, streams, sync)
+        return _LaunchedStep(self.executor.launch(batches), mode, launched_at, streams)
 
     def _wants_fresh_tokens(self) -> bool:
         """Whether some group's next step may verify drafts or run the draft model's passes
-        (``SpecSteps.wants_fresh_tokens``), so it must see the running step's tokens."""
+        (``SpecSteps.wants_fresh_tokens``), so it must see the running step's tokens. It is True right after a group
+        formed a verify or draft step, so such a step is always finished before the next one is formed."""
         return any(g.scheduler.spec is not None and g.scheduler.spec.wants_fresh_tokens() for g in self.groups)
 
     def _finish(self, launched: _LaunchedStep) -> list[Req]:

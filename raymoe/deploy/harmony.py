@@ -40,9 +40,6 @@ from raymoe.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
-HARMONY_MODEL_TYPES = frozenset({"gpt_oss"})
-"""Model families whose chats are harmony (``config.json``'s ``model_type``)."""
-
 REASONING_EFFORTS = ("low", "medium", "high")
 """``reasoning_effort`` values harmony's system message takes."""
 
@@ -84,15 +81,14 @@ class HarmonyChat:
         self.stop_token_ids = tuple(encoding.stop_tokens_for_assistant_actions())  # <|return|>, <|call|>
 
     @classmethod
-    def for_model(cls, model_type: str, tokenizer) -> HarmonyChat | None:
-        """The model's harmony chat, or None where it does not speak harmony: another family, ``openai-harmony``
-        not installed, or a tokenizer whose special tokens are not harmony's (logged).
+    def for_tokenizer(cls, tokenizer) -> HarmonyChat | None:
+        """The harmony chat of a model with this tokenizer (the family is the caller's choice:
+        ``raymoe.deploy.tool_calls.default_tool_parser`` names harmony for gpt-oss), or None where it cannot speak
+        harmony: a tokenizer whose special tokens are not harmony's, or ``openai-harmony`` not installed (logged).
 
         Raises:
-            CheckpointError: a harmony model whose vocabulary cannot be loaded.
+            CheckpointError: the vocabulary cannot be loaded, or openai-harmony's special ids are not the tokenizer's.
         """
-        if model_type not in HARMONY_MODEL_TYPES:
-            return None
         for token, want in HARMONY_SPECIAL_IDS.items():  # before the vocabulary is loaded (a download)
             if tokenizer.convert_tokens_to_ids(token) != want:
                 log.warning("the tokenizer's %s is not harmony's id %d: chats use the checkpoint's chat template",
@@ -101,8 +97,8 @@ class HarmonyChat:
         try:
             encoding = harmony_encoding()
         except ImportError:
-            log.warning("%s chats are harmony, but openai-harmony is not installed: the chat template renders "
-                        "them and tool calls are not parsed (pip install openai-harmony)", model_type)
+            log.warning("openai-harmony is not installed: the chat template renders harmony chats and tool calls "
+                        "are not parsed (pip install openai-harmony)")
             return None
         if any(encoding.encode(t, allowed_special="all") != [i] for t, i in HARMONY_SPECIAL_IDS.items()):
             raise CheckpointError("o200k_harmony", "openai-harmony's special token ids differ from the ones "

@@ -97,11 +97,11 @@ class OpenAIServing:
                  reasoning_parser: str | None = None, tool_call_parser: str | None = "auto"):
         self.engine = engine
         self.reasoning_parser = reasoning_parser
-        model_type = engine.model_config.model_type
-        self.tool_call_parser = default_tool_parser(model_type) if tool_call_parser == "auto" else tool_call_parser
+        self.tool_call_parser = (default_tool_parser(engine.model_config.model_type) if tool_call_parser == "auto"
+                                 else tool_call_parser)
         self.harmony = None
         if self.tool_call_parser == "harmony":
-            self.harmony = HarmonyChat.for_model("gpt_oss", engine.tokenizer)
+            self.harmony = HarmonyChat.for_tokenizer(engine.tokenizer)
             if self.harmony is None and tool_call_parser == "harmony":
                 raise ValueError("tool_call_parser harmony needs openai-harmony and a tokenizer with harmony's "
                                  "special tokens (the log says which is missing)")

@@ -167,7 +167,9 @@ class SpecSteps:
         where drafting did not pay (no request's drafts worth it, a request that cannot verify in the batch) once
         1, 2, 4, ... up to :data:`MAX_OVERLAP_BACKOFF` decode batches overlapped (doubling with each such look).
         Overlapped batches count as plain-decoding steps for the policy's probes and exploration
-        (``DraftPolicy.skip_step``), so it keeps measuring whether drafting pays."""
+        (``DraftPolicy.skip_step``), so it keeps measuring whether drafting pays. True right after this group formed
+        a verify step or a step with draft passes: the driver relies on it to finish such a step before forming the
+        next."""
         if self.ranks_draft:
             return self.wants_draft_passes()
         return self.policy is None or self._since_evaluated >= self._overlap_for
