@@ -86,14 +86,13 @@ class MtpDrafter:
 
         self.graphs = make_runner(forward)
 
-    def _pass(self, wb: ModelWorkerBatch, ids: torch.Tensor, hidden: torch.Tensor, bucket: int | None,
+    def _pass(self, wb: ModelWorkerBatch, ids: torch.Tensor, hidden: torch.Tensor,
               pick: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass of the MTP layer over ``wb`` (its table written): ``ids`` [T], ``hidden`` [T, H] -> the output
-        hidden states and greedy drafts of the rows ``pick`` selects (None: every row). ``bucket``: replay that
-        decode graph (``wb`` has one token per row), else eager."""
-        if bucket is not None and self.graphs is not None:
-            fb = ForwardBatch.from_worker_batch(dataclasses.replace(wb, graph_bs=bucket), self.device,
-                                                SamplingInputs.greedy(wb.batch_size))
+        hidden states and greedy drafts of the rows ``pick`` selects (None: every row). A ``wb`` with ``graph_bs``
+        (one token per row) replays that bucket's graph, else the pass runs eagerly."""
+        if wb.graph_bs is not None and self.graphs is not None:
+            fb = ForwardBatch.from_worker_batch(wb, self.device, SamplingInputs.greedy(wb.batch_size))
             fb.input_ids = ids
             fb.attn_backend = self.attn_backend
             if wb.batch_size:
@@ -153,9 +152,8 @@ class MtpDrafter:
         # after a decode or verify step each row has a few new positions: decode rows, one per token (on MLA the
         # absorbed form, which reads the cached latent rows instead of up-projecting the whole prefix); on a graph
         # step (graph_bs is the driver's, the same on every rank) they replay the bucket that held the step's tokens
-        bucket = batch.graph_bs
-        if bucket is not None:
-            wb = token_rows(rows, pre, ext, loc, [0] * tokens, bucket)
+        if batch.graph_bs is not None:
+            wb = token_rows(rows, pre, ext, loc, [0] * tokens, batch.graph_bs)
         else:
             few = batch.forward_mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
             mode = ForwardMode.TARGET_VERIFY if few else ForwardMode.EXTEND
@@ -166,7 +164,7 @@ class MtpDrafter:
         follow_t = to_device(follow, torch.int64, self.device)
         ids = torch.where(follow_t >= 0, follow_t, shifted) if tokens else shifted
         pick = to_device([i for _, i in last], torch.int64, self.device)
-        g, d = self._pass(wb, ids, hidden[src_t], bucket, pick)
+        g, d = self._pass(wb, ids, hidden[src_t], pick)
         drafts = [d]
         scratch = batch.spec_scratch_slots
         chain = self.num_steps - 1
@@ -177,14 +175,15 @@ class MtpDrafter:
                 slots = [scratch[k * chain + i] for k in range(len(sample_rows))]
                 rows_i = [rows[r] for r in sample_rows]
                 wb = ModelWorkerBatch(ForwardMode.DECODE, [0] * len(rows_i), rows_i, [q + 1 for q in pos], pos,
-                                      [1] * len(rows_i), slots)
+                                      [1] * len(rows_i), slots, graph_bs=batch.draft_graph_bs)
                 self.req_to_token_pool.write_decode(to_device(rows_i, torch.int64, self.device),
                                                     to_device([q + 1 for q in pos], torch.int64, self.device),
                                                     to_device(slots, torch.int64, self.device))
-                g, d = self._pass(wb, drafts[-1], g, batch.draft_graph_bs)
+                g, d = self._pass(wb, drafts[-1], g)
                 drafts.append(d)
             else:  # no chain this step on this rank: the pass still joins the MoE collectives
-                self._pass(ModelWorkerBatch.idle(), drafts[-1][:0], g[:0], batch.draft_graph_bs)
+                idle = dataclasses.replace(ModelWorkerBatch.idle(), graph_bs=batch.draft_graph_bs)
+                self._pass(idle, drafts[-1][:0], g[:0])
         host = torch.stack(drafts, dim=1).tolist() if sample_rows else []
         out_rows: list[tuple[int, ...]] = [()] * bs
         for k, r in enumerate(sample_rows):
