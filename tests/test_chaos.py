@@ -1,9 +1,10 @@
 """The fault harness at CI size (``raymoe.bench.chaos_faults``, what ``raymoe bench chaos`` runs): a served
-dp=2 x ep=2 engine with redundant experts and a small step bound, 16 greedy streams of 128 tokens per fault, the
-fault injected while every stream runs. Each fault ends with no failed request, every stream's whole undisturbed
-text, and the idle invariant; a SIGSTOPped rank becomes a rank fault within the step bound (the driver's
-watchdog), never a hang; a slow rank below the bound is no fault. Node removal needs a cluster of its own
-(``raymoe bench chaos``; the session's cluster keeps its nodes)."""
+dp=2 x ep=2 engine whose 8 experts each have a slot on both ranks (8 redundant experts) and a small step bound, 16
+greedy streams of 128 tokens per fault, the fault injected while every stream runs. Each fault ends with no failed
+request, every stream's whole undisturbed text, and the idle invariant; a SIGSTOPped rank becomes a rank fault
+within the step bound (the driver's watchdog), never a hang; a slow rank below the bound is no fault. A killed or
+stopped rank shrinks the group onto the surviving rank (elastic EP: its process is kept) and a replacement rank
+rejoins. Node removal needs a cluster of its own (``raymoe bench chaos``; the session's cluster keeps its nodes)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ def harness(ray_cluster, tiny_model):
     from raymoe.deploy.openai_api import build_openai_app
     from raymoe.engine import _split_options
 
-    config = _split_options(tiny_model, {"dp_size": 2, "ep_size": 2, "ep_num_redundant_experts": 2,
-                                         "step_timeout_s": STEP_BOUND_S, "max_context_len": 256})
+    config = _split_options(tiny_model, {"dp_size": 2, "ep_size": 2, "ep_num_redundant_experts": 8,
+                                         "step_timeout_s": STEP_BOUND_S, "max_context_len": 256,
+                                         "elastic_ep_rejoin_after_s": 1.0})
     engine = EngineClient(config, model_name="tiny")
     try:
         with uvicorn_server(build_openai_app(engine, max_in_flight=256)) as url:
@@ -45,6 +47,9 @@ def test_a_fault_costs_a_pause_and_no_request(harness, fault):
         assert result.longest_pause_s >= 0.5
     else:
         assert result.resumed >= 16 and result.detected_s is not None and result.recovered_s is not None
+    if fault in ("sigkill_rank", "sigstop_rank"):  # elastic EP: served on the survivor, then grown back
+        assert (result.recovery, result.ranks_kept) == ("shrink", 1), result
+        assert result.regrown_s is not None and result.steps_shrunk > 0, (result, harness.notes)
     if fault == "sigstop_rank":  # the watchdog turned the stopped rank into a fault within its bound
         assert result.detected_s <= STEP_BOUND_S + 3.0, result
         assert not harness.notes, harness.notes

@@ -328,7 +328,8 @@ def test_sigkill_of_a_rank_under_64_streams_fails_none_and_each_gets_its_undistu
     """The acceptance run of elastic expert parallelism at CI size, through the fault harness
     (``raymoe.bench.chaos_faults``): dp=2 x ep=2 without redundant experts, 64 streams of 128 greedy tokens, SIGKILL
     of a rank once every stream has tokens: no request fails, every stream ends with ``[DONE]`` and its whole
-    undisturbed text (128 tokens each), nothing leaks; the longest pause a stream saw is printed."""
+    undisturbed text (128 tokens each), nothing leaks; the longest pause a stream saw is printed. Without replicas
+    the survivors cannot serve alone, so the whole rank group is rebuilt (no rank process is kept)."""
     from raymoe.bench.chaos_faults import ChaosHarness, format_table
 
     result = ChaosHarness(engine, base_url, streams=64, max_tokens=128, stream_timeout_s=180.0).run("sigkill_rank")
@@ -336,6 +337,7 @@ def test_sigkill_of_a_rank_under_64_streams_fails_none_and_each_gets_its_undistu
     assert result.running_at_fault == 64, result
     assert (result.failed, result.mismatched, result.tokens_checked) == (0, 0, 64 * 128), result
     assert result.resumed >= 64 and result.idle_ok, result
+    assert (result.recovery, result.ranks_kept) == ("restart", 0), result
 
 
 def test_a_thousand_concurrent_streams_all_end_with_a_result(engine, base_url, references):

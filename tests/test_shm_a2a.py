@@ -176,6 +176,44 @@ def test_a_silent_peer_times_out_with_a_clear_error(native):
     assert "rank 1 did not post for call 1 within 0.5 s" in msg
 
 
+def _aborted_by_peer(groups: ParallelGroups, native: bool) -> str:
+    import time
+
+    from raymoe.platform.cpu.shm import ShmAborted
+
+    shared = groups.ep_transport.shm
+    shm = ShmAllToAll(groups.ep_rank, shared.layout, shared._buf, timeout_s=30.0, native=native)
+    if groups.ep_rank == 1:  # never posts; aborts the mapping while rank 0 waits for it
+        time.sleep(0.3)
+        shm.abort()
+        return "aborted"
+    t0 = time.monotonic()
+    try:
+        shm.all_to_all_single(torch.empty(2), torch.ones(2)).wait()
+    except ShmAborted:
+        waited = time.monotonic() - t0
+        try:  # every later call of the group raises before it posts
+            shm.all_to_all_single(torch.empty(2), torch.ones(2))
+        except ShmAborted:
+            return f"aborted after {waited:.2f} s"
+        return "a call after the abort posted"
+    return "no error"
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_an_abort_ends_a_peer_wait_at_once(native):
+    """``ShmAllToAll.abort`` (an elastic shrink's survivors, stuck waiting for a dead peer) ends the wait of every
+    rank of the mapping with ``ShmAborted`` well within its 30 s timeout, and no later call posts."""
+    from dist_harness import run_ranks
+
+    if native and build.load() is None:
+        pytest.skip("the C kernel library cannot be built here")
+    out = run_ranks(_aborted_by_peer, ParallelConfig(tp_size=1, dp_size=2, ep_size=2), native, cpu_comm="shm")
+    assert out[1] == "aborted"
+    assert out[0].startswith("aborted after"), out
+    assert float(out[0].split()[2]) < 5.0, out
+
+
 def test_config_checks():
     with pytest.raises(InvalidRequestError) as e:
         MoeCommConfig(cpu_comm="nvlink")

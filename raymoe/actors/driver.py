@@ -217,12 +217,17 @@ class Driver(StepCoordinator):
         group = self.group_of.pop(rid, None)
         return group is not None and self.groups[group].abort(rid)
 
-    def reset(self) -> list[Req]:
-        """Forget every request and KV mapping (after the rank group was restarted); returns the dropped
-        requests (the caller fails them)."""
+    def reset(self, dp_size: int | None = None) -> list[Req]:
+        """Forget every request and KV mapping (after the rank group was restarted, shrunk or grown: ``dp_size``
+        is then its new number of DP groups; None: unchanged); returns the dropped requests (the caller fails
+        them)."""
         dropped = [r for g in self.groups for r in g.reqs.values()]
         self._failed_before_reset += sum(g.failed_requests for g in self.groups)
-        self.groups = [GroupScheduler(d, *self._group_args) for d in range(len(self.groups))]
+        dp_size = dp_size or len(self.groups)
+        self.groups = [GroupScheduler(d, *self._group_args) for d in range(dp_size)]
+        if dp_size != self.router.dp_size:
+            sched = self.config.scheduler
+            self.router = DpRouter(dp_size, sched.load_balance_method, sched.prefix_routing_max_load_ratio)
         self.router.clear()
         self._reserved_in.clear()
         self.group_of.clear()

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from raymoe.actors.driver import Driver
+from raymoe.actors.elastic_world import can_grow, grow_ranks, recover_ranks
 from raymoe.actors.hosted_driver import HostedDriver
 from raymoe.actors.output_batch import OutputBatch, RequestEnd
 from raymoe.actors.records import AddRequest, EngineStats, RequestDelta, RequestError
@@ -85,6 +86,7 @@ class DriverService:
         step_timeout = getattr(getattr(driver, "config", None), "step_timeout_s", 300.0)
         self.stall_timeout_s = stall_timeout_s if stall_timeout_s is not None else step_timeout + 30.0
         self.rank_restarts = 0
+        self.ep_shrinks = self.ep_grows = 0
         self.loop_restarts = 0
         driver.record_outputs = True  # the groups write output rows, which this loop publishes
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -127,6 +129,8 @@ class DriverService:
             num_steps=self.driver.num_steps, num_tbo_steps=self.driver.num_tbo_steps,
             healthy=self.healthy(), step_seconds=list(self.driver.last_step_seconds),
             health_detail=self.health_detail(), rank_restarts=self.rank_restarts, loop_restarts=self.loop_restarts,
+            ep_shrinks=self.ep_shrinks, ep_grows=self.ep_grows, dp_size=len(groups),
+            steps_shrunk=getattr(self.driver.executor, "steps_shrunk", 0),
             failed_steps=self.driver.num_failed_steps, failed_requests=self.failed_requests,
             kv_leaked_slots=idle.leaked_kv_slots if idle else 0, req_rows_leaked=idle.leaked_req_rows if idle else 0,
             cache_tokens_locked=idle.locked_cache_tokens if idle else 0, idle_checked=idle is not None,
@@ -255,7 +259,7 @@ class DriverService:
 
     def _recover(self) -> None:
         try:
-            self.driver.executor.restart()
+            how = recover_ranks(self.driver)
         except Exception as e:  # noqa: BLE001 - stay unhealthy; try again later
             log.exception("restarting the rank group failed")
             # Health says why: a placement timeout names the bundles the cluster lacks (no hosts or ids); any
@@ -264,12 +268,28 @@ class DriverService:
             self._error = f"restarting the rank group failed ({why}); retrying"
             self._stop.wait(5.0)
             return
-        self.driver.reset()
-        if self.driver.eplb is not None:  # the new ranks loaded the initial expert placement
-            self.driver.eplb.ranks_restarted()
-        self.rank_restarts += 1
+        if how == "shrink":
+            self.ep_shrinks += 1
+        else:
+            self.rank_restarts += 1
         self._error = None
-        log.warning("rank group restarted; engine healthy again")
+        log.warning("rank group %s; engine healthy again", "shrank" if how == "shrink" else "restarted")
+
+    def _grow(self) -> None:
+        """Replacement ranks have started (``ElasticWorld.replacements_ready``): fail the in-flight requests as
+        ``unhealthy`` (the front end resumes them once healthy) and return to the full layout; a failed grow
+        leaves the service unhealthy, and the next iteration rebuilds the group."""
+        self._error = "replacement ranks started; the rank group grows back to its full layout"
+        self._fail_all(RequestError("unhealthy", self._error))
+        self._flush()
+        try:
+            grow_ranks(self.driver)
+        except Exception:  # noqa: BLE001 - rebuilt by _recover on the next iteration
+            log.exception("growing the rank group failed")
+            self._error = "growing the rank group failed; rebuilding it"
+            return
+        self.ep_grows += 1
+        self._error = None
 
     def _iterate(self) -> None:
         if self._injected == "loop_error":
@@ -282,6 +302,9 @@ class DriverService:
                 self._recover()
             else:
                 self._stop.wait(self.idle_sleep_s)
+            return
+        if self.auto_recover and can_grow(self.driver):
+            self._grow()
             return
         self._take_commands(block=not self.driver.has_unfinished())
         if self.driver.has_unfinished():

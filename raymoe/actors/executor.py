@@ -5,7 +5,8 @@ places them (``raymoe.cluster.placement``), runs the process-group rendezvous, a
 its DP group's batch: over the step channel (``fanout="channel"``: a Unix socket per rank on the driver's machine,
 ``raymoe.actors.step_channel``), through a Ray Compiled Graph (``"compiled"``) or as plain ``.remote()`` calls. A rank
 that dies or raises fails the step within seconds (``ray.wait`` on all ranks, first error wins) instead of
-leaving the driver blocked behind ranks stuck in a collective; ``restart()`` rebuilds the whole rank group.
+leaving the driver blocked behind ranks stuck in a collective; ``restart()`` rebuilds the whole rank group, and
+``recover()`` first tries to shrink onto the survivors (``raymoe.actors.elastic_world``).
 
 Two kinds of step failure (``raymoe.actors.step_errors``) are told apart here so that the driver restarts ranks
 only for rank faults: :class:`RankFailure` (restart the rank group) and :class:`RankStepError` (fail the step's
@@ -18,7 +19,8 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from raymoe.actors.rank_startup import RankGroupTimeouts, start_rank_group
+from raymoe.actors.elastic_world import ElasticWorld
+from raymoe.actors.rank_startup import RankGroupTimeouts, rank_actor, start_rank_group
 from raymoe.actors.rank_worker import RankWorker
 from raymoe.actors.startup_progress import Progress, root_cause
 from raymoe.actors.step_channel import StepChannelHub
@@ -106,7 +108,7 @@ class LocalExecutor:
         self._thread.shutdown(wait=False)
 
 
-class RayExecutor:
+class RayExecutor(ElasticWorld):
     """Rank actors of one engine on a Ray cluster.
 
     Args:
@@ -122,6 +124,8 @@ class RayExecutor:
             ``raymoe.actors.startup_budget``'s). step_timeout_s: bound on one step, seconds.
         collective_timeout_s: torch.distributed timeout of every collective, seconds.
         progress: called with one line per start-up stage (``raymoe.actors.startup_progress``; None: silent).
+        elastic: after a rank fault, :meth:`recover` shrinks onto the survivors where they can serve alone
+            (``FaultConfig.elastic_ep``). rejoin_after_s: seconds from a shrink to placing the replacements.
     Raises:
         PlacementError: a GPU world whose cluster does not admit node-ordered ranks (``raymoe.cluster.rank_plan``).
         TimeoutError / EngineUnhealthyError: the ranks could not be placed or started.
@@ -130,7 +134,8 @@ class RayExecutor:
     def __init__(self, runner_cfg: RunnerConfig, parallel: ParallelConfig, use_gpu: bool | None = None,
                  fanout: str = "remote", init_timeout_s: float = 180.0, step_timeout_s: float = 300.0,
                  collective_timeout_s: float = 60.0, placement_timeout_s: float | None = None,
-                 load_timeout_s: float | None = None, progress: Progress | None = None):
+                 load_timeout_s: float | None = None, progress: Progress | None = None, elastic: bool = False,
+                 rejoin_after_s: float = 5.0):
         if fanout not in (*FANOUTS, "groups"):
             raise ValueError(f"fanout must be one of {(*FANOUTS, 'groups')}, got {fanout!r}")
         self.runner_cfg = runner_cfg
@@ -143,6 +148,9 @@ class RayExecutor:
         self.placement_timeout_s = placement_timeout_s or init_timeout_s
         self.load_timeout_s = load_timeout_s or init_timeout_s
         self.progress = progress
+        self.elastic, self.rejoin_after_s = elastic, rejoin_after_s
+        self.initial_parallel, self.initial_cfg = parallel, runner_cfg
+        self._init_elastic()
         self.workers: list = []
         self.placements: list = []
         self._dag = None
@@ -151,10 +159,6 @@ class RayExecutor:
         self._start()
 
     def _start(self) -> None:
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from raymoe.actors.rank_devices import bind_cuda_devices
         from raymoe.cluster.placement import pg_owner_tag, place_ranks
 
         t0 = time.perf_counter()
@@ -164,20 +168,27 @@ class RayExecutor:
         if self.progress is not None:
             self.progress(f"{len(self.placements)} ranks placed ({'one GPU' if self.use_gpu else 'CPU only'} each) "
                           f"in {time.perf_counter() - t0:.1f} s")
-        remote_cls = ray.remote(RankWorker)
-        self.workers = [
-            remote_cls.options(
-                num_cpus=p.num_cpus, num_gpus=p.num_gpus, max_restarts=0, name=None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=p.pg,
-                                                                     placement_group_bundle_index=p.bundle_index),
-            ).remote(self.runner_cfg, self.parallel, p.rank)
-            for p in self.placements
-        ]
+        self.workers = [rank_actor(p, self.runner_cfg, self.parallel, p.rank) for p in self.placements]
+        self._start_group(self.workers, self.workers)
+        log.info("started %d ranks (%s) in %.1f s", len(self.workers), self.parallel, time.perf_counter() - t0)
+
+    def _start_group(self, workers: list, new: list) -> None:
+        """Run the start-up of ``workers`` (rank order; ``new``: those never started, whose CUDA devices are bound
+        first) and open the step fan-out.
+
+        Raises:
+            EngineUnhealthyError: a stage failed (every rank is shut down).
+        """
+        import ray
+
+        from raymoe.actors.rank_devices import bind_cuda_devices
+
         try:
-            if self.placements[0].num_gpus:  # each rank's CUDA device: its node's GPUs visible, its own current
-                bind_cuda_devices(self.workers, [p.node_id for p in self.placements], self.init_timeout_s)
-            start_rank_group(self.workers, RankGroupTimeouts(self.init_timeout_s, self.load_timeout_s,
-                                                             self.collective_timeout_s), self.progress)
+            if new and self.placements[0].num_gpus:  # each rank's CUDA device: its node's GPUs visible, its own
+                nodes = ray.get([w.node_id.remote() for w in new], timeout=self.init_timeout_s)
+                bind_cuda_devices(new, nodes, self.init_timeout_s)
+            start_rank_group(workers, RankGroupTimeouts(self.init_timeout_s, self.load_timeout_s,
+                                                        self.collective_timeout_s), self.progress)
         except Exception as e:
             self.shutdown()
             raise EngineUnhealthyError(f"rank group failed to start: {root_cause(e)}") from e
@@ -185,7 +196,18 @@ class RayExecutor:
             self._dag = self._compile()
         elif self.fanout == "channel":
             self._hub = self._open_channel()
-        log.info("started %d ranks (%s) in %.1f s", len(self.workers), self.parallel, time.perf_counter() - t0)
+
+    def _close_fanout(self) -> None:
+        """Close the step channel or tear the compiled graph down (the ranks' step threads then end)."""
+        if self._hub is not None:
+            self._hub.close()
+            self._hub = None
+        if self._dag is not None:
+            try:
+                self._dag.teardown()
+            except Exception:  # noqa: BLE001
+                pass
+            self._dag = None
 
     def _compile(self):
         """Build a Compiled Graph: input = list of per-DP-group batches; output = every rank's StepOutput."""
@@ -241,6 +263,7 @@ class RayExecutor:
             raise RankFailure("rank group is not running")
         if self.fanout == "groups":
             raise RankFailure("this rank group's steps are sent by its DP groups' processes")
+        self.steps_by_world[self.parallel.world_size] += 1
         if self._hub is not None:
             return self._hub.send(batches)  # raises RankFailure
         tp = self.parallel.tp_size
@@ -310,7 +333,7 @@ class RayExecutor:
             return False
 
     def restart(self) -> None:
-        """Kill every rank and start a fresh rank group (KV contents are lost)."""
+        """Kill every rank and start a fresh rank group at the initial layout (KV contents are lost)."""
         self.shutdown()
         self._start()
 
@@ -319,20 +342,13 @@ class RayExecutor:
 
         from raymoe.cluster.placement import release
 
-        if self._hub is not None:
-            self._hub.close()
-            self._hub = None
-        if self._dag is not None:
-            try:
-                self._dag.teardown()
-            except Exception:  # noqa: BLE001
-                pass
-            self._dag = None
+        self._close_fanout()
         for w in self.workers:
             try:
                 ray.kill(w, no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
         self.workers = []
-        release(self.placements)
+        release(self.placements + list(self.vacant.values()))
         self.placements = []
+        self._drop_elastic_state()

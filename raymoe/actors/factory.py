@@ -90,7 +90,8 @@ def build_executor(config: EngineConfig, runner_cfg: RunnerConfig):
 
     init_ray(config.ray_address)
     return RayExecutor(runner_cfg, config.parallel, use_gpu=config.parallel.bundle_gpus, fanout=config.fanout,
-                       step_timeout_s=config.step_timeout_s, **startup_kwargs(config))
+                       step_timeout_s=config.step_timeout_s, elastic=config.faults.elastic_ep,
+                       rejoin_after_s=config.faults.elastic_ep_rejoin_after_s, **startup_kwargs(config))
 
 
 def _local_executor(config: EngineConfig, runner_cfg: RunnerConfig) -> LocalExecutor:

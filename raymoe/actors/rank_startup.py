@@ -25,6 +25,20 @@ class RankGroupTimeouts:
     collective_s: float
 
 
+def rank_actor(placement, runner_cfg, parallel, rank: int):
+    """A ``RankWorker`` actor of ``parallel``'s rank ``rank`` in ``placement``'s bundle (``RankPlacement``),
+    never restarted by Ray (the executor decides what a lost rank costs)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from raymoe.actors.rank_worker import RankWorker
+
+    strategy = PlacementGroupSchedulingStrategy(placement_group=placement.pg,
+                                                placement_group_bundle_index=placement.bundle_index)
+    return ray.remote(RankWorker).options(num_cpus=placement.num_cpus, num_gpus=placement.num_gpus, max_restarts=0,
+                                          scheduling_strategy=strategy).remote(runner_cfg, parallel, rank)
+
+
 def start_rank_group(workers: Sequence[Any], timeouts: RankGroupTimeouts, progress: Progress | None = None) -> None:
     """Join every rank to the world (rank 0's rendezvous address), load every shard, then capture every rank's
     decode graphs; one progress line per stage.

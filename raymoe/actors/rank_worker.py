@@ -7,6 +7,11 @@ KV pools, attention backend and runner, and answers each step of its DP group.
 Start-up of a multi-rank world (driven by ``raymoe.actors.executor.RayExecutor``): every actor is created, rank 0
 publishes a rendezvous address (:meth:`get_rendezvous_address`), all ranks call :meth:`init_distributed`
 concurrently (gloo on CPU, nccl on GPU, with a timeout), then :meth:`load` builds each shard.
+
+Elastic expert parallelism (``raymoe.actors.elastic_plan``): after a fault the surviving ranks stay in their
+processes. :meth:`abort_collectives` ends a step stuck waiting for a dead peer, :meth:`reform` leaves the old world
+(the step thread ends, the runner and its KV are dropped, the process groups destroyed) and takes the new layout and
+rank; the same start-up then runs again (a fresh rendezvous, the shard of the new placement, the decode graphs).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class RankWorker(RankKVTransfer):
         self._inject_from_step = 0  # the injected errors start at this step number (steps_launched counts from 1)
         self.steps_launched = 0  # steps this rank launched (every rank launches the same steps, IDLE included)
         self._step_delay = (0.0, 0)  # (seconds, steps left): inject_step_delay
+        self._step_thread = None  # the step channel's serving thread (start_step_channel)
         if self.parallel.world_size == 1:
             self.load()
 
@@ -205,8 +211,54 @@ class RankWorker(RankKVTransfer):
             else:
                 serve_steps(conn, self.rank, self.parallel.tp_size, self.step)
 
-        threading.Thread(target=serve, name="raymoe-step-channel", daemon=True).start()
+        self._step_thread = threading.Thread(target=serve, name="raymoe-step-channel", daemon=True)
+        self._step_thread.start()
         return True
+
+    def abort_collectives(self) -> bool:
+        """End every wait of this rank's step on its peers (called on the survivors of a rank fault, from the
+        actor's call thread while the step thread may be stuck): the EP transport's shared mapping is aborted
+        (``EpTransport.abort``: the CPU platform's waits return and raise), and NCCL communicators are aborted
+        (``torch.distributed``'s ``_abort_process_group``: a kernel waiting for a dead peer never ends by
+        itself). gloo collectives need nothing: they fail when the dead peer's connection closes. The groups are
+        not usable afterwards: :meth:`reform` follows. Returns True."""
+        import torch.distributed as dist
+
+        if self.groups.ep_transport is not None:
+            self.groups.ep_transport.abort()
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            dist.distributed_c10d._abort_process_group()
+        return True
+
+    def reform(self, runner_cfg: RunnerConfig, parallel: ParallelConfig, rank: int, timeout_s: float = 30.0) -> int:
+        """Leave the current world and take ``parallel``'s rank ``rank`` (an elastic shrink or grow,
+        ``RayExecutor``): waits for the step thread to end (the driver closed the step channel; a step stuck on a
+        dead peer ends after :meth:`abort_collectives`), drops the runner (its weights, KV and graphs), destroys
+        the process groups and resets the fault-injection hooks. The executor then runs the start-up again
+        (:meth:`get_rendezvous_address`, :meth:`init_distributed`, :meth:`load`, :meth:`capture_graphs`), this
+        rank loading the slots of ``runner_cfg.expert_location``. Returns the process id (unchanged: no restart).
+
+        Raises:
+            TimeoutError: the step thread did not end within ``timeout_s`` seconds (the caller rebuilds the group).
+        """
+        import gc
+
+        import torch.distributed as dist
+
+        if self._step_thread is not None:
+            self._step_thread.join(timeout_s)
+            if self._step_thread.is_alive():
+                raise TimeoutError(f"rank {self.rank}'s step thread did not end within {timeout_s} s")
+            self._step_thread = None
+        self.runner = None
+        self.groups = ParallelGroups.single()
+        gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.runner_cfg, self.parallel, self.rank = runner_cfg, parallel, rank
+        self.steps_launched = 0
+        self._injected_step_errors, self._inject_from_step, self._step_delay = 0, 0, (0.0, 0)
+        return os.getpid()
 
     def inject_step_errors(self, n: int = 1, from_step: int = 0) -> bool:
         """Fault injection for tests: ``n`` steps raise ``RuntimeError`` before computing anything, from step

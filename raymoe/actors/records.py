@@ -122,6 +122,9 @@ class EngineStats:
         step_seconds: forward + sampling seconds of the last step on each DP group's tp-rank 0.
         health_detail: why the engine is unhealthy ("" when healthy).
         rank_restarts: rank-group restarts after rank faults (never for a bad request).
+        ep_shrinks, ep_grows: rank faults answered by shrinking onto the surviving DP groups, and returns to the
+            full layout once replacement ranks started (``raymoe.actors.elastic_world``). dp_size: DP groups serving
+            now (fewer than configured while shrunk). steps_shrunk: steps run while shrunk.
         loop_restarts: times the supervisor restarted a dead driver loop.
         failed_steps: steps a rank raised in (their requests failed, the ranks were kept).
         failed_requests: requests that ended with a ``"failed"`` error.
@@ -147,6 +150,10 @@ class EngineStats:
     step_seconds: list[float] = field(default_factory=list)
     health_detail: str = ""
     rank_restarts: int = 0
+    ep_shrinks: int = 0
+    ep_grows: int = 0
+    dp_size: int = 1
+    steps_shrunk: int = 0
     loop_restarts: int = 0
     failed_steps: int = 0
     failed_requests: int = 0

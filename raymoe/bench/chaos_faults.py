@@ -8,7 +8,10 @@ every stream has its first token, waits for every stream to end, and checks:
 * every request completed (``finish_reason`` and ``data: [DONE]``) or ended with a clear error (which one is kept);
 * no stream waited longer than ``stream_timeout_s`` (no hang), and the longest pause between two chunks of a stream;
 * the idle invariant once the engine is idle again (no KV slot, request row or radix lock leaked);
-* every completed stream's text equals its undisturbed run's (taken before the first fault, same engine).
+* every completed stream's text equals its undisturbed run's (taken before the first fault, same engine);
+* how the engine recovered: shrunk onto the surviving DP groups (elastic EP, ``raymoe.actors.elastic_world``; the
+  harness then waits until the group has grown back, so the next fault meets the full layout), the rank group
+  rebuilt, or a new driver; and how many rank processes from before the fault still serve afterwards.
 
 Faults (``FAULTS``): ``sigkill_rank`` (SIGKILL of a rank process), ``sigstop_rank`` (SIGSTOP of a rank for longer
 than the engine's step bound: the driver's watchdog must turn it into a rank fault), ``slow_rank`` (an injected
@@ -57,6 +60,10 @@ class ChaosResult:
         longest_pause_s: the longest gap between two chunks of any stream, seconds. detected_s / recovered_s: from
         the fault to ``/health`` going unhealthy / healthy again, seconds (None: it never went unhealthy).
         idle_ok: the idle invariant held afterwards (``idle_detail`` says what leaked otherwise).
+        recovery: ``"shrink"`` (then grown back), ``"restart"`` (rank group rebuilt), ``"new driver"`` or ``"-"``
+        (no fault seen). ranks_kept: rank processes from before the fault that serve afterwards. regrown_s: from
+        the fault to the group's return to its full layout after a shrink, seconds (None: no shrink).
+        steps_shrunk: engine steps run on the survivors before the group grew back.
     """
 
     fault: str
@@ -72,6 +79,10 @@ class ChaosResult:
     recovered_s: float | None
     idle_ok: bool
     idle_detail: str = ""
+    recovery: str = "-"
+    ranks_kept: int = 0
+    regrown_s: float | None = None
+    steps_shrunk: int = 0
 
     @property
     def ok(self) -> bool:
@@ -101,6 +112,7 @@ class ChaosHarness:
         self.cluster, self.slow_delay_s, self.slow_steps = cluster, slow_delay_s, slow_steps
         self.prompts = [f"chaos stream {i}: def f{i}(x):" for i in range(streams)]
         self._reference: list[str] | None = None
+        self._after = None  # what a fault waits for once its streams ended (given the fault's time)
 
     # ------------------------------------------------------------------------------------------------ streams
     async def _stream(self, client, prompt: str, first: asyncio.Event) -> StreamOutcome:
@@ -217,7 +229,8 @@ class ChaosHarness:
         if fault == "sigkill_rank":
             return lambda: os.kill(pid, signal.SIGKILL)
         if fault == "sigstop_rank":
-            return lambda: self._stop_rank(pid)
+            self._after = lambda at: self._wait_stopped_rank_killed(pid, at)
+            return lambda: os.kill(pid, signal.SIGSTOP)
         if fault == "slow_rank":
             return lambda: ray.get(rank.inject_step_delay.remote(self.slow_delay_s, self.slow_steps), timeout=60)
         if fault == "remove_node":
@@ -230,18 +243,55 @@ class ChaosHarness:
             return lambda: self.cluster.remove_node(node)
         raise ValueError(f"unknown fault {fault!r}; one of {FAULTS}")
 
-    def _stop_rank(self, pid: int) -> None:
-        """SIGSTOP ``pid`` and wait until the restart that the driver's watchdog (``step_timeout_s``) starts has
-        killed it; if it has not within the bound plus 30 s, note that and kill it (the table shows whether health
-        ever dropped)."""
-        os.kill(pid, signal.SIGSTOP)
-        deadline = time.monotonic() + self.engine.config.step_timeout_s + 30.0
+    def _wait_stopped_rank_killed(self, pid: int, stopped_at: float) -> None:
+        """After the streams of a ``sigstop_rank`` fault: wait until the recovery that the driver's watchdog
+        (``step_timeout_s``) started has killed the stopped process ``pid``; if it has not within the bound plus
+        30 s from ``stopped_at`` (the start of the fault's run, just before the signal), note that and kill it
+        (the table shows whether health ever dropped)."""
+        deadline = stopped_at + self.engine.config.step_timeout_s + 30.0
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         if _alive(pid):
             self.notes.append(f"sigstop_rank: the stopped rank (pid {pid}) was not killed within step_timeout_s + "
                               "30 s; the harness killed it")
             os.kill(pid, signal.SIGKILL)
+
+    def _counters(self) -> tuple[int, int, int, int]:
+        """The driver's (ep_shrinks, ep_grows, rank_restarts, steps_shrunk), retried while the driver is being
+        restarted."""
+        import ray
+
+        deadline = time.monotonic() + 60.0
+        while True:
+            try:
+                s = ray.get(self.engine.driver.stats.remote(), timeout=10)
+                return s.ep_shrinks, s.ep_grows, s.rank_restarts, s.steps_shrunk
+            except Exception:  # noqa: BLE001 - the driver is being restarted
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def _rank_pids(self) -> set[int]:
+        import ray
+
+        ranks = ray.get(self.engine.driver.rank_actors.remote(), timeout=60)
+        return set(ray.get([r.pid.remote() for r in ranks], timeout=60))
+
+    def _wait_regrown(self, before: tuple[int, int, int, int], injected_at: float) -> float | None:
+        """After a shrink, wait until the group has grown back (bounded by ``stream_timeout_s``); seconds from the
+        fault, or None when it did not shrink (a note when it did not grow back in time)."""
+        shrinks, grows = before[:2]
+        deadline = time.monotonic() + self.stream_timeout_s
+        now = self._counters()
+        if now[0] <= shrinks:
+            return None
+        while now[1] - grows < now[0] - shrinks:
+            if time.monotonic() > deadline:
+                self.notes.append(f"the rank group did not grow back within {self.stream_timeout_s} s")
+                return None
+            time.sleep(0.2)
+            now = self._counters()
+        return time.monotonic() - injected_at
 
     def _idle(self, timeout_s: float = 60.0) -> tuple[bool, str]:
         """Wait until the engine is idle and has measured its idle invariant; whether it holds, and why not."""
@@ -274,7 +324,16 @@ class ChaosHarness:
         reference = self.reference()
         resumed = self.engine.resumed_requests
         inject = self._injector(fault)
+        before, pids = self._counters(), self._rank_pids()
+        injected_at = time.monotonic()
         outs, timeline, running = asyncio.run(self._run(inject))
+        if self._after is not None:
+            self._after(injected_at)
+            self._after = None
+        regrown = self._wait_regrown(before, injected_at)
+        after = self._counters()
+        recovery = ("shrink" if regrown is not None else "restart" if after[2] > before[2]
+                    else "new driver" if fault == "kill_driver" else "-")
         down = next((t for t, code in timeline if code != 200), None)
         up = next((t for t, code in timeline if code == 200 and down is not None and t > down), None)
         idle_ok, idle_detail = self._idle()
@@ -287,7 +346,9 @@ class ChaosHarness:
             tokens_checked=sum(o.completion_tokens for o, ref in done if o.text == ref),
             mismatched=sum(o.text != ref or o.completion_tokens != self.max_tokens for o, ref in done),
             longest_pause_s=max((max(o.gaps) for o in outs if o.gaps), default=0.0),
-            detected_s=down, recovered_s=up, idle_ok=idle_ok, idle_detail=idle_detail)
+            detected_s=down, recovered_s=up, idle_ok=idle_ok, idle_detail=idle_detail, recovery=recovery,
+            ranks_kept=len(pids & self._rank_pids()), regrown_s=regrown,
+            steps_shrunk=max(after[3] - before[3], 0))
 
 
 def _alive(pid: int) -> bool:
@@ -300,16 +361,20 @@ def _alive(pid: int) -> bool:
 
 
 def format_table(results: list[ChaosResult]) -> str:
-    """The harness's table: one row per fault (running: streams still running once the fault was injected)."""
+    """The harness's table: one row per fault (running: streams still running once the fault was injected; kept:
+    rank processes from before the fault that serve afterwards; regrown: seconds from the fault to the full layout
+    after a shrink)."""
     head = (f"{'fault':<14} {'requests':>8} {'running':>7} {'failed':>6} {'resumed':>7} {'tokens checked':>14} "
-            f"{'mismatched':>10} {'longest pause':>13} {'detected':>8} {'recovered':>9} {'idle':>4}")
+            f"{'mismatched':>10} {'longest pause':>13} {'detected':>8} {'recovered':>9} {'idle':>4} "
+            f"{'recovery':>10} {'kept':>4} {'regrown':>7}")
     rows = [head, "-" * len(head)]
     for r in results:
         det = f"{r.detected_s:.1f} s" if r.detected_s is not None else "-"
         rec = f"{r.recovered_s:.1f} s" if r.recovered_s is not None else "-"
         idle = "ok" if r.idle_ok else "LEAK"
+        grown = f"{r.regrown_s:.1f} s" if r.regrown_s is not None else "-"
         rows.append(f"{r.fault:<14} {r.requests:>8} {r.running_at_fault:>7} {r.failed:>6} {r.resumed:>7} "
                     f"{r.tokens_checked:>14} {r.mismatched:>10} {r.longest_pause_s:>11.2f} s {det:>8} {rec:>9} "
-                    f"{idle:>4}")
+                    f"{idle:>4} {r.recovery:>10} {r.ranks_kept:>4} {grown:>7}")
         rows.extend(f"    error: {e}" for e in r.errors)
     return "\n".join(rows)

@@ -39,6 +39,10 @@ class DistEpTransport:
         self.ep_rank = groups.ep_rank
         self.dist_calls = 0
 
+    def abort(self) -> None:
+        """Nothing to do: a gloo collective fails once a dead peer's connection closes, and NCCL communicators are
+        aborted for the whole process (``RankWorker.abort_collectives``)."""
+
     def all_to_all_equal(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
         self.dist_calls += 1
         return dist.all_to_all_single(out, inp, group=self.group, async_op=True)

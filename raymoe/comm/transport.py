@@ -53,3 +53,7 @@ class EpTransport(Protocol):
                         max_pair_rows: int) -> Work:
         """Start a variable-split all-to-all of rows (dim 0): ``in_splits[d]`` rows to rank ``d``,
         ``out_splits[s]`` rows from rank ``s``; ``max_pair_rows`` from :meth:`exchange_counts`."""
+
+    def abort(self) -> None:
+        """End every wait of this transport on its peers, from another thread (a peer died: an elastic shrink,
+        ``RankWorker.abort_collectives``); later exchanges raise. The transport is not used again."""

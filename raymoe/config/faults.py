@@ -1,5 +1,6 @@
 """Fault-tolerance options: how the front end resumes requests an engine fault interrupted
-(``raymoe.client.request_resume``). The bound that turns a stalled rank into a fault is
+(``raymoe.client.request_resume``), and whether a rank group shrinks onto its survivors instead of being rebuilt
+(``raymoe.actors.elastic_plan``). The bound that turns a stalled rank into a fault is
 ``EngineConfig.step_timeout_s``."""
 
 from __future__ import annotations
@@ -28,10 +29,24 @@ class FaultConfig:
     request_resume_timeout_s: float = option(
         600.0, help="longest a request waits for the engine to recover before it is resumed, seconds; past it the "
                     "request ends with the fault's engine_unhealthy error.")
+    elastic_ep: bool = option(
+        True, help="after a rank fault, keep serving on the DP groups that lost no rank when every logical expert "
+                   "still has a slot on them (redundant experts placed on two ranks, ep_num_redundant_experts; "
+                   "experts tensor-parallel inside each group need none): the surviving ranks stay in their "
+                   "processes, form new process groups and load the shrunken placement, and a replacement rank "
+                   "rejoins when Ray can place it (raymoe.actors.elastic_plan). False, or when the survivors cannot "
+                   "serve alone: the whole rank group is rebuilt.")
+    elastic_ep_rejoin_after_s: float = option(
+        5.0, help="after a shrink, how long the engine serves on the survivors before it places the replacement "
+                  "ranks, seconds (a rank that dies again at once does not make the group regrow in a loop); the "
+                  "group grows back once they have started.")
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_request_resumes, int) or self.max_request_resumes < 0:
             raise InvalidRequestError("max_request_resumes", f"must be an integer >= 0, got "
                                                              f"{self.max_request_resumes!r}")
+        if not self.elastic_ep_rejoin_after_s >= 0:
+            raise InvalidRequestError("elastic_ep_rejoin_after_s", f"must be >= 0, got "
+                                                                   f"{self.elastic_ep_rejoin_after_s!r}")
         if not self.request_resume_timeout_s > 0:
             raise InvalidRequestError("request_resume_timeout_s", f"must be > 0, got {self.request_resume_timeout_s!r}")

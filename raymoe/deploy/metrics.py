@@ -74,6 +74,14 @@ class _EngineStatsCollector:
                                                 "flight.", s.cache_tokens_locked if idle else None)
         yield counter("rank_restarts", "Rank-group restarts after rank faults (never for a bad request).",
                       s and s.rank_restarts)
+        yield counter("ep_shrinks", "Rank faults answered by shrinking onto the surviving DP groups (elastic EP).",
+                      s and s.ep_shrinks)
+        yield counter("ep_grows", "Returns to the full rank layout after a shrink, once replacement ranks started.",
+                      s and s.ep_grows)
+        yield counter("steps_shrunk", "Engine steps run while the rank group was shrunk onto its survivors.",
+                      s and s.steps_shrunk)
+        yield gauge("dp_groups_serving", "DP groups serving now (fewer than configured while shrunk).",
+                    s and s.dp_size)
         yield counter("driver_loop_restarts", "Times the supervisor restarted a dead driver loop.",
                       s and s.loop_restarts)
         yield counter("failed_requests", "Requests that failed alone inside the engine (others kept running).",

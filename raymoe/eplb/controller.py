@@ -75,7 +75,7 @@ class EplbController:
                  num_groups: int = 1, num_nodes: int = 1, pieces_per_expert: int = 1,
                  min_balance_gain: float = 0.0):
         self.initial = self.location = location
-        self.ep_size = ep_size
+        self.initial_ep_size = self.ep_size = ep_size
         self.enable_eplb = enable_eplb
         self.record_interval = record_interval
         self.window_steps = window_steps
@@ -107,7 +107,7 @@ class EplbController:
         report = self._since_report >= self.record_interval
         if report:
             self._since_report = 0
-        if not self._actions and self.enable_eplb and (self._requested or
+        if not self._actions and self.enable_eplb and self.ep_size > 1 and (self._requested or
                                                        self._since_rebalance >= self.rebalance_every):
             self._plan()
         update = self._actions.popleft() if self._actions else ExpertUpdate()
@@ -176,9 +176,14 @@ class EplbController:
 
     def ranks_restarted(self) -> None:
         """The ranks were rebuilt from the initial placement: forget moves, counters and the committed layers."""
+        self.ranks_reformed(self.initial, self.initial_ep_size)
+
+    def ranks_reformed(self, location: ExpertLocation, ep_size: int) -> None:
+        """The ranks were rebuilt over ``ep_size`` ranks holding ``location`` (an elastic shrink or grow,
+        ``raymoe.actors.elastic_world``; a restart returns to the initial ones): forget moves and counters."""
         self._actions.clear()
         self._last.clear()
-        self.location = self.initial
+        self.location, self.ep_size = location, ep_size
 
     # ---- planning ----
     def _plan(self) -> None:

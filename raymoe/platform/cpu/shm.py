@@ -47,6 +47,13 @@ from raymoe.platform.cpu.shm_layout import (
 )
 from raymoe.platform.cpu.shm_protocol import NativeFlags, PythonFlags
 
+ABORTED_FLAG = 1 << 62
+"""The value :meth:`ShmAllToAll.abort` stores in every flag: past any call number, so every wait returns."""
+
+
+class ShmAborted(RuntimeError):
+    """A call of an aborted :class:`ShmAllToAll` returned (its data is garbage)."""
+
 
 class ShmWork:
     """A posted :meth:`ShmAllToAll` call; :meth:`wait` receives the peers' chunks (same role as gloo's Work)."""
@@ -137,6 +144,31 @@ class ShmAllToAll:
     def size(self) -> int:
         return self.layout.size
 
+    def abort(self) -> None:
+        """End every wait of every rank mapping this group: each flag is set past any call number and woken, so
+        a wait returns at once, and every rank's calls raise ``ShmAborted`` (before posting, and when they
+        return). The protocol never uses the diagonal ``ready[r, r]``: set there too, it tells every process of
+        the group that the mapping is aborted. Called from another thread of a rank whose step is stuck waiting
+        for a peer that died (an elastic shrink, ``RankWorker.reform``); the mapping is not used again (the ranks'
+        next groups map a new one). Data a call copied after the abort is garbage and never used: it raises."""
+        p, k = self.size, self.layout.num_slots
+        for a in range(p):
+            self.flags.store_wake(self._ready[a], a, ABORTED_FLAG)  # the marker first: no new post overwrites
+        for a in range(p):
+            for b in range(p):
+                self.flags.store_wake(self._ready[a], b, ABORTED_FLAG)
+                for s in range(k):
+                    self.flags.store_wake(self._doneflag[a, b], s, ABORTED_FLAG)
+
+    @property
+    def aborted(self) -> bool:
+        """Whether some rank of the group aborted the mapping (:meth:`abort`)."""
+        return int(self._ready[self.rank, self.rank]) >= ABORTED_FLAG
+
+    def _check_aborted(self) -> None:
+        if self.aborted:
+            raise ShmAborted("shared-memory all-to-all aborted (the rank group is being reformed)")
+
     def fits(self, nbytes: int) -> bool:
         """Whether one message (one rank's chunk for one peer) of ``nbytes`` fits a slot."""
         return nbytes <= self.layout.slot_bytes
@@ -192,8 +224,10 @@ class ShmAllToAll:
         """An equal-chunk call in one C call (``NativeFlags.post_equal``)."""
         if nbytes > self.layout.slot_bytes:
             raise ValueError(f"a chunk exceeds the shared-memory slot of {self.layout.slot_bytes} bytes")
+        self._check_aborted()
         seq = self._next_seq()
         self.flags.post_equal(self._base, self.layout, self.rank, seq, inp, stride, nbytes, out)
+        self._check_aborted()
         return ShmWork(self, seq, out, None, nbytes)
 
     def _post(self, out: torch.Tensor, inp: torch.Tensor, in_chunks: list[tuple[int, int]],
@@ -203,6 +237,7 @@ class ShmAllToAll:
         p = self.size
         if max(n for _, n in in_chunks + out_chunks) > self.layout.slot_bytes:
             raise ValueError(f"a chunk exceeds the shared-memory slot of {self.layout.slot_bytes} bytes")
+        self._check_aborted()
         seq, me, k = self._next_seq(), self.rank, self.layout.num_slots
         src, dst_ptr = inp.data_ptr(), out.data_ptr()
         for step in range(1, p):
@@ -213,6 +248,7 @@ class ShmAllToAll:
             self.flags.store_wake(self._ready[me], dst, seq)
         (o_off, o_n), (i_off, _) = out_chunks[me], in_chunks[me]
         ctypes.memmove(dst_ptr + o_off, src + i_off, o_n)
+        self._check_aborted()
         return ShmWork(self, seq, out, out_chunks)
 
     def _receive(self, seq: int, out: torch.Tensor, out_chunks: list[tuple[int, int]] | None,
@@ -222,6 +258,7 @@ class ShmAllToAll:
         if out_chunks is None:
             self.flags.receive_equal(self._base, self.layout, self.rank, seq, out, chunk_bytes)
             self._pending.discard(seq)
+            self._check_aborted()
             return
         p, me, k = self.size, self.rank, self.layout.num_slots
         dst_ptr = out.data_ptr()
@@ -232,3 +269,4 @@ class ShmAllToAll:
             ctypes.memmove(dst_ptr + off, self._base + self.layout.slot_offset(src, me, seq % k), n)
             self.flags.store_wake(self._doneflag[src, me], seq % k, seq)
         self._pending.discard(seq)
+        self._check_aborted()

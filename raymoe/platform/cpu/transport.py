@@ -42,6 +42,10 @@ class ShmEpTransport(DistEpTransport):
         self.shm = shm
         self.shm_calls = 0
 
+    def abort(self) -> None:
+        """Abort the shared mapping (``ShmAllToAll.abort``: every rank's waits return and raise)."""
+        self.shm.abort()
+
     def all_to_all_equal(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
         if self.shm.fits(inp.numel() * inp.element_size() // self.ep_size):
             self.shm_calls += 1
