@@ -2,11 +2,12 @@
 its own, and the table of what the streams saw.
 
 The cluster is ``ray.cluster_utils.Cluster`` on 127.0.0.1: a head without GPUs and ``--worker-nodes`` nodes that
-declare 2 GPUs each (emulated: the ranks compute on CPU but reserve a GPU bundle each, so they land on worker nodes
-as on a GPU cluster and a node can be taken away from under a rank). A served dp x ep engine (``EngineClient`` and
-the OpenAI app, in this process) runs ``--streams`` greedy streams per fault; the faults run in order, and after
-``remove_node`` a fresh worker node joins so that the next fault starts at full capacity. A benchmark: it prints
-the table and writes JSON; it needs its own Ray instance (it refuses to join one).
+declare ``--gpus-per-node`` GPUs each (emulated: the ranks compute on CPU but reserve a GPU bundle each, so they land
+on worker nodes as on a GPU cluster and a node can be taken away from under a rank). A served dp x ep engine
+(``EngineClient`` and the OpenAI app, in this process) runs ``--streams`` greedy streams per fault; the faults run in
+order, and after ``remove_node`` a fresh worker node joins (once the streams ended) so that the next fault starts at
+full capacity. A benchmark: it prints the table and writes JSON; it needs its own Ray instance (it refuses to join
+one).
 """
 
 from __future__ import annotations
@@ -24,19 +25,23 @@ def add_chaos_args(p: argparse.ArgumentParser) -> None:
     """The options of ``raymoe bench chaos``."""
     p.add_argument("--model", default=None, help="model folder (default: a tiny Qwen3-MoE checkpoint built here)")
     p.add_argument("--dp", type=int, default=2, help="DP groups = EP ranks (one rank each)")
-    p.add_argument("--redundant", type=int, default=2, help="ep_num_redundant_experts (0: none)")
+    p.add_argument("--redundant", type=int, default=8,
+                   help="ep_num_redundant_experts (0: none; 8: at dp=2 each of the tiny model's 8 experts has a slot "
+                        "on both ranks, so a lost rank shrinks the group onto the other: elastic EP)")
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--step-timeout", type=float, default=5.0, help="step_timeout_s: the watchdog's bound, seconds")
     p.add_argument("--worker-nodes", type=int, default=3)
+    p.add_argument("--gpus-per-node", type=int, default=1,
+                   help="GPUs each worker node declares (1: one rank per node, so remove_node costs one rank)")
     p.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS)
     p.add_argument("--output-json", default="bench_results/chaos.json")
 
 
-def _worker(cluster):
+def _worker(cluster, gpus: int):
     from raymoe.cluster.bootstrap import free_port
 
-    return cluster.add_node(num_cpus=2, num_gpus=2, dashboard_agent_listen_port=free_port(),
+    return cluster.add_node(num_cpus=2, num_gpus=gpus, dashboard_agent_listen_port=free_port(),
                             metrics_export_port=free_port())
 
 
@@ -67,7 +72,7 @@ def run_chaos(a: argparse.Namespace) -> dict:
     engine = None
     try:
         for _ in range(a.worker_nodes):
-            _worker(cluster)
+            _worker(cluster, a.gpus_per_node)
         ray.init(address=cluster.address)
         options = {"dp_size": a.dp, "ep_size": a.dp, "device": "cpu", "bundle_gpus": True,
                    "step_timeout_s": a.step_timeout, "max_queued_requests": 4 * a.streams,
@@ -76,7 +81,7 @@ def run_chaos(a: argparse.Namespace) -> dict:
         app = build_openai_app(engine, max_in_flight=a.streams + 16)
         with serve_in_thread(app, backlog=a.streams + 64) as url:
             harness = ChaosHarness(engine, url, streams=a.streams, max_tokens=a.max_tokens, cluster=cluster,
-                                   stream_timeout_s=300.0)
+                                   stream_timeout_s=300.0, add_node=lambda: _worker(cluster, a.gpus_per_node))
             t0 = time.perf_counter()
             harness.reference()
             print(f"undisturbed run: {a.streams} streams x {a.max_tokens} tokens in {time.perf_counter() - t0:.1f} s",
@@ -84,8 +89,6 @@ def run_chaos(a: argparse.Namespace) -> dict:
             for fault in a.faults:
                 results.append(harness.run(fault))
                 print(format_table(results[-1:]), flush=True)
-                if fault == "remove_node":
-                    _worker(cluster)  # capacity returns for the next fault
         table = format_table(results)
         print(f"\ndp={a.dp} x ep={a.dp}, ep_num_redundant_experts={a.redundant}, step_timeout_s={a.step_timeout}, "
               f"{a.streams} streams x {a.max_tokens} greedy tokens per fault\n{table}")

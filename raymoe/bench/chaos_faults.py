@@ -16,7 +16,8 @@ every stream has its first token, waits for every stream to end, and checks:
 Faults (``FAULTS``): ``sigkill_rank`` (SIGKILL of a rank process), ``sigstop_rank`` (SIGSTOP of a rank for longer
 than the engine's step bound: the driver's watchdog must turn it into a rank fault), ``slow_rank`` (an injected
 delay per step on one rank, below the bound: slowness is not a fault), ``kill_driver`` (the driver actor's process;
-Ray restarts it) and ``remove_node`` (the node of a rank leaves the multi-raylet cluster; needs the cluster).
+Ray restarts it) and ``remove_node`` (the node of a rank leaves the multi-raylet cluster; needs the cluster; once
+the streams ended a fresh node joins, through ``add_node``, so capacity returns for the next fault).
 """
 
 from __future__ import annotations
@@ -98,18 +99,21 @@ class ChaosHarness:
         base_url: the OpenAI app serving it.
         streams: concurrent streams per fault. max_tokens: tokens per stream.
         stream_timeout_s: bound on one fault's streams, seconds (beyond it the run counts as a hang and raises).
-        cluster: the ``ray.cluster_utils.Cluster`` (``remove_node`` only).
+        cluster: the ``ray.cluster_utils.Cluster`` (``remove_node`` only). add_node: adds a fresh worker node to
+            it (called after a ``remove_node`` fault's streams; None: none joins).
         slow_delay_s / slow_steps: the ``slow_rank`` delay per step, seconds, and for how many steps.
     """
 
     def __init__(self, engine, base_url: str, *, streams: int = 64, max_tokens: int = 128,
-                 stream_timeout_s: float = 300.0, cluster=None, slow_delay_s: float = 0.2, slow_steps: int = 20):
+                 stream_timeout_s: float = 300.0, cluster=None, slow_delay_s: float = 0.2, slow_steps: int = 20,
+                 add_node=None):
         if streams < 1 or max_tokens < 1:
             raise ValueError("streams and max_tokens must be >= 1")
         self.engine, self.base_url = engine, base_url
         self.notes: list[str] = []  # what the harness had to do beyond the fault (e.g. kill a stopped rank)
         self.streams, self.max_tokens, self.stream_timeout_s = streams, max_tokens, stream_timeout_s
         self.cluster, self.slow_delay_s, self.slow_steps = cluster, slow_delay_s, slow_steps
+        self.add_node = add_node
         self.prompts = [f"chaos stream {i}: def f{i}(x):" for i in range(streams)]
         self._reference: list[str] | None = None
         self._after = None  # what a fault waits for once its streams ended (given the fault's time)
@@ -240,6 +244,8 @@ class ChaosHarness:
             node = next(n for n in self.cluster.list_all_nodes() if n.node_id == node_id)
             if node is self.cluster.head_node:
                 raise RuntimeError("the rank runs on the head node; remove_node needs it on a worker node")
+            if self.add_node is not None:
+                self._after = lambda _at: self.add_node()
             return lambda: self.cluster.remove_node(node)
         raise ValueError(f"unknown fault {fault!r}; one of {FAULTS}")
 
