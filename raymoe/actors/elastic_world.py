@@ -105,7 +105,7 @@ class ElasticWorld:
         Raises:
             TimeoutError / EngineUnhealthyError: the rebuild could not start the ranks.
         """
-        if self.elastic and self.fanout != "groups":
+        if self.elastic and self.fanout != "groups" and self.workers:  # none after a failed grow: rebuild
             try:
                 plan = plan_shrink(self.parallel, location or self.runner_cfg.expert_location, self.lost_ranks())
                 self.shrink(plan)
