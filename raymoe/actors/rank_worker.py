@@ -243,6 +243,7 @@ class RankWorker(RankKVTransfer):
         """
         import gc
 
+        import torch
         import torch.distributed as dist
 
         if self._step_thread is not None:
@@ -253,6 +254,8 @@ class RankWorker(RankKVTransfer):
         self.runner = None
         self.groups = ParallelGroups.single()
         gc.collect()
+        if torch.cuda.is_initialized():  # the old shard's blocks go back before the new one loads
+            torch.cuda.empty_cache()
         if dist.is_initialized():
             dist.destroy_process_group()
         self.runner_cfg, self.parallel, self.rank = runner_cfg, parallel, rank
