@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from raymoe.actors.elastic_world import restart_ranks
 from raymoe.actors.factory import build_driver
 from raymoe.actors.records import RequestDelta
 from raymoe.client.blocking import BlockingClient, StreamRequest
@@ -209,10 +210,7 @@ class Engine:
         """
         if self.pd is not None:
             return
-        self.driver.executor.restart()
-        self.driver.reset()
-        if self.driver.eplb is not None:  # the new ranks loaded the initial expert placement
-            self.driver.eplb.ranks_restarted()
+        restart_ranks(self.driver)
         self._unhealthy = None
 
     def _prompt_ids(self, prompts, prompt_token_ids) -> list[list[int]]:

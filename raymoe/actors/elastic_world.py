@@ -222,14 +222,24 @@ def recover_ranks(driver) -> str:
     """
     executor, eplb = driver.executor, driver.eplb
     if not isinstance(executor, ElasticWorld):
-        executor.restart()
-        driver.reset()
-        if eplb is not None:  # the new ranks loaded the initial expert placement
-            eplb.ranks_restarted()
+        restart_ranks(driver)
         return "restart"
     how = executor.recover(eplb.location if eplb is not None else None)
     _reset_to(driver, executor)
     return how
+
+
+def restart_ranks(driver) -> None:
+    """Rebuild the driver's whole rank group at its initial layout and reset the driver and its EPLB controller
+    (the offline ``Engine``'s recovery, and :func:`recover_ranks` for executors that cannot shrink).
+
+    Raises:
+        Exception: the ranks could not be started again.
+    """
+    driver.executor.restart()
+    driver.reset()
+    if driver.eplb is not None:  # the new ranks loaded the initial expert placement
+        driver.eplb.ranks_restarted()
 
 
 def can_grow(driver) -> bool:
