@@ -186,7 +186,7 @@ class ElasticWorld:
                  for w, orig in zip(self.workers, self.original_ranks, strict=True)],
                 timeout=self.init_timeout_s + self.collective_timeout_s)
         by_rank = dict(zip(self.original_ranks, zip(self.workers, self.placements, strict=True), strict=True))
-        joined = [(r, a) for r, a in self._joining.items()]
+        joined = list(self._joining.items())
         by_rank.update({r: (a, self.vacant[r]) for r, a in joined})
         order = sorted(by_rank)
         self.workers = [by_rank[r][0] for r in order]
