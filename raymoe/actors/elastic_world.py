@@ -42,7 +42,7 @@ class ElasticWorld:
 
     The executor sets, before its first start: ``elastic`` (allow shrinks), ``rejoin_after_s`` (seconds),
     ``initial_parallel`` / ``initial_cfg`` (the layout and runner settings a grow returns to) and calls
-    :meth:`_init_elastic`. It provides ``workers``, ``placements``, ``parallel``, ``runner_cfg``,
+    :meth:`_init_elastic`. It provides ``workers``, ``placements``, ``parallel``, ``runner_cfg``, ``fanout``,
     ``init_timeout_s``, ``collective_timeout_s``, ``_close_fanout()``, ``_start_group(workers, new)`` and
     ``restart()``.
 
