@@ -53,3 +53,32 @@ def test_a_fault_costs_a_pause_and_no_request(harness, fault):
     if fault == "sigstop_rank":  # the watchdog turned the stopped rank into a fault within its bound
         assert result.detected_s <= STEP_BOUND_S + 3.0, result
         assert not harness.notes, harness.notes
+
+
+def test_a_rank_killed_while_idle_is_found_without_a_request(harness):
+    """No request runs: the service's idle probe (every ``IDLE_PROBE_INTERVAL_S``) finds the killed rank, health
+    drops, the group shrinks onto the survivor and grows back, all before the next request, which then gets its
+    undisturbed tokens."""
+    import asyncio
+    import os
+    import signal
+    import time
+
+    import ray
+
+    from raymoe.actors.driver_service import IDLE_PROBE_INTERVAL_S
+
+    def stats():
+        return ray.get(harness.engine.driver.stats.remote(), timeout=30)
+
+    before = stats()
+    _, pid = harness._rank()
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + IDLE_PROBE_INTERVAL_S + 60
+    while stats().ep_grows <= before.ep_grows and time.monotonic() < deadline:
+        time.sleep(0.2)
+    after = stats()
+    assert (after.ep_shrinks - before.ep_shrinks, after.ep_grows - before.ep_grows) == (1, 1), after
+    assert after.healthy and after.dp_size == 2 and after.rank_restarts == before.rank_restarts
+    outs, _, _ = asyncio.run(harness._run())
+    assert [o.text for o in outs] == harness.reference()

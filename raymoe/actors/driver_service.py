@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from raymoe.actors.driver import Driver
-from raymoe.actors.elastic_world import can_grow, grow_ranks, recover_ranks
+from raymoe.actors.elastic_world import can_grow, grow_ranks, idle_lost_ranks, recover_ranks
 from raymoe.actors.hosted_driver import HostedDriver
 from raymoe.actors.output_batch import OutputBatch, RequestEnd
 from raymoe.actors.records import AddRequest, EngineStats, RequestDelta, RequestError
@@ -44,6 +44,9 @@ from raymoe.scheduler.spec_steps import SpecCounters
 __all__ = ["AddRequest", "DriverService", "EngineStats", "OutputBatch", "RequestDelta", "RequestError"]
 
 log = logging.getLogger(__name__)
+
+IDLE_PROBE_INTERVAL_S = 5.0
+"""How often an idle service probes its ranks for one that died or stopped (``idle_lost_ranks``), seconds."""
 
 
 class _InjectedLoopDeath(BaseException):  # noqa: N818 - a BaseException on purpose: the catch-all lets it pass
@@ -95,6 +98,7 @@ class DriverService:
         self._idle: IdleReport | None = None  # idle invariant, measured while no request is in flight
         self._injected: str | None = None
         self._iteration_started = time.monotonic()
+        self._last_idle_probe = time.monotonic()
         self._last_death = 0.0
         self._backoff = restart_backoff_s
         self._stop = threading.Event()
@@ -315,9 +319,25 @@ class DriverService:
                 # Clients see the error type only; the details (tracebacks, hosts, actor ids) stay in the log.
                 self._error = f"engine step failed ({type(e).__name__}); the rank group is restarting"
                 self._fail_all(RequestError("unhealthy", self._error))
-        elif self._idle is None:
-            self._idle = self.driver.idle_report()
+        else:
+            if self._idle is None:
+                self._idle = self.driver.idle_report()
+            self._probe_idle_ranks()
         self._flush()
+
+    def _probe_idle_ranks(self) -> None:
+        """While no request is in flight, look for lost ranks every ``IDLE_PROBE_INTERVAL_S`` seconds
+        (``idle_lost_ranks``): a rank that died or stopped while idle makes the service unhealthy and the next
+        iteration recovers (shrinks or rebuilds) before a request meets it, and ``/health`` tells the truth
+        meanwhile."""
+        now = time.monotonic()
+        if not self.auto_recover or now - self._last_idle_probe < IDLE_PROBE_INTERVAL_S:
+            return
+        self._last_idle_probe = now
+        lost = idle_lost_ranks(self.driver)
+        if lost:
+            log.warning("ranks %s were lost while the engine was idle", lost)
+            self._error = f"{len(lost)} rank(s) lost while idle; the rank group is recovering"
 
     def _loop(self) -> None:
         while not self._stop.is_set():

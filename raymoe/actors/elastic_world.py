@@ -242,6 +242,16 @@ def restart_ranks(driver) -> None:
         driver.eplb.ranks_restarted()
 
 
+def idle_lost_ranks(driver) -> list[int]:
+    """The driver's ranks that died or stopped answering (``ElasticWorld.lost_ranks``), probed while no step runs;
+    ``[]`` where the executor cannot tell (one rank in this process, group processes) or a compiled graph occupies
+    the ranks' call threads (a live rank would look lost)."""
+    executor = driver.executor
+    if not isinstance(executor, ElasticWorld) or not executor.workers or executor.fanout not in ("channel", "remote"):
+        return []
+    return executor.lost_ranks()
+
+
 def can_grow(driver) -> bool:
     """Whether the driver's ranks are shrunk and their replacements have started (never blocks)."""
     executor = driver.executor
