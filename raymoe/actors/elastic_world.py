@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import Counter
 
 from raymoe.actors.elastic_plan import CannotShrink, ShrinkPlan, plan_shrink
 from raymoe.actors.rank_startup import rank_actor
@@ -47,8 +46,9 @@ class ElasticWorld:
     ``restart()``.
 
     Attributes:
-        original_ranks: each current rank's rank in the initial layout. num_shrinks, num_grows: changes so far.
-        steps_by_world: steps launched per world size (how much was served shrunken).
+        original_ranks: each current rank's rank in the initial layout. vacant: the lost ranks' placements by
+            original rank (their bundles stay reserved for the replacements; empty unless shrunk).
+        steps_shrunk: steps launched while shrunk (the executor counts them).
     """
 
     elastic: bool
@@ -58,18 +58,10 @@ class ElasticWorld:
 
     def _init_elastic(self) -> None:
         self.original_ranks = list(range(self.initial_parallel.world_size))
-        self.vacant: dict[int, object] = {}  # original rank -> its placement (bundle kept reserved)
-        self._joining: dict[int, object] = {}  # original rank -> replacement actor (starting)
-        self._joining_probe: dict[int, object] = {}
+        self.vacant: dict[int, object] = {}
+        self._joining: dict[int, tuple[object, object]] = {}  # original rank -> (replacement actor, its pid ref)
         self._shrunk_at: float | None = None
-        self.num_shrinks = 0
-        self.num_grows = 0
-        self.steps_by_world: Counter[int] = Counter()
-
-    @property
-    def steps_shrunk(self) -> int:
-        """Steps launched while the world was smaller than its initial layout."""
-        return sum(n for world, n in self.steps_by_world.items() if world < self.initial_parallel.world_size)
+        self.steps_shrunk = 0
 
     @property
     def shrunk(self) -> bool:
@@ -144,7 +136,6 @@ class ElasticWorld:
         self.placements = [self.placements[r] for r in plan.survivors]
         self.workers, self.parallel, self.runner_cfg = survivors, plan.parallel, cfg
         self._start_group(survivors, ())
-        self.num_shrinks += 1
         self._shrunk_at = time.monotonic()
         log.warning("rank group shrank to %s (lost DP groups %s) in %.1f s", plan.parallel, list(plan.lost_groups),
                     time.perf_counter() - t0)
@@ -159,14 +150,14 @@ class ElasticWorld:
             return False
         if not self._joining:
             self._place_replacements()
-        ready, _ = ray.wait(list(self._joining_probe.values()), num_returns=len(self._joining_probe), timeout=0)
-        return len(ready) == len(self._joining_probe)
+        probes = [probe for _, probe in self._joining.values()]
+        ready, _ = ray.wait(probes, num_returns=len(probes), timeout=0)
+        return len(ready) == len(probes)
 
     def _place_replacements(self) -> None:
         for rank, p in self.vacant.items():
             actor = rank_actor(p, self.initial_cfg, self.initial_parallel, rank)
-            self._joining[rank] = actor
-            self._joining_probe[rank] = actor.pid.remote()
+            self._joining[rank] = (actor, actor.pid.remote())
 
     def grow(self) -> None:
         """Return to the initial layout with the started replacements (:meth:`replacements_ready`): the survivors
@@ -186,29 +177,28 @@ class ElasticWorld:
                  for w, orig in zip(self.workers, self.original_ranks, strict=True)],
                 timeout=self.init_timeout_s + self.collective_timeout_s)
         by_rank = dict(zip(self.original_ranks, zip(self.workers, self.placements, strict=True), strict=True))
-        joined = list(self._joining.items())
-        by_rank.update({r: (a, self.vacant[r]) for r, a in joined})
+        joined = [actor for actor, _ in self._joining.values()]
+        by_rank.update({r: (actor, self.vacant[r]) for r, (actor, _) in self._joining.items()})
         order = sorted(by_rank)
         self.workers = [by_rank[r][0] for r in order]
         self.placements = [by_rank[r][1] for r in order]
         self.original_ranks = order
         self.parallel, self.runner_cfg = self.initial_parallel, self.initial_cfg
-        self.vacant, self._joining, self._joining_probe, self._shrunk_at = {}, {}, {}, None
-        self._start_group(self.workers, [a for _, a in joined])
-        self.num_grows += 1
+        self.vacant, self._joining, self._shrunk_at = {}, {}, None
+        self._start_group(self.workers, joined)
         log.warning("rank group grew back to %s in %.1f s", self.parallel, time.perf_counter() - t0)
 
     def _drop_elastic_state(self) -> None:
         """Forget shrinks (a full rebuild returns to the initial layout): kill starting replacements."""
         import ray
 
-        for actor in self._joining.values():
+        for actor, _ in self._joining.values():
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
         self.original_ranks = list(range(self.initial_parallel.world_size))
-        self.vacant, self._joining, self._joining_probe, self._shrunk_at = {}, {}, {}, None
+        self.vacant, self._joining, self._shrunk_at = {}, {}, None
         self.parallel, self.runner_cfg = self.initial_parallel, self.initial_cfg
 
 

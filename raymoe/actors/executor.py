@@ -263,7 +263,7 @@ class RayExecutor(ElasticWorld):
             raise RankFailure("rank group is not running")
         if self.fanout == "groups":
             raise RankFailure("this rank group's steps are sent by its DP groups' processes")
-        self.steps_by_world[self.parallel.world_size] += 1
+        self.steps_shrunk += bool(self.vacant)
         if self._hub is not None:
             return self._hub.send(batches)  # raises RankFailure
         tp = self.parallel.tp_size

@@ -146,11 +146,12 @@ class ShmAllToAll:
 
     def abort(self) -> None:
         """End every wait of every rank mapping this group: each flag is set past any call number and woken, so
-        a wait returns at once, and every rank's calls raise ``ShmAborted`` (before posting, and when they
-        return). The protocol never uses the diagonal ``ready[r, r]``: set there too, it tells every process of
-        the group that the mapping is aborted. Called from another thread of a rank whose step is stuck waiting
-        for a peer that died (an elastic shrink, ``RankWorker.reform``); the mapping is not used again (the ranks'
-        next groups map a new one). Data a call copied after the abort is garbage and never used: it raises."""
+        a wait returns at once, and every rank's calls raise ``ShmAborted`` (before posting, and once their
+        receive returns: a post under way when the abort came raises at its wait). The protocol never uses the
+        diagonal ``ready[r, r]``: set there too, it tells every process of the group that the mapping is aborted.
+        Called from another thread of a rank whose step is stuck waiting for a peer that died (an elastic shrink,
+        ``RankWorker.reform``); the mapping is not used again (the ranks' next groups map a new one). Data a call
+        copied after the abort is garbage and never used: it raises."""
         p, k = self.size, self.layout.num_slots
         for a in range(p):
             self.flags.store_wake(self._ready[a], a, ABORTED_FLAG)  # the marker first: no new post overwrites
@@ -227,7 +228,6 @@ class ShmAllToAll:
         self._check_aborted()
         seq = self._next_seq()
         self.flags.post_equal(self._base, self.layout, self.rank, seq, inp, stride, nbytes, out)
-        self._check_aborted()
         return ShmWork(self, seq, out, None, nbytes)
 
     def _post(self, out: torch.Tensor, inp: torch.Tensor, in_chunks: list[tuple[int, int]],
@@ -248,7 +248,6 @@ class ShmAllToAll:
             self.flags.store_wake(self._ready[me], dst, seq)
         (o_off, o_n), (i_off, _) = out_chunks[me], in_chunks[me]
         ctypes.memmove(dst_ptr + o_off, src + i_off, o_n)
-        self._check_aborted()
         return ShmWork(self, seq, out, out_chunks)
 
     def _receive(self, seq: int, out: torch.Tensor, out_chunks: list[tuple[int, int]] | None,
