@@ -52,7 +52,14 @@ def initial_location(config: EngineConfig, model_config: ModelConfig) -> ExpertL
                                   "rebalancing are not supported for gpt-oss models")
     num_layers = sum(model_config.is_moe_layer(i) for i in range(model_config.num_hidden_layers))
     return initial_expert_location(num_layers, model_config.num_experts, config.parallel.ep_size,
-                                   e.ep_num_redundant_experts, e.init_expert_location, _routing_groups(model_config))
+                                   e.ep_num_redundant_experts, e.init_expert_location, _routing_groups(model_config),
+                                   num_fault_domains=_fault_domains(config))
+
+
+def _fault_domains(config: EngineConfig) -> int:
+    """DP groups a placement keeps every expert on two of (elastic EP with experts sharded over them), else 1."""
+    p = config.parallel
+    return p.dp_size if config.faults.elastic_ep and p.ep_size > 1 else 1
 
 
 def _routing_groups(model_config: ModelConfig) -> int:
@@ -71,7 +78,8 @@ def eplb_controller(config: EngineConfig, model_config: ModelConfig,
                           e.eplb_window_steps, e.eplb_rebalance_num_iterations, e.eplb_min_window_tokens,
                           e.eplb_transfer_experts_per_step, num_groups=_routing_groups(model_config),
                           pieces_per_expert=e.eplb_transfer_pieces_per_expert,
-                          min_balance_gain=e.eplb_min_balance_gain)
+                          min_balance_gain=e.eplb_min_balance_gain,
+                          fault_domain_ranks=config.parallel.tp_size if _fault_domains(config) > 1 else 0)
 
 
 def _set_ep_nodes(eplb: EplbController | None, executor) -> None:

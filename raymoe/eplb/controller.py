@@ -64,7 +64,10 @@ class EplbController:
             the EP ranks span (rank ``r`` on node ``r * num_nodes // ep_size``). pieces_per_expert: byte ranges of
             one expert copy. min_balance_gain: an automatic rebalance moves a layer only when the new placement
             raises its balance (mean / max per-rank load over the window) by at least this much (no churn between
-            placements that are about as good).
+            placements that are about as good). fault_domain_ranks: with elastic EP, the EP ranks of one DP group
+            (``tp_size``): a rebalance keeps every expert on two DP groups where the slots allow
+            (``rebalance_experts(num_fault_domains=ep_size // fault_domain_ranks)``), so a rank fault can still
+            shrink the world; 0: load alone decides.
     Attributes:
         location: the placement the ranks hold (a committed layer counts from the step that commits it).
         num_rebalances: rebalances planned. num_layer_commits: layers switched.
@@ -73,7 +76,7 @@ class EplbController:
     def __init__(self, location: ExpertLocation, ep_size: int, enable_eplb: bool, record_interval: int,
                  window_steps: int, rebalance_every: int, min_window_tokens: int, experts_per_step: int,
                  num_groups: int = 1, num_nodes: int = 1, pieces_per_expert: int = 1,
-                 min_balance_gain: float = 0.0):
+                 min_balance_gain: float = 0.0, fault_domain_ranks: int = 0):
         self.initial = self.location = location
         self.initial_ep_size = self.ep_size = ep_size
         self.enable_eplb = enable_eplb
@@ -86,6 +89,7 @@ class EplbController:
         self.min_balance_gain = min_balance_gain
         self.num_groups = num_groups
         self.num_nodes = num_nodes
+        self.fault_domain_ranks = fault_domain_ranks
         self._steps = 0
         self._since_report = 0
         self._since_rebalance = 0
@@ -193,7 +197,9 @@ class EplbController:
             return
         requested, self._requested = self._requested, False
         old = torch.tensor(self.location.physical_to_logical, dtype=torch.int64)
-        new, _ = rebalance_experts(load, self.location.num_physical, self.num_groups, self.num_nodes, self.ep_size)
+        domains = self.ep_size // self.fault_domain_ranks if self.fault_domain_ranks else 1
+        new, _ = rebalance_experts(load, self.location.num_physical, self.num_groups, self.num_nodes, self.ep_size,
+                                   num_fault_domains=domains)
         new = keep_slots_stable(old, new, self.ep_size)
         gain = rank_balance(load, new, self.ep_size) - rank_balance(load, old, self.ep_size)
         need = 1e-9 if requested else self.min_balance_gain  # an asked-for rebalance moves any layer it improves

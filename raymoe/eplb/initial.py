@@ -11,9 +11,12 @@ from raymoe.errors import InvalidRequestError
 
 
 def initial_expert_location(num_layers: int, num_logical: int, ep_size: int, num_redundant: int,
-                            path: str | None, num_groups: int = 1, num_nodes: int = 1) -> ExpertLocation:
+                            path: str | None, num_groups: int = 1, num_nodes: int = 1,
+                            num_fault_domains: int = 1) -> ExpertLocation:
     """The start placement of ``num_layers`` MoE layers of ``num_logical`` experts over ``ep_size`` ranks with
-    ``num_redundant`` extra slots.
+    ``num_redundant`` extra slots. A placement computed from a load record keeps every expert on two of
+    ``num_fault_domains`` DP groups where the slots allow (``rebalance_experts``); a placement file is taken as
+    it is.
 
     Raises:
         InvalidRequestError: ``num_logical + num_redundant`` is not a multiple of ``ep_size``
@@ -34,7 +37,8 @@ def initial_expert_location(num_layers: int, num_logical: int, ep_size: int, num
             load = torch.tensor(data["expert_load"], dtype=torch.float64)
             if load.dim() != 2:
                 raise ValueError("expert_load must be [layers][experts]")
-            p2l, _ = rebalance_experts(load, num_physical, num_groups, num_nodes, ep_size)
+            p2l, _ = rebalance_experts(load, num_physical, num_groups, num_nodes, ep_size,
+                                       num_fault_domains=num_fault_domains)
             location = ExpertLocation(num_logical, tuple(tuple(int(x) for x in r) for r in p2l.tolist()))
         else:
             raise ValueError("neither physical_to_logical nor expert_load in it")

@@ -14,7 +14,9 @@ This is our own code of the same policy, per MoE layer:
 * (4, ours, ``refine=True``, the default) where a node's heaviest rank lies above the layer's lower bound, change
   the node's replica counts and swap replicas between its ranks while that lowers its heaviest rank
   (:func:`raymoe.eplb.placement_packing.refine_node`: why, and how much it gains). ``refine=False`` is the
-  published policy alone.
+  published policy alone;
+* (5, ours, ``num_fault_domains > 1``) every expert keeps two replicas on two DP groups, so elastic EP can shrink
+  past the loss of any one group (:mod:`raymoe.eplb.fault_spread`).
 
 Layout: rank ``r`` holds the slots ``[r * P / num_ranks, (r + 1) * P / num_ranks)`` and node ``n`` the ranks
 ``[n * num_ranks / num_nodes, (n + 1) * num_ranks / num_nodes)``; within a rank, slots are in packing order
@@ -41,6 +43,7 @@ from collections import Counter
 
 import torch
 
+from raymoe.eplb.fault_spread import can_spread, spread_row
 from raymoe.eplb.placement_packing import (
     MIN_TRIALS,
     REFINE_TOLERANCE,
@@ -85,7 +88,7 @@ def _check_map(name: str, placement, num_logical: int | None = None) -> torch.Te
 
 
 def _place_layer(loads: list[float], num_physical: int, num_groups: int, num_nodes: int, num_ranks: int,
-                 refine_work: int) -> list[int]:
+                 refine_work: int, min_replicas: int) -> list[int]:
     """One layer's physical-to-logical list [P] under the hierarchical policy (the global one is 1 group, 1 node)."""
     group_size = len(loads) // num_groups
     group_loads = [sum(loads[g * group_size:(g + 1) * group_size]) for g in range(num_groups)]
@@ -99,17 +102,18 @@ def _place_layer(loads: list[float], num_physical: int, num_groups: int, num_nod
     physical_to_logical: list[int] = []
     for experts in node_experts:
         node_loads = [loads[e] for e in experts]
-        counts = replica_counts(node_loads, slots_per_node)  # step 2: replicas within the node
+        counts = replica_counts(node_loads, slots_per_node, min_replicas)  # step 2: replicas within the node
         packing = pack_node(node_loads, counts, ranks_per_node, swap=False)  # step 3: to the node's ranks
         if packing.peak > target and work >= MIN_TRIALS * slots_per_node:
-            packing, work = refine_node(node_loads, counts, packing, ranks_per_node, target, work)
+            packing, work = refine_node(node_loads, counts, packing, ranks_per_node, target, work, min_replicas)
         for rank in packing.ranks:
             physical_to_logical.extend(experts[j] for j in rank)
     return physical_to_logical
 
 
 def rebalance_experts(weight: torch.Tensor, num_physical: int, num_groups: int, num_nodes: int,
-                      num_ranks: int, *, refine: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                      num_ranks: int, *, refine: bool = True,
+                      num_fault_domains: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """A placement of the logical experts on ``num_physical`` slots that balances the per-rank load.
 
     Args:
@@ -121,6 +125,10 @@ def rebalance_experts(weight: torch.Tensor, num_physical: int, num_groups: int, 
             num_groups % num_nodes == 0, else the global one (module docstring).
         num_ranks: EP ranks (``ep_size``).
         refine: also run step 4 (module docstring); False gives the published policy alone.
+        num_fault_domains: D, the DP groups the EP ranks form (domain d: ranks ``[d * R / D, (d + 1) * R / D)``),
+            num_ranks % D == 0. Where D > 1 and P >= 2E, every expert gets two replicas or more, on two domains
+            or more (:mod:`raymoe.eplb.fault_spread`), so the loss of any one DP group leaves it served; 1 (or
+            P < 2E): load alone decides.
 
     Returns:
         physical_to_logical: [L, P] int64, the logical expert held by slot p (rank r holds the slots
@@ -143,10 +151,18 @@ def rebalance_experts(weight: torch.Tensor, num_physical: int, num_groups: int, 
         raise ValueError(f"num_groups ({num_groups}) must divide the logical experts ({num_logical})")
     if num_ranks % num_nodes:
         raise ValueError(f"num_nodes ({num_nodes}) must divide num_ranks ({num_ranks})")
+    _positive_int("num_fault_domains", num_fault_domains)
+    if num_ranks % num_fault_domains:
+        raise ValueError(f"num_fault_domains ({num_fault_domains}) must divide num_ranks ({num_ranks})")
     if num_groups % num_nodes:
         num_groups, num_nodes = 1, 1  # the global policy
+    spread = can_spread(num_logical, num_physical, num_fault_domains)
     work = REFINE_WORK // max(num_layers, 1) if refine else 0
-    rows = [_place_layer(loads, num_physical, num_groups, num_nodes, num_ranks, work) for loads in load.tolist()]
+    rows = [_place_layer(loads, num_physical, num_groups, num_nodes, num_ranks, work, 2 if spread else 1)
+            for loads in load.tolist()]
+    if spread:
+        rows = [spread_row(row, loads, num_ranks, num_fault_domains) for row, loads in zip(rows, load.tolist(),
+                                                                                           strict=True)]
     physical_to_logical = torch.tensor(rows, dtype=torch.int64).reshape(num_layers, num_physical)
     return physical_to_logical, replica_count(physical_to_logical, num_logical)
 

@@ -55,14 +55,15 @@ def balanced_packing(loads: list[float], num_packs: int) -> list[list[int]]:
     return packs
 
 
-def replica_counts(loads: list[float], num_slots: int) -> list[int]:
-    """Replicas per expert for ``num_slots >= len(loads)`` slots: one each, then each further slot to the expert
-    with the highest load per replica (ties: fewer replicas, then lowest index, so experts without load share the
-    spare slots instead of stacking them on the first). This minimises the largest load per replica."""
-    counts = [1] * len(loads)
-    heap = [(-load, 1, e) for e, load in enumerate(loads)]
+def replica_counts(loads: list[float], num_slots: int, min_replicas: int = 1) -> list[int]:
+    """Replicas per expert for ``num_slots >= min_replicas * len(loads)`` slots: ``min_replicas`` each, then each
+    further slot to the expert with the highest load per replica (ties: fewer replicas, then lowest index, so
+    experts without load share the spare slots instead of stacking them on the first). This minimises the largest
+    load per replica among counts of at least ``min_replicas``."""
+    counts = [min_replicas] * len(loads)
+    heap = [(-load / min_replicas, min_replicas, e) for e, load in enumerate(loads)]
     heapq.heapify(heap)
-    for _ in range(num_slots - len(loads)):
+    for _ in range(num_slots - min_replicas * len(loads)):
         _, _, e = heapq.heappop(heap)
         counts[e] += 1
         heapq.heappush(heap, (-loads[e] / counts[e], counts[e], e))
@@ -118,20 +119,21 @@ def _swap_from_heaviest(loads: list[float], packs: list[list[int]], sums: list[f
     return examined
 
 
-def _count_moves(node_loads: list[float], counts: list[int]) -> Iterator[list[int]]:
-    """Replica counts near ``counts``, the likeliest first: one or more replicas from a donor (an expert with two or
-    more; the one whose load per replica rises least first) to a receiver (highest load per replica first); then
-    two single moves at once (a change that helps only in two steps)."""
-    donors = sorted((j for j, c in enumerate(counts) if c > 1), key=lambda j: (node_loads[j] / (counts[j] - 1), j))
+def _count_moves(node_loads: list[float], counts: list[int], floor: int = 1) -> Iterator[list[int]]:
+    """Replica counts near ``counts``, none below ``floor``, the likeliest first: one or more replicas from a donor
+    (an expert with more than ``floor``; the one whose load per replica rises least first) to a receiver (highest
+    load per replica first); then two single moves at once (a change that helps only in two steps)."""
+    donors = sorted((j for j, c in enumerate(counts) if c > floor),
+                    key=lambda j: (node_loads[j] / (counts[j] - 1), j))
     receivers = sorted(range(len(counts)), key=lambda j: (-node_loads[j] / counts[j], j))
     for d in donors:
         for r in receivers:
-            for m in range(1, counts[d]) if r != d else ():
+            for m in range(1, counts[d] - floor + 1) if r != d else ():
                 yield _moved(counts, [(d, r, m)])
     singles = [(d, r) for d in donors for r in receivers if r != d]  # built only once the moves above are spent
     for a, (d1, r1) in enumerate(singles):
         for d2, r2 in singles[a + 1:]:
-            if (d2, r2) != (r1, d1) and (d1 != d2 or counts[d1] > 2):
+            if (d2, r2) != (r1, d1) and (d1 != d2 or counts[d1] > floor + 1):
                 yield _moved(counts, [(d1, r1, 1), (d2, r2, 1)])
 
 
@@ -144,12 +146,12 @@ def _moved(counts: list[int], moves: list[tuple[int, int, int]]) -> list[int]:
 
 
 def refine_node(node_loads: list[float], counts: list[int], start: NodePacking, num_ranks: int, target: float,
-                work: int) -> tuple[NodePacking, int]:
+                work: int, min_replicas: int = 1) -> tuple[NodePacking, int]:
     """A packing of one node whose heaviest rank is at most ``start``'s, found by changing the replica counts.
 
-    Try the counts of :func:`_count_moves` around ``counts`` (``start`` is EPLB's packing of them), each packed with
-    swaps; keep the first whose heaviest rank is lower, and repeat from there, until the heaviest rank is at most
-    ``target`` (tokens), no candidate lowers it, or ``work`` is spent.
+    Try the counts of :func:`_count_moves` around ``counts`` (``start`` is EPLB's packing of them; none below
+    ``min_replicas``), each packed with swaps; keep the first whose heaviest rank is lower, and repeat from there,
+    until the heaviest rank is at most ``target`` (tokens), no candidate lowers it, or ``work`` is spent.
 
     Returns: the best packing found and the work left.
     """
@@ -158,7 +160,7 @@ def refine_node(node_loads: list[float], counts: list[int], start: NodePacking, 
     if best.peak >= start.peak:
         best = start
     while best.peak > target and work > 0:
-        for trial in _count_moves(node_loads, counts):
+        for trial in _count_moves(node_loads, counts, min_replicas):
             packed = pack_node(node_loads, trial, num_ranks, swap=True)
             work -= packed.work
             if packed.peak < best.peak * (1 - 1e-12):
