@@ -222,7 +222,15 @@ class EngineClient:
         closes; returns why it closed. A group connection that closes is dropped (the driver ends its requests)."""
         channel = self._channel
         while True:
-            for c in wait([conn, channel.wake, *channel.group_conns.values()]):
+            try:
+                ready = wait([conn, channel.wake, *channel.group_conns.values()])
+            except OSError:  # a connection in the list was closed under it (the accept thread replaced a group's)
+                if conn.closed:
+                    return "the engine's channel was closed"
+                for c in [c for c in channel.group_conns.values() if c.closed]:
+                    channel.drop_group(c)
+                continue
+            for c in ready:
                 if c is channel.wake:
                     c.recv_bytes()
                     continue
