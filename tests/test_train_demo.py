@@ -22,7 +22,8 @@ PROMPTS = ["def main():\n", "import os\n", "class Foo:\n    def __init__(self"]
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_training_lowers_the_loss_and_keeps_parity(tmp_path, arch):
     path = make_checkpoint(arch, tmp_path / arch, seed=2, **DIMS)
-    report = train_checkpoint(path, 0.0, steps=40, seq_len=32, batch_size=4, progress=False, log_every=5)
+    report = train_checkpoint(path, 0.0, steps=40, seq_len=32, batch_size=4, progress=False, log_every=5,
+                              mtp_distill_steps=30 if arch == "deepseek_v3" else 0, mtp_distill_pool=16)
     assert report.steps == 40 and report.tokens == 40 * 4 * 32
     assert report.final_loss < report.losses[0][1] - 1.0, report.losses
     log = json.loads((path / "train_log.json").read_text())
@@ -33,12 +34,16 @@ def test_training_lowers_the_loss_and_keeps_parity(tmp_path, arch):
     mtp = f"model.layers.{cfg['num_hidden_layers']}."
     if arch == "deepseek_v3":
         assert cfg["num_nextn_predict_layers"] == 1 and report.final_mtp_loss is not None
+        # the distillation makes the layer's drafts agree more often with what the model writes greedily
+        before, after = report.mtp_agreement
+        assert report.mtp_distill_steps == 30 and 0.0 <= before < after <= 1.0, report.mtp_agreement
+        assert log["mtp_agreement"] == [before, after]
         for leaf in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "embed_tokens.weight",
                      "shared_head.norm.weight", "shared_head.head.weight", "self_attn.kv_a_proj_with_mqa.weight",
                      "mlp.experts.0.gate_proj.weight", "mlp.gate.weight", "input_layernorm.weight"):
             assert mtp + leaf in names, leaf
     else:
-        assert not any(n.startswith(mtp) for n in names)
+        assert not any(n.startswith(mtp) for n in names) and report.mtp_agreement is None
     params = SamplingParams(max_tokens=12, temperature=0.0)
     with Engine(str(path)) as e:
         ours = [o.token_ids for o in e.generate(PROMPTS, params)]

@@ -10,7 +10,9 @@ slots; :func:`raymoe.eplb.placement_packing.replica_counts` with ``min_replicas=
 each expert whose replicas all sit in one domain (:func:`spread_row`): one of its slots swaps places with a slot
 of another domain whose expert keeps a replica outside the first domain after the swap, the pair that leaves the
 two ranks' heavier one lightest (ties: lowest slots). A swap keeps every rank's slot count and every expert's
-replica count, never unspreads an expert, and spreads one, so at most ``E`` swaps per layer. Such a partner
+replica count, never unspreads an expert, and spreads one, so at most ``E`` swaps per layer. Under the hierarchical
+policy a swap may take one replica of a routing group's expert off its node (fault tolerance first; the other
+replicas stay where the policy put them). Such a partner
 always exists: the ``P (D - 1) / D >= E`` slots outside the domain cannot all belong to experts with only one slot
 there (the expert being moved has none there).
 

@@ -395,9 +395,13 @@ TRAINED_DEMOS = {"demo-trained": "qwen3_moe", "demo-trained-deepseek": "deepseek
 TRAIN_STEPS = 1500
 """Optimizer steps of a trained demo checkpoint (a fixed count, so every machine builds the same weights; a few
 minutes on two cores)."""
-TRAIN_RECIPE = 2
+TRAIN_RECIPE = 3
 """Bumped whenever training would give other weights for the same steps (part of the trained demos' cache name).
-2: the MTP layer's fused expert tensors are drawn from the seed instead of left as uninitialized memory."""
+2: the MTP layer's fused expert tensors are drawn from the seed instead of left as uninitialized memory.
+3: DeepSeek's MTP layer is then distilled on the model's greedy text (``MTP_DISTILL_STEPS``)."""
+MTP_DISTILL_STEPS = 1200
+"""Steps of the trained DeepSeek demo's MTP distillation (``raymoe.models.mtp_distill``; a few minutes on two
+cores, pool generation included)."""
 
 
 def trained_model_path(arch: str = "qwen3_moe", progress: bool = True) -> Path:
@@ -417,7 +421,8 @@ def trained_model_path(arch: str = "qwen3_moe", progress: bool = True) -> Path:
     def build(path: Path) -> None:
         tmp = path.parent / f".{path.name}.building"
         make_checkpoint(arch, tmp, seed=0, progress=progress)
-        train_checkpoint(tmp, 0.0, steps=TRAIN_STEPS, seed=0, progress=progress)
+        train_checkpoint(tmp, 0.0, steps=TRAIN_STEPS, seed=0, progress=progress,
+                         mtp_distill_steps=MTP_DISTILL_STEPS if arch == "deepseek_v3" else 0)
         _replace_dir(tmp, path)
 
     return _cached_build(f"demo-trained-{arch}-{TRAIN_STEPS}-r{TRAIN_RECIPE}-v{DEMO_VERSION}", "train_log.json", build)

@@ -13,7 +13,9 @@ the main model's final hidden state ``h_i`` with the embedding of token ``i + 1`
 through its own norm and head. Its loss is added with weight ``MTP_LOSS_WEIGHT``. The layer is written where
 DeepSeek ships it, under ``model.layers.{num_hidden_layers}.`` (``enorm``, ``hnorm``, ``eh_proj``,
 ``embed_tokens``, ``shared_head.norm``, ``shared_head.head`` and the decoder layer's own names), with
-``num_nextn_predict_layers: 1`` in ``config.json``; transformers and raymoe's plain decoding ignore it.
+``num_nextn_predict_layers: 1`` in ``config.json``; transformers and raymoe's plain decoding ignore it. With
+``mtp_distill_steps`` the layer is then trained alone on the trained model's own greedy text
+(``raymoe.models.mtp_distill``), which is what its drafts are checked against.
 
 Weights go back under the checkpoint's own names (transformers fuses each layer's experts into ``gate_up_proj`` /
 ``down_proj`` tensors; they are split per expert again, a mapping checked to reproduce the untrained tensors
@@ -34,6 +36,10 @@ from torch import nn
 
 MTP_LOSS_WEIGHT = 0.3
 """Weight of the MTP layer's loss next to the main loss (DeepSeek-V3's value for its first 10 T tokens)."""
+MTP_DISTILL_LR = 1e-3
+"""Peak learning rate of the MTP layer's distillation on the target's greedy text."""
+MTP_DISTILL_POOL = 768
+"""Greedy continuations (64 prompt + 192 generated tokens each) the distillation trains on."""
 
 
 @dataclass
@@ -45,6 +51,10 @@ class TrainReport:
         losses: ``(step, main loss)`` every ``log_every`` steps, natural log units per token.
         final_loss: mean main loss over the last 10 steps. final_mtp_loss: the MTP layer's (None without one).
         skipped_steps: steps whose loss or gradient was not finite (no update made).
+        mtp_distill_steps: steps of the MTP layer's distillation on the target's greedy text
+            (``raymoe.models.mtp_distill``; 0: none). final_mtp_distill_loss: its mean loss over the last 10.
+        mtp_agreement: the MTP layer's agreement with the target's next-next greedy token on held-out greedy text,
+            before and after the distillation (the acceptance rate of one greedy draft on that text).
     """
 
     steps: int = 0
@@ -54,6 +64,9 @@ class TrainReport:
     final_loss: float = float("nan")
     final_mtp_loss: float | None = None
     skipped_steps: int = 0
+    mtp_distill_steps: int = 0
+    final_mtp_distill_loss: float | None = None
+    mtp_agreement: tuple[float, float] | None = None
 
 
 class _TrainLoop:
@@ -204,7 +217,8 @@ def corpus_ids(tokenizer, eos_id: int) -> torch.Tensor:
 
 def train_checkpoint(folder: str | Path, seconds: float, *, steps: int | None = None, seed: int = 0,
                      seq_len: int = 128, batch_size: int = 16, lr: float = 3e-3, progress: bool = True,
-                     log_every: int = 10) -> TrainReport:
+                     log_every: int = 10, mtp_distill_steps: int = 0,
+                     mtp_distill_pool: int = MTP_DISTILL_POOL) -> TrainReport:
     """Train the checkpoint in ``folder`` in place (module docstring) and return what it did.
 
     Args:
@@ -216,6 +230,9 @@ def train_checkpoint(folder: str | Path, seconds: float, *, steps: int | None = 
         seq_len, batch_size: tokens per training window and windows per step. lr: AdamW's peak learning rate
             (linear warm-up over the first 5 % of the budget, cosine decay to 10 % of it).
         progress: a tqdm bar showing the loss.
+        mtp_distill_steps: DeepSeek-V3 only: then train the MTP layer alone this many steps on the trained target's
+            greedy continuations of ``mtp_distill_pool`` corpus prompts (``raymoe.models.mtp_distill``), at
+            ``MTP_DISTILL_LR``; 0: no distillation.
     Raises:
         ValueError: the folder's architecture cannot be trained here, or the budget is not positive.
     """
@@ -229,6 +246,8 @@ def train_checkpoint(folder: str | Path, seconds: float, *, steps: int | None = 
         raise ValueError(f"training is not supported for {cfg['model_type']!r}")
     if steps is None and not seconds > 0 or steps is not None and steps < 1:
         raise ValueError("train_checkpoint needs seconds > 0 or steps >= 1")
+    if mtp_distill_steps < 0 or mtp_distill_pool < 1:
+        raise ValueError("train_checkpoint needs mtp_distill_steps >= 0 and mtp_distill_pool >= 1")
     weights_file = folder / "model.safetensors"
     original = load_file(str(weights_file))
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
@@ -272,6 +291,18 @@ def train_checkpoint(folder: str | Path, seconds: float, *, steps: int | None = 
         loop.step(loss, loss_main.item())
     report = loop.finish()
     report.final_mtp_loss = sum(recent_mtp) / len(recent_mtp) if recent_mtp else None
+    if mtp is not None and mtp_distill_steps > 0:
+        from raymoe.models.mtp_distill import NEW_TOKENS, PROMPT_LEN, distill_mtp
+
+        hf.requires_grad_(False)
+        distill = _TrainLoop(f"{folder.name} MTP on its greedy text", 0.0, mtp_distill_steps, MTP_DISTILL_LR,
+                             list(mtp.parameters()), batch_size * (PROMPT_LEN + NEW_TOKENS - 1), log_every,
+                             progress)
+        report.mtp_agreement = distill_mtp(hf, mtp, data, distill, pool_size=mtp_distill_pool, seed=seed,
+                                           batch_size=batch_size)
+        done = distill.finish()
+        report.mtp_distill_steps, report.final_mtp_distill_loss = done.steps, done.final_loss
+        report.seconds += done.seconds
     with torch.no_grad():
         tensors = {k: v.detach().contiguous() for k, v in split_experts(hf.state_dict()).items() if k in original}
         if mtp is not None:
