@@ -25,12 +25,14 @@ def _cmd_make_checkpoint(a: argparse.Namespace) -> None:
     from raymoe.models.checkpoint import make_checkpoint
 
     if a.arch == "eagle":  # a draft head for --target, trained
-        from raymoe.models.train_demo import train_eagle_head
+        from raymoe.models.train_eagle import train_eagle_head
 
         if a.target is None or (a.train_seconds is None and a.train_steps is None):
             raise SystemExit("make-checkpoint --arch eagle needs --target DIR and --train-seconds or --train-steps")
-        report = train_eagle_head(a.target, a.out, a.train_seconds or 0.0, steps=a.train_steps, seed=a.seed)
-        print(f"trained {report.steps} steps in {report.seconds:.0f} s: final loss {report.final_loss:.3f}")
+        report = train_eagle_head(a.target, a.out, a.train_seconds or 0.0, steps=a.train_steps, seed=a.seed,
+                                  distill_steps=a.distill_steps)
+        print(f"trained {report.steps} steps in {report.seconds:.0f} s: final loss {report.final_loss:.3f}"
+              f"{_agreement(report)}")
         print(a.out)
         return
     out = make_checkpoint(a.arch, a.out, seed=a.seed, num_layers=a.num_layers, hidden_size=a.hidden_size,
@@ -43,14 +45,20 @@ def _cmd_make_checkpoint(a: argparse.Namespace) -> None:
         from raymoe.models.train_demo import train_checkpoint
 
         report = train_checkpoint(out, a.train_seconds or 0.0, steps=a.train_steps, seed=a.seed,
-                                  mtp_distill_steps=a.mtp_distill_steps)
+                                  mtp_distill_steps=a.distill_steps)
         mtp = f", MTP loss {report.final_mtp_loss:.3f}" if report.final_mtp_loss is not None else ""
-        if report.mtp_agreement is not None:
-            before, after = report.mtp_agreement
-            mtp += f", MTP agreement with its greedy text {before:.2f} -> {after:.2f}"
+        mtp += _agreement(report)
         print(f"trained {report.steps} steps in {report.seconds:.0f} s ({report.tokens} tokens): final loss "
               f"{report.final_loss:.3f}{mtp} (train_log.json)")
     print(out)
+
+
+def _agreement(report) -> str:
+    """The draft model's agreement with its target's greedy text before and after distillation, if it ran."""
+    if report.draft_agreement is None:
+        return ""
+    before, after = report.draft_agreement
+    return f", draft agreement with the target's greedy text {before:.2f} -> {after:.2f}"
 
 
 def _generate_options() -> list[str]:
@@ -116,10 +124,10 @@ def _add_make_checkpoint_parser(sub) -> None:
                         "its text looks like Python and speculative drafts get accepted")
     p.add_argument("--train-steps", type=int, default=None, metavar="N",
                    help="train exactly N steps instead of --train-seconds (reproducible across machines)")
-    p.add_argument("--mtp-distill-steps", type=int, default=0, metavar="N",
-                   help="deepseek_v3: after training, train its MTP layer N more steps alone on the model's own greedy "
-                        "text (raymoe.models.mtp_distill), so more of its drafts are accepted; demo-trained-deepseek "
-                        "uses 1200")
+    p.add_argument("--distill-steps", type=int, default=0, metavar="N",
+                   help="deepseek_v3's MTP layer or an eagle head: after training, train it N more steps alone on the "
+                        "target's own greedy text (raymoe.models.draft_distill), so more of its drafts are accepted; "
+                        "demo-trained-deepseek uses 1200")
     p.set_defaults(func=_cmd_make_checkpoint)
 
 

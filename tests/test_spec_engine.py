@@ -296,7 +296,7 @@ def eagle_model(tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle")
     target = make_checkpoint("qwen3_moe", root / "target", seed=3, **DIMS)
     trained_in_a_fresh_process(
-        "from raymoe.models.train_demo import train_eagle_head\n"
+        "from raymoe.models.train_eagle import train_eagle_head\n"
         f"r = train_eagle_head({str(target)!r}, {str(root / 'head')!r}, 0.0, steps=150, seq_len=48, batch_size=8, "
         "progress=False)\n"
         "assert r.final_loss < r.losses[0][1]\n")

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from raymoe import Engine, SamplingParams
 from raymoe.models.checkpoint import make_checkpoint
 from raymoe.models.train_demo import train_checkpoint
+from raymoe.models.train_eagle import train_eagle_head
 
 DIMS = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
         "moe_intermediate_size": 32, "vocab_size": 512}
@@ -35,19 +36,25 @@ def test_training_lowers_the_loss_and_keeps_parity(tmp_path, arch):
     if arch == "deepseek_v3":
         assert cfg["num_nextn_predict_layers"] == 1 and report.final_mtp_loss is not None
         # the distillation makes the layer's drafts agree more often with what the model writes greedily
-        before, after = report.mtp_agreement
-        assert report.mtp_distill_steps == 30 and 0.0 <= before < after <= 1.0, report.mtp_agreement
-        assert log["mtp_agreement"] == [before, after]
+        before, after = report.draft_agreement
+        assert report.distill_steps == 30 and 0.0 <= before < after <= 1.0, report.draft_agreement
+        assert log["draft_agreement"] == [before, after]
         for leaf in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "embed_tokens.weight",
                      "shared_head.norm.weight", "shared_head.head.weight", "self_attn.kv_a_proj_with_mqa.weight",
                      "mlp.experts.0.gate_proj.weight", "mlp.gate.weight", "input_layernorm.weight"):
             assert mtp + leaf in names, leaf
     else:
-        assert not any(n.startswith(mtp) for n in names) and report.mtp_agreement is None
+        assert not any(n.startswith(mtp) for n in names) and report.draft_agreement is None
     params = SamplingParams(max_tokens=12, temperature=0.0)
     with Engine(str(path)) as e:
         ours = [o.token_ids for o in e.generate(PROMPTS, params)]
     assert ours == greedy_reference(str(path), PROMPTS, 12)
+    if arch == "qwen3_moe":  # an EAGLE head for it, distilled on its greedy text the same way
+        head = train_eagle_head(path, tmp_path / "head", 0.0, steps=20, seq_len=32, batch_size=4, progress=False,
+                                distill_steps=30, distill_pool=16)
+        before, after = head.draft_agreement
+        assert head.distill_steps == 30 and 0.0 <= before < after <= 1.0, head.draft_agreement
+        assert (tmp_path / "head" / "model.safetensors").is_file()
 
 
 def test_training_refuses_what_it_cannot_train(tmp_path):

@@ -395,12 +395,13 @@ TRAINED_DEMOS = {"demo-trained": "qwen3_moe", "demo-trained-deepseek": "deepseek
 TRAIN_STEPS = 1500
 """Optimizer steps of a trained demo checkpoint (a fixed count, so every machine builds the same weights; a few
 minutes on two cores)."""
-TRAIN_RECIPE = 3
-"""Bumped whenever training would give other weights for the same steps (part of the trained demos' cache name).
-2: the MTP layer's fused expert tensors are drawn from the seed instead of left as uninitialized memory.
-3: DeepSeek's MTP layer is then distilled on the model's greedy text (``MTP_DISTILL_STEPS``)."""
+TRAIN_RECIPE = {"deepseek_v3": 3}
+"""Per architecture (2 where not listed), bumped whenever training would give other weights for the same steps
+(part of the trained demos' cache name). 2: the MTP layer's fused expert tensors are drawn from the seed instead of
+left as uninitialized memory. 3: DeepSeek's MTP layer is then distilled on the model's greedy text
+(``MTP_DISTILL_STEPS``)."""
 MTP_DISTILL_STEPS = 1200
-"""Steps of the trained DeepSeek demo's MTP distillation (``raymoe.models.mtp_distill``; a few minutes on two
+"""Steps of the trained DeepSeek demo's MTP distillation (``raymoe.models.draft_distill``; a few minutes on two
 cores, pool generation included)."""
 
 
@@ -425,7 +426,8 @@ def trained_model_path(arch: str = "qwen3_moe", progress: bool = True) -> Path:
                          mtp_distill_steps=MTP_DISTILL_STEPS if arch == "deepseek_v3" else 0)
         _replace_dir(tmp, path)
 
-    return _cached_build(f"demo-trained-{arch}-{TRAIN_STEPS}-r{TRAIN_RECIPE}-v{DEMO_VERSION}", "train_log.json", build)
+    recipe = TRAIN_RECIPE.get(arch, 2)
+    return _cached_build(f"demo-trained-{arch}-{TRAIN_STEPS}-r{recipe}-v{DEMO_VERSION}", "train_log.json", build)
 
 
 def _cached_build(name: str, marker: str, build: Callable[[Path], None]) -> Path:

@@ -9,7 +9,7 @@ small checkpoint (``speculative_draft_model_path``) in EAGLE's layout: ``fc.weig
 ``layers.0.*`` (a dense decoder layer: ``self_attn.{q,k,v,o}_proj``, ``q_norm``, ``k_norm``,
 ``mlp.{gate,up,down}_proj``, ``input_layernorm``, ``post_attention_layernorm``), with a ``config.json`` naming its
 ``intermediate_size``; the embedding and the LM head are the target's. ``raymoe make-checkpoint --arch eagle
---target DIR`` trains one (``raymoe.models.train_demo.train_eagle_head``); the target hidden states it reads are the
+--target DIR`` trains one (``raymoe.models.train_eagle.train_eagle_head``); the target hidden states it reads are the
 target's final normed ones, as for DeepSeek's MTP layer.
 
 Its attention keeps its keys in one more KV cache layer of the target's pool (``num_hidden_layers``), at the

@@ -15,7 +15,7 @@ DeepSeek ships it, under ``model.layers.{num_hidden_layers}.`` (``enorm``, ``hno
 ``embed_tokens``, ``shared_head.norm``, ``shared_head.head`` and the decoder layer's own names), with
 ``num_nextn_predict_layers: 1`` in ``config.json``; transformers and raymoe's plain decoding ignore it. With
 ``mtp_distill_steps`` the layer is then trained alone on the trained model's own greedy text
-(``raymoe.models.mtp_distill``), which is what its drafts are checked against.
+(``raymoe.models.draft_distill``), which is what its drafts are checked against.
 
 Weights go back under the checkpoint's own names (transformers fuses each layer's experts into ``gate_up_proj`` /
 ``down_proj`` tensors; they are split per expert again, a mapping checked to reproduce the untrained tensors
@@ -36,9 +36,9 @@ from torch import nn
 
 MTP_LOSS_WEIGHT = 0.3
 """Weight of the MTP layer's loss next to the main loss (DeepSeek-V3's value for its first 10 T tokens)."""
-MTP_DISTILL_LR = 1e-3
-"""Peak learning rate of the MTP layer's distillation on the target's greedy text."""
-MTP_DISTILL_POOL = 768
+DISTILL_LR = 1e-3
+"""Peak learning rate of a draft model's distillation on the target's greedy text."""
+DISTILL_POOL = 768
 """Greedy continuations (64 prompt + 192 generated tokens each) the distillation trains on."""
 
 
@@ -51,10 +51,10 @@ class TrainReport:
         losses: ``(step, main loss)`` every ``log_every`` steps, natural log units per token.
         final_loss: mean main loss over the last 10 steps. final_mtp_loss: the MTP layer's (None without one).
         skipped_steps: steps whose loss or gradient was not finite (no update made).
-        mtp_distill_steps: steps of the MTP layer's distillation on the target's greedy text
-            (``raymoe.models.mtp_distill``; 0: none). final_mtp_distill_loss: its mean loss over the last 10.
-        mtp_agreement: the MTP layer's agreement with the target's next-next greedy token on held-out greedy text,
-            before and after the distillation (the acceptance rate of one greedy draft on that text).
+        distill_steps: steps of the draft model's (MTP layer's, EAGLE head's) distillation on the target's greedy
+            text (``raymoe.models.draft_distill``; 0: none). final_distill_loss: its mean loss over the last 10.
+        draft_agreement: the draft model's agreement with the target's next-next greedy token on held-out greedy
+            text, before and after the distillation (the acceptance rate of one greedy draft on that text).
     """
 
     steps: int = 0
@@ -64,9 +64,9 @@ class TrainReport:
     final_loss: float = float("nan")
     final_mtp_loss: float | None = None
     skipped_steps: int = 0
-    mtp_distill_steps: int = 0
-    final_mtp_distill_loss: float | None = None
-    mtp_agreement: tuple[float, float] | None = None
+    distill_steps: int = 0
+    final_distill_loss: float | None = None
+    draft_agreement: tuple[float, float] | None = None
 
 
 class _TrainLoop:
@@ -183,6 +183,15 @@ class MTPLayer(nn.Module):
         return out
 
 
+def mtp_logits(hf, mtp: MTPLayer, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """The MTP layer's logits [B, S-1, V] over ``ids`` [B, S] and the main model's final hidden states ``hidden``
+    [B, S, H]: position ``i`` reads ``hidden[:, i]`` and ``ids[:, i + 1]`` at rotary position ``i + 1``."""
+    batch, seq = ids.shape
+    pos = torch.arange(1, seq, dtype=torch.int64)[None].expand(batch, -1)
+    mask = torch.full((seq - 1, seq - 1), float("-inf")).triu(1)[None, None]
+    return mtp(hidden[:, :-1], hf.model.embed_tokens(ids[:, 1:]), hf.model.rotary_emb(hidden, pos), mask)
+
+
 def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """transformers' fused expert tensors (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj``
     [E, H, I]) as the per-expert checkpoint names (``mlp.experts.{e}.{gate,up,down}_proj.weight``); other tensors
@@ -218,7 +227,7 @@ def corpus_ids(tokenizer, eos_id: int) -> torch.Tensor:
 def train_checkpoint(folder: str | Path, seconds: float, *, steps: int | None = None, seed: int = 0,
                      seq_len: int = 128, batch_size: int = 16, lr: float = 3e-3, progress: bool = True,
                      log_every: int = 10, mtp_distill_steps: int = 0,
-                     mtp_distill_pool: int = MTP_DISTILL_POOL) -> TrainReport:
+                     mtp_distill_pool: int = DISTILL_POOL) -> TrainReport:
     """Train the checkpoint in ``folder`` in place (module docstring) and return what it did.
 
     Args:
@@ -231,8 +240,8 @@ def train_checkpoint(folder: str | Path, seconds: float, *, steps: int | None = 
             (linear warm-up over the first 5 % of the budget, cosine decay to 10 % of it).
         progress: a tqdm bar showing the loss.
         mtp_distill_steps: DeepSeek-V3 only: then train the MTP layer alone this many steps on the trained target's
-            greedy continuations of ``mtp_distill_pool`` corpus prompts (``raymoe.models.mtp_distill``), at
-            ``MTP_DISTILL_LR``; 0: no distillation.
+            greedy continuations of ``mtp_distill_pool`` corpus prompts (``raymoe.models.draft_distill``), at
+            ``DISTILL_LR``; 0: no distillation.
     Raises:
         ValueError: the folder's architecture cannot be trained here, or the budget is not positive.
     """
@@ -266,7 +275,6 @@ def train_checkpoint(folder: str | Path, seconds: float, *, steps: int | None = 
     eos = cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], int) else cfg["eos_token_id"][0]
     data = corpus_ids(tok, eos)
     gen = torch.Generator().manual_seed(seed)
-    mask = torch.full((seq_len, seq_len), float("-inf")).triu(1)[None, None]
     loop = _TrainLoop(folder.name, seconds, steps, lr, params, batch_size * seq_len, log_every, progress)
     recent_mtp: list[float] = []
     while loop.next():
@@ -282,9 +290,7 @@ def train_checkpoint(folder: str | Path, seconds: float, *, steps: int | None = 
             loss_main = nn.functional.cross_entropy(hf.lm_head(hidden).flatten(0, 1), target.flatten())
             loss = loss_main
         if mtp is not None:  # position i: h_i and emb(x_{i+1}) -> x_{i+2}
-            pos = torch.arange(1, seq_len, dtype=torch.int64)[None].expand(batch_size, -1)
-            rot = hf.model.rotary_emb(hidden, pos)
-            logits = mtp(hidden[:, :-1], hf.model.embed_tokens(ids[:, 1:]), rot, mask[..., 1:, 1:])
+            logits = mtp_logits(hf, mtp, ids, hidden)
             loss_mtp = nn.functional.cross_entropy(logits.flatten(0, 1), target[:, 1:].flatten())
             loss = loss + MTP_LOSS_WEIGHT * loss_mtp
             recent_mtp = (recent_mtp + [loss_mtp.item()])[-10:]
@@ -292,16 +298,15 @@ def train_checkpoint(folder: str | Path, seconds: float, *, steps: int | None = 
     report = loop.finish()
     report.final_mtp_loss = sum(recent_mtp) / len(recent_mtp) if recent_mtp else None
     if mtp is not None and mtp_distill_steps > 0:
-        from raymoe.models.mtp_distill import NEW_TOKENS, PROMPT_LEN, distill_mtp
+        from raymoe.models.draft_distill import NEW_TOKENS, PROMPT_LEN, distill_draft
 
-        hf.requires_grad_(False)
-        distill = _TrainLoop(f"{folder.name} MTP on its greedy text", 0.0, mtp_distill_steps, MTP_DISTILL_LR,
+        distill = _TrainLoop(f"{folder.name} MTP on its greedy text", 0.0, mtp_distill_steps, DISTILL_LR,
                              list(mtp.parameters()), batch_size * (PROMPT_LEN + NEW_TOKENS - 1), log_every,
                              progress)
-        report.mtp_agreement = distill_mtp(hf, mtp, data, distill, pool_size=mtp_distill_pool, seed=seed,
-                                           batch_size=batch_size)
+        report.draft_agreement = distill_draft(hf, mtp, lambda i, h: mtp_logits(hf, mtp, i, h), data, distill,
+                                             pool_size=mtp_distill_pool, seed=seed, batch_size=batch_size)
         done = distill.finish()
-        report.mtp_distill_steps, report.final_mtp_distill_loss = done.steps, done.final_loss
+        report.distill_steps, report.final_distill_loss = done.steps, done.final_loss
         report.seconds += done.seconds
     with torch.no_grad():
         tensors = {k: v.detach().contiguous() for k, v in split_experts(hf.state_dict()).items() if k in original}
@@ -314,96 +319,4 @@ def train_checkpoint(folder: str | Path, seconds: float, *, steps: int | None = 
             (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     save_file(tensors, str(weights_file), metadata={"format": "pt"})
     (folder / "train_log.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
-    return report
-
-
-class EagleTrainHead(nn.Module):
-    """The EAGLE head of ``raymoe.models.eagle_head`` for training: ``fc`` over ``[emb(x_{i+1}); h_i]``, one dense
-    transformers ``Qwen3DecoderLayer``, a norm; the target's embedding and LM head are used frozen."""
-
-    def __init__(self, target_config, intermediate_size: int):
-        super().__init__()
-        from transformers import Qwen3Config
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm
-
-        t = target_config
-        h = t.hidden_size
-        self.config = Qwen3Config(vocab_size=t.vocab_size, hidden_size=h, intermediate_size=intermediate_size,
-                                  num_hidden_layers=1, num_attention_heads=t.num_attention_heads,
-                                  num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim,
-                                  rms_norm_eps=t.rms_norm_eps, max_position_embeddings=t.max_position_embeddings)
-        self.config._attn_implementation = "sdpa"
-        self.fc = nn.Linear(2 * h, h, bias=False)
-        self.layer = Qwen3DecoderLayer(self.config, 0)
-        self.norm = Qwen3RMSNorm(h, eps=t.rms_norm_eps)
-
-    def forward(self, hidden, next_embeds, position_embeddings, mask):
-        x = self.fc(torch.cat([next_embeds, hidden], dim=-1))
-        x = self.layer(x, attention_mask=mask, position_embeddings=position_embeddings)
-        return self.norm(x[0] if isinstance(x, tuple) else x)
-
-
-def train_eagle_head(target: str | Path, out: str | Path, seconds: float, *, steps: int | None = None, seed: int = 0,
-                     seq_len: int = 128, batch_size: int = 16, lr: float = 3e-3, intermediate_size: int | None = None,
-                     progress: bool = True, log_every: int = 10) -> TrainReport:
-    """Train an EAGLE draft head (``raymoe.models.eagle_head``) for the Qwen3-MoE checkpoint ``target`` on the
-    standard library's source and write it to the folder ``out`` in EAGLE's layout (``fc.weight``,
-    ``norm.weight``, ``layers.0.*``, ``config.json`` with ``model_type`` ``eagle_head``, ``train_log.json``).
-
-    At position ``i`` the head reads the frozen target's final hidden state ``h_i`` and the embedding of
-    ``x_{i+1}`` and is trained to predict ``x_{i+2}`` through the target's LM head (cross-entropy).
-
-    Args:
-        target: the target's folder. out: the head's folder (created). seconds / steps / seed / seq_len /
-            batch_size / lr / progress: as :func:`train_checkpoint`. intermediate_size: the head's MLP width
-            (None: the target's ``moe_intermediate_size`` times its ``num_experts_per_tok``).
-    Raises:
-        ValueError: the target is not a Qwen3-MoE folder, or the budget is not positive.
-    """
-    from transformers import AutoModelForCausalLM
-
-    from raymoe.config.speculative import HEAD_MODEL_TYPE
-    from raymoe.tokenizer import load_tokenizer
-
-    target, out = Path(target), Path(out)
-    cfg = json.loads((target / "config.json").read_text())
-    if cfg["model_type"] != "qwen3_moe":
-        raise ValueError(f"EAGLE heads are trained for qwen3_moe targets, not {cfg['model_type']!r}")
-    inter = intermediate_size or cfg["moe_intermediate_size"] * cfg["num_experts_per_tok"]
-    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
-    for p in hf.parameters():
-        p.requires_grad_(False)
-    torch.manual_seed(seed)
-    head = EagleTrainHead(hf.config, inter)
-    eos = cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], int) else cfg["eos_token_id"][0]
-    data = corpus_ids(load_tokenizer(str(target)), eos)
-    gen = torch.Generator().manual_seed(seed)
-    mask = torch.full((seq_len - 1, seq_len - 1), float("-inf")).triu(1)[None, None]
-    loop = _TrainLoop(out.name, seconds, steps, lr, list(head.parameters()), batch_size * seq_len, log_every,
-                      progress)
-    pos = torch.arange(seq_len - 1, dtype=torch.int64)[None].expand(batch_size, -1)
-    while loop.next():
-        starts = torch.randint(0, data.numel() - seq_len - 2, (batch_size,), generator=gen).tolist()
-        ids = torch.stack([data[s:s + seq_len] for s in starts])
-        target_ids = torch.stack([data[s + 2:s + seq_len + 1] for s in starts])
-        with torch.no_grad():
-            hidden = hf.model(input_ids=ids).last_hidden_state[:, :-1]
-            embeds = hf.model.embed_tokens(ids[:, 1:])
-            rot = hf.model.rotary_emb(hidden, pos)
-        logits = hf.lm_head(head(hidden, embeds, rot, mask))
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1), target_ids.flatten())
-        loop.step(loss, loss.item())
-    report = loop.finish()
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {"fc.weight": head.fc.weight, "norm.weight": head.norm.weight}
-    tensors.update({f"layers.0.{k}": v for k, v in head.layer.state_dict().items()})
-    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    c = hf.config
-    (out / "config.json").write_text(json.dumps({
-        "architectures": ["EagleHead"], "model_type": HEAD_MODEL_TYPE, "target_model_type": cfg["model_type"],
-        "hidden_size": c.hidden_size, "intermediate_size": inter, "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
-        "vocab_size": c.vocab_size}, indent=2) + "\n")
-    (out / "train_log.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
