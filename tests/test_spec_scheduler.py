@@ -209,3 +209,29 @@ def test_overlap_scheduling_between_verify_steps_gives_the_tokens_of_plain_decod
         assert finished[rid].output_ids == reference(prompt, params, model=noisy), rid
     assert s.spec.counters().verify_steps > 0
     assert any(overlapped) == (policy == "adaptive"), sum(overlapped)  # fixed drafting always wants fresh tokens
+
+
+def test_draft_chain_scratch_never_outlives_its_step_under_overlap():
+    """With a draft model the scheduler appends ``speculative_num_steps - 1`` scratch slots per sampling row for the
+    ranks' draft chain and gives them back when the step's result is applied. While the adaptive policy pauses the
+    passes, steps overlap: a step then carries no scratch (the chain does not run), and a step that does (the
+    policy exploring) is applied before the next is formed, so a next decode slot never lands after scratch."""
+    workload = specs(6, seed=3, max_tokens=(20, 40))
+    s = make(speculative=SpeculativeConfig(speculative_algorithm="nextn", speculative_num_steps=3),
+             max_running_requests=8)
+    s.spec._last_verified = False  # the policy declined the last drafts: passes paused, steps overlap
+    rank = FakeRank(s, noisy)  # answers no drafts (no draft model here), so the passes stay paused but to explore
+    step, scratch_steps = rank.step, []
+
+    def watched(b):
+        scratch_steps.append(bool(b.spec_scratch_slots))
+        return step(b)
+
+    rank.step = watched
+    finished = drive(s, {0: [Req(*w) for w in workload]}, rank=rank, overlap=True)
+    for rid, prompt, params in workload:
+        assert finished[rid].finished_reason is not None and finished[rid].output_ids == reference(
+            prompt, params, model=noisy), rid
+    from raymoe.scheduler.spec_policy import EXPLORE_EVERY
+
+    assert len(scratch_steps) < EXPLORE_EVERY and not any(scratch_steps)  # paused throughout: no chain, no scratch

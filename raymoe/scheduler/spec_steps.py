@@ -169,9 +169,11 @@ class SpecSteps:
         Overlapped batches count as plain-decoding steps for the policy's probes and exploration
         (``DraftPolicy.skip_step``), so it keeps measuring whether drafting pays. True right after this group formed
         a verify step or a step with draft passes: the driver relies on it to finish such a step before forming the
-        next."""
+        next. With a draft model also True while a step holding draft-chain scratch slots is in flight: they sit at
+        the tail of their requests' KV until its result is back (:meth:`release_scratch`), and a next step formed
+        before then would put its slots after them."""
         if self.ranks_draft:
-            return self.wants_draft_passes()
+            return self.wants_draft_passes() or any(b.worker_batch.spec_scratch_slots for b in self.state.inflight)
         return self.policy is None or self._since_evaluated >= self._overlap_for
 
     def wants_draft_passes(self) -> bool:
@@ -223,9 +225,10 @@ class SpecSteps:
         row's next prompt token when it is a prefill chunk that does not sample (else -1), and
         ``speculative_num_steps - 1`` scratch KV slots per sampling row for the draft chain, appended to the
         request's ``kv_slots`` (its own tail: freed with it on any failure, and by :meth:`release_scratch` once
-        the step's result is back). No scratch (drafts of one token) where the pool or a row's context is short."""
+        the step's result is back). No scratch (drafts of one token) where the pool or a row's context is short, or
+        where this group asks for no draft passes (:meth:`wants_draft_passes`: the chain will not run here)."""
         wb, ctx = batch.worker_batch, self.state.cache_config.max_context_len
-        chain = self.config.speculative_num_steps - 1
+        chain = self.config.speculative_num_steps - 1 if self.wants_draft_passes() else 0
         next_ids, samplers = [], []
         for req, partial, seq_len in zip(batch.reqs, batch.partial, wb.seq_lens, strict=True):
             if partial:
