@@ -298,16 +298,11 @@ def train_checkpoint(folder: str | Path, seconds: float, *, steps: int | None = 
     report = loop.finish()
     report.final_mtp_loss = sum(recent_mtp) / len(recent_mtp) if recent_mtp else None
     if mtp is not None and mtp_distill_steps > 0:
-        from raymoe.models.draft_distill import NEW_TOKENS, PROMPT_LEN, distill_draft
+        from raymoe.models.draft_distill import distill_into
 
-        distill = _TrainLoop(f"{folder.name} MTP on its greedy text", 0.0, mtp_distill_steps, DISTILL_LR,
-                             list(mtp.parameters()), batch_size * (PROMPT_LEN + NEW_TOKENS - 1), log_every,
-                             progress)
-        report.draft_agreement = distill_draft(hf, mtp, lambda i, h: mtp_logits(hf, mtp, i, h), data, distill,
-                                             pool_size=mtp_distill_pool, seed=seed, batch_size=batch_size)
-        done = distill.finish()
-        report.distill_steps, report.final_distill_loss = done.steps, done.final_loss
-        report.seconds += done.seconds
+        distill_into(report, hf, mtp, lambda i, h: mtp_logits(hf, mtp, i, h), data,
+                     name=f"{folder.name} MTP on its greedy text", steps=mtp_distill_steps, pool_size=mtp_distill_pool,
+                     seed=seed, batch_size=batch_size, log_every=log_every, progress=progress)
     with torch.no_grad():
         tensors = {k: v.detach().contiguous() for k, v in split_experts(hf.state_dict()).items() if k in original}
         if mtp is not None:

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from raymoe.models.draft_distill import NEW_TOKENS, PROMPT_LEN, distill_draft
-from raymoe.models.train_demo import DISTILL_LR, DISTILL_POOL, TrainReport, _TrainLoop, corpus_ids
+from raymoe.models.draft_distill import distill_into
+from raymoe.models.train_demo import DISTILL_POOL, TrainReport, _TrainLoop, corpus_ids
 
 
 class EagleTrainHead(nn.Module):
@@ -111,14 +111,9 @@ def train_eagle_head(target: str | Path, out: str | Path, seconds: float, *, ste
         loop.step(loss, loss.item())
     report = loop.finish()
     if distill_steps > 0:
-        distill = _TrainLoop(f"{out.name} on the target's greedy text", 0.0, distill_steps, DISTILL_LR,
-                             list(head.parameters()), batch_size * (PROMPT_LEN + NEW_TOKENS - 1), log_every,
-                             progress)
-        report.draft_agreement = distill_draft(hf, head, lambda i, h: eagle_logits(hf, head, i, h), data, distill,
-                                               pool_size=distill_pool, seed=seed, batch_size=batch_size)
-        done = distill.finish()
-        report.distill_steps, report.final_distill_loss = done.steps, done.final_loss
-        report.seconds += done.seconds
+        distill_into(report, hf, head, lambda i, h: eagle_logits(hf, head, i, h), data,
+                     name=f"{out.name} on the target's greedy text", steps=distill_steps, pool_size=distill_pool,
+                     seed=seed, batch_size=batch_size, log_every=log_every, progress=progress)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {"fc.weight": head.fc.weight, "norm.weight": head.norm.weight}
     tensors.update({f"layers.0.{k}": v for k, v in head.layer.state_dict().items()})
