@@ -69,10 +69,10 @@ def test_training_refuses_what_it_cannot_train(tmp_path):
 def test_a_step_with_a_non_finite_loss_is_skipped():
     import torch
 
-    from raymoe.models.train_demo import _TrainLoop
+    from raymoe.models.train_demo import TrainLoop
 
     w = torch.nn.Parameter(torch.ones(3))
-    loop = _TrainLoop("t", 0.0, 2, 0.1, [w], 3, 1, progress=False)
+    loop = TrainLoop("t", 0.0, 2, 0.1, [w], 3, 1, progress=False)
     assert loop.next()
     loop.step((w * float("nan")).sum(), float("nan"))
     assert torch.equal(w.detach(), torch.ones(3)) and loop.report.skipped_steps == 1

@@ -119,21 +119,22 @@ def _swap_from_heaviest(loads: list[float], packs: list[list[int]], sums: list[f
     return examined
 
 
-def _count_moves(node_loads: list[float], counts: list[int], floor: int = 1) -> Iterator[list[int]]:
-    """Replica counts near ``counts``, none below ``floor``, the likeliest first: one or more replicas from a donor
-    (an expert with more than ``floor``; the one whose load per replica rises least first) to a receiver (highest
-    load per replica first); then two single moves at once (a change that helps only in two steps)."""
-    donors = sorted((j for j, c in enumerate(counts) if c > floor),
+def _count_moves(node_loads: list[float], counts: list[int], min_replicas: int = 1) -> Iterator[list[int]]:
+    """Replica counts near ``counts``, none below ``min_replicas``, the likeliest first: one or more replicas from a
+    donor (an expert with more than ``min_replicas``; the one whose load per replica rises least first) to a
+    receiver (highest load per replica first); then two single moves at once (a change that helps only in two
+    steps)."""
+    donors = sorted((j for j, c in enumerate(counts) if c > min_replicas),
                     key=lambda j: (node_loads[j] / (counts[j] - 1), j))
     receivers = sorted(range(len(counts)), key=lambda j: (-node_loads[j] / counts[j], j))
     for d in donors:
         for r in receivers:
-            for m in range(1, counts[d] - floor + 1) if r != d else ():
+            for m in range(1, counts[d] - min_replicas + 1) if r != d else ():
                 yield _moved(counts, [(d, r, m)])
     singles = [(d, r) for d in donors for r in receivers if r != d]  # built only once the moves above are spent
     for a, (d1, r1) in enumerate(singles):
         for d2, r2 in singles[a + 1:]:
-            if (d2, r2) != (r1, d1) and (d1 != d2 or counts[d1] > floor + 1):
+            if (d2, r2) != (r1, d1) and (d1 != d2 or counts[d1] > min_replicas + 1):
                 yield _moved(counts, [(d1, r1, 1), (d2, r2, 1)])
 
 

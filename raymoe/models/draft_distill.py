@@ -84,7 +84,7 @@ def distill_draft(hf, draft: nn.Module, logits_of: DraftLogits, data: torch.Tens
                   seed: int, prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS,
                   batch_size: int = 16) -> tuple[float, float]:
     """Train ``draft`` (scored by ``logits_of``) on ``hf``'s greedy text, ``hf`` frozen (module docstring), for the
-    budget of ``loop`` (a ``train_demo._TrainLoop`` over ``draft``'s parameters).
+    budget of ``loop`` (a ``train_demo.TrainLoop`` over ``draft``'s parameters).
 
     Returns: the agreement with the target on held-out greedy text (``agreement``) before and after.
     """
@@ -104,18 +104,3 @@ def distill_draft(hf, draft: nn.Module, logits_of: DraftLogits, data: torch.Tens
         loop.step(loss, loss.item())
     return before, agreement(draft, logits_of, held, held_hidden, held_labels, prompt_len)
 
-
-def distill_into(report, hf, draft: nn.Module, logits_of: DraftLogits, data: torch.Tensor, *, name: str, steps: int,
-                 pool_size: int, seed: int, batch_size: int, log_every: int, progress: bool) -> None:
-    """:func:`distill_draft` for ``steps`` steps at ``train_demo.DISTILL_LR`` (progress bar ``name``), recorded in
-    ``report`` (a ``train_demo.TrainReport``: ``draft_agreement``, ``distill_steps``, ``final_distill_loss``, its
-    wall time added to ``seconds``)."""
-    from raymoe.models.train_demo import DISTILL_LR, _TrainLoop
-
-    loop = _TrainLoop(name, 0.0, steps, DISTILL_LR, list(draft.parameters()),
-                      batch_size * (PROMPT_LEN + NEW_TOKENS - 1), log_every, progress)
-    report.draft_agreement = distill_draft(hf, draft, logits_of, data, loop, pool_size=pool_size, seed=seed,
-                                           batch_size=batch_size)
-    done = loop.finish()
-    report.distill_steps, report.final_distill_loss = done.steps, done.final_loss
-    report.seconds += done.seconds

@@ -34,6 +34,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from raymoe.models.draft_distill import NEW_TOKENS, PROMPT_LEN, DraftLogits, distill_draft
+
 MTP_LOSS_WEIGHT = 0.3
 """Weight of the MTP layer's loss next to the main loss (DeepSeek-V3's value for its first 10 T tokens)."""
 DISTILL_LR = 1e-3
@@ -69,7 +71,7 @@ class TrainReport:
     draft_agreement: tuple[float, float] | None = None
 
 
-class _TrainLoop:
+class TrainLoop:
     """What both trainers share: the budget (``steps``, else ``seconds`` of wall time), the learning-rate schedule
     (linear warm-up over the first 5 %, cosine decay to 10 % of ``lr``), the optimizer step with gradient clipping,
     the loss record and the progress bar showing the loss."""
@@ -192,6 +194,21 @@ def mtp_logits(hf, mtp: MTPLayer, ids: torch.Tensor, hidden: torch.Tensor) -> to
     return mtp(hidden[:, :-1], hf.model.embed_tokens(ids[:, 1:]), hf.model.rotary_emb(hidden, pos), mask)
 
 
+def distill_into(report: TrainReport, hf, draft: nn.Module, logits_of: DraftLogits, data: torch.Tensor, *, name: str,
+                 steps: int, pool_size: int, seed: int, batch_size: int, log_every: int, progress: bool) -> None:
+    """Train ``draft`` ``steps`` more steps on ``hf``'s greedy text at ``DISTILL_LR``
+    (``raymoe.models.draft_distill.distill_draft``; ``logits_of`` scores it, progress bar ``name``) and record it
+    in ``report``: ``draft_agreement``, ``distill_steps``, ``final_distill_loss``, its wall time added to
+    ``seconds``."""
+    loop = TrainLoop(name, 0.0, steps, DISTILL_LR, list(draft.parameters()),
+                     batch_size * (PROMPT_LEN + NEW_TOKENS - 1), log_every, progress)
+    report.draft_agreement = distill_draft(hf, draft, logits_of, data, loop, pool_size=pool_size, seed=seed,
+                                           batch_size=batch_size)
+    done = loop.finish()
+    report.distill_steps, report.final_distill_loss = done.steps, done.final_loss
+    report.seconds += done.seconds
+
+
 def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """transformers' fused expert tensors (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj``
     [E, H, I]) as the per-expert checkpoint names (``mlp.experts.{e}.{gate,up,down}_proj.weight``); other tensors
@@ -275,7 +292,7 @@ def train_checkpoint(folder: str | Path, seconds: float, *, steps: int | None = 
     eos = cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], int) else cfg["eos_token_id"][0]
     data = corpus_ids(tok, eos)
     gen = torch.Generator().manual_seed(seed)
-    loop = _TrainLoop(folder.name, seconds, steps, lr, params, batch_size * seq_len, log_every, progress)
+    loop = TrainLoop(folder.name, seconds, steps, lr, params, batch_size * seq_len, log_every, progress)
     recent_mtp: list[float] = []
     while loop.next():
         starts = torch.randint(0, data.numel() - seq_len - 1, (batch_size,), generator=gen)
@@ -298,8 +315,6 @@ def train_checkpoint(folder: str | Path, seconds: float, *, steps: int | None = 
     report = loop.finish()
     report.final_mtp_loss = sum(recent_mtp) / len(recent_mtp) if recent_mtp else None
     if mtp is not None and mtp_distill_steps > 0:
-        from raymoe.models.draft_distill import distill_into
-
         distill_into(report, hf, mtp, lambda i, h: mtp_logits(hf, mtp, i, h), data,
                      name=f"{folder.name} MTP on its greedy text", steps=mtp_distill_steps, pool_size=mtp_distill_pool,
                      seed=seed, batch_size=batch_size, log_every=log_every, progress=progress)

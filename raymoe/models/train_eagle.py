@@ -17,8 +17,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from raymoe.models.draft_distill import distill_into
-from raymoe.models.train_demo import DISTILL_POOL, TrainReport, _TrainLoop, corpus_ids
+from raymoe.models.train_demo import DISTILL_POOL, TrainLoop, TrainReport, corpus_ids, distill_into
 
 
 class EagleTrainHead(nn.Module):
@@ -98,7 +97,7 @@ def train_eagle_head(target: str | Path, out: str | Path, seconds: float, *, ste
     eos = cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], int) else cfg["eos_token_id"][0]
     data = corpus_ids(load_tokenizer(str(target)), eos)
     gen = torch.Generator().manual_seed(seed)
-    loop = _TrainLoop(out.name, seconds, steps, lr, list(head.parameters()), batch_size * seq_len, log_every,
+    loop = TrainLoop(out.name, seconds, steps, lr, list(head.parameters()), batch_size * seq_len, log_every,
                       progress)
     while loop.next():
         starts = torch.randint(0, data.numel() - seq_len - 2, (batch_size,), generator=gen).tolist()
