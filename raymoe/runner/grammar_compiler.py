@@ -94,6 +94,8 @@ class GrammarCompiler:
                                                        stop_token_ids=list(stop_token_ids) or None)
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1)
         self._vocab_size = int(self.info.vocab_size)
+        self.stop_ids = frozenset(int(t) for t in self.info.stop_token_ids)
+        """The tokens a matcher ends on (xgrammar's stop tokens for this vocabulary)."""
         self._lock = threading.Lock()  # the front end compiles from several request threads
 
     @property
