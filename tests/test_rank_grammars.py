@@ -100,3 +100,31 @@ def test_ignore_eos_allows_a_stop_token_only_where_nothing_else_fits(compiler):
         # "a{0,2}" may end before each "a": a stop token is allowed at every step unless the request ignores EOS;
         # after two "a" only a stop token fits, ignore_eos or not
         assert allowed_stops == ([True, True, True] if not ignore_eos else [False, False, True])
+
+
+def test_drafts_are_masked_position_by_position_and_cut_where_the_grammar_refuses(compiler):
+    """A verify step: the matcher walks each constrained row's draft, masking the logits at each draft position with
+    the grammar's mask there, and stops before a token it refuses; after verification it is rolled back to the
+    accepted drafts and advanced by the row's own token, so the next step's mask continues from there."""
+    enc = {bytes(v): t for t, v in enumerate(compiler.info.decoded_vocab)}
+    m_, a_, y_, x_ = enc[b"m"], enc[b"a"], enc[b"y"], enc[b"x"]
+    g = RankGrammars(lambda: compiler, torch.device("cpu"))
+    # row 0 (pool row 5): "maybe!" with draft m, a, x, y -> cut before x (cap 2); row 1: unconstrained, draft 2
+    # tokens; row 2 (pool row 6): a sync row whose draft is entirely refused (cap 0)
+    rows = [GrammarRow(0, "r", SPEC, ()), GrammarRow(2, "s", SPEC, (enc[b"n"],))]
+    windows = [(0, [m_, a_, x_, y_]), (5, [1, 2]), (8, [x_])]
+    logits, drafted = g.mask_drafts(rows, [5, 9, 6], torch.zeros(10, compiler.vocab_size), windows)
+    assert drafted.caps == [2, 2, 0]
+    for pos, text in ((0, ""), (1, "m"), (2, "ma"), (8, "n")):
+        assert {int(i) for i in torch.nonzero(logits[pos] > float("-inf"))} == _allowed(compiler, text), pos
+    for pos in (3, 4, 5, 6, 7, 9):  # past a cap, or unconstrained
+        assert bool((logits[pos] == 0).all()), pos
+    # the target accepted "m" only and chose "a" itself: the matcher holds "ma"; row 2 accepted nothing, token "o"
+    done, dead = g.accept_verified(drafted, torch.tensor([1, 2, 0]), torch.tensor([a_, 0, enc[b"o"]]))
+    assert (done, dead) == ([], [])
+    logits, gs = g.mask([GrammarRow(0, "r"), GrammarRow(1, "s")], [5, 6], torch.zeros(2, compiler.vocab_size))
+    assert {int(i) for i in torch.nonzero(logits[0] > float("-inf"))} == _allowed(compiler, "ma")
+    assert {int(i) for i in torch.nonzero(logits[1] > float("-inf"))} == _allowed(compiler, "no")
+    with pytest.raises(ValueError, match="accepted 2 drafts"):
+        _, drafted = g.mask_drafts([GrammarRow(0, "r")], [5], torch.zeros(3, compiler.vocab_size), [(0, [y_, x_])])
+        g.accept_verified(drafted, torch.tensor([2]), torch.tensor([0]))

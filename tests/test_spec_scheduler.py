@@ -70,7 +70,7 @@ def test_drafts_never_run_past_max_tokens_and_rows_without_drafts_decode():
         assert len(out) <= params.max_tokens and out == reference(prompt, params, model=cycling)
 
 
-def test_requests_with_logprobs_or_a_grammar_run_plain_decode_steps():
+def test_requests_with_logprobs_run_plain_decode_steps():
     s = make(speculative=NGRAM)
     rank = FakeRank(s, cycling)
     work = [("lp", [1, 2, 3, 1, 2, 3], SamplingParams(max_tokens=12, temperature=0.0, logprobs=0))]

@@ -148,3 +148,23 @@ def test_usage_reports_accepted_and_rejected_predictions():
                             accepted_prediction_tokens=2, rejected_prediction_tokens=4))
     assert spec["completion_tokens"] == 5  # unchanged in meaning
     assert spec["completion_tokens_details"] == {"accepted_prediction_tokens": 2, "rejected_prediction_tokens": 4}
+
+
+def test_a_capped_draft_is_not_tested_past_its_cap():
+    """A grammar cuts a draft where it refuses a token (``caps``): drafts past the cap are never tested, so the
+    row's own token there is drawn from the whole distribution (a rule that counted the untested draft as rejected
+    would leave it out, and the chi-square test below would fail on token 3, the second draft)."""
+    n = 20000
+    logits = torch.stack([TARGET[0], TARGET[1], TARGET[1]] * n)
+    ids = torch.tensor([0, DRAFT[0], DRAFT[1]] * n)
+    res = verify_drafts(OPS, logits, ids, [3] * n, info(n, 1.0), torch.Generator().manual_seed(1), caps=[1] * n)
+    acc, nxt = res.accept_lens.tolist(), res.next_ids.tolist()
+    assert max(acc) == 1
+    first = [DRAFT[0] if a >= 1 else t for a, t in zip(acc, nxt, strict=True)]
+    second = [t for a, t in zip(acc, nxt, strict=True) if a == 1]
+    for samples, pos in ((first, 0), (second, 1)):
+        stat, df = chi_square(samples, target_probs(pos, 1.0, -1))
+        assert stat < CHI2_999[df], (pos, stat, df)
+    greedy = verify_drafts(OPS, one_hot_logits([1, 3, 2]), torch.tensor([0, 1, 3]), [3], info(1),
+                           torch.Generator(), caps=[1])
+    assert greedy.accept_lens.tolist() == [1] and greedy.next_ids.tolist() == [3]  # 3 agrees but lies past the cap

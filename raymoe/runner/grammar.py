@@ -7,14 +7,21 @@ keeps a matcher under the request's ReqToTokenPool row (tagged with its id). Per
 1. :meth:`RankGrammars.mask` (after the forward, before the sampler): a row that carries ``output_ids`` (its first
    sampling step since an admission) gets a fresh matcher advanced over them; every row's next-token bitmask (the
    grammar's tokens that also keep the output well-formed UTF-8, ``raymoe.runner.utf8_mask``)
-   (prepared in the background after the previous step, else filled now) is copied into a ``[bs, ceil(V/32)]``
-   int32 bitmask and applied to the logits in place (disallowed tokens get ``-inf``: xgrammar's
-   ``apply_token_bitmask_inplace`` on an accelerator, :func:`apply_bitmask_host` on a CPU rank), so greedy, top-k/p and seeded sampling all draw from the grammar's tokens.
+   (prepared in the background after the previous step, else filled now) is applied to the logits in place
+   (disallowed tokens get ``-inf``; ``raymoe.runner.grammar_masks.apply_masks``), so greedy, top-k/p and seeded
+   sampling all draw from the grammar's tokens.
 2. :meth:`RankGrammars.accept` (after the sampler): the constrained rows' ids come to the host (the one host
    sync a constrained step adds), each matcher accepts its token, and the masks for the next step are filled. On
    a GPU rank they are filled on a background thread while the host answers and launches step N+1's forward, so
    the mask for step N+1 is ready when that forward's logits are (the overlap SGLang gets by filling between
    launching a forward and sampling); a CPU rank fills them at once (its forward is host work itself).
+
+Speculative decoding (a TARGET_VERIFY step, or a MIXED one whose decode rows verify drafts): :meth:`RankGrammars.
+mask_drafts` walks each constrained row's matcher along its draft and masks the logits at every draft position
+with the grammar's mask there, so verification tests each draft token against the target's distribution under the
+grammar (greedy rows: the tokens of plain constrained decoding; sampled rows: exactly the masked target
+distribution); :meth:`RankGrammars.accept_verified` rolls the matchers back to the accepted drafts (xgrammar's
+``rollback``) and advances them by the row's own token (SGLang's EAGLE verify does the same walk and rollback).
 
 A row whose grammar allows no token (a dead end) is sampled unmasked and reported in ``dead``: the driver ends the
 request (``finish_reason`` ``abort``) without its token. A row whose grammar completed (it accepted a stop token)
@@ -28,66 +35,45 @@ Rows without a grammar are never touched, and a step without constrained rows do
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from raymoe.errors import InvalidRequestError
 from raymoe.runner.grammar_compiler import GrammarCompiler
+from raymoe.runner.grammar_masks import (
+    RowMatcher,
+    allowed,
+    apply_masks,
+    fill_all,
+    xgrammar,
+    xgrammar_bitmask_words,
+)
 from raymoe.runner.utf8_mask import Utf8Masks
 from raymoe.step.grammar import GrammarRow
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Matcher:
-    """A request's grammar state on this rank: its matcher, its UTF-8 decoding state (``raymoe.runner.utf8_mask``)
-    and the bitmask of its next token (``words``: [1, W] int32, numpy, once filled; ``pending``: the background fill
-    that writes it)."""
+@dataclass(frozen=True)
+class DraftGrammarStep:
+    """A verify step's constrained rows, between :meth:`RankGrammars.mask_drafts` and
+    :meth:`RankGrammars.accept_verified`.
 
-    rid: str
-    matcher: Any
-    utf8: Utf8Masks
-    stop_words: np.ndarray | None = None  # [1, W] int32 mask of the stop tokens, for a request that ignores EOS
-    words: np.ndarray | None = None
-    utf8_state: int = 0
-    filled: bool = False
-    allows_any: bool = True
-    terminated: bool = False
-    pending: Future | None = field(default=None, repr=False)
+    Attributes:
+        step: the rows whose logits were masked, and the dead ends (as :class:`GrammarStep`).
+        caps: [bs] the most drafts each row may accept (its draft length for an unconstrained row; 0 for a dead
+            end).
+        walks: per masked row (``step.rows`` order), the UTF-8 state after each draft token its matcher walked,
+            starting with the state before the first.
+    """
 
-    def fill(self) -> None:
-        """Fill the mask of the next token (idempotent until the matcher advances; :func:`_fill_all`)."""
-        if not self.filled:
-            _fill_all([self])
-
-    def accept(self, token: int) -> bool:
-        """Advance by ``token``; False (nothing changed) when the grammar refuses it."""
-        if not self.matcher.accept_token(token):
-            return False
-        self.advanced(token, True)
-        return True
-
-    def advanced(self, token: int, may_end: bool) -> None:
-        """Record that the matcher accepted ``token`` (``may_end``: it is a stop token, the only kind of token a
-        matcher terminates on, so only then is the matcher asked)."""
-        self.utf8_state = self.utf8.after(self.utf8_state, token)
-        self.filled = False
-        if may_end:
-            self.terminated = self.matcher.is_terminated()
-
-    def wait(self) -> None:
-        """Wait for a background fill, then make sure the mask is filled."""
-        if self.pending is not None:
-            self.pending.result()
-            self.pending = None
-        self.fill()
+    step: GrammarStep
+    caps: list[int]
+    walks: list[list[int]]
 
 
 @dataclass(frozen=True)
@@ -100,7 +86,7 @@ class GrammarStep:
     """
 
     rows: list[int]
-    matchers: list[_Matcher]
+    matchers: list[RowMatcher]
     dead: list[int]
 
 
@@ -122,7 +108,7 @@ class RankGrammars:
         self._utf8: Utf8Masks | None = None
         self._stop_words: np.ndarray | None = None
         self.device = device
-        self._by_pool_row: dict[int, _Matcher] = {}
+        self._by_pool_row: dict[int, RowMatcher] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         self.fill_in_background = device.type != "cpu" if fill_in_background is None else fill_in_background
 
@@ -152,7 +138,7 @@ class RankGrammars:
             self._utf8 = Utf8Masks(info.decoded_vocab, info.special_token_ids, xgrammar_bitmask_words(info.vocab_size))
         return self._utf8
 
-    def _matcher_for(self, g: GrammarRow, pool_row: int) -> _Matcher | None:
+    def _matcher_for(self, g: GrammarRow, pool_row: int) -> RowMatcher | None:
         """The row's matcher: rebuilt and advanced over ``g.output_ids`` when sent, else the one kept for this
         request (None: it cannot be built, or a token it was given does not fit its grammar)."""
         m = self._by_pool_row.get(pool_row)
@@ -167,7 +153,7 @@ class RankGrammars:
         except InvalidRequestError as e:
             log.warning("request %s: %s", g.rid, e)
             return None
-        m = _Matcher(g.rid, _xgrammar().GrammarMatcher(compiled), self.utf8,
+        m = RowMatcher(g.rid, xgrammar().GrammarMatcher(compiled), self.utf8,
                      self.stop_words if g.ignore_eos else None)
         for t in g.output_ids:
             if not m.accept(t):
@@ -176,19 +162,10 @@ class RankGrammars:
         self._by_pool_row[pool_row] = m
         return m
 
-    def mask(self, rows: Sequence[GrammarRow], pool_rows: Sequence[int],
-             logits: torch.Tensor) -> tuple[torch.Tensor, GrammarStep]:
-        """Mask the constrained rows of ``logits``.
-
-        Args:
-            rows: the step's constrained rows. pool_rows: [bs] the batch's ReqToTokenPool rows (host list).
-            logits: [bs, V] float logits on the rank's device.
-        Returns:
-            the masked logits ([bs, V] float32: ``logits`` itself, masked in place, when it is a contiguous float32
-            tensor, else a masked copy) and the step's constrained rows, for :meth:`accept`.
-        """
+    def _ready(self, rows: Sequence[GrammarRow], pool_rows: Sequence[int]) -> GrammarStep:
+        """The step's constrained rows whose matchers are ready, masks filled (``rows``), and its dead ends."""
         masked: list[int] = []
-        matchers: list[_Matcher] = []
+        matchers: list[RowMatcher] = []
         dead: list[int] = []
         kept = self._by_pool_row
         for g in rows:
@@ -209,19 +186,25 @@ class RankGrammars:
                 continue
             masked.append(g.row)
             matchers.append(m)
-        if masked:
-            if logits.dtype != torch.float32 or not logits.is_contiguous():
-                logits = logits.float().contiguous()
-            vocab = min(logits.shape[-1], self.compiler.vocab_size)
-            if self.device.type == "cpu" and _LITTLE_ENDIAN:
-                apply_bitmask_host(logits, np.concatenate([m.words for m in matchers]), masked, vocab)
-            else:
-                words = np.full((logits.shape[0], matchers[0].words.shape[1]), -1, dtype=np.int32)
-                words[masked] = np.concatenate([m.words for m in matchers])  # xgrammar indexes logits, masks alike
-                bitmask = torch.from_numpy(words)
-                bitmask = bitmask.to(self.device, non_blocking=True) if self.device.type != "cpu" else bitmask
-                _xgrammar().apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=masked)
-        return logits, GrammarStep(masked, matchers, dead)
+        return GrammarStep(masked, matchers, dead)
+
+    def mask(self, rows: Sequence[GrammarRow], pool_rows: Sequence[int],
+             logits: torch.Tensor) -> tuple[torch.Tensor, GrammarStep]:
+        """Mask the constrained rows of ``logits``.
+
+        Args:
+            rows: the step's constrained rows. pool_rows: [bs] the batch's ReqToTokenPool rows (host list).
+            logits: [bs, V] float logits on the rank's device.
+        Returns:
+            the masked logits ([bs, V] float32: ``logits`` itself, masked in place, when it is a contiguous float32
+            tensor, else a masked copy) and the step's constrained rows, for :meth:`accept`.
+        """
+        step = self._ready(rows, pool_rows)
+        if step.rows:
+            logits = _float32(logits)
+            apply_masks(logits, np.concatenate([m.words for m in step.matchers]), step.rows,
+                        min(logits.shape[-1], self.compiler.vocab_size))
+        return logits, step
 
     def accept(self, step: GrammarStep, next_ids: torch.Tensor) -> tuple[list[int], list[int]]:
         """Advance each masked row's matcher by its sampled token and start filling the next step's masks.
@@ -232,15 +215,18 @@ class RankGrammars:
             ``(done, dead)`` batch rows: grammars that completed with this token, and rows that reached a dead end
             (this step's, and any whose sampled token the matcher refused).
         """
+        if not step.rows:
+            return [], list(step.dead)
+        ids = next_ids.tolist()  # the host sync a constrained step adds
+        return self._advance(step, [ids[row] for row in step.rows])
+
+    def _advance(self, step: GrammarStep, tokens: list[int]) -> tuple[list[int], list[int]]:
+        """Each of ``step``'s matchers accepts its token (``tokens``, same order); the next masks start filling."""
         done: list[int] = []
         dead = list(step.dead)
-        if not step.rows:
-            return done, dead
-        ids = next_ids.tolist()  # the host sync a constrained step adds
-        tokens = [ids[row] for row in step.rows]
-        accepted = _xgrammar().BatchGrammarMatcher.batch_accept_token([m.matcher for m in step.matchers], tokens)
+        accepted = xgrammar().BatchGrammarMatcher.batch_accept_token([m.matcher for m in step.matchers], tokens)
         stops = self.compiler.stop_ids
-        advancing: list[_Matcher] = []
+        advancing: list[RowMatcher] = []
         for row, m, token, ok in zip(step.rows, step.matchers, tokens, accepted, strict=True):
             if not ok:
                 dead.append(row)
@@ -251,81 +237,90 @@ class RankGrammars:
             else:
                 advancing.append(m)
         if advancing and not self.fill_in_background:
-            _fill_all(advancing)
+            fill_all(advancing)
         elif advancing:
-            future = self._pool.submit(_fill_all, advancing)
+            future = self._pool.submit(fill_all, advancing)
             for m in advancing:
                 m.pending = future
         return done, dead
 
+    def mask_drafts(self, rows: Sequence[GrammarRow], pool_rows: Sequence[int], logits: torch.Tensor,
+                    windows: Sequence[tuple[int, list[int]]]) -> tuple[torch.Tensor, DraftGrammarStep]:
+        """Mask a verify step's constrained rows at every position whose token is sampled or tested.
 
-def _xgrammar():
-    import xgrammar
+        Row ``i``'s window starts at position ``windows[i][0]`` of ``logits`` (its newest token) and holds its
+        drafts ``windows[i][1]`` (``d_1 .. d_k``). The logits at window position ``j`` give the token after
+        ``d_1 .. d_j``, so they are masked with the grammar's mask after those drafts: the matcher walks the draft
+        (accepting each token, filling each mask) and stops before the first draft token the mask refuses, the
+        first stop token (a completion is only ever the row's own token, as in plain decoding), or a token after
+        which nothing is allowed. ``caps[i]`` says how many drafts it walked: verification may accept at most
+        those (the rest were never masked and could not be accepted under the grammar anyway). The matchers stay
+        where the walk left them until :meth:`accept_verified` rolls them back to the accepted drafts.
 
-    return xgrammar
+        Args:
+            rows, pool_rows: as :meth:`mask`. logits: [T, V] float logits at every token of the step.
+            windows: ``bs`` entries ``(first position, draft tokens)``; a row without a draft has ``[]``.
+        Returns:
+            the masked logits ([T, V] float32, as :meth:`mask`) and the step, for :meth:`accept_verified`.
+        """
+        step = self._ready(rows, pool_rows)
+        caps = [len(d) for _, d in windows]
+        for row in step.dead:
+            caps[row] = 0
+        positions: list[int] = []
+        masks: list[np.ndarray] = []
+        walks: list[list[int]] = []
+        stops = self.compiler.stop_ids
+        for row, m in zip(step.rows, step.matchers, strict=True):
+            first, draft = windows[row]
+            states = [m.utf8_state]  # the UTF-8 state after each walked draft token (for the rollback)
+            positions.append(first)
+            masks.append(m.words)
+            cap = 0
+            for token in draft:
+                if token in stops or not allowed(m.words, token) or not m.matcher.accept_token(token):
+                    break
+                m.advanced(token, False)
+                fill_all([m])
+                states.append(m.utf8_state)
+                if not m.allows_any:  # nothing may follow this token: it may not be accepted either
+                    break
+                cap += 1
+                positions.append(first + cap)
+                masks.append(m.words)
+            caps[row] = cap
+            walks.append(states)
+        if positions:
+            logits = _float32(logits)
+            apply_masks(logits, np.concatenate(masks), positions, min(logits.shape[-1], self.compiler.vocab_size))
+        return logits, DraftGrammarStep(step, caps, walks)
+
+    def accept_verified(self, drafted: DraftGrammarStep, accept_lens: torch.Tensor,
+                        next_ids: torch.Tensor) -> tuple[list[int], list[int]]:
+        """After a verify step: roll each walked matcher back to the drafts the row accepted, then advance it by the
+        row's own token, as :meth:`accept` does.
+
+        Args:
+            drafted: what :meth:`mask_drafts` answered. accept_lens: [bs] int64 accepted drafts per row (at most
+                the row's cap). next_ids: [bs] int64 each row's own token.
+        Returns:
+            ``(done, dead)`` batch rows, as :meth:`accept` (a dead row keeps its accepted drafts: they fit).
+        """
+        step = drafted.step
+        if not step.rows:
+            return [], list(step.dead)
+        accepted, ids = accept_lens.tolist(), next_ids.tolist()  # the host sync a constrained step adds
+        for row, m, states in zip(step.rows, step.matchers, drafted.walks, strict=True):
+            a = accepted[row]
+            if a > drafted.caps[row]:
+                raise ValueError(f"row {row} accepted {a} drafts where its grammar allowed {drafted.caps[row]}")
+            walked = len(states) - 1
+            if walked > a:  # (its mask is the walk's last; the row's own token below fills a new one)
+                m.matcher.rollback(walked - a)
+                m.utf8_state, m.filled = states[a], False
+        return self._advance(step, [ids[row] for row in step.rows])
 
 
-_LITTLE_ENDIAN = sys.byteorder == "little"  # a mask's int32 words read as bytes in bit order (apply_bitmask_host)
-
-
-def apply_bitmask_host(logits: torch.Tensor, words: np.ndarray, rows: list[int], vocab_size: int) -> None:
-    """Set the refused tokens' logits of ``rows`` to ``-inf`` in place, on the host: what
-    ``xgrammar.apply_token_bitmask_inplace`` does, in two vectorized passes (unpack the bits with numpy, one torch
-    ``masked_fill_``) instead of its CPU kernel's per-element loop, which took 124 us for 16 rows of a 2k vocabulary
-    and 9.0 ms for 16 rows of 152k on the CI machine against 23 us and 1.0 ms this way (``benchmarks/
-    grammar_mask.py``).
-
-    Args:
-        logits: [bs, V] float32 contiguous CPU tensor. words: [len(rows), ceil(vocab_size / 32)] int32 masks in
-            xgrammar's layout (token ``t`` allowed where bit ``t % 32`` of word ``t // 32`` is set), row ``i`` for
-            batch row ``rows[i]`` (ascending). vocab_size: tokens masked, ``<= V``; logits past it are left as they
-            are (xgrammar's ``vocab_size`` meaning). Needs a little-endian host (the words are read as bytes).
-    """
-    refused = torch.from_numpy(np.unpackbits(np.invert(words).view(np.uint8), axis=1, count=vocab_size,
-                                             bitorder="little").view(bool))
-    if len(rows) == logits.shape[0] and rows[-1] == len(rows) - 1:  # rows ascend: all of them
-        logits[:, :vocab_size].masked_fill_(refused, float("-inf"))
-        return
-    index = torch.tensor(rows, dtype=torch.long)
-    part = logits[index, :vocab_size]
-    part.masked_fill_(refused, float("-inf"))
-    logits[index, :vocab_size] = part
-
-
-def xgrammar_bitmask_words(vocab_size: int) -> int:
-    """int32 words of one token bitmask over ``vocab_size`` tokens (xgrammar's layout)."""
-    return (vocab_size + 31) // 32
-
-
-def _fill_all(matchers: list[_Matcher]) -> None:
-    """Fill the next-token masks of ``matchers`` (those not filled yet) at once: each grammar's tokens (xgrammar,
-    one row of a shared [n, W] int32 array each), ANDed with the tokens that keep the text well-formed UTF-8 from
-    each one's decoding state (the grammar's alone where none does), and for a request that ignores EOS without
-    the stop tokens unless nothing else is allowed. The array is numpy: it may be filled on the fill thread, outside
-    the rank's inference mode."""
-    todo = [m for m in matchers if not m.filled]
-    if not todo:
-        return
-    utf8 = todo[0].utf8
-    words = np.empty((len(todo), utf8.words.shape[1]), dtype=np.int32)
-    # one call for all rows (xgrammar's batch fill, on this thread: max_threads=1); per step, fewer numpy calls
-    # matter more than their size here (a few us each on a busy rank): the common outcomes take one call each
-    _xgrammar().BatchGrammarMatcher(1).batch_fill_next_token_bitmask([m.matcher for m in todo], words)
-    both = words & utf8.words[[m.utf8_state for m in todo]]
-    fits = both.any(axis=1)
-    if fits.all():
-        words = both
-    else:
-        words[fits] = both[fits]
-    ignoring = [i for i, m in enumerate(todo) if m.stop_words is not None]
-    if ignoring:
-        every = len(ignoring) == len(todo)
-        other = (words if every else words[ignoring]) & np.invert(todo[ignoring[0]].stop_words)
-        keep = other.any(axis=1)
-        if every and keep.all():
-            words = other
-        else:
-            words[np.asarray(ignoring)[keep]] = other[keep]
-    allows = [True] * len(todo) if fits.all() else words.any(axis=1).tolist()
-    for i, m in enumerate(todo):
-        m.words, m.allows_any, m.filled = words[i:i + 1], allows[i], True
+def _float32(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` as a contiguous float32 tensor (itself when it is one)."""
+    return logits if logits.dtype == torch.float32 and logits.is_contiguous() else logits.float().contiguous()

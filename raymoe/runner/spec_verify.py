@@ -50,7 +50,8 @@ class VerifyResult:
 
 
 def verify_drafts(ops: Platform, logits: torch.Tensor, input_ids: torch.Tensor, extend_lens: list[int],
-                  info: SamplingBatchInfo, generator: torch.Generator) -> VerifyResult:
+                  info: SamplingBatchInfo, generator: torch.Generator,
+                  caps: list[int] | None = None) -> VerifyResult:
     """Accept each row's drafts against the target's ``logits`` (module docstring).
 
     Args:
@@ -62,6 +63,9 @@ def verify_drafts(ops: Platform, logits: torch.Tensor, input_ids: torch.Tensor, 
             last draft, as ``SamplingTable.resolve`` derives it from ``seq_lens``).
         (``extend_lens`` here are the rows' ``1 + drafts``: :func:`verify_rows` cuts a batch's rows to those.)
         generator: the rank's generator, for unseeded rows.
+        caps: ``bs`` most drafts each row may accept (None: all of them): a grammar-constrained row's drafts past
+            the first its grammar refuses (``RankGrammars.mask_drafts``) are not tested; its own token is then
+            drawn from the distribution at its cap, as for a draft of that length.
     Raises:
         ValueError: ``logits`` or ``input_ids`` do not have ``sum(extend_lens)`` rows, or a row has no token.
     """
@@ -72,9 +76,11 @@ def verify_drafts(ops: Platform, logits: torch.Tensor, input_ids: torch.Tensor, 
     device = logits.device
     starts, pos, grid = [], 0, []
     kmax = max(extend_lens)
-    for e in extend_lens:  # [bs, kmax] indices of each row's draft positions j < k_i; T (a False pad) beyond
+    limits = [e - 1 for e in extend_lens] if caps is None else [min(e - 1, c) for e, c in
+                                                                 zip(extend_lens, caps, strict=True)]
+    for e, lim in zip(extend_lens, limits, strict=True):  # [bs, kmax] each row's tested draft positions; T beyond
         starts.append(pos)
-        grid.append([pos + j if j < e - 1 else num_tokens for j in range(kmax)])
+        grid.append([pos + j if j < lim else num_tokens for j in range(kmax)])
         pos += e
     start_t = to_device(starts, torch.int64, device)
     grid_t = to_device(grid, torch.int64, device)
@@ -100,7 +106,8 @@ def verify_drafts(ops: Platform, logits: torch.Tensor, input_ids: torch.Tensor, 
     accept = agree[grid_t].to(torch.int64).cumprod(dim=1).sum(dim=1)
     final = start_t + accept  # [bs] the position whose distribution gives the row's own token
     dist = probs[final]
-    rejected = accept < lens_t - 1  # the draft after ``final`` was rejected: draw from p without it
+    rejected = accept < to_device(limits, torch.int64, device)  # the draft after ``final`` was tested and
+    # rejected: draw from p without it
     dist = dist.scatter(1, following[final][:, None], torch.where(rejected[:, None], 0.0, dist.gather(
         1, following[final][:, None])))
     dist = torch.where(dist.sum(dim=1, keepdim=True) > 0, dist, probs[final])  # (p put all its mass on the draft)
@@ -108,18 +115,30 @@ def verify_drafts(ops: Platform, logits: torch.Tensor, input_ids: torch.Tensor, 
     return VerifyResult(torch.where(greedy_rows, greedy_ids[final], drawn), accept)
 
 
+def draft_windows(extend_lens: list[int], draft_lens: list[int]) -> list[int]:
+    """Each row's first verified position (its newest token) in a step's token order: rows hold ``extend_lens``
+    tokens, the last ``1 + draft_lens[i]`` of them verified."""
+    firsts, pos = [], 0
+    for e, k in zip(extend_lens, draft_lens, strict=True):
+        firsts.append(pos + e - 1 - k)
+        pos += e
+    return firsts
+
+
 def verify_rows(ops: Platform, logits: torch.Tensor, input_ids: torch.Tensor, extend_lens: list[int],
-                draft_lens: list[int], info: SamplingBatchInfo, generator: torch.Generator) -> VerifyResult:
+                draft_lens: list[int], info: SamplingBatchInfo, generator: torch.Generator,
+                caps: list[int] | None = None) -> VerifyResult:
     """:func:`verify_drafts` over the last ``1 + draft_lens[i]`` positions of each row of a batch whose rows may
     also hold other tokens (a MIXED batch: prefill rows with no draft sample their last position; decode rows
-    verify their drafts). ``logits`` [T, V] at every token; ``extend_lens``, ``draft_lens``: ``bs`` host counts."""
+    verify their drafts). ``logits`` [T, V] at every token; ``extend_lens``, ``draft_lens``, ``caps``: ``bs`` host
+    counts (``caps``: :func:`verify_drafts`)."""
     window: list[int] = []
     pos = 0
     for e, k in zip(extend_lens, draft_lens, strict=True):
         window += range(pos + e - 1 - k, pos + e)
         pos += e
     idx = to_device(window, torch.int64, logits.device)
-    return verify_drafts(ops, logits[idx], input_ids[idx], [1 + k for k in draft_lens], info, generator)
+    return verify_drafts(ops, logits[idx], input_ids[idx], [1 + k for k in draft_lens], info, generator, caps)
 
 
 def _uniforms(extend_lens: list[int], info: SamplingBatchInfo, generator: torch.Generator,

@@ -16,8 +16,8 @@ Rules that keep it exact and simple:
   accepted, its next drafts on the passes). Between such steps overlap scheduling goes on: the driver forms a step
   while the one before runs, and a request whose token is still on its way (``pending_ids``) gets no draft. The
   driver waits for the running step first only when a group may draft (:meth:`SpecSteps.wants_fresh_tokens`).
-* A step with a grammar-constrained request or one that asks for log-probs runs as plain DECODE (the ranks mask and
-  report one position per row); so does a step where no request found a draft, and, with the adaptive draft policy
+* A step with a request that asks for log-probs runs as plain DECODE (the ranks report one position per row); so
+  does a step where no request found a draft, and, with the adaptive draft policy
   (``raymoe.scheduler.spec_policy``), one whose drafts are not expected to pay for the verify step.
 * Drafts never run past a request's length limit: a draft is at most ``output_cap - generated - 1`` tokens.
 * KV: the decode slot of every request comes first (``make_room_for_decode`` made room for it); draft slots are
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from raymoe.config.speculative import SpeculativeConfig
 from raymoe.scheduler.group_state import GroupState
 from raymoe.scheduler.ngram import SEARCH_WINDOW, propose_ngram
-from raymoe.scheduler.req import Req, RequestFault
+from raymoe.scheduler.req import FinishKind, Req, RequestFault
 from raymoe.scheduler.results import StopRules, check_oldest, finish_in_group
 from raymoe.scheduler.schedule_batch import ScheduleBatch
 from raymoe.scheduler.spec_policy import EXPLORE_EVERY, PROBE_EVERY, DraftPolicy
@@ -131,8 +131,8 @@ class SpecSteps:
                              c.speculative_ngram_max_match_window_size)
 
     def step_drafts(self, decoders: list[Req]) -> list[list[int]] | None:
-        """Each decoding request's draft for this step, or None when the step should not verify any (a grammar or
-        log-prob request, no draft at all, or drafts the adaptive policy expects not to pay)."""
+        """Each decoding request's draft for this step, or None when the step should not verify any (a log-prob
+        request, no draft at all, or drafts the adaptive policy expects not to pay)."""
         if any(r.pending_ids for r in decoders):  # overlap scheduling: a token is still on its way
             self._since_evaluated += 1
             if self.policy is not None:  # a step without drafts, as the policy's probes and exploration count it
@@ -141,8 +141,7 @@ class SpecSteps:
         self._since_evaluated = 0
         self._overlap_for = min(max(1, 2 * self._overlap_for), MAX_OVERLAP_BACKOFF)  # unless it verifies, below
         for r in decoders:
-            p = r.sampling_params
-            if p.grammar is not None or p.logprobs is not None:
+            if r.sampling_params.logprobs is not None:
                 return None
         self._wanted = False
         drafts = [self.draft_for(r, len(decoders)) for r in decoders]
@@ -341,12 +340,15 @@ def apply_verify_result(state: GroupState, batch: ScheduleBatch, output: StepOut
     state.inflight.popleft()
     ctx, pool = state.cache_config.max_context_len, state.token_allocator.size
     out: list[Req] = []
+    done, dead = output.grammar_done, output.grammar_dead  # constrained rows that end (usually none)
     rows = zip(batch.reqs, batch.partial, batch.drafts, output.accept_lens, output.next_token_ids, strict=True)
-    for req, partial, draft, accepted, token in rows:
+    for i, (req, partial, draft, accepted, token) in enumerate(rows):
         if req.finished_reason is not None or partial:  # a MIXED step's unfinished prefill chunk samples nothing
             continue
         try:
             tokens = verify_tokens(draft, accepted, token)
+            if dead and i in dead:  # the grammar allows nothing after the accepted drafts: they stay, the token not
+                tokens = tokens[:-1]
             spec.record(req.rid, len(draft), accepted)
             req.accepted_draft_tokens += accepted
             req.rejected_draft_tokens += len(draft) - accepted
@@ -359,6 +361,12 @@ def apply_verify_result(state: GroupState, batch: ScheduleBatch, output: StepOut
                     break
             if req.req_pool_idx is not None:
                 trim_to_tokens(state, req)
+            if not finished and dead and i in dead:
+                req.finish(FinishKind.ABORT, message="the output's grammar allows no further token")
+                finished = True
+            elif not finished and done and i in done:  # the grammar completed with the row's own token
+                req.finish(FinishKind.STOP, matched=tokens[-1])
+                finished = True
         except Exception as e:  # noqa: BLE001 - this request's own check failed: fail it, keep the others
             log.exception("post-processing request %s failed", req.rid)
             state.fail(req, RequestFault("failed", f"applying the request's verified tokens failed "
