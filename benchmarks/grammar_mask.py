@@ -5,7 +5,8 @@ the grammar allows next (a bitmask over the vocabulary), then advancing the gram
 script compiles one realistic schema (nested objects, an enum, arrays, optional fields, numbers, strings), starts
 ``--batch`` matchers, and drives each along the tokens of a different valid document, timing per step: the masks of
 the whole batch (each library's batched entry point, and one request at a time) and the token advance. It reports
-the median and p99 per step, the compile time and the vocabulary. Two tokenizers: the demo checkpoint's (what
+the median and p99 per step, the compile time and the vocabulary, and what applying one step's masks to the logits
+costs on the CPU (xgrammar's CPU kernel against ``raymoe.runner.grammar_masks.apply_bitmask_host``). Two tokenizers: the demo checkpoint's (what
 raymoe serves here) and a 32k-token BPE trained on the same corpus (closer to a production vocabulary's size).
 
     python benchmarks/grammar_mask.py [--batch 64] [--steps 60] [--threads 2]
@@ -104,7 +105,32 @@ def bench_xgrammar(tok, vocab_size: int, docs: list[list[int]], steps: int, thre
     mask_s, advance_s = _drive(docs, steps, new, lambda ms: batch.batch_fill_next_token_bitmask(ms, bitmask),
                                lambda m, tok_id: m.accept_token(tok_id))
     one_s, _ = _drive(docs, steps, new, one_by_one, lambda m, tok_id: m.accept_token(tok_id))
-    return {"compile_s": compile_s, "mask_s": mask_s, "one_by_one_s": one_s, "advance_s": advance_s}
+    apply = bench_apply(bitmask, vocab_size)
+    return {"compile_s": compile_s, "mask_s": mask_s, "one_by_one_s": one_s, "advance_s": advance_s, **apply}
+
+
+def bench_apply(bitmask: torch.Tensor, vocab_size: int, repeats: int = 50) -> dict:
+    """Seconds to apply ``bitmask`` ([batch, W] int32, the masks of a step of the documents) to float32 logits on
+    the CPU: xgrammar's CPU kernel (``apply_token_bitmask_inplace``) and raymoe's host path
+    (``raymoe.runner.grammar_masks.apply_bitmask_host``), each the median of ``repeats``."""
+    import xgrammar as xgr
+
+    from raymoe.runner.grammar_masks import apply_bitmask_host
+
+    rows = list(range(bitmask.shape[0]))
+    words = bitmask.numpy()
+    out = {}
+    for name, fn in (("apply_xgrammar_s", lambda lg: xgr.apply_token_bitmask_inplace(lg, bitmask,
+                                                                                       vocab_size=vocab_size)),
+                     ("apply_host_s", lambda lg: apply_bitmask_host(lg, words, rows, vocab_size))):
+        times = []
+        for _ in range(repeats):
+            logits = torch.randn(len(rows), vocab_size)
+            t = time.perf_counter()
+            fn(logits)
+            times.append(time.perf_counter() - t)
+        out[name] = [statistics.median(times)]
+    return out
 
 
 def bench_llguidance(tok, vocab_size: int, docs: list[list[int]], steps: int, threads: int) -> dict:
@@ -179,6 +205,9 @@ def main() -> None:
                   f"{statistics.median(ms['mask_s']):6.2f} p99 {_pct(ms['mask_s'], 0.99):6.2f} ms | one by one "
                   f"p50 {statistics.median(ms['one_by_one_s']):6.2f} ms | advance p50 "
                   f"{statistics.median(ms['advance_s']):5.2f} ms")
+            if "apply_host_s" in ms:
+                print(f"  {'':10s} apply the batch's masks to float32 logits: xgrammar's CPU kernel "
+                      f"{ms['apply_xgrammar_s'][0]:6.2f} ms, raymoe's host path {ms['apply_host_s'][0]:6.2f} ms")
 
 
 if __name__ == "__main__":
