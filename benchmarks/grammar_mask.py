@@ -6,8 +6,9 @@ script compiles one realistic schema (nested objects, an enum, arrays, optional 
 ``--batch`` matchers, and drives each along the tokens of a different valid document, timing per step: the masks of
 the whole batch (each library's batched entry point, and one request at a time) and the token advance. It reports
 the median and p99 per step, the compile time and the vocabulary, and what applying one step's masks to the logits
-costs on the CPU (xgrammar's CPU kernel against ``raymoe.runner.grammar_masks.apply_bitmask_host``). Two tokenizers: the demo checkpoint's (what
-raymoe serves here) and a 32k-token BPE trained on the same corpus (closer to a production vocabulary's size).
+costs on the CPU (xgrammar's CPU kernel against ``raymoe.runner.grammar_masks.apply_bitmask_host``). Two
+tokenizers: the demo checkpoint's (what raymoe serves here) and a 32k-token BPE trained on the same corpus (closer
+to a production vocabulary's size).
 
     python benchmarks/grammar_mask.py [--batch 64] [--steps 60] [--threads 2]
 
