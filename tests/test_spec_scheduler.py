@@ -119,7 +119,7 @@ def test_draft_policy_fits_the_step_cost_and_drafts_only_what_pays():
     assert lengths == [0] * (PROBE_EVERY - 1) + [1]  # compute-bound: only a probe now and then
     # a step of 64 sure rows with 4 drafts each pays; 64 unsure rows with one draft each does not
     decisions = [pol.worth_verifying([("sure", 4)] * 64, 64) for _ in range(EXPLORE_EVERY)]
-    assert decisions.count(True) == EXPLORE_EVERY - 1  # every EXPLORE_EVERY-th decision is flipped (exploration)
+    assert decisions.count(True) == EXPLORE_EVERY - 1  # a run of EXPLORE_EVERY is flipped (exploration)
     decisions = [pol.worth_verifying([("unsure", 1)] * 64, 64) for _ in range(EXPLORE_EVERY)]
     assert decisions.count(True) == 1
     pol.forget("unsure")
@@ -235,3 +235,33 @@ def test_draft_chain_scratch_never_outlives_its_step_under_overlap():
     from raymoe.scheduler.spec_policy import EXPLORE_EVERY
 
     assert len(scratch_steps) < EXPLORE_EVERY and not any(scratch_steps)  # paused throughout: no chain, no scratch
+
+
+def test_a_run_of_overlapped_plain_steps_never_ends_in_a_flipped_verify_decision():
+    """Exploration flips runs of one kind only: a look after a long overlapped stretch of plain decoding keeps the
+    fits' verify choice (counting every EXPLORE_EVERY-th decision, overlapped steps included, flipped exactly
+    that look, and its back-off made the next look a flip again: a batch-1 stream whose drafts paid decoded
+    plainly), and a flipped verify decision keeps the draft model's passes running."""
+    from raymoe.scheduler.spec_policy import EXPLORE_EVERY, DraftPolicy
+
+    pol = DraftPolicy()
+    for _ in range(10):  # plain step 9 ms, verify step of 2 tokens 10.5 ms; drafts accepted 4 times in 5
+        pol.observe_step(False, 1, 0.009)
+        pol.observe_step(True, 2, 0.0105)
+    for i in range(10):
+        pol.observe_row("r", 1, int(i % 5 != 0))
+    for _ in range(3 * EXPLORE_EVERY):
+        pol.skip_step(["r"])
+    assert pol.worth_verifying([("r", 1)], 1) and not pol.explored
+    decisions = [pol.worth_verifying([("r", 1)], 1) for _ in range(2 * EXPLORE_EVERY)]
+    assert decisions.count(False) == 2 and decisions[EXPLORE_EVERY - 2] is False  # one flip per run of 64
+
+    s = make(speculative=SpeculativeConfig(speculative_algorithm="nextn"))
+    spec = s.spec
+    spec.policy = pol
+    pol._verify_run = EXPLORE_EVERY - 1  # the next verify choice is flipped
+    req = Req("r", [1, 2, 3], SamplingParams(max_tokens=50, temperature=0.0))
+    req.limits = s.state.limits_for(req)
+    req.spec_drafts = [7]
+    assert spec.step_drafts([req]) is None and pol.explored
+    assert spec.wants_draft_passes()  # an exploring plain step keeps the passes: the drafts still pay

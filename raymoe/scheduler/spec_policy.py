@@ -12,9 +12,13 @@ at batch 1 on a step-overhead-bound machine almost any draft pays, and on a comp
 do, or none.
 
 ``p`` is estimated per request from its own verify rows, starting from the group's overall acceptance. A request
-that drafts nothing still verifies one draft every ``PROBE_EVERY`` steps, and every ``EXPLORE_EVERY``-th decision
-is flipped, so both costs and every acceptance stay measured (steps formed under overlap scheduling, which look for
-no drafts, count as decisions for plain decoding: ``skip_step``). Before a cost has data the step verifies (exploring).
+that drafts nothing still verifies one draft every ``PROBE_EVERY`` steps, and a decision that went the same way
+``EXPLORE_EVERY`` times in a row is flipped, so both costs and every acceptance stay measured (steps formed under
+overlap scheduling, which look for no drafts, count as decisions for plain decoding: ``skip_step``). Only runs are
+flipped, never a decision that ends a run of the other kind: counting every ``EXPLORE_EVERY``-th decision instead
+(overlapped steps included) made the look that followed a long overlapped stretch a flip into plain decoding, whose
+overlap back-off then made the next look a flip again, and a batch-1 stream whose drafts paid 1.5x decoded plainly.
+Before a cost has data the step verifies (exploring).
 This is the engine's own rule (SGLang and vLLM take a fixed draft length; vLLM can switch speculation off above a
 batch size); it is what makes ``speculative_algorithm`` safe to leave on.
 """
@@ -31,8 +35,9 @@ DECAY = 0.8
 PROBE_EVERY = 16
 """A request that drafts nothing still verifies one draft token this often, steps."""
 EXPLORE_EVERY = 64
-"""Every this many step decisions one is flipped (a verify step where decoding was chosen, or the reverse), so the
-cost not chosen stays measured; rare, because a forced verify step at a compute-bound batch costs several decode
+"""After this many step decisions in a row went the same way the next one is flipped (a verify step where decoding
+was chosen, or the reverse), so the cost not chosen stays measured; rare, because a forced verify step at a
+compute-bound batch costs several decode
 steps."""
 
 
@@ -85,7 +90,10 @@ class DraftPolicy:
     def __init__(self) -> None:
         self.decode_cost = StepCost()
         self.verify_cost = StepCost()
-        self._decisions = 0
+        self._plain_run = 0  # decisions for plain decoding (overlapped steps included) since the last verify one
+        self._verify_run = 0  # verify decisions since the last plain one
+        self.explored = False
+        """Whether the last :meth:`worth_verifying` answer was a flipped one (exploration, not the fits' choice)."""
         self._reqs: dict[str, _Acceptance] = {}
         self._accepted = 0
         self._trials = 0
@@ -114,10 +122,6 @@ class DraftPolicy:
     def worth_verifying(self, rows: list[tuple[str, int]], batch_size: int) -> bool:
         """Whether a verify step of ``rows`` (``(rid, draft tokens)``, one per decoding request) is expected to
         give more tokens per second than a plain decode step of ``batch_size`` rows (module docstring)."""
-        self._decisions += 1
-        explore = self._decisions >= EXPLORE_EVERY
-        if explore:
-            self._decisions = 0
         drafts = sum(n for _, n in rows)
         c_verify = self.verify_cost.at(batch_size + drafts)
         c_decode = self.decode_cost.at(batch_size)
@@ -132,7 +136,24 @@ class DraftPolicy:
                     term *= p
                     expected += term
             choice = expected / c_verify > batch_size / c_decode
-        return choice != explore
+        return self._explored(choice)
+
+    def _explored(self, choice: bool) -> bool:
+        """``choice``, flipped when the same choice was made ``EXPLORE_EVERY`` times in a row (the other cost is
+        re-measured). Only a run of one kind is flipped: a verify decision after a run of plain steps is kept, so
+        a long overlapped stretch of plain decoding never ends in a forced plain step where drafts pay."""
+        self.explored = False
+        if choice:
+            self._verify_run, self._plain_run = self._verify_run + 1, 0
+            if self._verify_run >= EXPLORE_EVERY:
+                self._verify_run, self.explored = 0, True
+                return False
+            return True
+        self._plain_run, self._verify_run = self._plain_run + 1, 0
+        if self._plain_run >= EXPLORE_EVERY:
+            self._plain_run, self.explored = 0, True
+            return True
+        return False
 
     # ------------------------------------------------------------------ acceptance
     def acceptance(self, rid: str) -> float:
@@ -169,7 +190,7 @@ class DraftPolicy:
         """A decode step formed without a look for drafts (overlap scheduling formed it with its requests' tokens
         pending): it counts toward the next flipped decision and each request's next probe, as a step that chose
         plain decoding would."""
-        self._decisions += 1
+        self._plain_run, self._verify_run = self._plain_run + 1, 0
         for rid in rids:
             self._reqs.setdefault(rid, _Acceptance(0.0, 0.0)).skipped += 1
 

@@ -153,7 +153,9 @@ class SpecSteps:
             return None
         if self.policy is not None and not self.policy.worth_verifying(
                 [(r.rid, len(d)) for r, d in zip(decoders, drafts, strict=True)], len(decoders)):
-            self._last_verified = False
+            # drafts do not pay: the draft model's passes pause; a flipped (exploring) decision keeps them running,
+            # the drafts still pay by the fits, and pausing them would cost EXPLORE_EVERY steps without drafts
+            self._last_verified = self.policy.explored
             return None
         self._last_verified, self._overlap_for = True, 0
         return drafts
