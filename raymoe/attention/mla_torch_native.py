@@ -118,13 +118,17 @@ class TorchNativeMLABackend(PagedDecodeGraphHooks, AttentionBackend):
         """
         buf = self._store(layer_id, forward_batch, k)
         if self.kv_indices.shape[1] <= self.kv_chunk:
-            bs = q.shape[0]
-            rows = buf.index_select(0, self.kv_indices.reshape(-1)).view(bs, 1, self.kv_indices.shape[1], -1)
-            rows = rows.to(q.dtype)                                                       # [bs, 1, L, Dc]
-            o = F.scaled_dot_product_attention(q.unsqueeze(1), rows, rows[..., : self.kv_lora_rank],
-                                               attn_mask=self.kv_mask, scale=self.scale)  # [bs, 1, H, Dl]
-            return o.squeeze(1)
+            return self._decode_sdpa(q, buf)
         return self.decode_chunked(q, buf)
+
+    def _decode_sdpa(self, q: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        """One gather of ``kv_indices`` [bs, L] and one SDPA call: [bs, H, Dc] queries -> [bs, H, kv_lora_rank]."""
+        bs = q.shape[0]
+        rows = buf.index_select(0, self.kv_indices.reshape(-1)).view(bs, 1, self.kv_indices.shape[1], -1)
+        rows = rows.to(q.dtype)                                                       # [bs, 1, L, Dc]
+        o = F.scaled_dot_product_attention(q.unsqueeze(1), rows, rows[..., : self.kv_lora_rank],
+                                           attn_mask=self.kv_mask, scale=self.scale)  # [bs, 1, H, Dl]
+        return o.squeeze(1)
 
     def decode_chunked(self, q: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
         """Absorbed decode over ``kv_indices`` in chunks of ``kv_chunk`` tokens with an online softmax.

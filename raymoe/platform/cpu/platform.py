@@ -59,6 +59,13 @@ class CpuPlatform(CpuDenseOps, CpuExpertOps, CpuSamplingOps, TorchPlatform):
             return CpuPagedAttnBackend(**kwargs)  # its kernels take neither sinks nor windows
         return super().attention_backend(name, **kwargs)
 
+    def mla_attention_backend(self, name: str, **kwargs: Any) -> AttentionBackend:
+        if name == "torch_native":  # absorbed decode through the fused kernel (raymoe.platform.cpu.mla_attention)
+            from raymoe.platform.cpu.mla_attention import CpuMLABackend
+
+            return CpuMLABackend(**kwargs)
+        return super().mla_attention_backend(name, **kwargs)
+
     def create_ep_transport(self, groups: ParallelGroups, cpu_comm: str, timeout_s: float) -> EpTransport | None:
         """The shared-memory exchange where every EP rank is on this node (``transport.create_ep_transport``)."""
         return transport.create_ep_transport(groups, cpu_comm, timeout_s)
