@@ -10,7 +10,7 @@ from test_mla_torch_path import _decode_case
 
 from raymoe.attention.mla_torch_native import TorchNativeMLABackend
 from raymoe.platform.cpu.kernels import build, cpu_ops
-from raymoe.platform.cpu.mla_attention import CpuMLABackend
+from raymoe.platform.cpu.mla_attention import KERNEL_MAX_ROWS, CpuMLABackend
 from raymoe.platform.selector import select_platform
 
 pytestmark = pytest.mark.skipif(build.load() is None, reason="the fused CPU kernels do not build here")
@@ -48,3 +48,7 @@ def test_the_cpu_platform_builds_it_and_other_dtypes_take_the_reference_path(mon
     be.init_forward_metadata(fb)
     out = be.forward(q, new, None, 0, fb)
     assert not calls and out.dtype == torch.bfloat16 and out.shape == (2, 4, 32)
+    pool, rtt, q, new, fb = _decode_case(torch.float32, [4] * (KERNEL_MAX_ROWS + 1))  # a step above the cap
+    be = CpuMLABackend(rtt, pool, num_heads=4, softmax_scale=0.2)
+    be.init_forward_metadata(fb)
+    assert be.forward(q, new, None, 0, fb).shape == (KERNEL_MAX_ROWS + 1, 4, 32) and not calls

@@ -10,7 +10,7 @@ first ``kv_lora_rank`` columns are the attention output (the last ``qk_rope_head
 dropped: 20 % more accumulation for DeepSeek-V3's 512 + 64, no gather). It reads the slots in place through
 ``kv_indices``, so a row costs its own length whatever the step's widest row, and a verify step's tokens (decode rows
 here, ``verify_as_decode``) each read their request's rows once. Measured on the CI machine, one 16-layer trained
-DeepSeek demo stream with a 200-token context: the layers' attention took 18 % of a decode step by SDPA / chunks.
+DeepSeek demo stream with a 200-token context: a decode step 9.9 -> 7.9 ms. Up to :data:`KERNEL_MAX_ROWS` rows.
 
 Each row's attended length is its mask's count (``kv_mask`` marks positions below the row's length, in eager steps
 and graph replays alike), so the kernel sees what the reference path masks. Without the kernels (another dtype,
@@ -24,6 +24,12 @@ import torch
 from raymoe.attention.mla_torch_native import TorchNativeMLABackend
 from raymoe.platform.cpu.kernels import cpu_ops
 
+KERNEL_MAX_ROWS = 8
+"""Most decode rows (a verify step's tokens count one each) the kernel takes; larger steps keep the reference path.
+The kernel runs on one thread, SDPA's GEMMs on the rank's intra-op threads: a 16-layer DeepSeek demo on the CI
+machine (one rank, 2 threads) decoded 14 % faster by the kernel at batch 1 and 8 % slower at batch 32 (py-spy: the
+kernel's share of a batch-32 step 1.5x the gather + SDPA's); about even at 8."""
+
 
 class CpuMLABackend(TorchNativeMLABackend):
     """``TorchNativeMLABackend`` with the fused decode kernel (module docstring); same arguments as its base."""
@@ -33,7 +39,7 @@ class CpuMLABackend(TorchNativeMLABackend):
         """Absorbed decode. Args: ``q`` [bs, H, Dc] float absorbed queries; ``k`` [bs, Dc] the new tokens' cache
         rows (stored first). Returns [bs, H, kv_lora_rank] (a view of the kernel's [bs, H, Dc] output)."""
         buf = self._store(layer_id, forward_batch, k)
-        if not cpu_ops.enabled_for(q, buf) or q.shape[0] == 0:
+        if not cpu_ops.enabled_for(q, buf) or not 0 < q.shape[0] <= KERNEL_MAX_ROWS:
             return super().decode_chunked(q, buf) if self.kv_indices.shape[1] > self.kv_chunk else \
                 self._decode_sdpa(q, buf)
         lens = self.kv_mask.view(q.shape[0], -1).sum(dim=1)  # [bs] int64: positions visible to each row
