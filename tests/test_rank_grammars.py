@@ -125,6 +125,7 @@ def test_drafts_are_masked_position_by_position_and_cut_where_the_grammar_refuse
     logits, gs = g.mask([GrammarRow(0, "r"), GrammarRow(1, "s")], [5, 6], torch.zeros(2, compiler.vocab_size))
     assert {int(i) for i in torch.nonzero(logits[0] > float("-inf"))} == _allowed(compiler, "ma")
     assert {int(i) for i in torch.nonzero(logits[1] > float("-inf"))} == _allowed(compiler, "no")
+    _, drafted = g.mask_drafts([GrammarRow(0, "r")], [5], torch.zeros(3, compiler.vocab_size), [(0, [y_, x_])])
+    assert drafted.caps == [1]  # "may" fits, "mayx" does not
     with pytest.raises(ValueError, match="accepted 2 drafts"):
-        _, drafted = g.mask_drafts([GrammarRow(0, "r")], [5], torch.zeros(3, compiler.vocab_size), [(0, [y_, x_])])
         g.accept_verified(drafted, torch.tensor([2]), torch.tensor([0]))

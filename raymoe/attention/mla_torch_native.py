@@ -116,7 +116,12 @@ class TorchNativeMLABackend(PagedDecodeGraphHooks, AttentionBackend):
         Returns:
             [bs, H, kv_lora_rank] attention output in latent space.
         """
-        buf = self._store(layer_id, forward_batch, k)
+        return self.attend_decode(q, self._store(layer_id, forward_batch, k))
+
+    def attend_decode(self, q: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        """The absorbed attention of :meth:`forward_decode` over the layer's cache ``buf`` [slots, Dc] (its new rows
+        stored): one gather and SDPA when ``kv_indices`` is at most ``kv_chunk`` wide, else chunks. A platform's
+        backend may compute it otherwise (``raymoe.platform.cpu.mla_attention``)."""
         if self.kv_indices.shape[1] <= self.kv_chunk:
             return self._decode_sdpa(q, buf)
         return self.decode_chunked(q, buf)

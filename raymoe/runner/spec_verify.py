@@ -132,11 +132,8 @@ def verify_rows(ops: Platform, logits: torch.Tensor, input_ids: torch.Tensor, ex
     also hold other tokens (a MIXED batch: prefill rows with no draft sample their last position; decode rows
     verify their drafts). ``logits`` [T, V] at every token; ``extend_lens``, ``draft_lens``, ``caps``: ``bs`` host
     counts (``caps``: :func:`verify_drafts`)."""
-    window: list[int] = []
-    pos = 0
-    for e, k in zip(extend_lens, draft_lens, strict=True):
-        window += range(pos + e - 1 - k, pos + e)
-        pos += e
+    window = [f + j for f, k in zip(draft_windows(extend_lens, draft_lens), draft_lens, strict=True)
+              for j in range(k + 1)]
     idx = to_device(window, torch.int64, logits.device)
     return verify_drafts(ops, logits[idx], input_ids[idx], [1 + k for k in draft_lens], info, generator, caps)
 

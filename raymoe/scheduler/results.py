@@ -18,6 +18,9 @@ from raymoe.scheduler.req import FinishKind, Req, RequestFault
 from raymoe.scheduler.schedule_batch import ScheduleBatch
 from raymoe.step.step_output import StepOutput
 
+GRAMMAR_DEAD_END = "the output's grammar allows no further token"
+"""The message of a request ended (``abort``) because its grammar allowed no token (``StepOutput.grammar_dead``)."""
+
 log = logging.getLogger(__name__)
 
 
@@ -76,7 +79,7 @@ def apply_batch_result(state: GroupState, batch: ScheduleBatch, output: StepOutp
         if req.finished_reason is not None or partial:
             continue
         if dead and i in dead:
-            req.finish(FinishKind.ABORT, message="the output's grammar allows no further token")
+            req.finish(FinishKind.ABORT, message=GRAMMAR_DEAD_END)
             finish_in_group(state, req)
             out.append(req)
             continue

@@ -15,10 +15,9 @@ do, or none.
 that drafts nothing still verifies one draft every ``PROBE_EVERY`` steps, and a decision that went the same way
 ``EXPLORE_EVERY`` times in a row is flipped, so both costs and every acceptance stay measured (steps formed under
 overlap scheduling, which look for no drafts, count as decisions for plain decoding: ``skip_step``). Only runs are
-flipped, never a decision that ends a run of the other kind: counting every ``EXPLORE_EVERY``-th decision instead
-(overlapped steps included) made the look that followed a long overlapped stretch a flip into plain decoding, whose
-overlap back-off then made the next look a flip again, and a batch-1 stream whose drafts paid 1.5x decoded plainly.
-Before a cost has data the step verifies (exploring).
+flipped, never a decision that ends a run of the other kind: the look that follows a long overlapped stretch of
+plain steps keeps the fits' choice (were it flipped into plain decoding, its overlap back-off would make the next
+look a flip again, and drafts that pay would never be verified). Before a cost has data the step verifies.
 This is the engine's own rule (SGLang and vLLM take a fixed draft length; vLLM can switch speculation off above a
 batch size); it is what makes ``speculative_algorithm`` safe to leave on.
 """
@@ -37,8 +36,7 @@ PROBE_EVERY = 16
 EXPLORE_EVERY = 64
 """After this many step decisions in a row went the same way the next one is flipped (a verify step where decoding
 was chosen, or the reverse), so the cost not chosen stays measured; rare, because a forced verify step at a
-compute-bound batch costs several decode
-steps."""
+compute-bound batch costs several decode steps."""
 
 
 class StepCost:
@@ -136,9 +134,9 @@ class DraftPolicy:
                     term *= p
                     expected += term
             choice = expected / c_verify > batch_size / c_decode
-        return self._explored(choice)
+        return self._flip_runs(choice)
 
-    def _explored(self, choice: bool) -> bool:
+    def _flip_runs(self, choice: bool) -> bool:
         """``choice``, flipped when the same choice was made ``EXPLORE_EVERY`` times in a row (the other cost is
         re-measured). Only a run of one kind is flipped: a verify decision after a run of plain steps is kept, so
         a long overlapped stretch of plain decoding never ends in a forced plain step where drafts pay."""

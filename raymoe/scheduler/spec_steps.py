@@ -35,7 +35,7 @@ from raymoe.config.speculative import SpeculativeConfig
 from raymoe.scheduler.group_state import GroupState
 from raymoe.scheduler.ngram import SEARCH_WINDOW, propose_ngram
 from raymoe.scheduler.req import FinishKind, Req, RequestFault
-from raymoe.scheduler.results import StopRules, check_oldest, finish_in_group
+from raymoe.scheduler.results import GRAMMAR_DEAD_END, StopRules, check_oldest, finish_in_group
 from raymoe.scheduler.schedule_batch import ScheduleBatch
 from raymoe.scheduler.spec_policy import EXPLORE_EVERY, PROBE_EVERY, DraftPolicy
 from raymoe.step.forward_mode import ForwardMode
@@ -364,7 +364,7 @@ def apply_verify_result(state: GroupState, batch: ScheduleBatch, output: StepOut
             if req.req_pool_idx is not None:
                 trim_to_tokens(state, req)
             if not finished and dead and i in dead:
-                req.finish(FinishKind.ABORT, message="the output's grammar allows no further token")
+                req.finish(FinishKind.ABORT, message=GRAMMAR_DEAD_END)
                 finished = True
             elif not finished and done and i in done:  # the grammar completed with the row's own token
                 req.finish(FinishKind.STOP, matched=tokens[-1])

@@ -34,14 +34,11 @@ kernel's share of a batch-32 step 1.5x the gather + SDPA's); about even at 8."""
 class CpuMLABackend(TorchNativeMLABackend):
     """``TorchNativeMLABackend`` with the fused decode kernel (module docstring); same arguments as its base."""
 
-    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: object, layer_id: int,
-                       forward_batch) -> torch.Tensor:
-        """Absorbed decode. Args: ``q`` [bs, H, Dc] float absorbed queries; ``k`` [bs, Dc] the new tokens' cache
-        rows (stored first). Returns [bs, H, kv_lora_rank] (a view of the kernel's [bs, H, Dc] output)."""
-        buf = self._store(layer_id, forward_batch, k)
+    def attend_decode(self, q: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        """Absorbed decode attention. Args: ``q`` [bs, H, Dc] float absorbed queries; ``buf`` the layer's cache
+        [slots, Dc]. Returns [bs, H, kv_lora_rank] (a view of the kernel's [bs, H, Dc] output)."""
         if not cpu_ops.enabled_for(q, buf) or not 0 < q.shape[0] <= KERNEL_MAX_ROWS:
-            return super().decode_chunked(q, buf) if self.kv_indices.shape[1] > self.kv_chunk else \
-                self._decode_sdpa(q, buf)
+            return super().attend_decode(q, buf)
         lens = self.kv_mask.view(q.shape[0], -1).sum(dim=1)  # [bs] int64: positions visible to each row
         rows = buf.view(buf.shape[0], 1, buf.shape[1])
         out = cpu_ops.decode_attention(q.contiguous(), rows, rows, self.kv_indices, lens, self.scale)
