@@ -35,7 +35,8 @@ from raymoe.runner.graph_buckets import apply_graph_plan  # noqa: E402
 from raymoe.runner.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from raymoe.step.forward_mode import ForwardMode  # noqa: E402
 from raymoe.step.host_transfer import to_device  # noqa: E402
-from raymoe.step.sampling_inputs import SamplingInputs  # noqa: E402
+from raymoe.step.logit_penalties import LogitPenalties  # noqa: E402
+from raymoe.step.sampling_inputs import SamplingInputs, SamplingRow  # noqa: E402
 from raymoe.step.worker_batch import ModelWorkerBatch  # noqa: E402
 
 CTX = 32
@@ -70,8 +71,12 @@ def _prefill(rows: list[int]) -> ModelWorkerBatch:
     n = 5
     ids = [(13 * r + 3 * i) % 1900 + 10 for r in rows for i in range(n)]
     loc = [1 + r * CTX + i for r in rows for i in range(n)]
+    # odd rows: penalties and a logit bias (raymoe.runner.penalties), applied and counted in every decode step
+    penalties = LogitPenalties(presence=0.3, frequency=0.5, repetition=1.2, bias=((10, 1.0), (77, -2.0)),
+                               prompt_ids=tuple(ids[:n]))
+    admitted = tuple((i, SamplingRow(0.0, 1.0, -1, 0.0, None, None, n, penalties)) for i, r in enumerate(rows) if r % 2)
     return ModelWorkerBatch(ForwardMode.EXTEND, ids, list(rows), [n] * len(rows), [0] * len(rows), [n] * len(rows),
-                            loc, sampling=SamplingInputs.greedy(len(rows)))
+                            loc, sampling=SamplingInputs.greedy(len(rows)), sampling_rows=admitted)
 
 
 def _decode(rows: list[int], step: int, prev: list[int], tbo: bool, graphs: bool) -> ModelWorkerBatch:
@@ -163,7 +168,7 @@ def test_a_sync_added_to_the_decode_step_fails_it(tiny_model):
     reads = {"item": lambda lg: lg[0, 0].item(), "tolist": lambda lg: lg.argmax(-1).tolist(),
              "bool": lambda lg: bool((lg > 0).any())}
     for added, read in reads.items():
-        runner.sampler.sample = lambda logits, info, read=read: (read(logits), sample(logits, info))[1]
+        runner.sampler.sample = lambda logits, info, read=read, **kw: (read(logits), sample(logits, info, **kw))[1]
         batch = _decode([0, 1, 2, 3], 0, prev, tbo=False, graphs=False)
         try:
             with HostSyncGuard(device=runner.device):

@@ -49,6 +49,9 @@ BEHAVIOUR = {
     "top_p": "test_sampling_fields_reach_the_engine",
     "seed": "test_sampling_fields_reach_the_engine",
     "stop": "test_sampling_fields_reach_the_engine",
+    "presence_penalty": "test_penalty_fields_reach_the_engine_and_bad_ones_are_400s",
+    "frequency_penalty": "test_penalty_fields_reach_the_engine_and_bad_ones_are_400s",
+    "logit_bias": "test_penalty_fields_reach_the_engine_and_bad_ones_are_400s",
     "max_tokens": "test_output_length_fields_reach_the_engine",
     "max_completion_tokens": "test_output_length_fields_reach_the_engine",
     "logprobs": "test_logprob_fields_shape_the_answer",
@@ -286,6 +289,26 @@ def test_sampling_fields_reach_the_engine(served):
         assert r.status_code == 200, r.text
         params = engine.seen[-1][1]
         assert (params.temperature, params.top_p, params.seed, params.stop) == (0.3, 0.7, 11, ("zz", "yy"))
+
+
+def test_penalty_fields_reach_the_engine_and_bad_ones_are_400s(served, tokenizer):
+    """What the penalties do to the tokens: tests/test_penalties.py (against transformers)."""
+    engine, post = served
+    for path in (COMPLETIONS, CHAT):
+        r = post(path, _body(path, presence_penalty=0.5, frequency_penalty=-1.5, repetition_penalty=1.2,
+                             logit_bias={"7": -100, "3": 2.5}))
+        assert r.status_code == 200, r.text
+        p = engine.seen[-1][1]
+        assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.5, 1.2)
+        assert p.logit_bias == ((3, 2.5), (7, -100.0)) and p.processes_logits
+    seen = len(engine.seen)
+    bad = [("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0), ("logit_bias", {"x": 1}),
+           ("logit_bias", {"7": 101}), ("logit_bias", {str(len(tokenizer)): 1}), ("logit_bias", {"-1": 1}),
+           ("logit_bias", {"7": "a"})]
+    for field, value in bad:
+        r = post(COMPLETIONS, _body(COMPLETIONS, **{field: value}))
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, value, r.text)
+    assert len(engine.seen) == seen
 
 
 def test_output_length_fields_reach_the_engine(served):

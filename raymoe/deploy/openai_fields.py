@@ -8,7 +8,7 @@ of the tables below, and ``tests/test_openai_fields.py`` walks those parameter t
 - ``honoured``: the server implements the field (the note says how); the pydantic models of ``protocol`` check
   its values.
 - ``neutral``: accepted only at a value that asks for nothing the engine lacks (``n`` 1, ``tools`` empty,
-  ``logit_bias`` empty ...); any other value is a 400 naming the field, code ``unsupported_value``.
+  ``echo`` false ...); any other value is a 400 naming the field, code ``unsupported_value``.
 - ``refused``: any value but ``null`` is a 400 naming the field, code ``unsupported_value``.
 
 :func:`refusal_of` applies the rule of one field to its raw JSON bytes, as the body parser (``body_shape``) holds
@@ -58,9 +58,9 @@ def _r(note: str) -> FieldRule:
 
 _SHARED = {
     "model": _h("must name the served model (404 otherwise)"),
-    "frequency_penalty": _n("penalties are not supported; only 0 is accepted", 0),
-    "presence_penalty": _n("penalties are not supported; only 0 is accepted", 0),
-    "logit_bias": _n("logit_bias is not supported; only an empty object is accepted", {}),
+    "frequency_penalty": _h("subtracted from a token's logit once per occurrence in the output, in [-2, 2]"),
+    "presence_penalty": _h("subtracted from the logit of every token the output holds, in [-2, 2]"),
+    "logit_bias": _h("token id (a string) -> value in [-100, 100] added to its logit at every step"),
     "n": _n("one choice per request; only n=1 is accepted", 1),
     "seed": _h("seeds the request's sampler: the same seed and body give the same output"),
     "stop": _h("stop strings, cut from the output"),

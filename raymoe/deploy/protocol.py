@@ -30,6 +30,7 @@ from pydantic_core import PydanticCustomError
 from raymoe.deploy.body_limits import CAP_LOGIT_BIAS, CAP_MESSAGE_PARTS, CAP_MESSAGES, CAP_PROMPT_TOKEN_IDS
 from raymoe.scheduler.sampling_params import (
     MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
     MAX_SEED,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -138,16 +139,21 @@ class _SamplingFields(BaseModel):
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
         None, description="stop strings (cut from the text); the server may allow fewer (see README)")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="same seed and body give the same output")
-    presence_penalty: float | None = Field(None, ge=0.0, le=0.0, description="only 0 is supported")
-    frequency_penalty: float | None = Field(None, ge=0.0, le=0.0, description="only 0 is supported")
-    logit_bias: Annotated[dict[Name, float], Field(max_length=CAP_LOGIT_BIAS)] | None = Field(
-        None, description="not supported (must be empty)")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0,
+                                           description="subtracted from the logit of every token the output holds")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0,
+                                            description="subtracted once per occurrence of a token in the output")
+    logit_bias: Annotated[dict[Name, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=CAP_LOGIT_BIAS)] | None = Field(
+        None, description="token id (as a string) -> value in [-100, 100] added to its logit at every step")
     user: Name | None = None
     # raymoe extensions (sent by OpenAI clients through ``extra_body``).
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K,
                               description="keep the k most likely tokens; -1 or 0 disables it")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, ge=1.0, le=1.0, description="only 1 is supported")
+    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY,
+                                             description="HF's: logits of prompt and output tokens divided by it "
+                                                         "where positive, multiplied where negative; 1 is off")
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS,
                                                  description="token ids that end generation")
     ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token")

@@ -5,7 +5,7 @@ forge a turn), checks the prompt against the vocabulary and the context length, 
 (``ServerLimits``: stop strings, ``timeout``) and fills the defaults (completions: 16 tokens; chat: the rest of the
 context; the deadline: ``default_timeout_s``). An explicit ``max_tokens`` (or ``max_completion_tokens``) that does
 not fit beside the prompt is a 400 ``context_length_exceeded`` with both numbers; a default is cut to the room
-left. Fields the engine does not have (``echo``, ``logit_bias`` ...) were already refused by the body
+left. Fields the engine does not have (``echo``, ``n`` > 1 ...) were already refused by the body
 parser (``openai_fields``). With ``tools`` the template is shown the tools and the answer is parsed for calls
 (``raymoe.deploy.tool_calls``); ``tool_choice`` required or a named function also constrains the answer to calls
 (``raymoe.deploy.tool_grammar``), as ``response_format`` json_object / json_schema and the ``regex`` / ``ebnf``
@@ -201,6 +201,22 @@ def _chat_prompt(req: ChatCompletionRequest, tokenizer, with_tools: bool) -> lis
     return [int(t) for t in ids]
 
 
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """``logit_bias`` as token id -> value, its keys parsed as OpenAI writes them (decimal strings).
+
+    Raises:
+        APIError: 400 ``logit_bias``, naming a key that is not a token id of the vocabulary.
+    """
+    out = {}
+    for key, value in (bias or {}).items():
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if not 0 <= token < vocab_size:
+            raise APIError(400, f"logit_bias: {key!r} is not a token id of this model's vocabulary [0, {vocab_size})",
+                           param="logit_bias", code="invalid_value")
+        out[token] = value
+    return out
+
+
 def _check_prompt(ids: list[int], asked: int | None, vocab_size: int, max_context_len: int, field: str) -> None:
     """The engine's prompt rules and, when the request named its output length ``asked``, the context rule
     (``raymoe.scheduler.request_rules``), answered here as a 400 naming ``field`` before the request reaches the
@@ -258,7 +274,10 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_siz
             max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
             min_p=req.min_p or 0.0, seed=req.seed, stop=tuple(stop), stop_token_ids=stop_ids,
-            ignore_eos=req.ignore_eos, logprobs=logprobs, grammar=grammar)
+            ignore_eos=req.ignore_eos, logprobs=logprobs, grammar=grammar,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=_logit_bias(req.logit_bias, vocab_size))
     except InvalidRequestError as e:
         raise APIError(400, e.message, param=e.field, code="invalid_value") from e
     in_reasoning = None

@@ -56,8 +56,8 @@ class ServerLimits:
         _BODY.max_message_parts, help=f"content parts per chat message (400 param=messages beyond), counted while the "
                                       f"body is parsed; at most {CAPS['max_message_parts']}.")
     max_logit_bias: int = option(
-        _BODY.max_logit_bias, help=f"logit_bias entries (400 param=logit_bias beyond; logit_bias itself is not "
-                                   f"supported, only an empty one is accepted); at most {CAPS['max_logit_bias']}.")
+        _BODY.max_logit_bias, help=f"logit_bias entries (400 param=logit_bias beyond); at most "
+                                   f"{CAPS['max_logit_bias']}.")
     max_prompt_token_ids: int = option(
         _BODY.max_prompt_token_ids, help=f"token ids in a token-id prompt (400 param=prompt beyond), counted while the "
                                          f"body is parsed (the context length is checked after); at most "

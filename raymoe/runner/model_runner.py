@@ -32,6 +32,7 @@ from raymoe.runner.forward_batch import ForwardBatch
 from raymoe.runner.future_tokens import FutureTokenMap
 from raymoe.runner.grammar import RankGrammars
 from raymoe.runner.grammar_compiler import compiler_for_model
+from raymoe.runner.penalties import RankPenalties
 from raymoe.runner.runner_config import DTYPES, RunnerConfig
 from raymoe.runner.sampler import SampledTokens, Sampler
 from raymoe.runner.spec_verify import draft_windows, verify_rows
@@ -108,6 +109,7 @@ class ModelRunner:
         self.attn_backend = TboAttnBackend.create(make_backend) if cfg.overlap.enable_tbo else make_backend()
         self.sampler = Sampler(self.ops, cfg.seed, self.device)
         self.sampling_table = SamplingTable()  # each request's sampling numbers, sent once per admission
+        self.penalties = RankPenalties(cfg.max_req_rows, self.model_config.vocab_size, self.device)
         mc = self.model_config
         self.grammars = RankGrammars(
             lambda: compiler_for_model(cfg.model_path, mc.vocab_size, tuple(mc.eos_token_ids)), self.device)
@@ -216,6 +218,8 @@ class ModelRunner:
         ``for_graph``: only the table and tensors (a graph replay has its own metadata and its own TBO split of
         the padded batch)."""
         fb = ForwardBatch.from_worker_batch(batch, self.device, self.sampling_table.resolve(batch))
+        if batch.sampling_rows:
+            self.penalties.admit(batch.sampling_rows, batch.req_pool_indices)
         if batch.input_ids and min(batch.input_ids) < 0:  # overlap scheduling: tokens of the previous step
             fb.input_ids = self.future_tokens.resolve(fb.input_ids)
         if batch.forward_mode.is_extend():
@@ -340,6 +344,11 @@ class ModelRunner:
         if verify:  # speculative decoding: accept drafts, one more token per row (no log-prob rows)
             drafts_per_row = list(batch.draft_lens) or [e - 1 for e in fb.extend_lens_cpu]
             drafted = None
+            penalized = self.penalties.rows_of(batch.req_pool_indices)
+            if penalized:  # rows without drafts (SpecSteps.step_drafts): their own token, at their last position
+                firsts = draft_windows(fb.extend_lens_cpu, drafts_per_row)
+                logits = self.penalties.apply(logits, batch.req_pool_indices, penalized,
+                                              [firsts[i] for i in penalized])
             if batch.grammar_rows:  # constrained rows: masked at every draft position (raymoe.runner.grammar)
                 firsts = draft_windows(fb.extend_lens_cpu, drafts_per_row)
                 windows = [(f, list(batch.input_ids[f + 1:f + 1 + k]))
@@ -350,6 +359,8 @@ class ModelRunner:
                               self.sampler.generator, None if drafted is None else drafted.caps)
             grammar = None if drafted is None else self.grammars.accept_verified(drafted, res.accept_lens,
                                                                                  res.next_ids)
+            if penalized:
+                self.penalties.record(res.next_ids, batch.req_pool_indices, penalized, batch.seq_lens)
             commit = getattr(self.model, "commit_verify_states", None)
             if commit is not None:  # hybrid models: linear-attention states at each row's last accepted token
                 commit(fb.req_pool_indices, res.accept_lens)
@@ -366,8 +377,15 @@ class ModelRunner:
             if any(n is not None for n in fb.sampling.logprobs):  # log-probs are the model's, unmasked
                 raw = logits.float().clone()
             logits, constrained = self.grammars.mask(batch.grammar_rows, batch.req_pool_indices, logits)
+        penalized = self.penalties.rows_of(batch.req_pool_indices)
+        if penalized:  # penalties and logit bias (raymoe.runner.penalties); log-probs stay the model's
+            if raw is None and any(n is not None for n in fb.sampling.logprobs):
+                raw = logits.float()
+            logits = self.penalties.apply(logits, batch.req_pool_indices, penalized, penalized)
         sampled = (self.sampler.sample(logits, fb.sampling) if raw is None
                    else self.sampler.sample(logits, fb.sampling, logprob_logits=raw))
+        if penalized:
+            self.penalties.record(sampled.next_ids, batch.req_pool_indices, penalized, batch.seq_lens)
         grammar = self.grammars.accept(constrained, sampled.next_ids) if batch.grammar_rows else None
         self.future_tokens.store(sampled.next_ids)
         drafts = ()

@@ -36,7 +36,8 @@ class RequestIntake:
 
         Raises:
             InvalidRequestError: the prompt breaks a rule of :class:`RequestLimits` (``"prompt"``), more
-                log-probabilities than the vocabulary are asked for (``"logprobs"``); ``"stop"`` when it has stop
+                log-probabilities than the vocabulary are asked for (``"logprobs"``), a ``logit_bias`` id outside the
+                vocabulary (``"logit_bias"``); ``"stop"`` when it has stop
                 strings and there is no detokenizer; ``"output_ids"`` when a resumed request's prompt + output
                 breaks those rules or already reached ``max_tokens``; ``"rid"`` when a request with that id is
                 unfinished or the request was scheduled before; ``"queue"`` when ``max_queued_requests`` requests
@@ -45,6 +46,7 @@ class RequestIntake:
         s = self.state
         self.limits.check_prompt(req.origin_input_ids)
         self.limits.check_logprobs(req.sampling_params.logprobs)
+        self.limits.check_logit_bias(req.sampling_params.logit_bias)
         if req.sampling_params.stop and not self.has_detokenizer:
             raise InvalidRequestError("stop", "stop strings need a detokenizer, and this scheduler has none")
         if req.rid in s.unfinished:

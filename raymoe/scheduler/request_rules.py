@@ -84,3 +84,13 @@ class RequestLimits:
         """
         if self.vocab_size is not None and logprobs is not None and logprobs > self.vocab_size:
             raise InvalidRequestError("logprobs", f"must be <= the vocabulary size {self.vocab_size}")
+
+    def check_logit_bias(self, bias: Sequence[tuple[int, float]]) -> None:
+        """Refuse a ``logit_bias`` token id outside the vocabulary (``bias``: ascending ``(id, value)`` pairs).
+
+        Raises:
+            InvalidRequestError: ``"logit_bias"``, naming the id.
+        """
+        if self.vocab_size is not None and bias and bias[-1][0] >= self.vocab_size:
+            raise InvalidRequestError("logit_bias", f"token id {bias[-1][0]} is outside the vocabulary: token ids "
+                                                    f"must be in [0, {self.vocab_size})")

@@ -32,6 +32,13 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_TOKEN_ID = 2**31 - 1
 # Largest magnitude of temperature, top_p and min_p: the ranks hold them in float32 tensors.
 FLOAT32_MAX = 3.4028234663852886e38
+# OpenAI's ranges: presence and frequency penalties in [-2, 2], logit_bias values in [-100, 100].
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS_VALUE = 100.0
+# Most logit_bias entries per request (each is a scatter on the ranks at every step of the request).
+MAX_LOGIT_BIAS = 1 << 16
+# repetition_penalty (HF transformers / vLLM / SGLang): in (0, MAX_REPETITION_PENALTY].
+MAX_REPETITION_PENALTY = 1e4
 
 
 def _is_int(v: object) -> bool:
@@ -65,6 +72,15 @@ class SamplingParams:
         grammar: a constraint on the output (JSON object, JSON schema, regular expression, EBNF grammar;
             ``raymoe.step.grammar``), enforced on the ranks by masking the logits; None: unconstrained. A completed
             grammar ends the request (``stop``).
+        presence_penalty: OpenAI's: subtracted from the logit of every token the output holds, in [-2, 2].
+        frequency_penalty: OpenAI's: subtracted once per occurrence in the output, in [-2, 2].
+        repetition_penalty: HF transformers' (Keskar et al. 2019, CTRL): the logit of every token seen in the prompt
+            or the output is divided by it where positive, multiplied where negative; 1 is off, in (0, 1e4].
+        logit_bias: token id -> value in [-100, 100] added to that token's logit at every step (OpenAI's); the ids
+            are checked against the vocabulary by the caller (the engine checks them against its model). At most
+            ``MAX_LOGIT_BIAS`` entries; stored as sorted ``(id, value)`` pairs.
+        (These four apply in vLLM's order, the bias first, to the logits a request samples from, after its grammar
+        mask; log-probs stay the model's. ``raymoe.runner.penalties``.)
 
     Raises:
         InvalidRequestError: naming the field that is out of range or of the wrong type.
@@ -81,10 +97,21 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     grammar: GrammarSpec | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         self._normalize_sequences()
         self.validate()
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether a penalty or a logit bias changes this request's logits (its rows then never verify drafts:
+        a penalty at a draft position would depend on the drafts before it)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     def validate(self) -> None:
         """Check every field against its bounds (construction does; see the module docstring for the other caller).
@@ -118,6 +145,25 @@ class SamplingParams:
             if (problem := self.grammar.problem()) is not None:
                 raise InvalidRequestError(self.grammar.field, problem)
         self._check_stops()
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_float32(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise InvalidRequestError(name, f"must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v!r}")
+        r = self.repetition_penalty
+        if not _is_float32(r) or not 0.0 < r <= MAX_REPETITION_PENALTY:
+            raise InvalidRequestError("repetition_penalty", f"must be a number in (0, {MAX_REPETITION_PENALTY:g}], "
+                                                            f"got {r!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        for t, v in self.logit_bias:
+            if not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID:
+                raise InvalidRequestError("logit_bias", f"token ids must be integers in [0, {MAX_TOKEN_ID}], got {t!r}")
+            if not _is_float32(v) or not -MAX_LOGIT_BIAS_VALUE <= v <= MAX_LOGIT_BIAS_VALUE:
+                raise InvalidRequestError("logit_bias", f"values must be numbers in [-{MAX_LOGIT_BIAS_VALUE:g}, "
+                                                        f"{MAX_LOGIT_BIAS_VALUE:g}], got {v!r} for token {t}")
 
     def _normalize_sequences(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -130,6 +176,13 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(operator.index(t) for t in ids or ()))
         except TypeError:
             raise InvalidRequestError("stop_token_ids", "must be a sequence of integers") from None
+        bias = self.logit_bias
+        try:  # a mapping or (id, value) pairs; numpy and torch integers are fine as ids
+            pairs = bias.items() if isinstance(bias, dict) else (bias or ())
+            merged = {operator.index(t): v for t, v in pairs}
+        except (TypeError, ValueError):
+            raise InvalidRequestError("logit_bias", "must map integer token ids to numbers") from None
+        object.__setattr__(self, "logit_bias", tuple(sorted(merged.items())))
 
     def _check_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:

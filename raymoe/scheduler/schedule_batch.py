@@ -20,6 +20,7 @@ from raymoe.scheduler.req import Req, RequestFault, RequestFaultError
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.grammar import GrammarRow
 from raymoe.step.kv_stream import KVStreamChunk
+from raymoe.step.logit_penalties import LogitPenalties
 from raymoe.step.sampling_inputs import SamplingRow
 from raymoe.step.worker_batch import ModelWorkerBatch
 
@@ -193,5 +194,11 @@ def _checked_sampling_row(req: Req) -> SamplingRow:
         p.validate()
     except InvalidRequestError as e:
         raise RequestFaultError(req, RequestFault("invalid", e.message, field=e.field)) from None
+    penalties = None
+    if p.processes_logits:  # the counts start from the whole prompt and output (raymoe.step.logit_penalties)
+        penalties = LogitPenalties(float(p.presence_penalty), float(p.frequency_penalty), float(p.repetition_penalty),
+                                   tuple((t, float(v)) for t, v in p.logit_bias),
+                                   tuple(req.origin_input_ids) if p.repetition_penalty != 1.0 else (),
+                                   tuple(req.output_ids))
     return SamplingRow(float(p.temperature), float(p.top_p), int(p.top_k), float(p.min_p), p.seed, p.logprobs,
-                       len(req.origin_input_ids))
+                       len(req.origin_input_ids), penalties)

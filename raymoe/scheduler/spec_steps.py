@@ -131,8 +131,8 @@ class SpecSteps:
                              c.speculative_ngram_max_match_window_size)
 
     def step_drafts(self, decoders: list[Req]) -> list[list[int]] | None:
-        """Each decoding request's draft for this step, or None when the step should not verify any (a log-prob
-        request, no draft at all, or drafts the adaptive policy expects not to pay)."""
+        """Each decoding request's draft for this step, or None when the step should not verify any (a request with
+        log-probs, penalties or a logit bias, no draft at all, or drafts the adaptive policy expects not to pay)."""
         if any(r.pending_ids for r in decoders):  # overlap scheduling: a token is still on its way
             self._since_evaluated += 1
             if self.policy is not None:  # a step without drafts, as the policy's probes and exploration count it
@@ -140,8 +140,8 @@ class SpecSteps:
             return None
         self._since_evaluated = 0
         self._overlap_for = min(max(1, 2 * self._overlap_for), MAX_OVERLAP_BACKOFF)  # unless it verifies, below
-        for r in decoders:
-            if r.sampling_params.logprobs is not None:
+        for r in decoders:  # log-probs, penalties and biases are taken at the request's own tokens only
+            if r.sampling_params.logprobs is not None or r.sampling_params.processes_logits:
                 return None
         self._wanted = False
         drafts = [self.draft_for(r, len(decoders)) for r in decoders]

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Generic, NamedTuple, TypeVar
 
+from raymoe.step.logit_penalties import LogitPenalties
+
 FloatRows = TypeVar("FloatRows")
 """How a column of per-row floats is held (``list[float]``, or a [bs] float32 tensor on the rank)."""
 IntRows = TypeVar("IntRows")
@@ -93,6 +95,7 @@ class SamplingRow(NamedTuple):
             prompt_len + tokens generated so far`` (its sequence ends at its newest token), so the rank derives
             each step's ``output_lens`` (the position a seeded draw is made at) from ``seq_lens`` without being
             sent it.
+        penalties: the request's penalties and logit bias (``raymoe.step.logit_penalties``), None without any.
     """
 
     temperature: float
@@ -102,3 +105,4 @@ class SamplingRow(NamedTuple):
     seed: int | None
     logprobs: int | None
     prompt_len: int
+    penalties: LogitPenalties | None = None

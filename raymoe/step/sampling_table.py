@@ -26,7 +26,7 @@ class SamplingTable:
     def __init__(self) -> None:
         self._rows: dict[int, SamplingRow] = {}
         self._pool_rows: list[int] | None = None  # the rows the kept columns belong to, in batch order
-        self._columns: list[list] = []  # the seven SamplingRow columns of those rows
+        self._columns: list[list] = []  # the SamplingRow columns of those rows
 
     def resolve(self, batch: ModelWorkerBatch) -> SamplingInputs | None:
         """The step's sampling record: ``batch.sampling`` where the batch carries a whole one (tests, benchmarks),
@@ -55,7 +55,7 @@ class SamplingTable:
                                  "since its request's admission carried its SamplingRow") from None
             self._columns = [list(c) for c in zip(*rows, strict=True)]
             self._pool_rows = list(pool)
-        temperatures, top_ps, top_ks, min_ps, seeds, logprobs, prompt_lens = self._columns
+        temperatures, top_ps, top_ks, min_ps, seeds, logprobs, prompt_lens = self._columns[:7]
         output_lens = [n - p if n > p else 0 for n, p in zip(batch.seq_lens, prompt_lens, strict=True)]
         return SamplingInputs(temperatures=temperatures, top_ps=top_ps, top_ks=top_ks, min_ps=min_ps, seeds=seeds,
                               output_lens=output_lens, logprobs=logprobs)

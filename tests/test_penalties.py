@@ -1,0 +1,184 @@
+"""Presence, frequency and repetition penalties and ``logit_bias`` (``raymoe.runner.penalties``): greedy tokens equal
+transformers' with the same processing (its ``RepetitionPenaltyLogitsProcessor``, OpenAI's penalty formula, the
+bias), whatever the engine does around them: chunked prefill and MIXED steps (a chunk that does not reach its
+prompt's end counts nothing), radix-cache hits (the repetition penalty still sees the cached prompt), retraction
+(the output so far is counted again), overlap scheduling, n-gram speculation beside them, dp=2 ep=2 with two-batch
+overlap and decode graphs; requests without them in the same steps keep their plain tokens, and nothing leaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raymoe import Engine, SamplingParams
+from raymoe.errors import InvalidRequestError
+from raymoe.models.checkpoint import make_checkpoint
+from raymoe.runner.penalties import RankPenalties
+from raymoe.step.logit_penalties import LogitPenalties
+from raymoe.step.sampling_inputs import SamplingRow
+
+DIMS = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+        "moe_intermediate_size": 32, "intermediate_size": 96, "vocab_size": 512}
+PROMPTS = ["a b a b a b a b a b a b", "hello hello hello", "for i in range(10):\n    print(i)\n" * 2, "x"]
+N = 20
+PENALIZED = [  # (presence, frequency, repetition, logit bias)
+    (0.0, 0.0, 1.6, {273: 17.5}),  # 273: a prompt token, first pick with the bias unless the penalty sees it
+    (0.0, 0.3, 1.0, {389: -100.0, 11: 4.5}),  # 389: the plain first token; the output repeats a token
+    (-0.5, 0.7, 1.3, {5: 3.0, 300: -100.0}),
+    (1.0, 2.0, 1.0, {}),
+]
+OPTS = {"max_running_requests": 4, "max_context_len": 160, "cuda_graph_max_bs": 4}
+TIGHT_KV = 70  # KV slots: the four requests outgrow them and some are retracted after generating tokens
+
+
+def _params(case) -> SamplingParams:
+    presence, frequency, repetition, bias = case
+    return SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True, presence_penalty=presence,
+                          frequency_penalty=frequency, repetition_penalty=repetition, logit_bias=bias)
+
+
+def _hf_greedy(hf, ids: list[int], case) -> list[int]:
+    """transformers' greedy tokens with the penalties applied in vLLM's order: bias, repetition, presence and
+    frequency (OpenAI's formula over the output tokens)."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    presence, frequency, repetition, bias = case
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(N):
+            x = torch.tensor([seq])
+            scores = hf(x).logits[:, -1].float()
+            for t, v in bias.items():
+                scores[0, t] += v
+            if repetition != 1.0:
+                scores = RepetitionPenaltyLogitsProcessor(repetition)(x, scores)
+            counts = torch.bincount(torch.tensor(seq[len(ids):], dtype=torch.int64), minlength=scores.shape[1])
+            scores = scores - frequency * counts - presence * (counts > 0).float()
+            seq.append(int(scores.argmax()))
+    return seq[len(ids):]
+
+
+@pytest.fixture(scope="module")
+def model_and_reference(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = str(make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("pen") / "m", seed=3, **DIMS))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with Engine(path, **OPTS) as e:
+        ids = [e.encode(p) for p in PROMPTS]
+        plain = [o.token_ids for o in e.generate(PROMPTS, SamplingParams(max_tokens=N, temperature=0.0,
+                                                                         ignore_eos=True))]
+    want = [_hf_greedy(hf, i, c) for i, c in zip(ids, PENALIZED, strict=True)]
+    assert all(w != p for w, p in zip(want, plain, strict=True))  # every case changes the tokens
+    return path, plain, want
+
+
+def _run(engine: Engine, rounds: int = 1) -> tuple[list, int]:
+    """Each round: the penalized requests and, beside them, the same prompts plain; ``[penalized, plain]`` tokens
+    per round, and the prompt tokens the penalized requests found in the radix cache."""
+    out, cached = [], 0
+    for _ in range(rounds):
+        outs = engine.generate(PROMPTS + PROMPTS, [_params(c) for c in PENALIZED] +
+                               [SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)] * len(PROMPTS))
+        out.append([[o.token_ids for o in outs[:len(PROMPTS)]], [o.token_ids for o in outs[len(PROMPTS):]]])
+        cached += sum(o.cached_tokens for o in outs[:len(PROMPTS)])
+    return out, cached
+
+
+def test_chunked_prefill_mixed_steps_and_cache_hits_give_transformers_tokens(model_and_reference):
+    path, plain, want = model_and_reference
+    with Engine(path, **{**OPTS, "max_running_requests": 8}, chunked_prefill_size=8, enable_mixed_chunk=True) as e:
+        rounds, cached = _run(e, rounds=2)  # the second round hits the radix cache
+        report = e.driver.idle_report()
+    for penalized, unpenalized in rounds:
+        assert penalized == want
+        assert unpenalized == plain
+    assert cached > 0 and report.clean
+
+
+def test_retraction_counts_the_output_again(model_and_reference, monkeypatch):
+    path, _, want = model_and_reference
+    admitted = []  # output tokens each admission's counts start from
+    admit = RankPenalties._admit
+    monkeypatch.setattr(RankPenalties, "_admit", lambda self, r, row: (
+        admitted.append(len(row.penalties.output_ids) if row.penalties else None), admit(self, r, row))[1])
+    with Engine(path, **OPTS, max_total_tokens=TIGHT_KV, chunked_prefill_size=64) as e:
+        outs = e.generate(PROMPTS, [_params(c) for c in PENALIZED])
+        retractions = e.driver.schedulers[0].num_retractions
+        report = e.driver.idle_report()
+    assert retractions > 0 and any(admitted)  # a request came back with its output so far
+    assert [o.token_ids for o in outs] == want
+    assert report.clean
+
+
+def test_ngram_speculation_beside_penalized_requests(model_and_reference):
+    path, plain, want = model_and_reference
+    with Engine(path, **OPTS, speculative_algorithm="ngram", speculative_num_steps=3) as e:
+        [(penalized, _)] = _run(e)[0]
+        alone = e.generate(PROMPTS, SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True))
+        report = e.driver.idle_report()
+    assert penalized == want and [o.token_ids for o in alone] == plain
+    assert report.clean
+
+
+def test_dp2_ep2_with_tbo_and_graphs(ray_cluster, model_and_reference):
+    path, plain, want = model_and_reference
+    with Engine(path, **{**OPTS, "max_running_requests": 8}, dp_size=2, ep_size=2, enable_tbo=True,
+                tbo_min_tokens_decode=2) as e:
+        [(penalized, unpenalized)] = _run(e)[0]
+        graph_steps = e.driver.num_graph_steps
+        report = e.driver.idle_report()
+    assert penalized == want and unpenalized == plain
+    assert graph_steps > 0 and report.clean
+
+
+def test_rank_penalties_match_the_formulas_and_count_only_kept_tokens():
+    """The rank's arithmetic on random logits against the formulas written out; a partial prefill chunk's token is
+    not counted, a row admitted again without penalties is left alone."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    g = torch.Generator().manual_seed(0)
+    v = 16
+    pen = RankPenalties(rows=4, vocab=v, device=torch.device("cpu"))
+    p = LogitPenalties(presence=0.5, frequency=0.25, repetition=1.5, bias=((3, 2.0), (7, -1.0)), prompt_ids=(1, 2),
+                       output_ids=(4, 4, 9))
+    pen.admit([(0, SamplingRow(1.0, 1.0, -1, 0.0, None, None, 10, p)),
+               (1, SamplingRow(1.0, 1.0, -1, 0.0, None, None, 5))], pool=[2, 3])
+    assert pen.rows_of([3, 2]) == [1]
+    logits = torch.randn(2, v, generator=g)
+    got = pen.apply(logits, [2, 3], [0], [0])
+    want = logits[0].clone()
+    want[3] += 2.0
+    want[7] -= 1.0
+    want = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([[1, 2, 4, 4, 9]]), want[None])[0]
+    counts = torch.bincount(torch.tensor([4, 4, 9]), minlength=v).float()
+    want = want - 0.25 * counts - 0.5 * (counts > 0).float()
+    torch.testing.assert_close(got[0], want)
+    torch.testing.assert_close(got[1], logits[1])  # the other row is untouched, and so is the input
+    # seq_len 12 < 10 + 3: a chunk short of the row's end samples a dropped token; 13 reaches it
+    pen.record(torch.tensor([9, 0]), [2, 3], [0], [12, 1])
+    torch.testing.assert_close(pen.apply(logits, [2, 3], [0], [0])[0], got[0])
+    pen.record(torch.tensor([9, 0]), [2, 3], [0], [13, 1])
+    assert not torch.equal(pen.apply(logits, [2, 3], [0], [0])[0], got[0])
+    pen.admit([(0, SamplingRow(1.0, 1.0, -1, 0.0, None, None, 10))], pool=[2])
+    assert pen.rows_of([2, 3]) == []
+
+
+@pytest.mark.parametrize(("field", "kwargs"), [
+    ("presence_penalty", {"presence_penalty": 2.5}), ("frequency_penalty", {"frequency_penalty": float("nan")}),
+    ("repetition_penalty", {"repetition_penalty": 0.0}), ("logit_bias", {"logit_bias": {1: 101.0}}),
+    ("logit_bias", {"logit_bias": {-1: 1.0}}), ("logit_bias", {"logit_bias": {"a": 1.0}}),
+])
+def test_out_of_range_values_name_their_field(field, kwargs):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.field == field
+
+
+def test_a_bias_outside_the_vocabulary_fails_that_request_alone(model_and_reference):
+    path, plain, _ = model_and_reference
+    with Engine(path, **OPTS) as e:
+        with pytest.raises(InvalidRequestError) as err:
+            e.generate(["x"], SamplingParams(max_tokens=2, logit_bias={DIMS["vocab_size"]: 1.0}))
+        again = e.generate(PROMPTS[:1], SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True))
+    assert err.value.field == "logit_bias" and again[0].token_ids == plain[0]
