@@ -182,3 +182,11 @@ def test_a_bias_outside_the_vocabulary_fails_that_request_alone(model_and_refere
             e.generate(["x"], SamplingParams(max_tokens=2, logit_bias={DIMS["vocab_size"]: 1.0}))
         again = e.generate(PROMPTS[:1], SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True))
     assert err.value.field == "logit_bias" and again[0].token_ids == plain[0]
+
+
+def test_pd_decode_instance_counts_the_prefill_token(ray_cluster, model_and_reference):
+    """Prefill/decode disaggregation: the decode instance's counts start from the prompt and the prefill's token."""
+    path, _, want = model_and_reference
+    with Engine(path, **OPTS, pd_prefill="dp=1", pd_decode="dp=1") as e:
+        outs = e.generate(PROMPTS, [_params(c) for c in PENALIZED])
+    assert [o.token_ids for o in outs] == want
