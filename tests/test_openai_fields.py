@@ -52,6 +52,7 @@ BEHAVIOUR = {
     "presence_penalty": "test_penalty_fields_reach_the_engine_and_bad_ones_are_400s",
     "frequency_penalty": "test_penalty_fields_reach_the_engine_and_bad_ones_are_400s",
     "logit_bias": "test_penalty_fields_reach_the_engine_and_bad_ones_are_400s",
+    "n": "test_n_answers_each_choice_with_its_own_generation",
     "max_tokens": "test_output_length_fields_reach_the_engine",
     "max_completion_tokens": "test_output_length_fields_reach_the_engine",
     "logprobs": "test_logprob_fields_shape_the_answer",
@@ -309,6 +310,37 @@ def test_penalty_fields_reach_the_engine_and_bad_ones_are_400s(served, tokenizer
         r = post(COMPLETIONS, _body(COMPLETIONS, **{field: value}))
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, value, r.text)
     assert len(engine.seen) == seen
+
+
+def test_n_answers_each_choice_with_its_own_generation(served):
+    """``n`` choices: one engine request each (a seeded request derives a seed per choice, choice 0 keeps it), the
+    choices by index, one usage (prompt once, completions summed); streamed, every choice's chunks carry its index
+    and finish, then the usage and [DONE]; every engine request is closed."""
+    engine, post = served
+    for path in (COMPLETIONS, CHAT):
+        engine.seen.clear()
+        r = post(path, _body(path, n=3, seed=5, max_tokens=4, logprobs=path == CHAT or 1))
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+        assert all(c["finish_reason"] == "length" for c in body["choices"])
+        seeds = [params.seed for _, params in engine.seen]
+        assert len(seeds) == 3 and seeds[0] == 5 and len(set(seeds)) == 3
+        prompt = len(engine.seen[0][0])
+        assert body["usage"]["prompt_tokens"] == prompt and body["usage"]["completion_tokens"] == 12
+        assert body["usage"]["total_tokens"] == prompt + 12
+        r = post(path, _body(path, n=2, max_tokens=3, stream=True, stream_options={"include_usage": True}))
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        usage = chunks[-1]
+        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+        finished = [c["index"] for ch in chunks[:-1] for c in ch["choices"] if c["finish_reason"]]
+        assert sorted(finished) == [0, 1]
+        assert {c["index"] for ch in chunks[:-1] for c in ch["choices"]} == {0, 1}
+        assert len({ch["id"] for ch in chunks}) == 1
+    assert not engine.open
+    assert post(COMPLETIONS, _body(COMPLETIONS, n=129)).json()["error"]["param"] == "n"
 
 
 def test_output_length_fields_reach_the_engine(served):

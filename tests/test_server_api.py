@@ -127,6 +127,29 @@ def test_seed_gives_identical_samples(client, model):
     assert any(sample(s) != first for s in (1, 2, 3))
 
 
+def test_n_choices_are_seeded_apart_and_the_stream_interleaves_them(client, base_url, model):
+    """``n=3`` sampled with a seed: three choices, not all alike, the same three again for the same seed, the first
+    equal to ``n=1`` with that seed; the stream's text per index equals the whole answer's; greedy choices agree."""
+    def answer(n, seed, **kw):
+        return client.completions.create(model=model, prompt="def f(", max_tokens=10, temperature=1.0, seed=seed, n=n,
+                                         extra_body=NO_EOS, **kw)
+
+    three = answer(3, 77)
+    texts = [c.text for c in sorted(three.choices, key=lambda c: c.index)]
+    assert len(set(texts)) > 1 and [c.text for c in answer(3, 77).choices] == texts
+    assert answer(1, 77).choices[0].text == texts[0]
+    assert three.usage.completion_tokens == 30
+    streamed = ["", "", ""]
+    for chunk in answer(3, 77, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == texts
+    greedy = client.completions.create(model=model, prompt="def f(", max_tokens=8, temperature=0, n=2,
+                                       extra_body=NO_EOS)
+    assert greedy.choices[0].text == greedy.choices[1].text
+    wait_for(lambda: engine_idle(base_url), timeout_s=30, interval_s=0.05)
+
+
 NUM_STREAMS = 64
 
 
@@ -230,20 +253,20 @@ def _raw_post(base_url: str, path: str, body: dict) -> socket.socket:
     return sock
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_client_disconnect_aborts_the_request(base_url, model, stream):
+@pytest.mark.parametrize(("stream", "n"), [(True, 1), (False, 1), (True, 2), (False, 2)])
+def test_client_disconnect_aborts_the_request(base_url, model, stream, n):
     aborted = metrics(base_url)["raymoe:request_success_total{finish_reason=abort}"]
     body = {"model": model, "prompt": "def long(", "max_tokens": 140, "temperature": 0, "stream": stream,
-            "ignore_eos": True}
+            "ignore_eos": True, "n": n}
     sock = _raw_post(base_url, "/v1/completions", body)
     if stream:
         received = b""
         while b"data: " not in received:  # the stream started
             received += sock.recv(4096)
-    wait_for(lambda: metrics(base_url)["raymoe:num_requests_running"] == 1, timeout_s=30, interval_s=0.02)
+    wait_for(lambda: metrics(base_url)["raymoe:num_requests_running"] == n, timeout_s=30, interval_s=0.02)
     sock.close()
     wait_for(lambda: engine_idle(base_url), timeout_s=30, interval_s=0.05)
-    assert metrics(base_url)["raymoe:request_success_total{finish_reason=abort}"] == aborted + 1
+    assert metrics(base_url)["raymoe:request_success_total{finish_reason=abort}"] == aborted + n
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), [
@@ -253,7 +276,9 @@ def test_client_disconnect_aborts_the_request(base_url, model, stream):
     ("/v1/chat/completions", {"model": "M", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
     ("/v1/completions", {"model": "M", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": "M", "prompt": "x", "temperature": -1}, 400, "temperature"),
-    ("/v1/completions", {"model": "M", "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "M", "prompt": "x", "n": 129}, 400, "n"),
+    ("/v1/completions", {"model": "M", "prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": "M", "prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"model": "M", "prompt": "x", "top_k": 2**63}, 400, "top_k"),
     ("/v1/completions", {"model": "M", "prompt": "x", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"model": "M", "prompt": [5, 99999]}, 400, "prompt"),

@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from raymoe.client.engine_client import EngineClient
 from raymoe.deploy.admin import admin_router
+from raymoe.deploy.choices import choice_events, choice_prep, gather_all, merged_answer
 from raymoe.deploy.drain import Drain, DrainConfig, DrainGuard
 from raymoe.deploy.generation import ClientDisconnected, Piece, collect, stream_pieces, until_disconnected
 from raymoe.deploy.harmony import HarmonyChat
@@ -145,19 +146,29 @@ class OpenAIServing:
         try:
             prep = await self._prepare(request, body)
             deadline = arrival + prep.timeout_s
-            splitter = None if prep.in_reasoning is None else ReasoningSplitter(self.reasoning_parser,
-                                                                                prep.in_reasoning)
-            harmony = self.harmony.stream(prep.tool_names) if prep.harmony_output else None
-            tools = None if prep.tool_names is None or harmony is not None else ToolCallStreamer(
-                self.tool_call_parser, prep.tool_names)
-            builder = ResponseBuilder(isinstance(body, ChatCompletionRequest), engine.model_name, self.token_texts,
-                                      prep.logprobs, request_id, splitter, tools, prep.parallel_tool_calls, harmony)
-            pieces = stream_pieces(engine, builder.id, prep, self.metrics.request())
+            n = body.n or 1  # n > 1: one engine request per choice (raymoe.deploy.choices)
+            builders = [self._builder(body, prep, request_id, i) for i in range(n)]
+            builder = builders[0]
+            for b in builders[1:]:
+                b.created = builder.created
+            streams = [stream_pieces(engine, builder.id if i == 0 else f"{builder.id}-{i}", choice_prep(prep, i),
+                                     self.metrics.request()) for i in range(n)]
+            pieces = streams[0]
+
+            async def close_all() -> None:
+                for s in streams:
+                    await _close(s)
+
             with anyio.CancelScope(deadline=deadline) as scope:
-                if body.stream:
+                if body.stream and n == 1:
                     first = await until_disconnected(request, anext(pieces, None))
-                else:
+                elif body.stream:
+                    firsts = await until_disconnected(request, gather_all([anext(s, None) for s in streams]))
+                elif n == 1:
                     answer = builder.complete(await until_disconnected(request, collect(pieces)))
+                else:
+                    answer = merged_answer(builders, await until_disconnected(
+                        request, gather_all([collect(s) for s in streams])))
             if scope.cancelled_caught:
                 raise _timed_out()
             if not body.stream:
@@ -166,10 +177,12 @@ class OpenAIServing:
             lim = self.limits
             bounds = StreamBounds(deadline, lim.max_stream_backlog_events, lim.max_stream_backlog_bytes,
                                   lim.stream_backlog_grace_s, lim.stream_drain_timeout_s)
-            relay = EventRelay(self._events(builder, first, pieces, include_usage, request_id), bounds, request_id)
+            events = self._events(builder, first, pieces, include_usage, request_id) if n == 1 else choice_events(
+                builders, firsts, streams, include_usage, request_id, close_all)
+            relay = EventRelay(events, bounds, request_id)
 
             async def close_stream() -> None:
-                await _close(pieces)
+                await close_all()
                 self._release()
 
             handed_over = True
@@ -182,8 +195,18 @@ class OpenAIServing:
         finally:
             if not handed_over:
                 if pieces is not None:
-                    await _close(pieces)  # aborts the request in the engine if it is still running
+                    await close_all()  # aborts the requests in the engine that are still running
                 self._release()
+
+    def _builder(self, body: CompletionRequest | ChatCompletionRequest, prep: PreparedRequest, request_id: str,
+                 index: int) -> ResponseBuilder:
+        """The answer builder of choice ``index``, with its own reasoning splitter and tool-call parser."""
+        splitter = None if prep.in_reasoning is None else ReasoningSplitter(self.reasoning_parser, prep.in_reasoning)
+        harmony = self.harmony.stream(prep.tool_names) if prep.harmony_output else None
+        tools = None if prep.tool_names is None or harmony is not None else ToolCallStreamer(
+            self.tool_call_parser, prep.tool_names)
+        return ResponseBuilder(isinstance(body, ChatCompletionRequest), self.engine.model_name, self.token_texts,
+                               prep.logprobs, request_id, splitter, tools, prep.parallel_tool_calls, harmony, index)
 
     async def _prepare(self, request: Request, body: CompletionRequest | ChatCompletionRequest) -> PreparedRequest:
         """Template, tokenize and check ``body`` (``request_prep.prepare``). Their CPU cost grows with the prompt:

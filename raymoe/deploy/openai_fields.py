@@ -7,8 +7,8 @@ of the tables below, and ``tests/test_openai_fields.py`` walks those parameter t
 
 - ``honoured``: the server implements the field (the note says how); the pydantic models of ``protocol`` check
   its values.
-- ``neutral``: accepted only at a value that asks for nothing the engine lacks (``n`` 1, ``tools`` empty,
-  ``echo`` false ...); any other value is a 400 naming the field, code ``unsupported_value``.
+- ``neutral``: accepted only at a value that asks for nothing the engine lacks (``best_of`` 1, ``echo``
+  false ...); any other value is a 400 naming the field, code ``unsupported_value``.
 - ``refused``: any value but ``null`` is a 400 naming the field, code ``unsupported_value``.
 
 :func:`refusal_of` applies the rule of one field to its raw JSON bytes, as the body parser (``body_shape``) holds
@@ -61,7 +61,7 @@ _SHARED = {
     "frequency_penalty": _h("subtracted from a token's logit once per occurrence in the output, in [-2, 2]"),
     "presence_penalty": _h("subtracted from the logit of every token the output holds, in [-2, 2]"),
     "logit_bias": _h("token id (a string) -> value in [-100, 100] added to its logit at every step"),
-    "n": _n("one choice per request; only n=1 is accepted", 1),
+    "n": _h("choices per request, up to 128 (each its own generation; raymoe.deploy.choices)"),
     "seed": _h("seeds the request's sampler: the same seed and body give the same output"),
     "stop": _h("stop strings, cut from the output"),
     "stream": _h("server-sent events"),

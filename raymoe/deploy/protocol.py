@@ -116,6 +116,9 @@ Prompt = Annotated[str | list[int], PlainValidator(_prompt), WithJsonSchema({"an
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS), AfterValidator(_valid_unicode)]
 _STRICT = ConfigDict(extra="ignore", allow_inf_nan=False)
 
+MAX_N = 128
+"""Most choices per request (``n``, OpenAI's bound; ``raymoe.deploy.choices``)."""
+
 
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk with the ``usage`` (and no choices)."""
@@ -133,7 +136,8 @@ class _SamplingFields(BaseModel):
     model: Name = Field(description="a model id from /v1/models")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 is greedy; default 1")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int | None = Field(1, ge=1, le=1, description="choices per request; only 1 is supported")
+    n: int | None = Field(1, ge=1, le=MAX_N, description="choices per request (each its own generation; a seed "
+                                                          "gives each choice its own derived seed)")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(

@@ -69,12 +69,14 @@ class ResponseBuilder:
             content, after the reasoning split). parallel_tool_calls: False keeps only the first call.
         harmony: for a harmony chat answer (gpt-oss), the parser of its token ids into reasoning, content and tool
             calls (``raymoe.deploy.harmony``); it replaces ``reasoning`` and ``tools``.
+        index: the choice this builder answers (``n`` > 1: one builder per choice, ``raymoe.deploy.choices``).
     """
 
     def __init__(self, chat: bool, model: str, token_text: Callable[[int], str], top_logprobs: int | None,
                  request_id: str, reasoning: ReasoningSplitter | None = None, tools: ToolCallStreamer | None = None,
-                 parallel_tool_calls: bool = True, harmony: HarmonyStream | None = None):
+                 parallel_tool_calls: bool = True, harmony: HarmonyStream | None = None, index: int = 0):
         self.chat = chat
+        self.index = index
         self.harmony = harmony
         self.reasoning = reasoning
         self.tools = tools
@@ -130,11 +132,11 @@ class ResponseBuilder:
                 message["reasoning_content"] = reasoning or None
             if calls:
                 message["tool_calls"] = [c.to_openai() for c in calls]
-            choice = {"index": 0, "message": message, "logprobs": logprobs,
+            choice = {"index": self.index, "message": message, "logprobs": logprobs,
                       "finish_reason": "tool_calls" if calls else last.finish_reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
+            choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
             obj = "text_completion"
         return {**self._header(obj), "choices": [choice], "usage": usage_dict(last)}
 
@@ -143,7 +145,7 @@ class ResponseBuilder:
         if not self.chat:
             return None
         return {**self._header("chat.completion.chunk"),
-                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "choices": [{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}]}
 
     def chunk(self, piece: Piece) -> dict | None:
@@ -156,9 +158,9 @@ class ResponseBuilder:
         logprobs = self._logprobs(piece)
         if self.chat:
             delta = {"content": piece.text} if piece.text else {}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+            choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason}
             return {**self._header("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+        choice = {"index": self.index, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
         return {**self._header("text_completion"), "choices": [choice]}
 
     def _split_chat(self, piece: Piece, final: bool) -> tuple[str, str, tuple[ToolCall, ...]]:
@@ -197,7 +199,7 @@ class ResponseBuilder:
             return None
         delta = {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": content} if content else {}),
                  **({"tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]} if calls else {})}
-        choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(piece),
+        choice = {"index": self.index, "delta": delta, "logprobs": self._logprobs(piece),
                   "finish_reason": "tool_calls" if calls else piece.finish_reason}
         return {**self._header("chat.completion.chunk"), "choices": [choice]}
 
