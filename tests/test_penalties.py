@@ -190,3 +190,33 @@ def test_pd_decode_instance_counts_the_prefill_token(ray_cluster, model_and_refe
     with Engine(path, **OPTS, pd_prefill="dp=1", pd_decode="dp=1") as e:
         outs = e.generate(PROMPTS, [_params(c) for c in PENALIZED])
     assert [o.token_ids for o in outs] == want
+
+
+def test_a_grammar_mask_holds_against_bias_and_penalties(model_and_reference):
+    """A token the grammar refuses stays refused however strongly it is biased, and a penalized constrained answer
+    still matches its expression."""
+    import re
+
+    from raymoe.step.grammar import GrammarSpec
+
+    path, _, _ = model_and_reference
+    pattern = "[a-z]{4,12}@(foo|bar)\\.(com|org)"
+    with Engine(path, **OPTS) as e:
+        tok = e.tokenizer
+        banned = [t for t in range(DIMS["vocab_size"]) if tok.decode([t]).strip() and
+                  not re.fullmatch("[a-z@.]+", tok.decode([t]).strip())][:50]
+        params = SamplingParams(max_tokens=40, temperature=0.0, frequency_penalty=2.0, repetition_penalty=1.5,
+                                logit_bias={t: 100.0 for t in banned},
+                                grammar=GrammarSpec("regex", pattern, field="regex"))
+        out = e.generate(["email: "], params)[0]
+    assert re.fullmatch(pattern, out.text), out.text
+
+
+def test_seeded_sampling_with_penalties_repeats_whatever_shares_the_batch(model_and_reference):
+    path, _, _ = model_and_reference
+    params = SamplingParams(max_tokens=N, temperature=1.0, seed=9, presence_penalty=0.5, frequency_penalty=0.5,
+                            repetition_penalty=1.2, logit_bias={5: 2.0})
+    with Engine(path, **OPTS) as e:
+        alone = e.generate(PROMPTS[:1], params)[0].token_ids
+        shared = e.generate(PROMPTS, [params] + [SamplingParams(max_tokens=N, temperature=0.7)] * 3)[0].token_ids
+    assert alone == shared
