@@ -311,11 +311,15 @@ def test_clients_that_leave_leave_both_engines_idle(engines):
     _idle(pd.decode)
 
 
-def test_raymoe_serve_with_pd_flags_answers_what_the_colocated_engine_gives(engines, model):
+def test_raymoe_serve_with_pd_flags_answers_what_the_colocated_engine_gives(engines, model, request):
     """``raymoe serve --pd-prefill dp=1 --pd-decode dp=2,ep=2`` (its own process and Ray): the greedy text of a
     prompt (as token ids) is the colocated engine's, a streamed completion equals the same request answered whole,
-    and the usage counts are the request's."""
+    and the usage counts are the request's. The flags' path does not depend on the model family, and a served
+    process costs half a minute: DeepSeek-V3 (MLA's KV pages) runs it; the engine tests above run both."""
     import httpx
+
+    if "qwen3_moe" in request.node.callspec.id:
+        pytest.skip("the served PD flags run once, with deepseek_v3")
     from serve_process import serve_process
 
     from raymoe.tokenizer import load_tokenizer

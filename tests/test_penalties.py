@@ -13,6 +13,8 @@ import torch
 from raymoe import Engine, SamplingParams
 from raymoe.errors import InvalidRequestError
 from raymoe.models.checkpoint import make_checkpoint
+from raymoe.platform.cpu.platform import CpuPlatform
+from raymoe.platform.selector import reference_platform
 from raymoe.runner.penalties import RankPenalties
 from raymoe.step.logit_penalties import LogitPenalties
 from raymoe.step.sampling_inputs import SamplingRow
@@ -132,14 +134,15 @@ def test_dp2_ep2_with_tbo_and_graphs(ray_cluster, model_and_reference):
     assert graph_steps > 0 and report.clean
 
 
-def test_rank_penalties_match_the_formulas_and_count_only_kept_tokens():
+@pytest.mark.parametrize("platform", [reference_platform(), CpuPlatform()], ids=["reference", "cpu_kernel"])
+def test_rank_penalties_match_the_formulas_and_count_only_kept_tokens(platform):
     """The rank's arithmetic on random logits against the formulas written out; a partial prefill chunk's token is
     not counted, a row admitted again without penalties is left alone."""
     from transformers import RepetitionPenaltyLogitsProcessor
 
     g = torch.Generator().manual_seed(0)
     v = 16
-    pen = RankPenalties(rows=4, vocab=v, device=torch.device("cpu"))
+    pen = RankPenalties(rows=4, vocab=v, device=torch.device("cpu"), ops=platform)
     p = LogitPenalties(presence=0.5, frequency=0.25, repetition=1.5, bias=((3, 2.0), (7, -1.0)), prompt_ids=(1, 2),
                        output_ids=(4, 4, 9))
     pen.admit([(0, SamplingRow(1.0, 1.0, -1, 0.0, None, None, 10, p)),
@@ -220,3 +223,27 @@ def test_seeded_sampling_with_penalties_repeats_whatever_shares_the_batch(model_
         alone = e.generate(PROMPTS[:1], params)[0].token_ids
         shared = e.generate(PROMPTS, [params] + [SamplingParams(max_tokens=N, temperature=0.7)] * 3)[0].token_ids
     assert alone == shared
+
+
+def test_the_cpu_kernel_computes_what_the_reference_does():
+    """``Platform.apply_penalties``: the CPU platform's C pass against the reference's operators, on rows wider
+    than the vocabulary (a padded LM head), with refused (-inf) logits, counted and marked tokens, with and without
+    prompt marks."""
+    g = torch.Generator().manual_seed(1)
+    table, vocab, n = 6, 300, 4
+    counts = torch.randint(0, 3, (table, vocab), generator=g).float() * (torch.rand(table, vocab, generator=g) < 0.1)
+    seen = torch.rand(table, vocab, generator=g) < 0.05
+    rows = torch.tensor([5, 0, 3, 3])
+    numbers = [torch.tensor(v, dtype=torch.float32) for v in
+               ([0.5, -1.0, 0.0, 2.0], [0.25, 0.0, -2.0, 1.5], [1.3, 1.0, 0.7, 1e4])]
+    for marks in (seen, None):
+        x = torch.randn(n, vocab + 12, generator=g) * 5
+        x[0, :40] = float("-inf")
+        want, got = x.clone(), x.clone()
+        reference_platform().apply_penalties(want[:, :vocab], counts, marks, rows, *numbers)
+        CpuPlatform().apply_penalties(got[:, :vocab], counts, marks, rows, *numbers)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+        assert not torch.equal(got[:, :vocab], x[:, :vocab]) and torch.equal(got[:, vocab:], x[:, vocab:])
+    with pytest.raises(ValueError, match="outside the count table"):
+        CpuPlatform().apply_penalties(x[:1, :vocab].contiguous(), counts, None, torch.tensor([table]),
+                                      numbers[0][:1], numbers[1][:1], numbers[2][:1])

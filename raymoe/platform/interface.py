@@ -274,6 +274,15 @@ class Platform(ExpertCompute, LowLatencyOps, ABC):
         int64, ``top_ps``, ``min_ps`` float32 [bs]."""
 
     @abstractmethod
+    def apply_penalties(self, x: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor | None, rows: torch.Tensor,
+                        presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> None:
+        """Penalties in place on ``x`` [n, V] float32 (``raymoe.runner.penalties``): row i reads the token counts
+        ``counts[rows[i]]`` ([R, V] float32) and, where ``seen`` ([R, V] bool) is given, the prompt marks
+        ``seen[rows[i]]``; where a token was seen (marked or counted) and ``repetition[i] != 1``, ``x / rep`` if
+        ``x > 0`` else ``x * rep`` (HF's repetition penalty), then ``x -= frequency[i] * c + presence[i] * (c > 0)``
+        (OpenAI's). ``rows`` [n] int64; ``presence``, ``frequency``, ``repetition`` [n] float32."""
+
+    @abstractmethod
     def sampling_probs(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
                        top_ps: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
         """The distribution :meth:`sample_filtered` draws from, unnormalized: ``softmax(logits / t)`` with every

@@ -109,7 +109,7 @@ class ModelRunner:
         self.attn_backend = TboAttnBackend.create(make_backend) if cfg.overlap.enable_tbo else make_backend()
         self.sampler = Sampler(self.ops, cfg.seed, self.device)
         self.sampling_table = SamplingTable()  # each request's sampling numbers, sent once per admission
-        self.penalties = RankPenalties(cfg.max_req_rows, self.model_config.vocab_size, self.device)
+        self.penalties = RankPenalties(cfg.max_req_rows, self.model_config.vocab_size, self.device, self.ops)
         mc = self.model_config
         self.grammars = RankGrammars(
             lambda: compiler_for_model(cfg.model_path, mc.vocab_size, tuple(mc.eos_token_ids)), self.device)

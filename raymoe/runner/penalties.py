@@ -34,6 +34,19 @@ from raymoe.step.sampling_inputs import SamplingRow
 
 
 @dataclass
+class _StepPlan:
+    """What :meth:`RankPenalties.apply` builds for one set of rows and positions, kept while it repeats."""
+
+    key: tuple
+    idx: torch.Tensor  # [n] int64 positions in the logits
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (row, token id, value) of every bias entry
+    counted: torch.Tensor | None = None  # [m] int64 rows (of the n) with penalties, None: all of them
+    pool_rows: torch.Tensor | None = None  # [m] int64 their ReqToTokenPool rows; None: no penalties
+    numbers: tuple = ()  # presence, frequency, repetition, [m] float32 each
+    use_seen: bool = False
+
+
+@dataclass
 class _Row:
     p: LogitPenalties
     next_len: int  # prompt_len + tokens generated so far: the seq_len of the step that samples the next output
@@ -46,20 +59,23 @@ class RankPenalties:
 
     Args:
         rows: ReqToTokenPool rows. vocab: the model's vocabulary (columns of the logits that are processed).
-        device: the rank's.
+        device: the rank's. ops: the rank's platform (``Platform.apply_penalties``: one C pass per row on CPU).
     """
 
-    def __init__(self, rows: int, vocab: int, device: torch.device):
-        self.rows, self.vocab, self.device = rows, vocab, device
+    def __init__(self, rows: int, vocab: int, device: torch.device, ops):
+        self.rows, self.vocab, self.device, self.ops = rows, vocab, device, ops
         self._state: dict[int, _Row] = {}
         self._counts: torch.Tensor | None = None  # [rows, V] float32 output token counts
         self._seen: torch.Tensor | None = None  # [rows, V] bool prompt tokens (repetition penalty)
+        self._plan: _StepPlan | None = None  # the last step's (apply)
 
     def admit(self, sampling_rows, pool: list[int]) -> None:
         """Take a step's admissions: ``sampling_rows`` ``(batch row, SamplingRow)`` pairs, ``pool`` the step's
         ReqToTokenPool rows."""
         for i, row in sampling_rows:
             self._admit(pool[i], row)
+        if sampling_rows:
+            self._plan = None
 
     def _admit(self, r: int, row: SamplingRow) -> None:
         p = row.penalties
@@ -80,7 +96,7 @@ class RankPenalties:
             out = to_device(list(p.output_ids), torch.int64, self.device)
             self._counts[r].index_add_(0, out, torch.ones(len(p.output_ids), device=self.device))
         if p.repetition != 1.0:
-            if self._seen is None:
+            if self._seen is None:  # allocated with the first repetition penalty; each such row sets its marks
                 self._seen = torch.zeros((self.rows, self.vocab), dtype=torch.bool, device=self.device)
             self._seen[r].zero_()
             if p.prompt_ids:
@@ -102,38 +118,43 @@ class RankPenalties:
         Returns:
             a new [N, ...] tensor (``logits`` itself is not written: it may be a graph's output buffer).
         """
-        v = self.vocab
-        states = [self._state[pool[i]] for i in rows]
-        idx = to_device(positions, torch.int64, logits.device)
-        sub = logits.index_select(0, idx)
-        part = sub[:, :v]
+        key = (tuple(pool[i] for i in rows), tuple(positions))
+        plan = self._plan if self._plan is not None and self._plan.key == key else self._make_plan(key, logits.device)
+        self._plan = plan  # steady decode: the same rows step after step
+        sub = logits.index_select(0, plan.idx)
+        part = sub[:, :self.vocab]
+        if plan.bias is not None:
+            at, ids, values = plan.bias
+            part.index_put_((at, ids), values, accumulate=True)
+        if plan.pool_rows is not None:
+            x = part.index_select(0, plan.counted) if plan.counted is not None else part
+            presence, frequency, repetition = plan.numbers
+            self.ops.apply_penalties(x, self._counts, self._seen if plan.use_seen else None, plan.pool_rows, presence,
+                                     frequency, repetition)
+            if plan.counted is not None:
+                part.index_copy_(0, plan.counted, x)
+        return logits.index_copy(0, plan.idx, sub)
+
+    def _make_plan(self, key: tuple, dev: torch.device) -> _StepPlan:
+        """The device tensors :meth:`apply` needs for the penalized rows ``key[0]`` at positions ``key[1]``."""
+        pool_rows, positions = key
+        states = [self._state[r] for r in pool_rows]
+        bias = None
         biased = [(j, s) for j, s in enumerate(states) if s.bias_ids is not None]
         if biased:
-            at = torch.cat([torch.full_like(s.bias_ids, j) for j, s in biased])
-            part.index_put_((at, torch.cat([s.bias_ids for _, s in biased])),
-                            torch.cat([s.bias_values for _, s in biased]), accumulate=True)
+            bias = (torch.cat([torch.full_like(s.bias_ids, j) for j, s in biased]),
+                    torch.cat([s.bias_ids for _, s in biased]), torch.cat([s.bias_values for _, s in biased]))
         counted = [j for j, s in enumerate(states) if s.p.counts_tokens]
+        plan = _StepPlan(key, to_device(list(positions), torch.int64, dev), bias)
         if counted:
             cs = [states[j] for j in counted]
-            pool_t = to_device([pool[rows[j]] for j in counted], torch.int64, logits.device)
-            c = self._counts.index_select(0, pool_t)
-            some = len(counted) < len(states)
-            ci = to_device(counted, torch.int64, logits.device) if some else None
-            x = part.index_select(0, ci) if some else part
-            if any(s.p.repetition != 1.0 for s in cs):
-                rep = to_device([s.p.repetition for s in cs], torch.float32, logits.device)[:, None]
-                seen = c > 0
-                if self._seen is not None:
-                    seen |= self._seen.index_select(0, pool_t)
-                x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-            freq = to_device([s.p.frequency for s in cs], torch.float32, logits.device)[:, None]
-            pres = to_device([s.p.presence for s in cs], torch.float32, logits.device)[:, None]
-            x = x - freq * c - pres * (c > 0)
-            if some:
-                part.index_copy_(0, ci, x)
-            else:
-                part.copy_(x)
-        return logits.index_copy(0, idx, sub)
+            plan.counted = to_device(counted, torch.int64, dev) if len(counted) < len(states) else None
+            plan.pool_rows = to_device([pool_rows[j] for j in counted], torch.int64, dev)
+            numbers = to_device([v for s in cs for v in (s.p.presence, s.p.frequency, s.p.repetition)],
+                                torch.float32, dev).view(len(cs), 3).t().contiguous()
+            plan.numbers = (numbers[0], numbers[1], numbers[2])
+            plan.use_seen = any(s.p.repetition != 1.0 for s in cs)
+        return plan
 
     def record(self, next_ids: torch.Tensor, pool: list[int], rows: list[int], seq_lens: list[int]) -> None:
         """Count the tokens the step sampled (``next_ids`` [bs] int64, on the device) for batch rows ``rows`` whose

@@ -32,6 +32,21 @@ class CpuSamplingOps(SamplingOps):
         rows = chunks[torch.arange(bs, device=logits.device), best]                # [bs, chunk]
         return best * ARGMAX_CHUNK + rows.argmax(dim=-1)
 
+    def apply_penalties(self, x: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor | None, rows: torch.Tensor,
+                        presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> None:
+        """One pass per row in C (``raymoe_apply_penalties_f32``: 10-20x fewer passes over the vocabulary than the
+        reference's operators, which cost about 1.1 ms at [32, 2048] on the CI machine), where the layouts allow."""
+        small = (presence, frequency, repetition, rows)
+        if not (cpu_ops.enabled_for(x, counts) and x.stride(-1) == 1 and counts.is_contiguous()
+                and x.shape[1] == counts.shape[1] and all(t.is_contiguous() and t.is_cpu for t in small)
+                and (seen is None or (seen.is_contiguous() and seen.shape == counts.shape))):
+            return super().apply_penalties(x, counts, seen, rows, presence, frequency, repetition)
+        rc = cpu_ops.lib().raymoe_apply_penalties_f32(
+            x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], counts.data_ptr(), counts.stride(0),
+            None if seen is None else seen.data_ptr(), 0 if seen is None else seen.stride(0), rows.data_ptr(),
+            counts.shape[0], presence.data_ptr(), frequency.data_ptr(), repetition.data_ptr())
+        cpu_ops.need(rc == 0, "a penalty row index lies outside the count table")
+
     def sample_rows(self, logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
         if cpu_ops.enabled_for(logits, temperatures) and logits.stride(-1) == 1:
             return cpu_ops.sample_rows(logits, temperatures.contiguous(), uniforms)

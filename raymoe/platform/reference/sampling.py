@@ -57,6 +57,16 @@ class SamplingOps:
         probs = self.sampling_probs(logits, temperatures, top_ks, top_ps, min_ps)
         return torch.where(greedy_rows, self.greedy_argmax(logits), inverse_cdf(probs, uniforms))
 
+    def apply_penalties(self, x: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor | None, rows: torch.Tensor,
+                        presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> None:
+        c = counts.index_select(0, rows)
+        hit = c > 0
+        if seen is not None:
+            hit |= seen.index_select(0, rows)
+        rep = repetition[:, None]  # rows at 1 keep their logits (x / 1 and x * 1)
+        y = torch.where(hit, torch.where(x > 0, x / rep, x * rep), x)
+        x.copy_(y - frequency[:, None] * c - presence[:, None] * (c > 0))
+
     def sampling_probs(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
                        top_ps: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
         greedy_rows = (temperatures == 0.0) | (top_ks == 1)

@@ -42,6 +42,7 @@ SIGNATURES: dict[str, tuple[object, list]] = {
     "raymoe_paged_attention_f32": (_INT, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64,
                                           _I64, _F32, _P, _I64]),
     "raymoe_sample_rows_f32": (None, [_P, _I64, _I64, _I64, _P, _P, _P, _P]),
+    "raymoe_apply_penalties_f32": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _P, _P]),
     "raymoe_topk_softmax_f32": (None, [_P, _I64, _I64, _I64, _I64, _INT, _F32, _P, _P]),
     "raymoe_attn_block_f32": (_INT, [_P, _P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _P,
                                      _P, _P]),

@@ -54,6 +54,9 @@ void raymoe_add_rms_norm_f32(const float *x, int64_t x_stride, const float *res,
                              int64_t rows, int64_t dim, float eps);
 void raymoe_linear_packed_f32(const float *x, int64_t xs, int64_t rows, const float *p, int64_t n, int64_t k,
                               float *y, int64_t ys);
+int raymoe_apply_penalties_f32(float *x, int64_t x_stride, int64_t n, int64_t vocab, const float *counts,
+                               int64_t c_stride, const uint8_t *seen, int64_t s_stride, const int64_t *rows,
+                               int64_t table_rows, const float *pres, const float *freq, const float *rep);
 void raymoe_topk_softmax_f32(const float *logits, int64_t stride, int64_t tokens, int64_t experts, int64_t k,
                              int renorm, float scale, float *weights, int64_t *ids);
 

@@ -62,3 +62,37 @@ void raymoe_sample_rows_f32(const float *logits, int64_t stride, int64_t bs, int
         ids[b] = pick;
     }
 }
+
+/* Presence, frequency and repetition penalties of n rows in place, one pass over each row: row i of x (row
+ * stride x_stride, its first vocab columns) reads the token counts of table row rows[i] (counts, row stride
+ * c_stride) and, when seen is not NULL, its prompt marks (bytes, row stride s_stride). Per token with count c and
+ * seen = prompt mark or c > 0: where seen and rep[i] != 1, x > 0 ? x / rep : x * rep (HF transformers'
+ * RepetitionPenaltyLogitsProcessor); then x - freq[i] * c - pres[i] * (c > 0) (OpenAI's formula). Returns 0, or
+ * -1 (writing nothing) when a row index lies outside [0, table_rows). */
+int raymoe_apply_penalties_f32(float *x, int64_t x_stride, int64_t n, int64_t vocab, const float *counts,
+                               int64_t c_stride, const uint8_t *seen, int64_t s_stride, const int64_t *rows,
+                               int64_t table_rows, const float *pres, const float *freq, const float *rep) {
+    for (int64_t i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= table_rows) return -1;
+    for (int64_t i = 0; i < n; i++) {
+        float *xr = x + i * x_stride;
+        const float *cr = counts + rows[i] * c_stride;
+        const float p = pres[i], f = freq[i], r = rep[i];
+        if (r != 1.f) {
+            const uint8_t *sr = seen ? seen + rows[i] * s_stride : NULL;
+            for (int64_t j = 0; j < vocab; j++) {
+                float v = xr[j], c = cr[j];
+                int s = c > 0.f || (sr != NULL && sr[j]);
+                float t = s ? (v > 0.f ? v / r : v * r) : v;
+                xr[j] = t - f * c - (c > 0.f ? p : 0.f);
+            }
+        } else {
+#pragma omp simd
+            for (int64_t j = 0; j < vocab; j++) {
+                float c = cr[j];
+                xr[j] = xr[j] - f * c - (c > 0.f ? p : 0.f);
+            }
+        }
+    }
+    return 0;
+}
