@@ -341,6 +341,10 @@ def test_n_answers_each_choice_with_its_own_generation(served):
         assert len({ch["id"] for ch in chunks}) == 1
     assert not engine.open
     assert post(COMPLETIONS, _body(COMPLETIONS, n=129)).json()["error"]["param"] == "n"
+    # each choice takes one of the server's in-flight places (here 4 running + 4 queued)
+    assert post(COMPLETIONS, _body(COMPLETIONS, n=8)).status_code == 200
+    r = post(COMPLETIONS, _body(COMPLETIONS, n=9))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 
 def test_output_length_fields_reach_the_engine(served):

@@ -256,7 +256,8 @@ class ServerMetrics:
                                        ["model_name", "finish_reason"], registry=r)
         self.request_errors = Counter("raymoe:request_errors", "Requests answered with an error, by status.",
                                       ["model_name", "status"], registry=r)
-        self.in_flight = Gauge("raymoe:num_requests_in_flight", "Requests the HTTP front end is serving.", label,
+        self.in_flight = Gauge("raymoe:num_requests_in_flight",
+                               "Requests the HTTP front end is serving (each choice of n counts).", label,
                                registry=r).labels(model_name)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)

@@ -116,15 +116,23 @@ class OpenAIServing:
         self.token_texts = TokenTexts(engine.tokenizer, engine.model_config.vocab_size)
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
 
-    def _acquire(self) -> None:
-        if self.in_flight >= self.max_in_flight:
+    def _acquire(self, n: int = 1) -> None:
+        """Take ``n`` of the in-flight places (a request's choices are engine requests each).
+
+        Raises:
+            APIError: 400 ``n`` when ``n`` exceeds every place there is; 429 when the places left are too few.
+        """
+        if n > self.max_in_flight:
+            raise APIError(400, f"n: {n} choices are more than this server generates at once ({self.max_in_flight})",
+                           param="n", code="invalid_value")
+        if self.in_flight + n > self.max_in_flight:
             raise APIError(429, f"the server is busy ({self.in_flight} requests in flight); retry later",
                            code="too_many_requests")
-        self.in_flight += 1
+        self.in_flight += n
         self.metrics.in_flight.set(self.in_flight)
 
-    def _release(self) -> None:
-        self.in_flight -= 1
+    def _release(self, n: int = 1) -> None:
+        self.in_flight -= n
         self.metrics.in_flight.set(self.in_flight)
 
     async def generate(self, request: Request, body: CompletionRequest | ChatCompletionRequest) -> Response:
@@ -140,13 +148,13 @@ class OpenAIServing:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                                 f"{engine.model_name!r}", param="model", code="model_not_found")
         request_id = request_id_of(request) or uuid.uuid4().hex
-        self._acquire()
+        n = body.n or 1  # n > 1: one engine request per choice (raymoe.deploy.choices)
+        self._acquire(n)
         pieces = None
         handed_over = False  # a started stream belongs to its response, which closes it and releases the slot
         try:
             prep = await self._prepare(request, body)
             deadline = arrival + prep.timeout_s
-            n = body.n or 1  # n > 1: one engine request per choice (raymoe.deploy.choices)
             builders = [self._builder(body, prep, request_id, i) for i in range(n)]
             builder = builders[0]
             for b in builders[1:]:
@@ -183,7 +191,7 @@ class OpenAIServing:
 
             async def close_stream() -> None:
                 await close_all()
-                self._release()
+                self._release(n)
 
             handed_over = True
             return SSEResponse(relay, on_close=close_stream,
@@ -196,7 +204,7 @@ class OpenAIServing:
             if not handed_over:
                 if pieces is not None:
                     await close_all()  # aborts the requests in the engine that are still running
-                self._release()
+                self._release(n)
 
     def _builder(self, body: CompletionRequest | ChatCompletionRequest, prep: PreparedRequest, request_id: str,
                  index: int) -> ResponseBuilder:
