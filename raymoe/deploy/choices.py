@@ -118,27 +118,23 @@ async def choice_events(builders: list[ResponseBuilder], firsts: list[Piece | No
             if opening is not None:
                 yield sse(opening)
         lasts: list[Piece | None] = [None] * len(builders)
-        open_streams = {}
-        for i, first in enumerate(firsts):
-            piece = first or Piece("", [], finish_reason="abort")
-            chunk = builders[i].chunk(piece)
-            if chunk is not None:
-                yield sse(chunk)
+
+        def take(i: int, piece: Piece | None) -> str | None:
+            """Choice ``i``'s event for ``piece`` (None: nothing to show); a stream that ended early aborted."""
+            piece = piece or Piece("", [], finish_reason="abort")
             if piece.finish_reason is not None:
                 lasts[i] = piece
-            else:
-                open_streams[i] = pieces[i]
+            chunk = builders[i].chunk(piece)
+            return None if chunk is None else sse(chunk)
+
+        for i, first in enumerate(firsts):
+            if (event := take(i, first)) is not None:
+                yield event
         failed = False
         try:
-            async for i, piece in _interleave(open_streams):
-                if lasts[i] is not None:
-                    continue
-                piece = piece or Piece("", [], finish_reason="abort")
-                chunk = builders[i].chunk(piece)
-                if chunk is not None:
-                    yield sse(chunk)
-                if piece.finish_reason is not None:
-                    lasts[i] = piece
+            async for i, piece in _interleave({i: s for i, s in enumerate(pieces) if lasts[i] is None}):
+                if lasts[i] is None and (event := take(i, piece)) is not None:
+                    yield event
         except RaymoeError as e:  # the engine failed mid-stream: the status is already 200
             yield sse(from_raymoe_error(e).body(request_id))
             failed = True
