@@ -150,6 +150,23 @@ def test_n_choices_are_seeded_apart_and_the_stream_interleaves_them(client, base
     wait_for(lambda: engine_idle(base_url), timeout_s=30, interval_s=0.05)
 
 
+def test_logit_bias_and_penalties_reach_the_ranks(client, model):
+    """Through HTTP, the driver's channel and the rank: a +100 bias makes greedy decoding repeat the biased token;
+    a repetition penalty on top drops it after its first time; penalties change an answer that repeats itself."""
+    def tokens(extra: dict | None = None, **kw):
+        out = client.completions.create(model=model, prompt="def f(", max_tokens=40, temperature=0, logprobs=0,
+                                        extra_body={**NO_EOS, **(extra or {})}, **kw)
+        return out.choices[0].logprobs.tokens
+
+    plain = tokens()
+    biased = tokens(logit_bias={"77": 100})
+    assert len(set(biased)) == 1 and biased != plain
+    damped = tokens({"repetition_penalty": 1e4}, logit_bias={"77": 100})  # the extension
+    assert damped[0] == biased[0] and biased[0] not in damped[1:]
+    assert len(set(plain)) < len(plain)  # the tiny model repeats itself
+    assert tokens(frequency_penalty=2.0, presence_penalty=2.0) != plain
+
+
 NUM_STREAMS = 64
 
 
