@@ -9,6 +9,10 @@ the output), in vLLM's order:
    ``RepetitionPenaltyLogitsProcessor``, from Keskar et al. 2019, "CTRL");
 3. ``l -= frequency_penalty * c + presence_penalty * (c > 0)`` (OpenAI's formula).
 
+The bias is a scatter of the rows' entries; 2 and 3 are the platform's arithmetic (``Platform.apply_penalties``:
+torch operators, one C pass per row on CPU ranks). A step's index tensors are kept while its penalized rows and
+their positions repeat (steady decode), and rebuilt after any admission.
+
 State: one float32 count row per ReqToTokenPool row, ``[max_req_rows, V]`` (4 bytes x vocabulary per row, plus one
 byte per entry with a repetition penalty), allocated on the first request that needs it. A request's row is set
 from its :class:`~raymoe.step.logit_penalties.LogitPenalties` on each admission (the output so far, the prompt for
