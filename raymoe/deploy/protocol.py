@@ -3,7 +3,7 @@
 Owned by the front end: ``openai_api`` validates bodies against these models, ``request_prep`` turns them into
 token ids and ``SamplingParams``. Responses are built as plain dicts in ``responses`` (cheaper per streamed
 chunk); their shape follows the OpenAI API reference. Fields the engine does not support are accepted only at
-their neutral value, so a client never gets silently different behaviour (``n`` must be 1, penalties 0); the
+their neutral value, so a client never gets silently different behaviour (``best_of`` must be 1); the
 schema says so, so generated clients and fuzzers see the same limits.
 Every field of the OpenAI API is honoured, accepted only at its neutral value, or refused with a 400 naming it
 (``openai_fields``, applied by the body parser before these models run); other unknown fields are ignored, as
