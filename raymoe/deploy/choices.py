@@ -22,9 +22,8 @@ from raymoe.deploy.request_prep import PreparedRequest
 from raymoe.deploy.responses import ResponseBuilder, usage_dict
 from raymoe.deploy.sse import sse
 from raymoe.errors import RaymoeError
+from raymoe.runner.sampler import splitmix64
 from raymoe.scheduler.sampling_params import MAX_SEED
-
-_MASK64 = (1 << 64) - 1
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -32,10 +31,7 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     else a SplitMix64 mix of both (Steele et al., OOPSLA 2014), in [0, ``MAX_SEED``]."""
     if seed is None or index == 0:
         return seed
-    z = (seed + index * 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & MAX_SEED
+    return splitmix64(splitmix64(seed) ^ index) & MAX_SEED
 
 
 def choice_prep(prep: PreparedRequest, index: int) -> PreparedRequest:

@@ -345,12 +345,11 @@ class ModelRunner:
             drafts_per_row = list(batch.draft_lens) or [e - 1 for e in fb.extend_lens_cpu]
             drafted = None
             penalized = self.penalties.rows_of(batch.req_pool_indices)
+            firsts = draft_windows(fb.extend_lens_cpu, drafts_per_row) if penalized or batch.grammar_rows else None
             if penalized:  # rows without drafts (SpecSteps.step_drafts): their own token, at their last position
-                firsts = draft_windows(fb.extend_lens_cpu, drafts_per_row)
                 logits = self.penalties.apply(logits, batch.req_pool_indices, penalized,
                                               [firsts[i] for i in penalized])
             if batch.grammar_rows:  # constrained rows: masked at every draft position (raymoe.runner.grammar)
-                firsts = draft_windows(fb.extend_lens_cpu, drafts_per_row)
                 windows = [(f, list(batch.input_ids[f + 1:f + 1 + k]))
                            for f, k in zip(firsts, drafts_per_row, strict=True)]
                 logits, drafted = self.grammars.mask_drafts(batch.grammar_rows, batch.req_pool_indices, logits,

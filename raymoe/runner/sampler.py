@@ -27,7 +27,7 @@ from raymoe.step.step_output import TokenLogprobs
 _MASK64 = (1 << 64) - 1
 
 
-def _splitmix64(x: int) -> int:
+def splitmix64(x: int) -> int:
     """One SplitMix64 output for state ``x`` (Steele, Lea, Flood, "Fast splittable pseudorandom number
     generators", OOPSLA 2014; the constants of Vigna's ``splitmix64.c``), as a Python int in [0, 2**64)."""
     z = (x + 0x9E3779B97F4A7C15) & _MASK64
@@ -44,7 +44,7 @@ def seeded_uniform(seed: int, output_len: int) -> float:
     Args:
         seed: the request's seed (any int; taken modulo 2**64). output_len: tokens generated so far (>= 0).
     """
-    return (_splitmix64(_splitmix64(seed & _MASK64) ^ output_len) >> 40) / float(1 << 24)
+    return (splitmix64(splitmix64(seed & _MASK64) ^ output_len) >> 40) / float(1 << 24)
 
 
 @dataclass(frozen=True)
