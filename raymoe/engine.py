@@ -42,6 +42,7 @@ class RequestOutput:
         finish_reason: ``"stop"`` or ``"length"`` (``"abort"`` for aborted requests; ``"error"`` for a request that
             failed alone inside the engine while the others went on).
         logprobs: per generated token, when requested.
+        prompt_logprobs: per prompt token (the first None), with ``SamplingParams.prompt_logprobs``; else None.
         cached_tokens: prompt tokens served from the radix cache.
         accepted_prediction_tokens, rejected_prediction_tokens: speculative decoding's draft tokens the target
             accepted / rejected for this request (0 without speculation).
@@ -56,6 +57,7 @@ class RequestOutput:
     cached_tokens: int = 0
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def _split_options(model: str, options: dict) -> EngineConfig:
@@ -255,16 +257,18 @@ class Engine:
         logprobs = req.output_logprobs if req.sampling_params.logprobs is not None else None
         return RequestOutput(req.rid, list(req.origin_input_ids), list(req.output_ids),
                              self._text(req.output_ids, stopped_by), reason.kind.value if reason else "abort",
-                             logprobs, req.cached_tokens, req.accepted_draft_tokens, req.rejected_draft_tokens)
+                             logprobs, req.cached_tokens, req.accepted_draft_tokens, req.rejected_draft_tokens,
+                             list(req.prompt_logprobs) if req.sampling_params.prompt_logprobs is not None else None)
 
     def _stream_output(self, req: StreamRequest, deltas: list[RequestDelta]) -> RequestOutput:
         """The output of a request run through a client (PD mode): its deltas joined."""
         ids = [t for d in deltas for t in d.token_ids]
         last = deltas[-1]
         logprobs = [lp for d in deltas for lp in d.logprobs] if req.params.logprobs is not None else None
+        prompt = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
         return RequestOutput(req.request_id, list(req.prompt_token_ids), ids, self._text(ids, last.matched_stop),
                              last.finish_reason or "abort", logprobs, last.cached_tokens,
-                             last.accepted_prediction_tokens, last.rejected_prediction_tokens)
+                             last.accepted_prediction_tokens, last.rejected_prediction_tokens, prompt)
 
     def shutdown(self) -> None:
         """Release the ranks; further calls raise."""

@@ -50,9 +50,14 @@ class FakeEngine:
                 self.token_clock.append((time.perf_counter(), time.thread_time()))
                 last = i == params.max_tokens - 1
                 token = i % 200 + 30 if self.token_cycle is None else self.token_cycle[i % len(self.token_cycle)]
+                scores = None
+                if i == 0 and params.prompt_logprobs is not None:  # position j scores prompt token j + 1 at -(j + 1)
+                    k = params.prompt_logprobs
+                    scores = [None] + [TokenLogprobs(-(j + 1.0), [40 + n for n in range(k)], [-0.5] * k)
+                                       for j in range(len(prompt_ids) - 1)]
                 yield RequestDelta(request_id, [token], [lp], finished=last,
                                    finish_reason="length" if last else None, prompt_tokens=len(prompt_ids),
-                                   completion_tokens=i + 1)
+                                   completion_tokens=i + 1, prompt_logprobs=scores)
         finally:
             self.open.discard(request_id)
             self.closed.append(request_id)

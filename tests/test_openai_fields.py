@@ -56,6 +56,7 @@ BEHAVIOUR = {
     "max_tokens": "test_output_length_fields_reach_the_engine",
     "max_completion_tokens": "test_output_length_fields_reach_the_engine",
     "logprobs": "test_logprob_fields_shape_the_answer",
+    "echo": "test_echo_opens_the_answer_with_the_prompt_and_scores_it",
     "top_logprobs": "test_logprob_fields_shape_the_answer",
     "stream": "test_stream_fields_shape_the_answer",
     "stream_options": "test_stream_fields_shape_the_answer",
@@ -364,6 +365,37 @@ def test_logprob_fields_shape_the_answer(served):
     r = post(CHAT, _body(CHAT, logprobs=True, top_logprobs=2)).json()
     assert all(len(t["top_logprobs"]) == 2 for t in r["choices"][0]["logprobs"]["content"])
     assert post(CHAT, _body(CHAT)).json()["choices"][0]["logprobs"] is None
+
+
+def test_echo_opens_the_answer_with_the_prompt_and_scores_it(served, tokenizer):
+    """``echo`` puts the prompt before the completion; with ``logprobs`` the engine scores the prompt and the
+    answer's log-prob lists run over prompt and completion (the first prompt token: null); ``max_tokens`` 0 scores
+    only, and needs ``echo``; streams open with the prompt."""
+    engine, post = served
+    prompt = "def add(a, b):"
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    r = post(COMPLETIONS, _body(COMPLETIONS, prompt=prompt, echo=True)).json()
+    assert r["choices"][0]["text"].startswith(prompt) and len(r["choices"][0]["text"]) > len(prompt)
+    assert engine.seen[-1][1].prompt_logprobs is None and r["choices"][0]["logprobs"] is None
+    r = post(COMPLETIONS, _body(COMPLETIONS, prompt=prompt, echo=True, logprobs=2)).json()
+    lp = r["choices"][0]["logprobs"]
+    assert engine.seen[-1][1].prompt_logprobs == 2
+    assert len(lp["tokens"]) == len(ids) + 2 and "".join(lp["tokens"][:len(ids)]) == prompt
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:len(ids)] == [-(j + 1.0) for j in range(len(ids) - 1)]  # the fake's scores
+    assert all(len(t) == 2 for t in lp["top_logprobs"][1:])
+    assert lp["text_offset"][len(ids)] == len(prompt) and r["usage"]["completion_tokens"] == 2
+    r = post(COMPLETIONS, {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0}).json()  # score only
+    choice = r["choices"][0]
+    assert engine.seen[-1][1].max_tokens == 1 and choice["text"] == tokenizer.decode(ids)
+    assert len(choice["logprobs"]["tokens"]) == len(ids) and choice["finish_reason"] == "length"
+    assert r["usage"]["completion_tokens"] == 0 and r["usage"]["prompt_tokens"] == len(ids)
+    bad = post(COMPLETIONS, {"prompt": prompt, "max_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    r = post(COMPLETIONS, _body(COMPLETIONS, prompt=prompt, echo=True, logprobs=1, stream=True))
+    first = json.loads(r.text.splitlines()[0].removeprefix("data: "))["choices"][0]
+    assert first["text"].startswith(prompt) and first["logprobs"]["token_logprobs"][0] is None
+    assert len(first["logprobs"]["tokens"]) == len(ids) + 1
 
 
 def test_stream_fields_shape_the_answer(served):

@@ -167,6 +167,33 @@ def test_logit_bias_and_penalties_reach_the_ranks(client, model):
     assert tokens(frequency_penalty=2.0, presence_penalty=2.0) != plain
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, model, tiny_model):
+    """``echo`` + ``logprobs`` + ``max_tokens`` 0 (how evaluation harnesses score text) through HTTP, the driver's
+    channel and the rank: each prompt token's log-prob is transformers' log-softmax there, the first is null, and a
+    second time (the prompt now cached) the scores are the same."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from raymoe.tokenizer import load_tokenizer
+
+    prompt = "def add(a, b):\n    return a + b\n"
+    ids = load_tokenizer(tiny_model).encode(prompt, add_special_tokens=False)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    want = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+    for _ in range(2):
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                        temperature=0)
+        lp = out.choices[0].logprobs
+        assert out.choices[0].text == prompt and out.usage.completion_tokens == 0
+        assert lp.token_logprobs[0] is None and lp.token_logprobs[1:] == pytest.approx(want, abs=2e-4)
+        assert "".join(lp.tokens) == prompt and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    more = client.completions.create(model=model, prompt=prompt, max_tokens=4, echo=True, temperature=0,
+                                     extra_body=NO_EOS)
+    assert more.choices[0].text.startswith(prompt) and more.usage.completion_tokens == 4
+
+
 NUM_STREAMS = 64
 
 

@@ -147,7 +147,8 @@ class DriverActor:
     def _send_one_by_one(self, conn, batch: OutputBatch) -> None:
         for delta in batch:
             row = OutputBatch()
-            row.add(delta.request_id, delta.token_ids, delta.completion_tokens, delta.logprobs)
+            row.add(delta.request_id, delta.token_ids, delta.completion_tokens, delta.logprobs,
+                    prompt_logprobs=delta.prompt_logprobs)
             try:
                 conn.send(row)
             except OSError:

@@ -169,7 +169,8 @@ class GroupScheduler:
         for req in reqs:
             rid = req.rid
             done = sent.get(rid)
-            if done is not None and req.finished_reason is None and req.sampling_params.logprobs is None:
+            if (done is not None and req.finished_reason is None and req.sampling_params.logprobs is None
+                    and (done or not req.prompt_logprobs)):  # a first row with prompt log-probs: _record
                 outputs = req.output_ids
                 n = len(outputs)
                 if n == done + 1:
@@ -213,12 +214,13 @@ class GroupScheduler:
             self._out.end(req.rid, RequestEnd(error=err))
             return
         logprobs = req.output_logprobs[sent:] if req.sampling_params.logprobs is not None else None
+        prompt = list(req.prompt_logprobs) if sent == 0 and req.prompt_logprobs and req.output_ids else None
         end = None
         if reason is not None:
             end = RequestEnd(reason.kind.value, reason.matched, len(req.origin_input_ids), req.cached_tokens,
                              accepted_prediction_tokens=req.accepted_draft_tokens,
                              rejected_prediction_tokens=req.rejected_draft_tokens)
-        self._out.add(req.rid, req.output_ids[sent:], len(req.output_ids), logprobs, end)
+        self._out.add(req.rid, req.output_ids[sent:], len(req.output_ids), logprobs, end, prompt)
 
     def end_all(self, error: RequestError) -> int:
         """End every unfinished request of this group with ``error`` (rows only; the caller resets the group);

@@ -51,6 +51,8 @@ class OutputBatch:
             output tokens so far. token_ids: every row's new tokens, row after row. logprobs: one entry per token of
             ``token_ids`` (None entries for requests that asked none), or None when no row asked.
         ends: row -> how its request ended, for the rows that end a request.
+        prompts: row -> the request's prompt log-probs (``SamplingParams.prompt_logprobs``), on the row of its
+            first output token.
     """
 
     rids: list[str] = field(default_factory=list)
@@ -59,14 +61,18 @@ class OutputBatch:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] | None = None
     ends: dict[int, RequestEnd] = field(default_factory=dict)
+    prompts: dict[int, list[TokenLogprobs | None]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.rids)
 
     def add(self, rid: str, tokens: list[int], completion_tokens: int,
-            logprobs: list[TokenLogprobs | None] | None = None, end: RequestEnd | None = None) -> None:
+            logprobs: list[TokenLogprobs | None] | None = None, end: RequestEnd | None = None,
+            prompt_logprobs: list[TokenLogprobs | None] | None = None) -> None:
         """Append a row: ``tokens`` new, ``completion_tokens`` so far, ``logprobs`` one per token (None: not
-        asked), ``end`` when it is the request's last row."""
+        asked), ``end`` when it is the request's last row, ``prompt_logprobs`` on its first output token's."""
+        if prompt_logprobs is not None:
+            self.prompts[len(self.rids)] = prompt_logprobs
         if logprobs is not None and self.logprobs is None:
             self.logprobs = [None] * len(self.token_ids)
         if self.logprobs is not None:
@@ -105,6 +111,7 @@ class OutputBatch:
         self.completion_tokens.extend(other.completion_tokens)
         self.token_ids.extend(other.token_ids)
         self.ends.update({base + row: e for row, e in other.ends.items()})
+        self.prompts.update({base + row: p for row, p in other.prompts.items()})
 
     def __iter__(self) -> Iterator[RequestDelta]:
         """One :class:`RequestDelta` per row, in row order."""
@@ -118,9 +125,10 @@ class OutputBatch:
         """Row ``row`` (``rid``, its tokens at ``token_ids[pos:pos + n]``) as a :class:`RequestDelta`."""
         logprobs = self.logprobs[pos:pos + n] if self.logprobs is not None else [None] * n
         end = self.ends.get(row)
+        prompt = self.prompts.get(row) if self.prompts else None
         if end is None:
             return RequestDelta(rid, self.token_ids[pos:pos + n], logprobs,
-                                completion_tokens=self.completion_tokens[row])
+                                completion_tokens=self.completion_tokens[row], prompt_logprobs=prompt)
         if end.error is not None:
             return RequestDelta(rid, [], finished=True, error=end.error)
         return RequestDelta(rid, self.token_ids[pos:pos + n], logprobs, finished=True,
@@ -128,7 +136,7 @@ class OutputBatch:
                             prompt_tokens=end.prompt_tokens, completion_tokens=self.completion_tokens[row],
                             cached_tokens=end.cached_tokens,
                             accepted_prediction_tokens=end.accepted_prediction_tokens,
-                            rejected_prediction_tokens=end.rejected_prediction_tokens)
+                            rejected_prediction_tokens=end.rejected_prediction_tokens, prompt_logprobs=prompt)
 
     def ended_ids(self) -> list[str]:
         """The ids of the requests whose last row is in this batch (finished, aborted, refused or failed)."""
@@ -146,7 +154,8 @@ class OutputBatch:
             if part is None:
                 part = parts[key] = OutputBatch()
             logprobs = self.logprobs[pos:pos + n] if self.logprobs is not None else None
-            part.add(rid, self.token_ids[pos:pos + n], self.completion_tokens[row], logprobs, self.ends.get(row))
+            part.add(rid, self.token_ids[pos:pos + n], self.completion_tokens[row], logprobs, self.ends.get(row),
+                     self.prompts.get(row))
             pos += n
         return parts
 

@@ -66,6 +66,8 @@ class RequestDelta:
         error: set when the request was refused or failed, or the engine failed (then ``finished``, no tokens).
         accepted_prediction_tokens, rejected_prediction_tokens: on the last delta, speculative decoding's draft
             tokens of the request the target accepted / rejected (0 without speculation).
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, on the delta of the request's first output token:
+            one entry per prompt token (the first None); else None.
     """
 
     request_id: str
@@ -80,6 +82,7 @@ class RequestDelta:
     error: RequestError | None = None
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)

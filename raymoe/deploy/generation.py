@@ -87,6 +87,7 @@ async def stream_pieces(engine: EngineClient, request_id: str, prep: PreparedReq
     detok = IncrementalDetokenizer(engine.tokenizer)
     stops = StopStringFilter(prep.params.stop)
     engine_finished = counted = failed = False
+    echo, first = prep.echo, True
     usage = (len(prep.prompt_ids), 0, 0, 0, 0)
     try:
         try:
@@ -100,8 +101,12 @@ async def stream_pieces(engine: EngineClient, request_id: str, prep: PreparedReq
                 if reason is not None:
                     metrics.finish(reason, usage[0], usage[1])
                     counted = True
-                yield Piece(text, list(delta.token_ids), list(delta.logprobs) if prep.logprobs is not None else [],
-                            reason, *usage)
+                piece = Piece(text, list(delta.token_ids), list(delta.logprobs) if prep.logprobs is not None else [],
+                              reason, *usage)
+                if echo is not None:  # the prompt opens the answer (raymoe.deploy.echo)
+                    piece = echo.piece(piece, first, delta.prompt_logprobs, prep.logprobs is not None)
+                first = False
+                yield piece
                 if reason is not None:
                     return
         except Exception as e:

@@ -77,7 +77,7 @@ COMPLETION_FIELDS: dict[str, FieldRule] = {
     "max_tokens": _h("tokens to generate (default 16); prompt + max_tokens must fit the context"),
     "logprobs": _h("top log-probabilities per generated token"),
     "best_of": _n("best_of is not supported; only 1 is accepted", 1),
-    "echo": _n("echo is not supported; only false is accepted", False),
+    "echo": _h("the prompt opens the answer; with logprobs each prompt token is scored (raymoe.deploy.echo)"),
     "suffix": _n("suffix (insertion) is not supported; only an empty suffix is accepted", ""),
 }
 """``POST /v1/completions``: the fields of ``openai.types.CompletionCreateParams``."""

@@ -175,9 +175,11 @@ class CompletionRequest(_SamplingFields):
     """Body of ``POST /v1/completions``."""
 
     prompt: Prompt = Field(description="text or token ids; a list of one prompt is accepted, batches are not")
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description="tokens to generate; default 16")
+    max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS, description="tokens to generate; default 16; 0 only "
+                                                                         "with echo (the prompt is scored)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top log-probabilities per token")
-    echo: bool | None = Field(False, description="not supported (must be false)")
+    echo: bool | None = Field(False, description="the answer repeats the prompt first (with logprobs: each prompt "
+                                                 "token's log-probability, the first null)")
     best_of: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
     suffix: Text | None = Field(None, description="not supported")
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from raymoe.deploy.echo import Echo, echo_of
 from raymoe.deploy.harmony import HarmonyChat
 from raymoe.deploy.http_errors import APIError
 from raymoe.deploy.protocol import ChatCompletionRequest, CompletionRequest
@@ -49,6 +50,7 @@ class PreparedRequest:
             ``auto``; ``raymoe.deploy.tool_calls``), else None. parallel_tool_calls: False keeps the first call.
         harmony_output: the output is harmony, parsed by ``raymoe.deploy.harmony.HarmonyStream`` (a gpt-oss chat
             without a grammar).
+        echo: a completion with ``echo``: the prompt that opens the answer (``raymoe.deploy.echo``), else None.
     """
 
     prompt_ids: list[int]
@@ -59,6 +61,7 @@ class PreparedRequest:
     tool_names: frozenset[str] | None = None
     parallel_tool_calls: bool = True
     harmony_output: bool = False
+    echo: Echo | None = None
 
 
 def _check_combinations(req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -263,6 +266,9 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_siz
     else:
         ids = _chat_prompt(req, tokenizer, tool_names is not None) if chat else _completion_prompt(req, tokenizer)
         stop_ids = tuple(req.stop_token_ids or ())
+    echo = None if chat else echo_of(req.echo, req.prompt, ids, asked, tokenizer)
+    if echo is not None and echo.score_only:
+        asked = 1  # the prefill samples a token anyway; it is dropped (raymoe.deploy.echo)
     _check_prompt(ids, asked, vocab_size, max_context_len, "messages" if chat else "prompt")
     room = max_context_len - len(ids)
     if asked is not None:
@@ -275,6 +281,7 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_siz
             top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
             min_p=req.min_p or 0.0, seed=req.seed, stop=tuple(stop), stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos, logprobs=logprobs, grammar=grammar,
+            prompt_logprobs=logprobs if echo is not None else None,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=_logit_bias(req.logit_bias, vocab_size))
@@ -285,7 +292,8 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_siz
         tail = tokenizer.decode(ids[-16:], skip_special_tokens=False)
         in_reasoning = starts_in_reasoning(reasoning_parser, tail)
     return PreparedRequest(ids, params, logprobs, timeout_s, in_reasoning, tool_names,
-                           not chat or req.parallel_tool_calls is not False, harmony is not None and grammar is None)
+                           not chat or req.parallel_tool_calls is not False, harmony is not None and grammar is None,
+                           echo)
 
 
 def _check_harmony(req: ChatCompletionRequest, harmony: HarmonyChat | None) -> None:

@@ -33,6 +33,7 @@ from raymoe.runner.future_tokens import FutureTokenMap
 from raymoe.runner.grammar import RankGrammars
 from raymoe.runner.grammar_compiler import compiler_for_model
 from raymoe.runner.penalties import RankPenalties
+from raymoe.runner.prompt_logprobs import score_prompts
 from raymoe.runner.runner_config import DTYPES, RunnerConfig
 from raymoe.runner.sampler import SampledTokens, Sampler
 from raymoe.runner.spec_verify import draft_windows, verify_rows
@@ -306,6 +307,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         update = batch.expert_update
         self.apply_expert_update(update)
+        scoring = bool(batch.prompt_score_rows)  # prompt log-probs: logits of every token (prefill rows: eager)
         use_graph = self.graph_runner is not None and batch.graph_bs is not None
         rows = None  # a verify step replayed as decode rows, one per token (raymoe.runner.token_rows)
         if use_graph and batch.forward_mode.is_target_verify():
@@ -330,9 +332,15 @@ class ModelRunner:
             logits = self.graph_runner.replay(graph_fb)
         elif drafting:
             hidden = self.model(fb)
-            logits = self.model.compute_logits(hidden if verify else hidden[fb.sample_indices], fb.dispatch_capacity)
+            logits = self.model.compute_logits(hidden if verify or scoring else hidden[fb.sample_indices],
+                                               fb.dispatch_capacity)
         else:
-            logits = self.forward(fb, return_all_logits=verify)
+            logits = self.forward(fb, return_all_logits=verify or scoring)
+        prompt = None
+        if scoring and fb.batch_size:
+            prompt = score_prompts(self.ops, logits, batch)
+            if not verify:
+                logits = logits[fb.sample_indices]
         load = None
         if update is not None and update.report_load and self.eplb is not None:
             snapshot = self.eplb.load_snapshot()
@@ -370,7 +378,7 @@ class ModelRunner:
                                             res.accept_lens.tolist())
             return PendingStep(SampledTokens(res.next_ids, [None] * fb.batch_size),
                                self.ops.copy_to_host([res.next_ids, res.accept_lens]), t0, load, grammar,
-                               verify=True, drafts=drafts)
+                               verify=True, drafts=drafts, prompt=prompt)
         raw = None
         if batch.grammar_rows:  # constrained rows only (raymoe.runner.grammar); others pay nothing
             if any(n is not None for n in fb.sampling.logprobs):  # log-probs are the model's, unmasked
@@ -391,7 +399,7 @@ class ModelRunner:
         if drafting:
             drafts = self.drafter.draft(batch, fb.input_ids, hidden, sampled.next_ids.tolist(), None)
         return PendingStep(sampled, self.ops.copy_to_host(sampled.device_tensors()), t0, load, grammar,
-                           drafts=drafts)
+                           drafts=drafts, prompt=prompt)
 
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> StepOutput:
         """One step, answered: :meth:`launch_step`, then wait for its tokens (``PendingStep.result``)."""

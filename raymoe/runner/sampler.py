@@ -132,8 +132,8 @@ class Sampler:
                                                 self._uniforms(logits.shape[0], info))
         else:
             next_ids = self.ops.sample_rows(logits, info.temperatures, self._uniforms(logits.shape[0], info))
-        return self._with_logprobs(logits if logprob_logits is None else logprob_logits.float(), next_ids,
-                                   info.logprobs)
+        return self.logprobs_of(logits if logprob_logits is None else logprob_logits.float(), next_ids,
+                                info.logprobs)
 
     def __call__(self, logits: torch.Tensor,
                  info: SamplingBatchInfo) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
@@ -147,7 +147,13 @@ class Sampler:
         return sampled.next_ids, logprobs
 
     @staticmethod
-    def _with_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, wanted: list[int | None]) -> SampledTokens:
+    def logprobs_of(logits: torch.Tensor, next_ids: torch.Tensor, wanted: list[int | None]) -> SampledTokens:
+        """``next_ids`` with the log-probs each row asked for (None: none; ``k``: the token's own and the top
+        ``k``), on the logits' device.
+
+        Args:
+            logits: [N, V] float32. next_ids: [N] int64, the token of each row. wanted: N entries.
+        """
         if all(n is None for n in wanted):
             return SampledTokens(next_ids, list(wanted))
         logp = torch.log_softmax(logits, dim=-1)

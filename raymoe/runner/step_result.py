@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 
 from raymoe.platform.interface import HostCopy
+from raymoe.runner.prompt_logprobs import PendingPromptScores
 from raymoe.runner.sampler import SampledTokens
 from raymoe.step.step_output import StepOutput
 
@@ -34,12 +35,14 @@ class PendingStep:
         verify: a TARGET_VERIFY step: ``copy`` holds the ids and then the rows' accepted draft counts
             (``raymoe.runner.spec_verify``).
         drafts: the MTP layer's drafts per row for the next step (``raymoe.runner.mtp_drafter``), or ``()``.
+        prompt: the step's prompt scores on their way to the host (``raymoe.runner.prompt_logprobs``), or None.
     """
 
     def __init__(self, sampled: SampledTokens | None, copy: HostCopy | None, started: float,
                  load: HostCopy | None = None, grammar: tuple[list[int], list[int]] | None = None,
-                 verify: bool = False, drafts: tuple | list = ()):
+                 verify: bool = False, drafts: tuple | list = (), prompt: PendingPromptScores | None = None):
         self.sampled = sampled
+        self.prompt = prompt
         self.verify = verify
         self.drafts = tuple(drafts)
         self.copy = copy
@@ -53,7 +56,8 @@ class PendingStep:
     def ready(self) -> bool:
         """Whether :meth:`result` would return without waiting for the device."""
         return self._output is not None or ((self.copy is None or self.copy.ready())
-                                            and (self.load is None or self.load.ready()))
+                                            and (self.load is None or self.load.ready())
+                                           and (self.prompt is None or self.prompt.ready()))
 
     def result(self) -> StepOutput:
         """The step's answer: waits for the token copy (the only host sync of the step), then converts it.
@@ -79,7 +83,8 @@ class PendingStep:
             self.load.wait()
             load = self.load.tensors[0].reshape(-1).tolist()
         done, dead = self.grammar or ((), ())
+        prompt = self.prompt.answer() if self.prompt is not None else ()
         self._output = StepOutput(ids, logprobs, done_at - self.started, load, tuple(done), tuple(dead), accept,
-                                  self.drafts)
-        self.sampled = self.copy = self.load = None
+                                  self.drafts, prompt)
+        self.sampled = self.copy = self.load = self.prompt = None
         return self._output

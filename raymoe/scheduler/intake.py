@@ -46,6 +46,7 @@ class RequestIntake:
         s = self.state
         self.limits.check_prompt(req.origin_input_ids)
         self.limits.check_logprobs(req.sampling_params.logprobs)
+        self.limits.check_logprobs(req.sampling_params.prompt_logprobs, "prompt_logprobs")
         self.limits.check_logit_bias(req.sampling_params.logit_bias)
         if req.sampling_params.stop and not self.has_detokenizer:
             raise InvalidRequestError("stop", "stop strings need a detokenizer, and this scheduler has none")

@@ -149,9 +149,10 @@ class PrefillAdder:
         """Try to admit a waiting request (match its prefix, lock it, take a row and slots).
 
         The match is capped at ``seq_len - 1`` tokens so at least the last token is computed (its logits give
-        the next token); with a paged allocator it is also cut to whole pages, so the request's own slots start
-        on a fresh page. On refusal the request keeps no row, slot or lock (the lookup itself still counts in the
-        cache's hit statistics and LRU clock).
+        the next token), and before the prompt positions whose log-probs the request still needs
+        (``Req.prompt_scored_to``); with a paged allocator it is also cut to whole pages, so the request's own
+        slots start on a fresh page. On refusal the request keeps no row, slot or lock (the lookup itself still
+        counts in the cache's hit statistics and LRU clock).
         """
         if self._num_new >= self.max_new_reqs:
             return AddResult.BATCH_FULL
@@ -160,7 +161,10 @@ class PrefillAdder:
             return AddResult.BATCH_FULL
         ids = req.fill_ids
         page = self.token_allocator.page_size
-        match = self.tree.match_prefix(ids[: (len(ids) - 1) // page * page])
+        reuse = len(ids) - 1
+        if (scored_to := req.prompt_scored_to) is not None:  # prompt log-probs: those positions must be computed
+            reuse = min(reuse, scored_to)
+        match = self.tree.match_prefix(ids[: reuse // page * page])
         # With pages, only whole pages laid out in position order can be shared (raymoe.kvcache.paged_allocator):
         # a cached path may mix two requests' slots inside a page. Lock exactly the part the request uses.
         # ``hit_cut``: positions at the end of a hit recomputed anyway (nextn: the MTP layer's KV entry of a cached

@@ -108,6 +108,10 @@ class Req:
     Attributes:
         output_ids: generated token ids (kept across retraction).
         output_logprobs: one entry per generated token (``None`` where none was asked for).
+        prompt_logprobs: with ``sampling_params.prompt_logprobs``, entry ``i`` for prompt token ``i`` as far as
+            the ranks scored the prompt (entry 0 is None: the first token has no context); empty otherwise, and
+            for a request created with output (resumed after a fault, or the decode side of PD: its first row,
+            elsewhere, carried them).
         finished_reason: ``None`` while unfinished.
         req_pool_idx: ReqToTokenPool row while the request holds KV, else ``None``.
         kv_slots: KV slots of positions ``[0, len(kv_slots))`` of ``fill_ids`` (includes the current step's slots
@@ -145,6 +149,7 @@ class Req:
     sampling_params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list, repr=False)
     finished_reason: FinishReason | None = None
     req_pool_idx: int | None = None
     kv_slots: list[int] = field(default_factory=list)
@@ -167,6 +172,26 @@ class Req:
 
     def __post_init__(self) -> None:
         self.origin_input_ids = [int(t) for t in self.origin_input_ids]
+        if self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs and not self.output_ids:
+            self.prompt_logprobs = [None]  # (a request resumed with output went out with its prompt's scores)
+
+    @property
+    def prompt_scored_to(self) -> int | None:
+        """With prompt log-probs still missing, the first position whose logits the ranks must compute (the
+        position before the first unscored prompt token): a radix-cache hit may cover no more than it. None when
+        none is asked for or all are in."""
+        n = len(self.prompt_logprobs)
+        if not n or n >= len(self.origin_input_ids):
+            return None
+        return n - 1
+
+    def add_prompt_logprobs(self, first: int, scores: Sequence[TokenLogprobs]) -> None:
+        """Record the ranks' scores of prompt tokens ``first, first + 1, ...``; those already held are skipped (a
+        retracted request's prompt is computed again)."""
+        have = len(self.prompt_logprobs)
+        if first > have:
+            raise ValueError(f"prompt log-probs of {self.rid} from token {first}, but only {have} are held")
+        self.prompt_logprobs.extend(scores[have - first:])
 
     @property
     def fill_ids(self) -> list[int]:

@@ -76,14 +76,14 @@ class RequestLimits:
                        f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {where}, {max_tokens} "
                        f"in the completion). Please reduce the length of the {where} or completion.")
 
-    def check_logprobs(self, logprobs: int | None) -> None:
+    def check_logprobs(self, logprobs: int | None, field: str = "logprobs") -> None:
         """Refuse asking for more top log-probabilities per token than the vocabulary has.
 
         Raises:
-            InvalidRequestError: ``"logprobs"``.
+            InvalidRequestError: ``field`` (``"logprobs"`` or ``"prompt_logprobs"``).
         """
         if self.vocab_size is not None and logprobs is not None and logprobs > self.vocab_size:
-            raise InvalidRequestError("logprobs", f"must be <= the vocabulary size {self.vocab_size}")
+            raise InvalidRequestError(field, f"must be <= the vocabulary size {self.vocab_size}")
 
     def check_logit_bias(self, bias: Sequence[tuple[int, float]]) -> None:
         """Refuse a ``logit_bias`` token id outside the vocabulary (``bias``: ascending ``(id, value)`` pairs).

@@ -70,6 +70,7 @@ def apply_batch_result(state: GroupState, batch: ScheduleBatch, output: StepOutp
     if len(output.next_token_ids) != batch.batch_size:  # StepOutput itself checks logprobs against its tokens
         raise ValueError(f"StepOutput has {len(output.next_token_ids)} tokens for {batch.batch_size} requests")
     state.inflight.popleft()
+    apply_prompt_scores(state, batch, output)
     ctx, pool = state.cache_config.max_context_len, state.token_allocator.size
     logprobs = output.logprobs or [None] * batch.batch_size
     out: list[Req] = []
@@ -106,6 +107,21 @@ def apply_batch_result(state: GroupState, batch: ScheduleBatch, output: StepOutp
             finish_in_group(state, req)
         out.append(req)
     return out
+
+
+def apply_prompt_scores(state: GroupState, batch: ScheduleBatch, output: StepOutput) -> None:
+    """File the step's prompt log-probs with their requests (``Req.add_prompt_logprobs``), before the rows' tokens:
+    the request's first token then finds its prompt scored. A request whose answers do not fit what it holds fails
+    alone."""
+    for p in output.prompt_logprobs:
+        req = batch.reqs[p.row]
+        if req.finished_reason is not None:
+            continue
+        try:
+            req.add_prompt_logprobs(p.first_token, p.scores)
+        except ValueError as e:
+            log.error("prompt log-probs of request %s: %s", req.rid, e)
+            state.fail(req, RequestFault("failed", "its prompt log-probabilities came back out of order"))
 
 
 def finish_in_group(state: GroupState, req: Req) -> None:

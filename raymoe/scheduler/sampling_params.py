@@ -69,6 +69,10 @@ class SamplingParams:
         ignore_eos: keep generating past EOS until ``max_tokens``.
         logprobs: number of top log-probabilities to return per generated token, in [0, ``MAX_LOGPROBS``]
             (None: none).
+        prompt_logprobs: the same for each prompt token after the first (vLLM's name; the first has no
+            context): the log-probability of the prompt's own token and the top ones at each position, in [0,
+            ``MAX_LOGPROBS``] (None: none). The prompt is then computed in full (no radix-cache hit), since only
+            a forward over a position gives its logits (``raymoe.runner.prompt_logprobs``).
         grammar: a constraint on the output (JSON object, JSON schema, regular expression, EBNF grammar;
             ``raymoe.step.grammar``), enforced on the ranks by masking the logits; None: unconstrained. A completed
             grammar ends the request (``stop``).
@@ -96,6 +100,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     grammar: GrammarSpec | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -138,6 +143,9 @@ class SamplingParams:
             raise InvalidRequestError("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        k = self.prompt_logprobs
+        if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+            raise InvalidRequestError("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         if self.grammar is not None:
             if not isinstance(self.grammar, GrammarSpec):
                 raise InvalidRequestError("grammar", f"must be a GrammarSpec or None, got "

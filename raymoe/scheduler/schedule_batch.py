@@ -21,6 +21,7 @@ from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.grammar import GrammarRow
 from raymoe.step.kv_stream import KVStreamChunk
 from raymoe.step.logit_penalties import LogitPenalties
+from raymoe.step.prompt_scores import PromptScoreRow
 from raymoe.step.sampling_inputs import SamplingRow
 from raymoe.step.worker_batch import ModelWorkerBatch
 
@@ -93,6 +94,7 @@ class ScheduleBatch:
         grammar_rows: list[GrammarRow] = []
         sampling_rows: list[tuple[int, SamplingRow]] = []
         kv_streams: list[KVStreamChunk] = []
+        scores: list[PromptScoreRow] = []
         for i, (req, e) in enumerate(zip(reqs, extend_lens, strict=True)):
             draft = drafts[i] if drafts is not None else ()
             end = req.kv_len - len(draft)  # the row's last position that holds a token of the request, + 1
@@ -119,6 +121,10 @@ class ScheduleBatch:
                 if chunk is not None:
                     kv_streams.append(chunk)
             partial.append(end < total)  # never for a verify row (its tokens end at its newest)
+            if not decode and req.prompt_scored_to is not None:
+                score = _prompt_scores(i, req, start, end)
+                if score is not None:
+                    scores.append(score)
             spec = req.sampling_params.grammar
             if spec is not None and end == total:  # a row that samples: the rank masks it
                 if req.grammar_synced:
@@ -140,6 +146,7 @@ class ScheduleBatch:
             sampling_rows=tuple(sampling_rows),
             draft_lens=() if drafts is None else tuple(len(d) for d in drafts),
             kv_streams=tuple(kv_streams),
+            prompt_score_rows=tuple(scores),
         )
         return cls(reqs=list(reqs), partial=partial, worker_batch=worker_batch,
                    drafts=None if drafts is None else tuple(tuple(d) for d in drafts))
@@ -179,6 +186,19 @@ def _stream_chunk(req: Req, end: int) -> KVStreamChunk | None:
     if stop <= start:
         return None
     return target.chunk(req.kv_slots[start:stop], start, stop)
+
+
+def _prompt_scores(row: int, req: Req, start: int, end: int) -> PromptScoreRow | None:
+    """The prompt positions a step computing ``req``'s positions ``[start, end)`` scores (its prompt log-probs,
+    ``raymoe.step.prompt_scores``): every one from ``start`` before the prompt's last (whose logits sample), or
+    None when the chunk holds none. A re-computed prompt (retraction) scores its positions again; the request keeps
+    the answers it holds."""
+    prompt = req.origin_input_ids
+    n = min(end, len(prompt) - 1) - start
+    if n < 1:
+        return None
+    nxt = prompt[end] if start + n == end else -1
+    return PromptScoreRow(row, int(req.sampling_params.prompt_logprobs), n, nxt, start + 1)
 
 
 def _checked_sampling_row(req: Req) -> SamplingRow:

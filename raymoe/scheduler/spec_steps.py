@@ -35,7 +35,13 @@ from raymoe.config.speculative import SpeculativeConfig
 from raymoe.scheduler.group_state import GroupState
 from raymoe.scheduler.ngram import SEARCH_WINDOW, propose_ngram
 from raymoe.scheduler.req import FinishKind, Req, RequestFault
-from raymoe.scheduler.results import GRAMMAR_DEAD_END, StopRules, check_oldest, finish_in_group
+from raymoe.scheduler.results import (
+    GRAMMAR_DEAD_END,
+    StopRules,
+    apply_prompt_scores,
+    check_oldest,
+    finish_in_group,
+)
 from raymoe.scheduler.schedule_batch import ScheduleBatch
 from raymoe.scheduler.spec_policy import EXPLORE_EVERY, PROBE_EVERY, DraftPolicy
 from raymoe.step.forward_mode import ForwardMode
@@ -340,6 +346,7 @@ def apply_verify_result(state: GroupState, batch: ScheduleBatch, output: StepOut
         raise ValueError(f"a verify step's output needs {bs} tokens and accepted counts, got "
                          f"{len(output.next_token_ids)} and {len(output.accept_lens)}")
     state.inflight.popleft()
+    apply_prompt_scores(state, batch, output)
     ctx, pool = state.cache_config.max_context_len, state.token_allocator.size
     out: list[Req] = []
     done, dead = output.grammar_done, output.grammar_dead  # constrained rows that end (usually none)

@@ -20,6 +20,21 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """The scores of one prompt-scoring row of a step (``raymoe.step.prompt_scores``).
+
+    Attributes:
+        row: the row in the step's batch. first_token: the prompt index of the token ``scores[0]`` is about.
+        scores: one entry per scored position: the log-probability of the prompt token that follows it (the
+            tokens ``first_token, first_token + 1, ...``) and the top ``k`` there.
+    """
+
+    row: int
+    first_token: int
+    scores: tuple[TokenLogprobs, ...]
+
+
+@dataclass(frozen=True)
 class StepOutput:
     """What a rank answers for one step (only tp-rank 0 of each DP group answers with tokens).
 
@@ -38,6 +53,8 @@ class StepOutput:
             those drafts, then ``next_token_ids[i]``); empty for every other step.
         draft_ids: with the MTP drafter (``nextn``), ``bs`` drafts for each row's next step (empty for a row that
             does not sample); empty otherwise.
+        prompt_logprobs: the step's prompt scores, one entry per ``ModelWorkerBatch.prompt_score_rows`` row, in
+            order; empty when it had none.
     Raises:
         ValueError: ``logprobs`` is neither empty nor one entry per token, or ``accept_lens`` is neither empty nor
             one count per row.
@@ -51,8 +68,11 @@ class StepOutput:
     grammar_dead: tuple[int, ...] = ()
     accept_lens: tuple[int, ...] = ()
     draft_ids: tuple[tuple[int, ...], ...] = ()
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
 
     def __post_init__(self) -> None:
+        if any(not 0 <= p.row < len(self.next_token_ids) for p in self.prompt_logprobs):
+            raise ValueError("StepOutput.prompt_logprobs names a row outside the step")
         if len(self.draft_ids) not in (0, len(self.next_token_ids)):
             raise ValueError(f"StepOutput.draft_ids has {len(self.draft_ids)} rows for {len(self.next_token_ids)}")
         if len(self.accept_lens) not in (0, len(self.next_token_ids)):

@@ -14,6 +14,7 @@ from raymoe.step.expert_update import ExpertUpdate
 from raymoe.step.forward_mode import ForwardMode
 from raymoe.step.grammar import GrammarRow
 from raymoe.step.kv_stream import KVStreamChunk
+from raymoe.step.prompt_scores import PromptScoreRow
 from raymoe.step.sampling_inputs import SamplingInputs, SamplingRow
 
 
@@ -64,6 +65,8 @@ class ModelWorkerBatch:
             samples, in row order (empty: drafts of one token only this step).
         kv_streams: prefill/decode disaggregation: the prompt rows of this step's streamed requests that each
             rank writes into the decode engine's slots layer by layer (``raymoe.step.kv_stream``); empty: none.
+        prompt_score_rows: the prefill rows whose prompt positions the ranks score (``prompt_logprobs``,
+            ``raymoe.step.prompt_scores``), ascending; empty: none.
     Raises:
         ValueError: a per-request list or ``sampling`` does not have ``bs`` entries, ``out_cache_loc`` does not
             have ``T``, ``prefix_slots`` does not match ``prefix_lens - table_lens``, an IDLE batch carries
@@ -93,6 +96,7 @@ class ModelWorkerBatch:
     draft_passes: bool = False
     kv_streams: tuple[KVStreamChunk, ...] = ()
     draft_graph_bs: int | None = None
+    prompt_score_rows: tuple[PromptScoreRow, ...] = ()
 
     def __post_init__(self) -> None:
         bs = len(self.req_pool_indices)
@@ -123,6 +127,9 @@ class ModelWorkerBatch:
         if self.draft_lens and (len(self.draft_lens) != bs or any(
                 not 0 <= k < e for k, e in zip(self.draft_lens, self.extend_lens, strict=True))):
             raise ValueError("ModelWorkerBatch.draft_lens needs one count per row, each below its extend length")
+        for s in self.prompt_score_rows:
+            if not (0 <= s.row < bs and s.num_positions <= self.extend_lens[s.row]):
+                raise ValueError(f"ModelWorkerBatch.prompt_score_rows: {s} is outside the batch or its row's chunk")
         if self.spec_scratch_slots and not self.spec_next_ids:
             raise ValueError("ModelWorkerBatch.spec_scratch_slots go with spec_next_ids")
 
