@@ -198,6 +198,34 @@ def test_prompt_forms_reach_the_engine(served, tokenizer):
         assert engine.seen[-1][0] == ids
 
 
+def test_a_batch_of_prompts_answers_each_with_its_choices(served, tokenizer):
+    """A list of prompts: each prompt's ``n`` choices are engine requests of their own, choice ``p * n + j`` for
+    prompt ``p``; the usage counts each prompt once; a bad prompt is a 400 naming which; the batch takes its
+    in-flight places."""
+    engine, post = served
+    texts = ["hello there", "def f(x):", "a b c d"]
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    for prompt in (texts, ids):
+        engine.seen.clear()
+        body = post(COMPLETIONS, _body(COMPLETIONS, prompt=prompt, n=2, seed=3, max_tokens=3, echo=True)).json()
+        assert [c["index"] for c in body["choices"]] == list(range(6))
+        assert [p for p, _ in engine.seen] == [ids[0], ids[0], ids[1], ids[1], ids[2], ids[2]]
+        assert [c["text"][:len(texts[i // 2])] for i, c in enumerate(body["choices"])] == [
+            tokenizer.decode(ids[i // 2]) for i in range(6)]
+        assert [p.seed for _, p in engine.seen][::2] == [3, 3, 3]  # choice 0 of each prompt keeps the seed
+        assert body["usage"]["prompt_tokens"] == sum(map(len, ids)) and body["usage"]["completion_tokens"] == 18
+    r = post(COMPLETIONS, _body(COMPLETIONS, prompt=texts, max_tokens=2, stream=True,
+                                stream_options={"include_usage": True}))
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert sorted(c["index"] for ch in chunks[:-1] for c in ch["choices"] if c["finish_reason"]) == [0, 1, 2]
+    assert chunks[-1]["usage"]["prompt_tokens"] == sum(map(len, ids))
+    bad = post(COMPLETIONS, _body(COMPLETIONS, prompt=["ok", "x " * 5000], max_tokens=1)).json()["error"]
+    assert bad["param"] == "prompt" and bad["message"].startswith("prompt[1]: ")
+    r = post(COMPLETIONS, _body(COMPLETIONS, prompt=["a"] * 9))  # 9 engine requests: more than the 8 places
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert not engine.open
+
+
 def test_messages_reach_the_chat_template(served):
     engine, post = served
     tok = engine.tokenizer

@@ -139,7 +139,10 @@ def test_default_limits_refuse_the_bodies_that_froze_the_event_loop(tokenizer):
     ([3, 1.0], r"prompt\[1\] is a number with a fraction or exponent"),
     ([3, "4"], r"prompt\[1\] is a string"),
     ([3, 999_999], r"token id 999999 at position 1 is outside the vocabulary: token ids must be in \[0, \d+\)"),
-    (["a", "b"], r"batched prompts are not supported"),
+    (["a", [1]], r"a batch of prompts is all strings or all lists of token ids"),
+    ([[1], [2, True]], r"prompt\[1\]\[1\] is a boolean"),
+    ([[1], []], r"prompt\[1\] is empty"),
+    (["a"] * 129, r"at most 128 prompts per request"),
     ([], r"the prompt is empty"),
 ])
 def test_token_ids_are_strict_integers_and_errors_say_which_and_why(tokenizer, where, prompt, expected):

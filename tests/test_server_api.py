@@ -192,6 +192,9 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, model
     more = client.completions.create(model=model, prompt=prompt, max_tokens=4, echo=True, temperature=0,
                                      extra_body=NO_EOS)
     assert more.choices[0].text.startswith(prompt) and more.usage.completion_tokens == 4
+    batch = client.completions.create(model=model, prompt=["x = 1", prompt], max_tokens=0, echo=True, logprobs=1)
+    assert [c.index for c in batch.choices] == [0, 1] and batch.choices[1].text == prompt
+    assert batch.choices[1].logprobs.token_logprobs[1:] == pytest.approx(want, abs=2e-4)
 
 
 NUM_STREAMS = 64

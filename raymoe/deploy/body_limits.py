@@ -19,6 +19,8 @@ CAP_MESSAGES = 4096
 CAP_MESSAGE_PARTS = 4096
 # Most logit_bias entries an operator may allow.
 CAP_LOGIT_BIAS = 1 << 16
+MAX_BATCH_PROMPTS = 128
+"""Most prompts in one completion request (a batch; each prompt's choices are engine requests of their own)."""
 # Most token ids an operator may allow in one token-id prompt (the context length is checked after parsing).
 CAP_PROMPT_TOKEN_IDS = 1 << 20
 # Deepest JSON nesting an operator may allow (the decoder's own recursion guard sits above it).

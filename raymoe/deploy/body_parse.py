@@ -77,8 +77,8 @@ def _built_refusal(data: dict, chat: bool, limits: BodyLimits) -> Refusal | None
                                          f"messages[{i}].{name}", "messages")) is not None:
                     return r
     if not chat and isinstance(prompt, list):
-        inner = prompt[0] if prompt and isinstance(prompt[0], list) else prompt
-        if len(inner) > limits.max_prompt_token_ids:
+        batch = prompt if prompt and isinstance(prompt[0], list) else [prompt]
+        if any(isinstance(p, list) and len(p) > limits.max_prompt_token_ids for p in batch):
             return Refusal(f"prompt: at most {limits.max_prompt_token_ids} token ids per prompt (max_prompt_token_ids)",
                            param="prompt", code="too_many_token_ids")
     if isinstance(bias, dict) and len(bias) > limits.max_logit_bias:

@@ -21,7 +21,7 @@ from typing import Annotated, Union
 import msgspec
 from msgspec import Meta, Raw
 
-from raymoe.deploy.body_limits import BodyLimits, Refusal
+from raymoe.deploy.body_limits import MAX_BATCH_PROMPTS, BodyLimits, Refusal
 from raymoe.deploy.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, MESSAGE_FIELDS, RULED_MESSAGE_FIELDS, refusal_of
 
 _SCALARS = (str, int, float, bool, None)
@@ -130,9 +130,9 @@ def check_shape(fields: dict[str, Raw], chat: bool, limits: BodyLimits) -> Refus
         except msgspec.DecodeError:
             pass
     prompt = shapes.get("prompt")
-    if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
-        return Refusal("prompt: batched prompts are not supported; send one prompt per request", param="prompt",
-                       code="unsupported_value")
+    if isinstance(prompt, list) and len(prompt) > MAX_BATCH_PROMPTS and isinstance(prompt[0], (str, list)):
+        return Refusal(f"prompt: at most {MAX_BATCH_PROMPTS} prompts per request", param="prompt",
+                       code="too_many_prompts")
     table = CHAT_FIELDS if chat else COMPLETION_FIELDS
     for name, raw in fields.items():
         rule = table.get(name)

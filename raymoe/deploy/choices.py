@@ -8,6 +8,10 @@ same seed (choice 0 keeps the seed: ``n=1`` answers as before). Greedy choices a
 vLLM. The answer lists the choices by index with one ``usage``: the prompt counted once, the completions summed.
 A stream interleaves the choices' chunks as their tokens arrive, each chunk naming its choice's ``index``; the
 stream ends after every choice finished (the usage chunk, then ``[DONE]``).
+
+A completion's batch of prompts (``prompt`` a list of them, as in OpenAI and vLLM) is answered the same way: prompt
+``p``'s ``n`` choices are choices ``p * n ... p * n + n - 1``, each prompt prepared and checked on its own (an error
+names ``prompt[p]``), and the usage counts every prompt once.
 """
 
 from __future__ import annotations
@@ -54,10 +58,15 @@ async def gather_all(aws) -> list:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def summed_usage(lasts: list[Piece]) -> dict:
-    """One ``usage`` for the choices' last pieces: the prompt (and its cached tokens) once, completions summed."""
+def summed_usage(lasts: list[Piece], per_prompt: int | None = None) -> dict:
+    """One ``usage`` for the choices' last pieces: each prompt (and its cached tokens) once, completions summed.
+    ``per_prompt``: choices per prompt of a batch (choice ``i`` answers prompt ``i // per_prompt``); None: one
+    prompt."""
     usages = [usage_dict(p) for p in lasts]
     out = dict(usages[0])
+    firsts = usages[::per_prompt] if per_prompt else usages[:1]
+    out["prompt_tokens"] = sum(u["prompt_tokens"] for u in firsts)
+    out["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in firsts)}
     out["completion_tokens"] = sum(u["completion_tokens"] for u in usages)
     out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
     details = [u["completion_tokens_details"] for u in usages if "completion_tokens_details" in u]
@@ -66,11 +75,12 @@ def summed_usage(lasts: list[Piece]) -> dict:
     return out
 
 
-def merged_answer(builders: list[ResponseBuilder], pieces: list[list[Piece]]) -> dict:
-    """The non-streamed answer of every choice: ``builders[i].complete(pieces[i])``, the choices in one body."""
+def merged_answer(builders: list[ResponseBuilder], pieces: list[list[Piece]], per_prompt: int | None = None) -> dict:
+    """The non-streamed answer of every choice: ``builders[i].complete(pieces[i])``, the choices in one body
+    (``per_prompt``: as in :func:`summed_usage`)."""
     answers = [b.complete(p) for b, p in zip(builders, pieces, strict=True)]
     return {**answers[0], "choices": [a["choices"][0] for a in answers],
-            "usage": summed_usage([p[-1] for p in pieces])}
+            "usage": summed_usage([p[-1] for p in pieces], per_prompt)}
 
 
 async def _interleave(streams: dict[int, AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece | None]]:
@@ -105,9 +115,10 @@ async def _interleave(streams: dict[int, AsyncIterator[Piece]]) -> AsyncIterator
 
 async def choice_events(builders: list[ResponseBuilder], firsts: list[Piece | None],
                         pieces: list[AsyncIterator[Piece]], include_usage: bool, request_id: str,
-                        close) -> AsyncIterator[str]:
+                        close, per_prompt: int | None = None) -> AsyncIterator[str]:
     """The server-sent events of a streamed request with several choices (module docstring). ``firsts``: each
-    choice's first piece (already awaited); ``close``: awaited at the end, closes every choice's stream."""
+    choice's first piece (already awaited); ``close``: awaited at the end, closes every choice's stream;
+    ``per_prompt``: as in :func:`summed_usage`."""
     try:
         for b in builders:
             opening = b.first_chunk()
@@ -135,7 +146,7 @@ async def choice_events(builders: list[ResponseBuilder], firsts: list[Piece | No
             yield sse(from_raymoe_error(e).body(request_id))
             failed = True
         if include_usage and not failed:
-            yield sse({**builders[0].usage_chunk(lasts[0]), "usage": summed_usage(lasts)})
+            yield sse({**builders[0].usage_chunk(lasts[0]), "usage": summed_usage(lasts, per_prompt)})
         yield sse("[DONE]")
     finally:
         await close()

@@ -38,7 +38,7 @@ from raymoe.deploy.http_guard import RequestGuard
 from raymoe.deploy.metrics import ServerMetrics
 from raymoe.deploy.parse_pool import POOL
 from raymoe.deploy.probes import liveness, readiness
-from raymoe.deploy.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from raymoe.deploy.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, PromptBatch
 from raymoe.deploy.reasoning import ReasoningSplitter
 from raymoe.deploy.request_body import body_schema, document_request_bodies, request_model
 from raymoe.deploy.request_prep import PreparedRequest, constrained, prepare
@@ -116,15 +116,17 @@ class OpenAIServing:
         self.token_texts = TokenTexts(engine.tokenizer, engine.model_config.vocab_size)
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
 
-    def _acquire(self, n: int = 1) -> None:
-        """Take ``n`` of the in-flight places (a request's choices are engine requests each).
+    def _acquire(self, n: int = 1, param: str = "n") -> None:
+        """Take ``n`` of the in-flight places (a request's choices, of each of its prompts, are engine requests
+        each).
 
         Raises:
-            APIError: 400 ``n`` when ``n`` exceeds every place there is; 429 when the places left are too few.
+            APIError: 400 naming ``param`` when ``n`` exceeds every place there is; 429 when the places left are too
+                few.
         """
         if n > self.max_in_flight:
-            raise APIError(400, f"n: {n} choices are more than this server generates at once ({self.max_in_flight})",
-                           param="n", code="invalid_value")
+            raise APIError(400, f"{param}: {n} choices are more than this server generates at once "
+                                f"({self.max_in_flight})", param=param, code="invalid_value")
         if self.in_flight + n > self.max_in_flight:
             raise APIError(429, f"the server is busy ({self.in_flight} requests in flight); retry later",
                            code="too_many_requests")
@@ -148,19 +150,22 @@ class OpenAIServing:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                                 f"{engine.model_name!r}", param="model", code="model_not_found")
         request_id = request_id_of(request) or uuid.uuid4().hex
-        n = body.n or 1  # n > 1: one engine request per choice (raymoe.deploy.choices)
-        self._acquire(n)
+        per_prompt = body.n or 1  # n > 1: one engine request per choice (raymoe.deploy.choices)
+        batch = isinstance(body, CompletionRequest) and isinstance(body.prompt, PromptBatch)
+        n = per_prompt * (len(body.prompt) if batch else 1)  # choice i: prompt i // per_prompt
+        self._acquire(n, "prompt" if batch and per_prompt == 1 else "n")
         pieces = None
         handed_over = False  # a started stream belongs to its response, which closes it and releases the slot
         try:
-            prep = await self._prepare(request, body)
-            deadline = arrival + prep.timeout_s
-            builders = [self._builder(body, prep, request_id, i) for i in range(n)]
+            preps = await self._prepare_all(request, body) if batch else [await self._prepare(request, body)]
+            deadline = arrival + preps[0].timeout_s
+            builders = [self._builder(body, preps[i // per_prompt], request_id, i) for i in range(n)]
             builder = builders[0]
             for b in builders[1:]:
                 b.created = builder.created
-            streams = [stream_pieces(engine, builder.id if i == 0 else f"{builder.id}-{i}", choice_prep(prep, i),
-                                     self.metrics.request()) for i in range(n)]
+            streams = [stream_pieces(engine, builder.id if i == 0 else f"{builder.id}-{i}",
+                                     choice_prep(preps[i // per_prompt], i % per_prompt), self.metrics.request())
+                       for i in range(n)]
             pieces = streams[0]
 
             async def close_all() -> None:
@@ -176,7 +181,7 @@ class OpenAIServing:
                     answer = builder.complete(await until_disconnected(request, collect(pieces)))
                 else:
                     answer = merged_answer(builders, await until_disconnected(
-                        request, gather_all([collect(s) for s in streams])))
+                        request, gather_all([collect(s) for s in streams])), per_prompt)
             if scope.cancelled_caught:
                 raise _timed_out()
             if not body.stream:
@@ -186,7 +191,7 @@ class OpenAIServing:
             bounds = StreamBounds(deadline, lim.max_stream_backlog_events, lim.max_stream_backlog_bytes,
                                   lim.stream_backlog_grace_s, lim.stream_drain_timeout_s)
             events = self._events(builder, first, pieces, include_usage, request_id) if n == 1 else choice_events(
-                builders, firsts, streams, include_usage, request_id, close_all)
+                builders, firsts, streams, include_usage, request_id, close_all, per_prompt)
             relay = EventRelay(events, bounds, request_id)
 
             async def close_stream() -> None:
@@ -233,6 +238,20 @@ class OpenAIServing:
         if size is not None and size.isdigit() and int(size) <= INLINE_PREP_MAX_BODY_BYTES:
             return prepare(*args)
         return await anyio.to_thread.run_sync(prepare, *args)
+
+    async def _prepare_all(self, request: Request, body: CompletionRequest) -> list[PreparedRequest]:
+        """:meth:`_prepare` for each prompt of a batch, in order.
+
+        Raises:
+            APIError: 400 naming ``prompt`` (the message names which one) or the field.
+        """
+        preps = []
+        for i, prompt in enumerate(body.prompt):
+            try:
+                preps.append(await self._prepare(request, body.model_copy(update={"prompt": prompt})))
+            except APIError as e:
+                raise APIError(e.status, f"prompt[{i}]: {e.message}", e.param, e.code) from None
+        return preps
 
     def _prepare_constrained(self, args: tuple) -> PreparedRequest:
         """``prepare`` and :meth:`_check_grammar` in one worker-thread call."""

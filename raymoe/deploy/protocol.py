@@ -27,7 +27,13 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, Strict, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
-from raymoe.deploy.body_limits import CAP_LOGIT_BIAS, CAP_MESSAGE_PARTS, CAP_MESSAGES, CAP_PROMPT_TOKEN_IDS
+from raymoe.deploy.body_limits import (
+    CAP_LOGIT_BIAS,
+    CAP_MESSAGE_PARTS,
+    CAP_MESSAGES,
+    CAP_PROMPT_TOKEN_IDS,
+    MAX_BATCH_PROMPTS,
+)
 from raymoe.scheduler.sampling_params import (
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
@@ -80,39 +86,51 @@ def _token_id_error(ids: list, where: str) -> PydanticCustomError | None:
     return None
 
 
-def _prompt(value: Any) -> str | list[int]:
-    """A completion prompt: text, token ids, or a list of one of them (unwrapped). Errors name the position of a
-    bad token id and what is wrong with it."""
+class PromptBatch(tuple):
+    """A completion request's batch of two or more prompts (each text or token ids), in order."""
+
+
+def _one_prompt(value: Any, where: str) -> str | list[int]:
+    if isinstance(value, str):
+        return _valid_unicode(value)
+    if not isinstance(value, list) or (value and isinstance(value[0], (str, list))):
+        raise PydanticCustomError("prompt", "{where} must be a string or a list of token ids", {"where": where})
+    if not value:
+        raise PydanticCustomError("prompt", "{where} is empty", {"where": where})
+    if len(value) > CAP_PROMPT_TOKEN_IDS:
+        raise PydanticCustomError("prompt", "at most {n} token ids per prompt", {"n": CAP_PROMPT_TOKEN_IDS})
+    if (error := _token_id_error(value, where)) is not None:
+        raise error
+    return value
+
+
+def _prompt(value: Any) -> str | list[int] | PromptBatch:
+    """A completion prompt: text, token ids, or a list of them (a list of one is unwrapped; two or more are a
+    :class:`PromptBatch`). Errors name the prompt and the position of a bad token id, and what is wrong with it."""
     if isinstance(value, str):
         return _valid_unicode(value)
     if not isinstance(value, list):
-        raise PydanticCustomError("prompt", "must be a string, a list of token ids, or a list of one of them")
+        raise PydanticCustomError("prompt", "must be a string, a list of token ids, or a list of them")
     if not value:
         raise PydanticCustomError("prompt", "the prompt is empty")
-    if isinstance(value[0], (str, list)):
-        if len(value) != 1:
-            raise PydanticCustomError("prompt", "batched prompts are not supported; send one prompt per request")
-        inner = value[0]
-        if isinstance(inner, str):
-            return _valid_unicode(inner)
-        if not inner:
-            raise PydanticCustomError("prompt", "the prompt is empty")
-        where, ids = "prompt[0]", inner
-    else:
-        where, ids = "prompt", value
-    if len(ids) > CAP_PROMPT_TOKEN_IDS:
-        raise PydanticCustomError("prompt", "at most {n} token ids per prompt", {"n": CAP_PROMPT_TOKEN_IDS})
-    if (error := _token_id_error(ids, where)) is not None:
-        raise error
-    return ids
+    if not isinstance(value[0], (str, list)):
+        return _one_prompt(value, "prompt")
+    if len(value) > MAX_BATCH_PROMPTS:
+        raise PydanticCustomError("prompt", "at most {n} prompts per request", {"n": MAX_BATCH_PROMPTS})
+    if len({isinstance(p, str) for p in value}) > 1:
+        raise PydanticCustomError("prompt", "a batch of prompts is all strings or all lists of token ids")
+    prompts = [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(value)]
+    return prompts[0] if len(prompts) == 1 else PromptBatch(prompts)
 
 
 _TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID},
                      "minItems": 1, "maxItems": CAP_PROMPT_TOKEN_IDS}
-Prompt = Annotated[str | list[int], PlainValidator(_prompt), WithJsonSchema({"anyOf": [
-    {"type": "string"}, _TOKEN_IDS_SCHEMA, {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
-    {"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1, "maxItems": 1}]})]
-"""``prompt`` of a completion: validated to text or token ids (a list of one prompt is unwrapped)."""
+Prompt = Annotated[str | list[int] | PromptBatch, PlainValidator(_prompt), WithJsonSchema({"anyOf": [
+    {"type": "string"}, _TOKEN_IDS_SCHEMA,
+    {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_BATCH_PROMPTS},
+    {"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1, "maxItems": MAX_BATCH_PROMPTS}]})]
+"""``prompt`` of a completion: validated to text or token ids (a list of one prompt is unwrapped), or a
+:class:`PromptBatch` of them."""
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS), AfterValidator(_valid_unicode)]
 _STRICT = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -174,7 +192,8 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """Body of ``POST /v1/completions``."""
 
-    prompt: Prompt = Field(description="text or token ids; a list of one prompt is accepted, batches are not")
+    prompt: Prompt = Field(description="text or token ids, or a list of them (a batch: each prompt answers n "
+                                       "choices, indexed prompt * n + choice)")
     max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS, description="tokens to generate; default 16; 0 only "
                                                                          "with echo (the prompt is scored)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top log-probabilities per token")
