@@ -319,6 +319,11 @@ def test_sampling_fields_reach_the_engine(served):
         assert r.status_code == 200, r.text
         params = engine.seen[-1][1]
         assert (params.temperature, params.top_p, params.seed, params.stop) == (0.3, 0.7, 11, ("zz", "yy"))
+        assert post(path, _body(path, min_tokens=2)).status_code == 200 and engine.seen[-1][1].min_tokens == 2
+        bad = post(path, _body(path, min_tokens=3)).json()["error"]  # more than max_tokens (2)
+        assert bad["param"] == "min_tokens"
+        bad = post(path, _body(path, min_tokens=1, regex="a+")).json()["error"]
+        assert bad["param"] == "min_tokens"
 
 
 def test_penalty_fields_reach_the_engine_and_bad_ones_are_400s(served, tokenizer):

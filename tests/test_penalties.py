@@ -149,7 +149,7 @@ def test_rank_penalties_match_the_formulas_and_count_only_kept_tokens(platform):
                (1, SamplingRow(1.0, 1.0, -1, 0.0, None, None, 5))], pool=[2, 3])
     assert pen.rows_of([3, 2]) == [1]
     logits = torch.randn(2, v, generator=g)
-    got = pen.apply(logits, [2, 3], [0], [0])
+    got = pen.apply(logits, [2, 3], [0], [0], [9, 9])
     want = logits[0].clone()
     want[3] += 2.0
     want[7] -= 1.0
@@ -160,9 +160,9 @@ def test_rank_penalties_match_the_formulas_and_count_only_kept_tokens(platform):
     torch.testing.assert_close(got[1], logits[1])  # the other row is untouched, and so is the input
     # seq_len 12 < 10 + 3: a chunk short of the row's end samples a dropped token; 13 reaches it
     pen.record(torch.tensor([9, 0]), [2, 3], [0], [12, 1])
-    torch.testing.assert_close(pen.apply(logits, [2, 3], [0], [0])[0], got[0])
+    torch.testing.assert_close(pen.apply(logits, [2, 3], [0], [0], [9, 9])[0], got[0])
     pen.record(torch.tensor([9, 0]), [2, 3], [0], [13, 1])
-    assert not torch.equal(pen.apply(logits, [2, 3], [0], [0])[0], got[0])
+    assert not torch.equal(pen.apply(logits, [2, 3], [0], [0], [9, 9])[0], got[0])
     pen.admit([(0, SamplingRow(1.0, 1.0, -1, 0.0, None, None, 10))], pool=[2])
     assert pen.rows_of([2, 3]) == []
 
@@ -247,3 +247,55 @@ def test_the_cpu_kernel_computes_what_the_reference_does():
     with pytest.raises(ValueError, match="outside the count table"):
         CpuPlatform().apply_penalties(x[:1, :vocab].contiguous(), counts, None, torch.tensor([table]),
                                       numbers[0][:1], numbers[1][:1], numbers[2][:1])
+
+
+def test_min_tokens_masks_stop_ids_until_then_and_the_driver_ignores_stops(model_and_reference):
+    """``min_tokens``: with every EOS id pushed to the top by a bias, a plain request ends at its first token; with
+    ``min_tokens`` 5 its first five tokens are transformers' greedy ones with the EOS ids masked, then EOS ends it.
+    A stop token id and a stop string inside the first ``min_tokens`` tokens end nothing either."""
+    path, plain, _ = model_and_reference
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with Engine(path, **OPTS, chunked_prefill_size=8) as e:
+        eos = sorted(e.model_config.eos_token_ids)
+        bias = {t: 100.0 for t in eos}
+        early = e.generate(PROMPTS[:2], SamplingParams(max_tokens=N, temperature=0.0, logit_bias=bias))
+        held = e.generate(PROMPTS[:2], SamplingParams(max_tokens=N, temperature=0.0, logit_bias=bias, min_tokens=5))
+        stop_id = plain[0][1]  # the plain greedy second token, as a stop token id: masked before min_tokens 3
+        ids = e.generate(PROMPTS[:1], SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True,
+                                                     stop_token_ids=[stop_id], min_tokens=3))[0]
+        text = e.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0].text
+        strings = e.generate(PROMPTS[:1], SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True,
+                                                         stop=[text[-2:]], min_tokens=N))[0]
+        unheld = e.generate(PROMPTS[:1], SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True,
+                                                        stop=[text[-2:]]))[0]
+        report = e.driver.idle_report()
+    assert all(len(o.token_ids) == 1 and o.token_ids[0] in eos and o.finish_reason == "stop" for o in early)
+    for o in held:
+        seq, want = list(o.prompt_token_ids), []
+        with torch.no_grad():
+            for _ in range(5):
+                scores = hf(torch.tensor([seq + want])).logits[0, -1].float()
+                scores[eos] = float("-inf")
+                want.append(int(scores.argmax()))
+        assert o.token_ids[:5] == want and o.token_ids[5] in eos and len(o.token_ids) == 6, (o.token_ids, want)
+        assert o.finish_reason == "stop"
+    assert ids.token_ids[0] == plain[0][0] and ids.token_ids[1] != stop_id and stop_id not in ids.token_ids[:3]
+    assert ids.finish_reason == "length" or (ids.token_ids[-1] == stop_id and ids.finish_reason == "stop")
+    assert len(strings.token_ids) == N and strings.finish_reason == "length"
+    assert len(unheld.token_ids) <= 4 and unheld.finish_reason == "stop"  # the same stop string, without min_tokens
+    assert report.clean
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(max_tokens=3, min_tokens=4)
+    assert err.value.field == "min_tokens"
+
+
+def test_rank_masks_stop_ids_while_the_step_samples_one_of_the_first_min_tokens():
+    pen = RankPenalties(rows=2, vocab=8, device=torch.device("cpu"), ops=reference_platform())
+    pen.admit([(0, SamplingRow(1.0, 1.0, -1, 0.0, None, None, 10, LogitPenalties(min_tokens=3, stop_ids=(2, 5))))],
+              pool=[1])
+    logits = torch.zeros(1, 8)
+    for seq_len, masked in ((10, True), (12, True), (13, False)):  # output token 0, 2 (masked) and 3 (free)
+        got = pen.apply(logits, [1], [0], [0], [seq_len])
+        assert torch.isinf(got[0, [2, 5]]).all() == masked and torch.isfinite(got[0, [0, 1, 3, 4, 6, 7]]).all()

@@ -179,6 +179,8 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS,
                                                  description="token ids that end generation")
     ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token")
+    min_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS,
+                                   description="no stop token or stop string ends the output before this many tokens")
     regex: Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = Field(
         None, description="the output must match this regular expression (grammar-constrained decoding)")
     ebnf: Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = Field(

@@ -284,7 +284,7 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_siz
             prompt_logprobs=logprobs if echo is not None else None,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=_logit_bias(req.logit_bias, vocab_size))
+            logit_bias=_logit_bias(req.logit_bias, vocab_size), min_tokens=req.min_tokens or 0)
     except InvalidRequestError as e:
         raise APIError(400, e.message, param=e.field, code="invalid_value") from e
     in_reasoning = None

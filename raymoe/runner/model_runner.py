@@ -356,7 +356,7 @@ class ModelRunner:
             firsts = draft_windows(fb.extend_lens_cpu, drafts_per_row) if penalized or batch.grammar_rows else None
             if penalized:  # rows without drafts (SpecSteps.step_drafts): their own token, at their last position
                 logits = self.penalties.apply(logits, batch.req_pool_indices, penalized,
-                                              [firsts[i] for i in penalized])
+                                              [firsts[i] for i in penalized], batch.seq_lens)
             if batch.grammar_rows:  # constrained rows: masked at every draft position (raymoe.runner.grammar)
                 windows = [(f, list(batch.input_ids[f + 1:f + 1 + k]))
                            for f, k in zip(firsts, drafts_per_row, strict=True)]
@@ -388,7 +388,7 @@ class ModelRunner:
         if penalized:  # penalties and logit bias (raymoe.runner.penalties); log-probs stay the model's
             if raw is None and any(n is not None for n in fb.sampling.logprobs):
                 raw = logits.float()
-            logits = self.penalties.apply(logits, batch.req_pool_indices, penalized, penalized)
+            logits = self.penalties.apply(logits, batch.req_pool_indices, penalized, penalized, batch.seq_lens)
         sampled = (self.sampler.sample(logits, fb.sampling) if raw is None
                    else self.sampler.sample(logits, fb.sampling, logprob_logits=raw))
         if penalized:

@@ -7,7 +7,9 @@ the output), in vLLM's order:
 1. ``logit_bias``: ``l[t] += bias[t]`` (OpenAI);
 2. ``repetition_penalty`` ``r`` where ``seen``: ``l / r`` if ``l > 0`` else ``l * r`` (HF transformers'
    ``RepetitionPenaltyLogitsProcessor``, from Keskar et al. 2019, "CTRL");
-3. ``l -= frequency_penalty * c + presence_penalty * (c > 0)`` (OpenAI's formula).
+3. ``l -= frequency_penalty * c + presence_penalty * (c > 0)`` (OpenAI's formula);
+4. ``min_tokens`` (vLLM's): while the step samples one of the request's first ``min_tokens`` output tokens
+   (``seq_len < prompt_len + min_tokens``), its stop ids are set to ``-inf``.
 
 The bias is a scatter of the rows' entries; 2 and 3 are the platform's arithmetic (``Platform.apply_penalties``:
 torch operators, one C pass per row on CPU ranks). A step's index tensors are kept while its penalized rows and
@@ -48,6 +50,7 @@ class _StepPlan:
     pool_rows: torch.Tensor | None = None  # [m] int64 their ReqToTokenPool rows; None: no penalties
     numbers: tuple = ()  # presence, frequency, repetition, [m] float32 each
     use_seen: bool = False
+    stops: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, token id) of every stop id masked (min_tokens)
 
 
 @dataclass
@@ -56,6 +59,8 @@ class _Row:
     next_len: int  # prompt_len + tokens generated so far: the seq_len of the step that samples the next output
     bias_ids: torch.Tensor | None  # [n] int64
     bias_values: torch.Tensor | None  # [n] float32
+    until: int = 0  # min_tokens: the first seq_len whose sampled token may stop (prompt_len + min_tokens)
+    stop_ids: torch.Tensor | None = None  # [s] int64 masked before then
 
 
 class RankPenalties:
@@ -91,6 +96,9 @@ class RankPenalties:
             ids = to_device([t for t, _ in p.bias], torch.int64, self.device)
             values = to_device([v for _, v in p.bias], torch.float32, self.device)
         self._state[r] = _Row(p, row.prompt_len + len(p.output_ids), ids, values)
+        if p.min_tokens and p.stop_ids:
+            self._state[r].until = row.prompt_len + p.min_tokens
+            self._state[r].stop_ids = to_device(list(p.stop_ids), torch.int64, self.device)
         if not p.counts_tokens:
             return
         if self._counts is None:
@@ -113,16 +121,20 @@ class RankPenalties:
             return []
         return [i for i, r in enumerate(pool) if r in state]
 
-    def apply(self, logits: torch.Tensor, pool: list[int], rows: list[int], positions: list[int]) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, pool: list[int], rows: list[int], positions: list[int],
+              seq_lens: list[int]) -> torch.Tensor:
         """Logits with the penalties of batch rows ``rows`` applied at ``positions`` (their rows of ``logits``).
 
         Args:
             logits: [N, >= V] float32 (one row per sampled position, or per token in a verify step).
             pool: the step's ReqToTokenPool rows. rows: :meth:`rows_of`. positions: ``len(rows)`` rows of ``logits``.
+            seq_lens: the step's, per batch row (which rows still mask their stop ids for ``min_tokens``).
         Returns:
             a new [N, ...] tensor (``logits`` itself is not written: it may be a graph's output buffer).
         """
-        key = (tuple(pool[i] for i in rows), tuple(positions))
+        state = self._state
+        masked = tuple(j for j, i in enumerate(rows) if seq_lens[i] < state[pool[i]].until)
+        key = (tuple(pool[i] for i in rows), tuple(positions), masked)
         plan = self._plan if self._plan is not None and self._plan.key == key else self._make_plan(key, logits.device)
         self._plan = plan  # steady decode: the same rows step after step
         sub = logits.index_select(0, plan.idx)
@@ -137,11 +149,14 @@ class RankPenalties:
                                      frequency, repetition)
             if plan.counted is not None:
                 part.index_copy_(0, plan.counted, x)
+        if plan.stops is not None:
+            part.index_put_(plan.stops, torch.tensor(float("-inf"), device=part.device))
         return logits.index_copy(0, plan.idx, sub)
 
     def _make_plan(self, key: tuple, dev: torch.device) -> _StepPlan:
-        """The device tensors :meth:`apply` needs for the penalized rows ``key[0]`` at positions ``key[1]``."""
-        pool_rows, positions = key
+        """The device tensors :meth:`apply` needs for the penalized rows ``key[0]`` at positions ``key[1]``, the
+        rows ``key[2]`` (of them) masking their stop ids."""
+        pool_rows, positions, masked = key
         states = [self._state[r] for r in pool_rows]
         bias = None
         biased = [(j, s) for j, s in enumerate(states) if s.bias_ids is not None]
@@ -150,6 +165,9 @@ class RankPenalties:
                     torch.cat([s.bias_ids for _, s in biased]), torch.cat([s.bias_values for _, s in biased]))
         counted = [j for j, s in enumerate(states) if s.p.counts_tokens]
         plan = _StepPlan(key, to_device(list(positions), torch.int64, dev), bias)
+        if masked:
+            plan.stops = (torch.cat([torch.full_like(states[j].stop_ids, j) for j in masked]),
+                          torch.cat([states[j].stop_ids for j in masked]))
         if counted:
             cs = [states[j] for j in counted]
             plan.counted = to_device(counted, torch.int64, dev) if len(counted) < len(states) else None

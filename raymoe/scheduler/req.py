@@ -261,7 +261,8 @@ class Req:
                        max_context_len: int, *, kv_pool_size: int | None = None) -> bool:
         """Check the stop conditions after a new token was appended; set ``finished_reason`` when one holds.
 
-        Order: stop token (``stop_token_ids``, or EOS unless ``ignore_eos``), stop string, ``max_tokens``
+        Order: stop token (``stop_token_ids``, or EOS unless ``ignore_eos``), stop string (neither within the
+        first ``min_tokens`` tokens), ``max_tokens``
         (LENGTH), ``max_context_len`` reached by prompt + output (LENGTH), a next decode step that would need
         more KV than the whole pool (LENGTH). Stop strings are searched in the text
         of a tail window of the output only (enough tokens to contain the longest stop string), so the cost per
@@ -285,10 +286,11 @@ class Req:
             return False
         params = self.sampling_params
         last = self.output_ids[-1]
-        if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
+        stoppable = len(self.output_ids) > params.min_tokens  # min_tokens: no stop token or string ends it yet
+        if stoppable and (last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids)):
             self.finish(FinishKind.STOP, matched=last)
             return True
-        if params.stop:
+        if params.stop and stoppable:
             if detokenize is None:
                 raise ValueError(f"request {self.rid!r} has stop strings but the scheduler has no detokenizer")
             window = _STOP_WINDOW_TOKENS_PER_CHAR * max(len(s) for s in params.stop) + 1

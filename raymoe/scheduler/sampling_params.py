@@ -83,7 +83,10 @@ class SamplingParams:
         logit_bias: token id -> value in [-100, 100] added to that token's logit at every step (OpenAI's); the ids
             are checked against the vocabulary by the caller (the engine checks them against its model). At most
             ``MAX_LOGIT_BIAS`` entries; stored as sorted ``(id, value)`` pairs.
-        (These four apply in vLLM's order, the bias first, to the logits a request samples from, after its grammar
+        min_tokens: vLLM's: until the output holds this many tokens, its stop tokens (EOS unless ``ignore_eos``,
+            and ``stop_token_ids``) are masked on the ranks and its stop strings are not looked for; in [0,
+            ``max_tokens``]; not with a ``grammar`` (which may allow nothing but the end).
+        (These apply in vLLM's order, the bias first, to the logits a request samples from, after its grammar
         mask; log-probs stay the model's. ``raymoe.runner.penalties``.)
 
     Raises:
@@ -106,6 +109,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         self._normalize_sequences()
@@ -113,10 +117,10 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Whether a penalty or a logit bias changes this request's logits (its rows then never verify drafts:
-        a penalty at a draft position would depend on the drafts before it)."""
+        """Whether a penalty, a logit bias or ``min_tokens`` changes this request's logits (its rows then never
+        verify drafts: a penalty at a draft position would depend on the drafts before it)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+                    or self.logit_bias or self.min_tokens)
 
     def validate(self) -> None:
         """Check every field against its bounds (construction does; see the module docstring for the other caller).
@@ -154,6 +158,12 @@ class SamplingParams:
                 raise InvalidRequestError(self.grammar.field, problem)
         self._check_stops()
         self._check_penalties()
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}], got "
+                                                    f"{self.min_tokens!r}")
+        if self.min_tokens and self.grammar is not None:
+            raise InvalidRequestError("min_tokens", "cannot be combined with a grammar constraint (it may allow "
+                                                    "nothing but the end)")
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

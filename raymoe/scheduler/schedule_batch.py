@@ -216,9 +216,11 @@ def _checked_sampling_row(req: Req) -> SamplingRow:
         raise RequestFaultError(req, RequestFault("invalid", e.message, field=e.field)) from None
     penalties = None
     if p.processes_logits:  # the counts start from the whole prompt and output (raymoe.step.logit_penalties)
+        stops = () if not p.min_tokens else tuple(sorted(
+            req.limits.stop_ids if req.limits is not None else p.stop_token_ids))  # (limits: set on admission)
         penalties = LogitPenalties(float(p.presence_penalty), float(p.frequency_penalty), float(p.repetition_penalty),
                                    tuple((t, float(v)) for t, v in p.logit_bias),
                                    tuple(req.origin_input_ids) if p.repetition_penalty != 1.0 else (),
-                                   tuple(req.output_ids))
+                                   tuple(req.output_ids), int(p.min_tokens), stops)
     return SamplingRow(float(p.temperature), float(p.top_p), int(p.top_k), float(p.min_p), p.seed, p.logprobs,
                        len(req.origin_input_ids), penalties)

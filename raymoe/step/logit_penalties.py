@@ -24,6 +24,10 @@ class LogitPenalties:
         bias: ``(token id, value)`` pairs, ids ascending and distinct.
         prompt_ids: the prompt's token ids where ``repetition != 1`` (the penalty counts them), else ``()``.
         output_ids: the tokens the request has generated before this admission.
+        min_tokens: ``SamplingParams.min_tokens``: while a step samples one of the request's first ``min_tokens``
+            output tokens, ``stop_ids`` are masked (0: never).
+        stop_ids: the request's stop token ids (its ``stop_token_ids``, and the model's EOS ids unless
+            ``ignore_eos``), ascending; ``()`` without ``min_tokens``.
     Raises:
         ValueError: ``bias`` ids not ascending and distinct.
     """
@@ -34,6 +38,8 @@ class LogitPenalties:
     bias: tuple[tuple[int, float], ...] = ()
     prompt_ids: tuple[int, ...] = ()
     output_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         ids = [t for t, _ in self.bias]
