@@ -4,8 +4,8 @@ for unexpected errors (an ASGI middleware, innermost of the user middlewares of 
 Order matters and is the point of this module:
 1. the request gets an id (``uuid4`` hex, in ``request.state.request_id``; every answer carries it in the
    ``X-Request-Id`` header and every error body in ``error.request_id``);
-2. on ``/v1/*`` the API key is checked before a single body byte is read or parsed (401), so an
-   unauthenticated client cannot make the server buffer or parse anything;
+2. on ``/v1/*``, ``/tokenize`` and ``/detokenize`` the API key is checked before a single body byte is read or
+   parsed (401), so an unauthenticated client cannot make the server buffer or parse anything;
 3. the head is checked: more than ``max_headers`` header fields or more than ``max_header_bytes`` bytes of them is
    a 431, a CR, LF or NUL inside a header value a 400 (under ``raymoe serve`` the HTTP protocol of
    ``http_protocol`` already refused such heads while they arrived; this catches them under any server);
@@ -32,7 +32,7 @@ from raymoe.deploy.metrics import ServerMetrics
 log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
-_PROTECTED_PREFIX = "/v1/"
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
 def _auth_error(headers: Headers, api_key: str) -> APIError | None:
@@ -90,7 +90,7 @@ class RequestGuard:
         if (err := _head_error(scope, self.max_headers, self.max_header_bytes)) is not None:
             return err
         headers = Headers(scope=scope)
-        if self.api_key is not None and scope["path"].startswith(_PROTECTED_PREFIX):
+        if self.api_key is not None and scope["path"].startswith(_PROTECTED_PREFIXES):
             if (err := _auth_error(headers, self.api_key)) is not None:
                 return err
         length = _declared_length(headers)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over an :class:`~raymoe.client.engine_client.EngineClient` (FastAPI).
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stream``), ``GET /v1/models`` (these
-three need ``Authorization: Bearer KEY`` when an API key is set), ``GET /ready`` and ``GET /health`` (readiness: 503
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stream``), ``GET /v1/models``, ``POST
+/tokenize`` and ``POST /detokenize`` (``tokenize_api``; these five need ``Authorization: Bearer KEY`` when an API
+key is set), ``GET /ready`` and ``GET /health`` (readiness: 503
 while the engine is unhealthy or the server drains), ``GET /live`` (liveness; ``probes``), ``GET /metrics``
 (Prometheus text), and the operator routes of ``admin`` (``GET /admin/expert_load``, ``POST
 /admin/rebalance_experts``; the API key as on ``/v1/*``). ``drain.DrainGuard`` follows every ``/v1/*`` request so
@@ -40,11 +41,12 @@ from raymoe.deploy.parse_pool import POOL
 from raymoe.deploy.probes import liveness, readiness
 from raymoe.deploy.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, PromptBatch
 from raymoe.deploy.reasoning import ReasoningSplitter
-from raymoe.deploy.request_body import body_schema, document_request_bodies, request_model
+from raymoe.deploy.request_body import body_schema, document_request_bodies, read_body, request_model
 from raymoe.deploy.request_prep import PreparedRequest, constrained, prepare
 from raymoe.deploy.responses import ResponseBuilder, TokenTexts
 from raymoe.deploy.server_config import ServerLimits
 from raymoe.deploy.sse import EventRelay, SSEResponse, StreamBounds, sse
+from raymoe.deploy.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, run_tokenizer, tokenize
 from raymoe.deploy.tool_calls import ToolCallStreamer, default_tool_parser
 from raymoe.errors import InvalidRequestError, RaymoeError
 from raymoe.runner.grammar_compiler import GrammarCompiler
@@ -345,7 +347,7 @@ def build_openai_app(engine: EngineClient, api_key: str | None = None, max_in_fl
     app.add_middleware(DrainGuard, drain=draining)  # added first: inside RequestGuard, so refusals carry the id
     app.add_middleware(RequestGuard, metrics=serving.metrics, api_key=api_key, max_body_bytes=limits.max_body_bytes,
                        max_headers=limits.max_headers, max_header_bytes=limits.max_header_bytes)
-    document_request_bodies(app, (CompletionRequest, ChatCompletionRequest))
+    document_request_bodies(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest))
     body_limits = limits.body_limits()
     POOL.start()  # the parse workers import while the server starts
 
@@ -361,6 +363,20 @@ def build_openai_app(engine: EngineClient, api_key: str | None = None, max_in_fl
     async def chat_completions(request: Request):
         """Chat completion over the tokenizer's chat template (server-sent events when ``stream``)."""
         return await serving.generate(request, await parsed(request, chat=True))
+
+    @app.post("/tokenize", responses=_ERRORS, openapi_extra=body_schema(TokenizeRequest))
+    async def tokenize_route(request: Request):
+        """Token ids of a prompt or a conversation, as the completion routes compute them (vLLM's route)."""
+        body = b"".join(await read_body(request, limits.max_body_bytes))
+        return await run_tokenizer(tokenize, body, engine.tokenizer, engine.model_name, engine.max_context_len,
+                                   serving.harmony)
+
+    @app.post("/detokenize", responses=_ERRORS, openapi_extra=body_schema(DetokenizeRequest))
+    async def detokenize_route(request: Request):
+        """The text of token ids (vLLM's route)."""
+        body = b"".join(await read_body(request, limits.max_body_bytes))
+        return await run_tokenizer(detokenize, body, engine.tokenizer, engine.model_name,
+                                   engine.model_config.vocab_size)
 
     @app.get("/v1/models", responses=_ERRORS)
     async def models():

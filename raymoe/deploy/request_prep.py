@@ -318,6 +318,18 @@ def _check_harmony(req: ChatCompletionRequest, harmony: HarmonyChat | None) -> N
                             "(gpt-oss): use auto", param="tool_choice", code="unsupported_value")
 
 
+def chat_prompt_ids(req: ChatCompletionRequest, tokenizer, harmony: HarmonyChat | None) -> list[int]:
+    """The token ids ``req``'s conversation renders to, as :func:`prepare` renders it: harmony for a harmony model,
+    else the chat template (with ``req.tools`` when given and ``tool_choice`` is not none).
+
+    Raises:
+        APIError: 400 naming the field the template or harmony refused.
+    """
+    if harmony is not None:
+        return _harmony_prompt(req, harmony, False)
+    return _chat_prompt(req, tokenizer, bool(req.tools) and req.tool_choice != "none")
+
+
 def _harmony_prompt(req: ChatCompletionRequest, harmony: HarmonyChat, constrained: bool) -> list[int]:
     """The harmony rendering of ``req`` (``HarmonyChat.render``); its refusals as 400s naming the field."""
     try:
