@@ -35,10 +35,10 @@ from raymoe.runner.grammar_compiler import compiler_for_model
 from raymoe.runner.penalties import RankPenalties
 from raymoe.runner.prompt_logprobs import score_prompts
 from raymoe.runner.runner_config import DTYPES, RunnerConfig
-from raymoe.runner.sampler import SampledTokens, Sampler
-from raymoe.runner.spec_verify import draft_windows, verify_rows
+from raymoe.runner.sampler import Sampler
 from raymoe.runner.step_result import PendingStep
 from raymoe.runner.token_rows import token_rows
+from raymoe.runner.verify_step import finish_verify_step
 from raymoe.step.host_transfer import to_device
 from raymoe.step.sampling_inputs import SamplingInputs
 from raymoe.step.sampling_table import SamplingTable
@@ -350,35 +350,7 @@ class ModelRunner:
                 self.drafter.draft(batch, fb.input_ids, hidden, [], None)
             return PendingStep(None, None, t0, load)
         if verify:  # speculative decoding: accept drafts, one more token per row (no log-prob rows)
-            drafts_per_row = list(batch.draft_lens) or [e - 1 for e in fb.extend_lens_cpu]
-            drafted = None
-            penalized = self.penalties.rows_of(batch.req_pool_indices)
-            firsts = draft_windows(fb.extend_lens_cpu, drafts_per_row) if penalized or batch.grammar_rows else None
-            if penalized:  # rows without drafts (SpecSteps.step_drafts): their own token, at their last position
-                logits = self.penalties.apply(logits, batch.req_pool_indices, penalized,
-                                              [firsts[i] for i in penalized], batch.seq_lens)
-            if batch.grammar_rows:  # constrained rows: masked at every draft position (raymoe.runner.grammar)
-                windows = [(f, list(batch.input_ids[f + 1:f + 1 + k]))
-                           for f, k in zip(firsts, drafts_per_row, strict=True)]
-                logits, drafted = self.grammars.mask_drafts(batch.grammar_rows, batch.req_pool_indices, logits,
-                                                            windows)
-            res = verify_rows(self.ops, logits, fb.input_ids, fb.extend_lens_cpu, drafts_per_row, fb.sampling,
-                              self.sampler.generator, None if drafted is None else drafted.caps)
-            grammar = None if drafted is None else self.grammars.accept_verified(drafted, res.accept_lens,
-                                                                                 res.next_ids)
-            if penalized:
-                self.penalties.record(res.next_ids, batch.req_pool_indices, penalized, batch.seq_lens)
-            commit = getattr(self.model, "commit_verify_states", None)
-            if commit is not None:  # hybrid models: linear-attention states at each row's last accepted token
-                commit(fb.req_pool_indices, res.accept_lens)
-            self.future_tokens.store(res.next_ids)
-            drafts = ()
-            if drafting:
-                drafts = self.drafter.draft(batch, fb.input_ids, hidden, res.next_ids.tolist(),
-                                            res.accept_lens.tolist())
-            return PendingStep(SampledTokens(res.next_ids, [None] * fb.batch_size),
-                               self.ops.copy_to_host([res.next_ids, res.accept_lens]), t0, load, grammar,
-                               verify=True, drafts=drafts, prompt=prompt)
+            return finish_verify_step(self, batch, fb, logits, hidden, drafting, t0, load, prompt)
         raw = None
         if batch.grammar_rows:  # constrained rows only (raymoe.runner.grammar); others pay nothing
             if any(n is not None for n in fb.sampling.logprobs):  # log-probs are the model's, unmasked
