@@ -195,6 +195,15 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, model
     batch = client.completions.create(model=model, prompt=["x = 1", prompt], max_tokens=0, echo=True, logprobs=1)
     assert [c.index for c in batch.choices] == [0, 1] and batch.choices[1].text == prompt
     assert batch.choices[1].logprobs.token_logprobs[1:] == pytest.approx(want, abs=2e-4)
+    # lm-evaluation-harness's log-likelihood request: token-id prompts in a batch, max_tokens 1, echo, logprobs 1;
+    # it reads token_logprobs[ctxlen:-1] and compares tokens with each top_logprobs' best
+    harness = client.completions.create(model=model, prompt=[ids[:5], ids], max_tokens=1, echo=True, logprobs=1,
+                                        temperature=0, seed=1234)
+    lp = harness.choices[1].logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[1:-1] == pytest.approx(want, abs=2e-4)
+    greedy = [max(top, key=top.get) == tok for tok, top in zip(lp.tokens[1:-1], lp.top_logprobs[1:-1], strict=True)]
+    best = logp[torch.arange(len(ids) - 1)].argmax(-1) == torch.tensor(ids[1:])
+    assert greedy == best.tolist()
 
 
 NUM_STREAMS = 64
