@@ -156,3 +156,19 @@ def test_rows_and_requests_file_scores_by_position():
     with pytest.raises(ValueError):
         Req("q", [1, 2, 3], SCORED).add_prompt_logprobs(2, ["x"])  # a gap
     assert Req("s", [1, 2, 3], SCORED, output_ids=[4]).prompt_scored_to is None  # resumed: scored elsewhere
+
+
+def test_the_lm_head_computes_only_the_rows_a_step_needs(qwen, monkeypatch):
+    """A step scoring one short prompt beside a long plain prefill computes the LM head over the scored positions and
+    the rows' sampling positions, not the plain prompt's tokens (``P x V`` logits, not ``T x V``)."""
+    path, plain, want = qwen
+    with Engine(path, **OPTS) as e:
+        model = e.driver.executor.worker.runner.model
+        seen = []
+        head = model.compute_logits
+        monkeypatch.setattr(model, "compute_logits", lambda h, n=None: (seen.append(h.shape[0]), head(h, n))[1])
+        long_plain, short = PROMPTS[0] * 2, PROMPTS[3]
+        outs = e.generate([long_plain, short], [PLAIN, SCORED])
+    n_long, n_short = len(outs[0].prompt_token_ids), len(outs[1].prompt_token_ids)
+    assert seen[0] == 1 + n_short < n_long  # the plain row's last position + the short prompt's every position
+    assert outs[1].prompt_logprobs[1].logprob == pytest.approx(float(want[3][0][0]), abs=2e-4)

@@ -33,7 +33,7 @@ from raymoe.runner.future_tokens import FutureTokenMap
 from raymoe.runner.grammar import RankGrammars
 from raymoe.runner.grammar_compiler import compiler_for_model
 from raymoe.runner.penalties import RankPenalties
-from raymoe.runner.prompt_logprobs import score_prompts
+from raymoe.runner.prompt_logprobs import logits_and_scores
 from raymoe.runner.runner_config import DTYPES, RunnerConfig
 from raymoe.runner.sampler import Sampler
 from raymoe.runner.step_result import PendingStep
@@ -307,7 +307,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         update = batch.expert_update
         self.apply_expert_update(update)
-        scoring = bool(batch.prompt_score_rows)  # prompt log-probs: logits of every token (prefill rows: eager)
+        scoring = bool(batch.prompt_score_rows)  # prompt log-probs (prefill rows: eager; raymoe.runner.prompt_logprobs)
         use_graph = self.graph_runner is not None and batch.graph_bs is not None
         rows = None  # a verify step replayed as decode rows, one per token (raymoe.runner.token_rows)
         if use_graph and batch.forward_mode.is_target_verify():
@@ -330,17 +330,16 @@ class ModelRunner:
             logits, hidden = self.graph_runner.replay(graph_fb)
         elif use_graph:
             logits = self.graph_runner.replay(graph_fb)
+        elif scoring:
+            hidden = self.model(fb)
+            logits, prompt = logits_and_scores(self.model, self.ops, hidden, batch, fb.dispatch_capacity, verify)
         elif drafting:
             hidden = self.model(fb)
-            logits = self.model.compute_logits(hidden if verify or scoring else hidden[fb.sample_indices],
-                                               fb.dispatch_capacity)
+            logits = self.model.compute_logits(hidden if verify else hidden[fb.sample_indices], fb.dispatch_capacity)
         else:
-            logits = self.forward(fb, return_all_logits=verify or scoring)
-        prompt = None
-        if scoring and fb.batch_size:
-            prompt = score_prompts(self.ops, logits, batch)
-            if not verify:
-                logits = logits[fb.sample_indices]
+            logits = self.forward(fb, return_all_logits=verify)
+        if not scoring:
+            prompt = None
         load = None
         if update is not None and update.report_load and self.eplb is not None:
             snapshot = self.eplb.load_snapshot()

@@ -1,11 +1,12 @@
 """Scoring a step's prompt positions on the rank (``prompt_logprobs``; the records: ``raymoe.step.prompt_scores``).
 
-A step with prompt-scoring rows computes the LM head over every token of the step (one call, so the ranks of a head
-split over the DP group make the same call; ``ModelRunner._launch_step``), and :func:`score_prompts` takes the
-scored positions' rows of those float32 logits: the log-softmax at each, the log-probability of the prompt token
-that follows and the top ``k`` (the sampler's own log-prob arithmetic, ``Sampler.logprobs_of``), copied to the
-host behind the step's tokens (no host sync at launch). The targets come from the batch's host lists, so nothing
-is read back from the device to build them.
+A step with prompt-scoring rows computes the LM head once over the positions it needs: the rows' sampling
+positions and the scored ones (one call, so the ranks of a head split over the DP group make the same call;
+:func:`logits_and_scores`, from ``ModelRunner._launch_step``); the scored positions' float32 logits give the
+log-softmax at each, the log-probability of the prompt token that follows and the top ``k`` (the sampler's own
+log-prob arithmetic, ``Sampler.logprobs_of``), copied to the host behind the step's tokens (no host sync at
+launch). Memory: ``P x V`` float32 logits for ``P`` scored positions in a step (chunked prefill bounds ``P``).
+The targets come from the batch's host lists, so nothing is read back from the device to build them.
 """
 
 from __future__ import annotations
@@ -48,23 +49,9 @@ class PendingPromptScores:
         return tuple(out)
 
 
-def score_prompts(ops, logits: torch.Tensor, batch: ModelWorkerBatch) -> PendingPromptScores:
-    """Score ``batch.prompt_score_rows`` from the step's logits (module docstring).
-
-    Args:
-        ops: the rank's platform (its host copy). logits: [T, V] float32, one row per token of the step, in the
-            batch's token order. batch: the step (its ``input_ids`` and ``extend_lens`` give the targets).
-
-    Returns:
-        the pending scores (their host copy started).
-
-    Raises:
-        ValueError: a scoring row does not fit its chunk (``PromptScoreRow.targets``), or ``logits`` does not have
-            one row per token.
-    """
-    if logits.shape[0] != batch.num_tokens:
-        raise ValueError(f"prompt scoring needs logits of every token: {logits.shape[0]} rows for "
-                         f"{batch.num_tokens} tokens")
+def _targets(batch: ModelWorkerBatch) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Per scored position of ``batch``: its token index in the step, its target token and top-k; and each row's
+    sampling position (its last token)."""
     starts, at = [], 0
     for e in batch.extend_lens:
         starts.append(at)
@@ -77,7 +64,36 @@ def score_prompts(ops, logits: torch.Tensor, batch: ModelWorkerBatch) -> Pending
         targets += r.targets(batch.input_ids[s:s + batch.extend_lens[r.row]])
         positions += range(s, s + r.num_positions)
         wanted += [r.top_k] * r.num_positions
-    idx = to_device(positions, torch.int64, logits.device)
-    scores = Sampler.logprobs_of(logits.index_select(0, idx), to_device(targets, torch.int64, logits.device),
-                                 wanted)
-    return PendingPromptScores(batch.prompt_score_rows, scores, ops.copy_to_host(scores.device_tensors()))
+    samples = [s + e - 1 for s, e in zip(starts, batch.extend_lens, strict=True)]
+    return positions, targets, wanted, samples
+
+
+def logits_and_scores(model, ops, hidden: torch.Tensor, batch: ModelWorkerBatch, rows_per_rank: int | None,
+                      all_tokens: bool) -> tuple[torch.Tensor, PendingPromptScores]:
+    """The step's logits and its prompt scores (module docstring), from one LM-head call over the rows they need:
+    every token with ``all_tokens`` (a verify step), else the union of the rows' sampling positions and the scored
+    positions (a distinct subset of the step's tokens, so a shared row bound still holds), never the tokens of
+    other prefill rows.
+
+    Args:
+        model: the rank's model (``compute_logits``). ops: the rank's platform. hidden: [T, H] the final hidden
+            states. batch: the step. rows_per_rank: the LM head's shared row bound (``dispatch_capacity``).
+        all_tokens: return logits of every token.
+    Returns:
+        (logits [T, V] with ``all_tokens``, else [bs, V] one per row's sampling position; float32), the scores.
+    Raises:
+        ValueError: a scoring row does not fit its chunk (``PromptScoreRow.targets``).
+    """
+    positions, targets, wanted, samples = _targets(batch)
+    dev = hidden.device
+    if all_tokens:
+        logits = model.compute_logits(hidden, rows_per_rank)
+        scored = logits.index_select(0, to_device(positions, torch.int64, dev))
+    else:
+        union = sorted(set(samples) | set(positions))
+        at = {p: k for k, p in enumerate(union)}
+        rows = model.compute_logits(hidden.index_select(0, to_device(union, torch.int64, dev)), rows_per_rank)
+        logits = rows.index_select(0, to_device([at[p] for p in samples], torch.int64, dev))
+        scored = rows.index_select(0, to_device([at[p] for p in positions], torch.int64, dev))
+    scores = Sampler.logprobs_of(scored, to_device(targets, torch.int64, dev), wanted)
+    return logits, PendingPromptScores(batch.prompt_score_rows, scores, ops.copy_to_host(scores.device_tensors()))
