@@ -172,3 +172,23 @@ def test_the_lm_head_computes_only_the_rows_a_step_needs(qwen, monkeypatch):
     n_long, n_short = len(outs[0].prompt_token_ids), len(outs[1].prompt_token_ids)
     assert seen[0] == 1 + n_short < n_long  # the plain row's last position + the short prompt's every position
     assert outs[1].prompt_logprobs[1].logprob == pytest.approx(float(want[3][0][0]), abs=2e-4)
+
+
+def test_a_scored_prompt_is_computed_in_bounded_chunks(qwen, monkeypatch):
+    """With chunked prefill on, a request scoring its prompt computes at most ``MAX_PROMPT_SCORE_TOKENS`` tokens a
+    step (its logits are that many vocabulary rows); its scores stay transformers'."""
+    from raymoe.scheduler import prefill_adder
+
+    path, plain, want = qwen
+    monkeypatch.setattr(prefill_adder, "MAX_PROMPT_SCORE_TOKENS", 16)
+    with Engine(path, **OPTS, chunked_prefill_size=64) as e:
+        model = e.driver.executor.worker.runner.model
+        seen = []
+        head = model.compute_logits
+        monkeypatch.setattr(model, "compute_logits", lambda h, n=None: (seen.append(h.shape[0]), head(h, n))[1])
+        outs = e.generate(PROMPTS[:1], SCORED)
+        scored_calls = len(seen)
+        e.generate(PROMPTS[:1], PLAIN)
+    _check(outs, plain[:1], want[:1])
+    n = len(outs[0].prompt_token_ids)
+    assert max(seen[:scored_calls]) <= 16 and scored_calls - N >= n // 16  # 63 prompt tokens: 4 chunks

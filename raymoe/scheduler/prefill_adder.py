@@ -32,6 +32,10 @@ from raymoe.kvcache.paged_allocator import PagedTokenSlotAllocator
 from raymoe.kvcache.radix_cache import RadixCache
 from raymoe.scheduler.req import Req
 
+MAX_PROMPT_SCORE_TOKENS = 1024
+"""With chunked prefill on, the most tokens a request that still scores its prompt (``prompt_logprobs``) computes
+in one step: its step's logits are that many float32 rows of the vocabulary (1024 x 152k entries: 0.6 GiB)."""
+
 
 class AddResult(Enum):
     """Outcome of offering one request: keep offering (CONTINUE) or stop the round."""
@@ -101,6 +105,15 @@ class PrefillAdder:
             return self.rem_input_tokens
         return min(self.rem_input_tokens, self.rem_chunk_tokens)
 
+    def _limit_for(self, req: Req) -> int:
+        """Tokens ``req`` may compute this step: :meth:`_step_limit`, and with chunked prefill on at most
+        :data:`MAX_PROMPT_SCORE_TOKENS` while it still scores its prompt (its step's logits are that many rows of
+        the vocabulary)."""
+        limit = self._step_limit()
+        if self.rem_chunk_tokens is not None and req.prompt_scored_to is not None:
+            limit = min(limit, MAX_PROMPT_SCORE_TOKENS)
+        return limit
+
     def _free_kv(self) -> int:
         """Slots obtainable now: free plus evictable."""
         return self.token_allocator.available_size() + self.tree.evictable_size()
@@ -135,7 +148,7 @@ class PrefillAdder:
         self.new_chunked_req = req
         remaining = req.seq_len - req.kv_len
         last = req.kv_slots[-1]
-        extend = min(remaining, self._step_limit(), self._free_kv() + self.token_allocator.room_after(last))
+        extend = min(remaining, self._limit_for(req), self._free_kv() + self.token_allocator.room_after(last))
         if extend <= 0:
             return AddResult.NO_TOKEN
         slots = self._alloc_slots(extend, after=last)
@@ -156,9 +169,9 @@ class PrefillAdder:
         """
         if self._num_new >= self.max_new_reqs:
             return AddResult.BATCH_FULL
-        limit = self._step_limit()
-        if limit <= 0:
+        if self._step_limit() <= 0:
             return AddResult.BATCH_FULL
+        limit = self._limit_for(req)
         ids = req.fill_ids
         page = self.token_allocator.page_size
         reuse = len(ids) - 1
