@@ -29,11 +29,13 @@ PLAIN = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
 SCORED = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True, prompt_logprobs=K)
 
 
-def _hf_scores(hf, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' log-prob of each prompt token after the first, and the top-K ids before each."""
+def _hf_scores(hf, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """transformers' log-prob of each prompt token after the first, the top-K ids before each, and each prompt
+    token's rank there."""
     with torch.no_grad():
         logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
-    return logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])], logp[:-1].topk(K, dim=-1).indices
+    own = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    return own, logp[:-1].topk(K, dim=-1).indices, ((logp[:-1] > own[:, None]).sum(1) + 1).tolist()
 
 
 def _make(arch: str, root) -> tuple[str, list[list[int]], list]:
@@ -55,12 +57,13 @@ def qwen(tmp_path_factory):
 def _check(outs, plain, want) -> None:
     """Scored outputs: their tokens are the plain ones and their prompt scores transformers'."""
     assert [o.token_ids for o in outs] == plain
-    for o, (lp, top) in zip(outs, want, strict=True):
+    for o, (lp, top, ranks) in zip(outs, want, strict=True):
         scores = o.prompt_logprobs
         assert scores is not None and scores[0] is None and len(scores) == len(o.prompt_token_ids)
         got = torch.tensor([s.logprob for s in scores[1:]])
         assert torch.allclose(got, lp, atol=2e-4), float((got - lp).abs().max())
         assert [s.top_token_ids for s in scores[1:]] == top.tolist()
+        assert [s.rank for s in scores[1:]] == ranks
 
 
 def test_chunks_mixed_steps_and_cache_hits_give_transformers_scores(qwen):

@@ -167,7 +167,7 @@ def test_logit_bias_and_penalties_reach_the_ranks(client, model):
     assert tokens(frequency_penalty=2.0, presence_penalty=2.0) != plain
 
 
-def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, model, tiny_model):
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, base_url, model, tiny_model):
     """``echo`` + ``logprobs`` + ``max_tokens`` 0 (how evaluation harnesses score text) through HTTP, the driver's
     channel and the rank: each prompt token's log-prob is transformers' log-softmax there, the first is null, and a
     second time (the prompt now cached) the scores are the same."""
@@ -204,6 +204,23 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, model
     greedy = [max(top, key=top.get) == tok for tok, top in zip(lp.tokens[1:-1], lp.top_logprobs[1:-1], strict=True)]
     best = logp[torch.arange(len(ids) - 1)].argmax(-1) == torch.tensor(ids[1:])
     assert greedy == best.tolist()
+    # vLLM's prompt_logprobs extension, beside echo's own k: {token id: {logprob, rank, decoded_token}} per token
+    ranks = ((logp[:-1] > torch.tensor(want)[:, None]).sum(1) + 1).tolist()
+    with httpx.Client(headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as h:
+        for path, body in (("/v1/completions", {"prompt": prompt, "echo": True, "logprobs": 1}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]})):
+            r = h.post(f"{base_url}{path}", json={
+                "model": model, "max_tokens": 1, "prompt_logprobs": 3, **body}).json()
+            entries = r["choices"][0]["prompt_logprobs"] if "prompt" in body else r["prompt_logprobs"]
+            assert entries[0] is None and all(3 <= len(e) <= 4 for e in entries[1:])
+            if "prompt" in body:
+                assert [e[str(t)]["logprob"] for e, t in zip(entries[1:], ids[1:], strict=True)] == pytest.approx(
+                    want, abs=2e-4)
+                assert [e[str(t)]["rank"] for e, t in zip(entries[1:], ids[1:], strict=True)] == ranks
+                assert all(len(top) == 1 for top in r["choices"][0]["logprobs"]["top_logprobs"][1:])
+        bad = h.post(f"{base_url}/v1/completions", json={"model": model, "prompt": prompt, "stream": True,
+                                                               "prompt_logprobs": 1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
 
 
 NUM_STREAMS = 64

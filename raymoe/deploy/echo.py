@@ -39,9 +39,9 @@ class Echo:
     score_only: bool = False
 
     def piece(self, piece: Piece, first: bool, prompt_logprobs: list[TokenLogprobs | None] | None,
-              with_logprobs: bool) -> Piece:
-        """``piece`` as the client sees it: the first one opens with the prompt (its scores when
-        ``with_logprobs``; missing ones, as for a request aborted before its first token, are None); with
+              with_logprobs: int | None) -> Piece:
+        """``piece`` as the client sees it: the first one opens with the prompt (with ``with_logprobs`` = k its
+        scores, each with its top k; missing ones, as for a request aborted before its first token, are None); with
         ``score_only`` the generated tokens are dropped."""
         if self.score_only:
             piece = dataclasses.replace(piece, text="", token_ids=[], logprobs=[], completion_tokens=0,
@@ -50,12 +50,14 @@ class Echo:
         if not first:
             return piece
         scores: list[TokenLogprobs | None] = []
-        if with_logprobs:
-            scores = list(prompt_logprobs or [])[:len(self.prompt_ids)]
+        if with_logprobs is not None:  # (the engine may have scored more alternatives, for prompt_logprobs)
+            scores = [s if s is None or len(s.top_token_ids) <= with_logprobs else
+                      TokenLogprobs(s.logprob, s.top_token_ids[:with_logprobs], s.top_logprobs[:with_logprobs], s.rank)
+                      for s in (prompt_logprobs or [])[:len(self.prompt_ids)]]
             scores += [None] * (len(self.prompt_ids) - len(scores))
         return dataclasses.replace(piece, text=self.text + piece.text,
                                    token_ids=[*self.prompt_ids, *piece.token_ids],
-                                   logprobs=[*scores, *piece.logprobs] if with_logprobs else piece.logprobs)
+                                   logprobs=[*scores, *piece.logprobs] if with_logprobs is not None else piece.logprobs)
 
 
 def echo_of(echo: bool | None, prompt: str | list[int], ids: list[int], max_tokens: int | None,

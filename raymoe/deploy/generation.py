@@ -41,6 +41,8 @@ class Piece:
         prompt_tokens, completion_tokens, cached_tokens: usage so far.
         accepted_prediction_tokens, rejected_prediction_tokens: speculative decoding's draft tokens the target
             accepted / rejected (on the last piece).
+        prompt_logprobs: on the first piece of a request with the ``prompt_logprobs`` extension, the engine's
+            prompt scores (one per prompt token, the first None).
     """
 
     text: str
@@ -52,6 +54,7 @@ class Piece:
     cached_tokens: int = 0
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def engine_error(e: BaseException) -> BaseException:
@@ -101,10 +104,11 @@ async def stream_pieces(engine: EngineClient, request_id: str, prep: PreparedReq
                 if reason is not None:
                     metrics.finish(reason, usage[0], usage[1])
                     counted = True
+                scored = delta.prompt_logprobs if first and prep.prompt_logprobs is not None else None
                 piece = Piece(text, list(delta.token_ids), list(delta.logprobs) if prep.logprobs is not None else [],
-                              reason, *usage)
+                              reason, *usage, prompt_logprobs=scored)
                 if echo is not None:  # the prompt opens the answer (raymoe.deploy.echo)
-                    piece = echo.piece(piece, first, delta.prompt_logprobs, prep.logprobs is not None)
+                    piece = echo.piece(piece, first, delta.prompt_logprobs, prep.logprobs)
                 first = False
                 yield piece
                 if reason is not None:

@@ -220,8 +220,10 @@ class OpenAIServing:
         harmony = self.harmony.stream(prep.tool_names) if prep.harmony_output else None
         tools = None if prep.tool_names is None or harmony is not None else ToolCallStreamer(
             self.tool_call_parser, prep.tool_names)
+        scores = None if prep.prompt_logprobs is None else (prep.prompt_ids, prep.prompt_logprobs)
         return ResponseBuilder(isinstance(body, ChatCompletionRequest), self.engine.model_name, self.token_texts,
-                               prep.logprobs, request_id, splitter, tools, prep.parallel_tool_calls, harmony, index)
+                               prep.logprobs, request_id, splitter, tools, prep.parallel_tool_calls, harmony, index,
+                               scores)
 
     async def _prepare(self, request: Request, body: CompletionRequest | ChatCompletionRequest) -> PreparedRequest:
         """Template, tokenize and check ``body`` (``request_prep.prepare``). Their CPU cost grows with the prompt:

@@ -179,6 +179,9 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS,
                                                  description="token ids that end generation")
     ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                        description="vLLM's: each prompt token's log-probability, rank and the top "
+                                                    "k there, in prompt_logprobs (not with stream)")
     min_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS,
                                    description="no stop token or stop string ends the output before this many tokens")
     regex: Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = Field(

@@ -51,6 +51,7 @@ class PreparedRequest:
         harmony_output: the output is harmony, parsed by ``raymoe.deploy.harmony.HarmonyStream`` (a gpt-oss chat
             without a grammar).
         echo: a completion with ``echo``: the prompt that opens the answer (``raymoe.deploy.echo``), else None.
+        prompt_logprobs: the ``prompt_logprobs`` extension's top-k (the answer's ``prompt_logprobs``), else None.
     """
 
     prompt_ids: list[int]
@@ -62,6 +63,7 @@ class PreparedRequest:
     parallel_tool_calls: bool = True
     harmony_output: bool = False
     echo: Echo | None = None
+    prompt_logprobs: int | None = None
 
 
 def _check_combinations(req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -70,6 +72,8 @@ def _check_combinations(req: CompletionRequest | ChatCompletionRequest) -> None:
         raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
     if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "prompt_logprobs is not available with stream=true", param="prompt_logprobs")
 
 
 def _check_limits(req: CompletionRequest | ChatCompletionRequest, stop: list[str], limits: ServerLimits,
@@ -281,7 +285,7 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_siz
             top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
             min_p=req.min_p or 0.0, seed=req.seed, stop=tuple(stop), stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos, logprobs=logprobs, grammar=grammar,
-            prompt_logprobs=logprobs if echo is not None else None,
+            prompt_logprobs=_prompt_scores(logprobs if echo is not None else None, req.prompt_logprobs),
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=_logit_bias(req.logit_bias, vocab_size), min_tokens=req.min_tokens or 0)
@@ -293,7 +297,7 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, vocab_siz
         in_reasoning = starts_in_reasoning(reasoning_parser, tail)
     return PreparedRequest(ids, params, logprobs, timeout_s, in_reasoning, tool_names,
                            not chat or req.parallel_tool_calls is not False, harmony is not None and grammar is None,
-                           echo)
+                           echo, req.prompt_logprobs)
 
 
 def _check_harmony(req: ChatCompletionRequest, harmony: HarmonyChat | None) -> None:
@@ -316,6 +320,13 @@ def _check_harmony(req: ChatCompletionRequest, harmony: HarmonyChat | None) -> N
     if req.tools and _forces_a_call(req):
         raise APIError(400, "tool_choice required or a named function is not supported for harmony models "
                             "(gpt-oss): use auto", param="tool_choice", code="unsupported_value")
+
+
+def _prompt_scores(echoed: int | None, asked: int | None) -> int | None:
+    """The top-k the engine scores the prompt with: enough for ``echo`` with ``logprobs`` and for the
+    ``prompt_logprobs`` extension (each answer keeps its own k), None for neither."""
+    wanted = [k for k in (echoed, asked) if k is not None]
+    return max(wanted) if wanted else None
 
 
 def chat_prompt_ids(req: ChatCompletionRequest, tokenizer, harmony: HarmonyChat | None) -> list[int]:

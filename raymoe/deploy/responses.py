@@ -70,12 +70,17 @@ class ResponseBuilder:
         harmony: for a harmony chat answer (gpt-oss), the parser of its token ids into reasoning, content and tool
             calls (``raymoe.deploy.harmony``); it replaces ``reasoning`` and ``tools``.
         index: the choice this builder answers (``n`` > 1: one builder per choice, ``raymoe.deploy.choices``).
+        prompt_scores: the ``prompt_logprobs`` extension: ``(prompt token ids, k)`` (vLLM's answer field: per prompt
+            token None for the first, else ``{token id: {logprob, rank, decoded_token}}`` for the token and the top
+            k; a completion's choice carries it, a chat answer at its top level), or None.
     """
 
     def __init__(self, chat: bool, model: str, token_text: Callable[[int], str], top_logprobs: int | None,
                  request_id: str, reasoning: ReasoningSplitter | None = None, tools: ToolCallStreamer | None = None,
-                 parallel_tool_calls: bool = True, harmony: HarmonyStream | None = None, index: int = 0):
+                 parallel_tool_calls: bool = True, harmony: HarmonyStream | None = None, index: int = 0,
+                 prompt_scores: tuple[list[int], int] | None = None):
         self.chat = chat
+        self.prompt_scores = prompt_scores
         self.index = index
         self.harmony = harmony
         self.reasoning = reasoning
@@ -138,7 +143,31 @@ class ResponseBuilder:
         else:
             choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
             obj = "text_completion"
-        return {**self._header(obj), "choices": [choice], "usage": usage_dict(last)}
+        answer = {**self._header(obj), "choices": [choice], "usage": usage_dict(last)}
+        if self.prompt_scores is not None:
+            entries = self._prompt_entries(pieces[0].prompt_logprobs)
+            if self.chat:
+                answer["prompt_logprobs"] = entries
+            else:
+                choice["prompt_logprobs"] = entries
+        return answer
+
+    def _prompt_entries(self, scores: list[TokenLogprobs | None] | None) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs`` entries (class docstring) from the engine's prompt scores (None where a score
+        is missing, e.g. a request aborted before its first token)."""
+        ids, k = self.prompt_scores
+        scores = list(scores or [])
+        out: list[dict | None] = [None]
+        for i, tid in enumerate(ids[1:], 1):
+            s = scores[i] if i < len(scores) else None
+            if s is None:
+                out.append(None)
+                continue
+            entry = {str(tid): {"logprob": s.logprob, "rank": s.rank, "decoded_token": self._token(tid)}}
+            for r, (t, v) in enumerate(zip(s.top_token_ids[:k], s.top_logprobs[:k], strict=True), 1):
+                entry.setdefault(str(t), {"logprob": v, "rank": r, "decoded_token": self._token(t)})
+            out.append(entry)
+        return out
 
     def first_chunk(self) -> dict | None:
         """Chat streams open with the assistant role (no text yet); completions have no such chunk."""

@@ -11,6 +11,8 @@ The targets come from the batch's host lists, so nothing is read back from the d
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from raymoe.platform.interface import HostCopy
@@ -26,7 +28,7 @@ class PendingPromptScores:
 
     Args:
         rows: the step's scoring rows. scores: one log-prob row per scored position, rows after rows.
-        copy: the host copy of ``scores.device_tensors()``.
+        copy: the host copy of ``scores.device_tensors()`` and then the positions' ranks ([P] int64).
     """
 
     def __init__(self, rows: tuple[PromptScoreRow, ...], scores: SampledTokens, copy: HostCopy):
@@ -41,7 +43,8 @@ class PendingPromptScores:
     def answer(self) -> tuple[PromptLogprobs, ...]:
         """Waits for the copy; one :class:`~raymoe.step.step_output.PromptLogprobs` per scoring row, in row order."""
         self.copy.wait()
-        _, flat = self.scores.answer(self.copy.tensors)
+        _, flat = self.scores.answer(self.copy.tensors[:-1])
+        flat = [dataclasses.replace(s, rank=k) for s, k in zip(flat, self.copy.tensors[-1].tolist(), strict=True)]
         out, at = [], 0
         for r in self.rows:
             out.append(PromptLogprobs(r.row, r.first_token, tuple(flat[at:at + r.num_positions])))
@@ -95,5 +98,8 @@ def logits_and_scores(model, ops, hidden: torch.Tensor, batch: ModelWorkerBatch,
         rows = model.compute_logits(hidden.index_select(0, to_device(union, torch.int64, dev)), rows_per_rank)
         logits = rows.index_select(0, to_device([at[p] for p in samples], torch.int64, dev))
         scored = rows.index_select(0, to_device([at[p] for p in positions], torch.int64, dev))
-    scores = Sampler.logprobs_of(scored, to_device(targets, torch.int64, dev), wanted)
-    return logits, PendingPromptScores(batch.prompt_score_rows, scores, ops.copy_to_host(scores.device_tensors()))
+    ids = to_device(targets, torch.int64, dev)
+    scores = Sampler.logprobs_of(scored, ids, wanted)
+    ranks = (scored > scored.gather(1, ids[:, None])).sum(dim=1) + 1  # 1 + the tokens more likely than the prompt's
+    return logits, PendingPromptScores(batch.prompt_score_rows, scores,
+                                       ops.copy_to_host([*scores.device_tensors(), ranks]))

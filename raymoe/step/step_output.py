@@ -12,11 +12,13 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class TokenLogprobs:
     """Log-probabilities (natural log) of one sampled token: its own and the ``k`` most likely alternatives
-    (``top_token_ids`` and ``top_logprobs`` have ``k`` entries each, most likely first)."""
+    (``top_token_ids`` and ``top_logprobs`` have ``k`` entries each, most likely first); ``rank``: for a prompt
+    token's score, its 1-based rank in the vocabulary by probability (1 + the tokens more likely), else None."""
 
     logprob: float
     top_token_ids: list[int]
     top_logprobs: list[float]
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
