@@ -50,7 +50,7 @@ class _StepPlan:
     pool_rows: torch.Tensor | None = None  # [m] int64 their ReqToTokenPool rows; None: no penalties
     numbers: tuple = ()  # presence, frequency, repetition, [m] float32 each
     use_seen: bool = False
-    stops: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, token id) of every stop id masked (min_tokens)
+    stops: tuple[torch.Tensor, ...] | None = None  # (row, token id, -inf) of every stop id masked (min_tokens)
 
 
 @dataclass
@@ -150,7 +150,8 @@ class RankPenalties:
             if plan.counted is not None:
                 part.index_copy_(0, plan.counted, x)
         if plan.stops is not None:
-            part.index_put_(plan.stops, torch.tensor(float("-inf"), device=part.device))
+            at, ids, neg = plan.stops
+            part.index_put_((at, ids), neg)
         return logits.index_copy(0, plan.idx, sub)
 
     def _make_plan(self, key: tuple, dev: torch.device) -> _StepPlan:
@@ -166,8 +167,9 @@ class RankPenalties:
         counted = [j for j, s in enumerate(states) if s.p.counts_tokens]
         plan = _StepPlan(key, to_device(list(positions), torch.int64, dev), bias)
         if masked:
-            plan.stops = (torch.cat([torch.full_like(states[j].stop_ids, j) for j in masked]),
-                          torch.cat([states[j].stop_ids for j in masked]))
+            ids = torch.cat([states[j].stop_ids for j in masked])
+            plan.stops = (torch.cat([torch.full_like(states[j].stop_ids, j) for j in masked]), ids,
+                          torch.full(ids.shape, float("-inf"), device=dev))
         if counted:
             cs = [states[j] for j in counted]
             plan.counted = to_device(counted, torch.int64, dev) if len(counted) < len(states) else None
