@@ -71,9 +71,10 @@ def _prefill(rows: list[int]) -> ModelWorkerBatch:
     n = 5
     ids = [(13 * r + 3 * i) % 1900 + 10 for r in rows for i in range(n)]
     loc = [1 + r * CTX + i for r in rows for i in range(n)]
-    # odd rows: penalties and a logit bias (raymoe.runner.penalties), applied and counted in every decode step
+    # odd rows: penalties and a logit bias (raymoe.runner.penalties), applied and counted in every decode step, and
+    # min_tokens (stop ids masked in the first decode steps, not in the last)
     penalties = LogitPenalties(presence=0.3, frequency=0.5, repetition=1.2, bias=((10, 1.0), (77, -2.0)),
-                               prompt_ids=tuple(ids[:n]))
+                               prompt_ids=tuple(ids[:n]), min_tokens=3, stop_ids=(0, 2))
     admitted = tuple((i, SamplingRow(0.0, 1.0, -1, 0.0, None, None, n, penalties)) for i, r in enumerate(rows) if r % 2)
     return ModelWorkerBatch(ForwardMode.EXTEND, ids, list(rows), [n] * len(rows), [0] * len(rows), [n] * len(rows),
                             loc, sampling=SamplingInputs.greedy(len(rows)), sampling_rows=admitted)
