@@ -146,7 +146,7 @@ def _build(body: bytes, chat: bool, limits: BodyLimits) -> dict | Refusal:
     return data
 
 
-def _schema_refusal(e: ValidationError) -> Refusal:
+def schema_refusal(e: ValidationError) -> Refusal:
     """The first schema error as a refusal naming the top-level field (and the path in the message)."""
     errors = e.errors(include_url=False)
     first = errors[0]
@@ -177,7 +177,7 @@ def parse_body(body: bytes, chat: bool, limits: BodyLimits) -> CompletionRequest
     try:
         request = model.model_validate(data)
     except ValidationError as e:
-        return _schema_refusal(e)
+        return schema_refusal(e)
     if chat:
         for message in request.messages:
             if isinstance(message.content, list):

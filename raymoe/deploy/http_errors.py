@@ -103,6 +103,12 @@ def _validation_error(exc: RequestValidationError) -> APIError:
                     code="invalid_value")
 
 
+def model_not_found(model: str, served: str) -> APIError:
+    """The 404 of a request naming ``model`` to a server that serves ``served``."""
+    return APIError(404, f"the model {model!r} does not exist; this server serves {served!r}", param="model",
+                    code="model_not_found")
+
+
 def body_too_large(max_body_bytes: int) -> APIError:
     """The 413 of a request body over ``max_body_bytes`` bytes."""
     return APIError(413, f"the request body is larger than {max_body_bytes} bytes", code="request_too_large")

@@ -34,7 +34,13 @@ from raymoe.deploy.choices import choice_events, choice_prep, gather_all, merged
 from raymoe.deploy.drain import Drain, DrainConfig, DrainGuard
 from raymoe.deploy.generation import ClientDisconnected, Piece, collect, stream_pieces, until_disconnected
 from raymoe.deploy.harmony import HarmonyChat
-from raymoe.deploy.http_errors import APIError, from_raymoe_error, install_error_handlers, request_id_of
+from raymoe.deploy.http_errors import (
+    APIError,
+    from_raymoe_error,
+    install_error_handlers,
+    model_not_found,
+    request_id_of,
+)
 from raymoe.deploy.http_guard import RequestGuard
 from raymoe.deploy.metrics import ServerMetrics
 from raymoe.deploy.parse_pool import POOL
@@ -46,7 +52,7 @@ from raymoe.deploy.request_prep import PreparedRequest, constrained, prepare
 from raymoe.deploy.responses import ResponseBuilder, TokenTexts
 from raymoe.deploy.server_config import ServerLimits
 from raymoe.deploy.sse import EventRelay, SSEResponse, StreamBounds, sse
-from raymoe.deploy.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, run_tokenizer, tokenize
+from raymoe.deploy.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from raymoe.deploy.tool_calls import ToolCallStreamer, default_tool_parser
 from raymoe.errors import InvalidRequestError, RaymoeError
 from raymoe.runner.grammar_compiler import GrammarCompiler
@@ -149,8 +155,7 @@ class OpenAIServing:
         arrival = anyio.current_time()
         engine = self.engine
         if body.model != engine.model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
-                                f"{engine.model_name!r}", param="model", code="model_not_found")
+            raise model_not_found(body.model, engine.model_name)
         request_id = request_id_of(request) or uuid.uuid4().hex
         per_prompt = body.n or 1  # n > 1: one engine request per choice (raymoe.deploy.choices)
         batch = isinstance(body, CompletionRequest) and isinstance(body.prompt, PromptBatch)
@@ -370,15 +375,15 @@ def build_openai_app(engine: EngineClient, api_key: str | None = None, max_in_fl
     async def tokenize_route(request: Request):
         """Token ids of a prompt or a conversation, as the completion routes compute them (vLLM's route)."""
         body = b"".join(await read_body(request, limits.max_body_bytes))
-        return await run_tokenizer(tokenize, body, engine.tokenizer, engine.model_name, engine.max_context_len,
-                                   serving.harmony)
+        return await anyio.to_thread.run_sync(tokenize, body, engine.tokenizer, engine.model_name,
+                                              engine.max_context_len, serving.harmony)
 
     @app.post("/detokenize", responses=_ERRORS, openapi_extra=body_schema(DetokenizeRequest))
     async def detokenize_route(request: Request):
         """The text of token ids (vLLM's route)."""
         body = b"".join(await read_body(request, limits.max_body_bytes))
-        return await run_tokenizer(detokenize, body, engine.tokenizer, engine.model_name,
-                                   engine.model_config.vocab_size)
+        return await anyio.to_thread.run_sync(detokenize, body, engine.tokenizer, engine.model_name,
+                                              engine.model_config.vocab_size)
 
     @app.get("/v1/models", responses=_ERRORS)
     async def models():

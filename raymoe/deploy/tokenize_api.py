@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import anyio
 from pydantic import BaseModel, Field, ValidationError
 
 from raymoe.deploy.body_limits import CAP_MESSAGES, CAP_PROMPT_TOKEN_IDS
+from raymoe.deploy.body_parse import schema_refusal
 from raymoe.deploy.harmony import HarmonyChat
-from raymoe.deploy.http_errors import APIError
+from raymoe.deploy.http_errors import APIError, model_not_found
 from raymoe.deploy.protocol import _STRICT, ChatCompletionRequest, ChatMessage, Name, Text, TokenId, ToolDef
 from raymoe.deploy.request_prep import chat_prompt_ids
 
@@ -47,19 +47,21 @@ class DetokenizeRequest(BaseModel):
     tokens: Annotated[list[TokenId], Field(max_length=CAP_PROMPT_TOKEN_IDS)]
 
 
-def _parse(model: type[BaseModel], body: bytes) -> BaseModel:
+def _parse(model: type[BaseModel], body: bytes, served: str) -> BaseModel:
+    """``body`` validated as ``model``, naming the request's served model.
+
+    Raises:
+        APIError: 400 naming the field of the first schema error (``body_parse.schema_refusal``, as the completion
+            routes word it), 404 for another model.
+    """
     try:
-        return model.model_validate_json(body)
+        req = model.model_validate_json(body)
     except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"][:1]) or None
-        raise APIError(400, f"{'.'.join(map(str, err['loc']))}: {err['msg']}", param=field) from None
-
-
-def _check_model(model: str, served: str) -> None:
-    if model != served:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {served!r}", param="model",
-                       code="model_not_found")
+        r = schema_refusal(e)
+        raise APIError(r.status, r.message, param=r.param, code=r.code) from None
+    if req.model != served:
+        raise model_not_found(req.model, served)
+    return req
 
 
 def tokenize(body: bytes, tokenizer, served: str, max_context_len: int, harmony: HarmonyChat | None) -> dict:
@@ -69,8 +71,7 @@ def tokenize(body: bytes, tokenizer, served: str, max_context_len: int, harmony:
         APIError: 400 naming the field (a schema error, both or neither of ``prompt`` and ``messages``, a template
             refusal), 404 for another model.
     """
-    req = _parse(TokenizeRequest, body)
-    _check_model(req.model, served)
+    req = _parse(TokenizeRequest, body, served)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
     if req.prompt is not None:
@@ -90,15 +91,10 @@ def detokenize(body: bytes, tokenizer, served: str, vocab_size: int) -> dict:
     Raises:
         APIError: 400 naming ``tokens`` (not token ids, or one outside the vocabulary), 404 for another model.
     """
-    req = _parse(DetokenizeRequest, body)
-    _check_model(req.model, served)
+    req = _parse(DetokenizeRequest, body, served)
     bad = next((i for i, t in enumerate(req.tokens) if t >= vocab_size), None)
     if bad is not None:
         raise APIError(400, f"tokens[{bad}] is {req.tokens[bad]}, outside the vocabulary [0, {vocab_size})",
                        param="tokens")
     return {"prompt": tokenizer.decode(req.tokens)}
 
-
-async def run_tokenizer(fn, *args) -> dict:
-    """``fn(*args)`` in a worker thread (tokenizing a long text or rendering a template takes milliseconds)."""
-    return await anyio.to_thread.run_sync(fn, *args)

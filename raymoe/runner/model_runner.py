@@ -324,7 +324,7 @@ class ModelRunner:
             graph_fb.input_ids, graph_fb.attn_backend = fb.input_ids, self.attn_backend
             self.verify_graph_steps += 1
         verify = batch.forward_mode.is_target_verify() or any(batch.draft_lens)  # MIXED rows may verify drafts
-        hidden = None
+        hidden = prompt = None
         drafting = self.drafter is not None and batch.draft_passes  # the step's decision, the same on every rank
         if use_graph and self.drafter is not None:  # the graphs return the hidden states the draft model reads
             logits, hidden = self.graph_runner.replay(graph_fb)
@@ -338,8 +338,6 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden if verify else hidden[fb.sample_indices], fb.dispatch_capacity)
         else:
             logits = self.forward(fb, return_all_logits=verify)
-        if not scoring:
-            prompt = None
         load = None
         if update is not None and update.report_load and self.eplb is not None:
             snapshot = self.eplb.load_snapshot()
