@@ -18,7 +18,7 @@ import anyio
 import pytest
 from test_http_guards import AUTH, FakeEngine, _app, _client
 
-from raymoe.deploy.drain import DrainConfig
+from raymoe.deploy.drain_config import DrainConfig
 from raymoe.errors import InvalidRequestError
 
 

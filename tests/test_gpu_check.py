@@ -59,3 +59,15 @@ def test_a_failing_step_is_a_row_and_the_exit_status(tmp_path, monkeypatch, caps
     assert 0 < seen[0] <= gpu_check.CAPS_S["offline"]
     with pytest.raises(SystemExit, match="unknown steps"):
         gpu_check.main(["--steps", "env,bench"])
+
+
+def test_the_command_line_imports_no_web_stack():
+    """``raymoe env`` / ``raymoe bench`` must start on a GPU machine that has torch but no web stack (the first GPU
+    run of the check failed its env, graph and offline steps on ``import starlette``, pulled in by the serve flags'
+    drain settings): importing ``raymoe.cli`` loads none of starlette, fastapi, uvicorn or Ray."""
+    import subprocess
+
+    code = ("import sys, raymoe.cli; "
+            "print(sorted(m for m in ('starlette', 'fastapi', 'uvicorn', 'ray') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -17,7 +17,7 @@ from raymoe.cli import GENERATE_OWN_FLAGS, build_parser
 from raymoe.config import EngineConfig, engine_config_from_options, engine_options
 from raymoe.config.engine_options import declared_options, engine_sections
 from raymoe.config.option import is_option
-from raymoe.deploy.drain import DrainConfig
+from raymoe.deploy.drain_config import DrainConfig
 from raymoe.deploy.server_config import SERVE_DEFAULTS, SERVE_ONLY_FIELDS, ServeOptions, ServerLimits
 from raymoe.errors import InvalidRequestError
 

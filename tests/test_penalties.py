@@ -29,7 +29,7 @@ PENALIZED = [  # (presence, frequency, repetition, logit bias)
     (-0.5, 0.7, 1.3, {5: 3.0, 300: -100.0}),
     (1.0, 2.0, 1.0, {}),
 ]
-OPTS = {"max_running_requests": 4, "max_context_len": 160, "cuda_graph_max_bs": 4}
+OPTS = {"max_running_requests": 4, "max_context_len": 160, "cuda_graph_max_bs": 4, "dtype": "float32"}  # (fp32 oracle)
 TIGHT_KV = 70  # KV slots: the four requests outgrow them and some are retracted after generating tokens
 
 

@@ -24,7 +24,7 @@ DIMS = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "
 PROMPTS = ["for i in range(10):\n    print(i)\n" * 3, "hello hello hello world", "import os\nimport sys\n" * 4, "x y"]
 N = 6
 K = 3
-OPTS = {"max_running_requests": 8, "max_context_len": 160, "cuda_graph_max_bs": 8}
+OPTS = {"max_running_requests": 8, "max_context_len": 160, "cuda_graph_max_bs": 8, "dtype": "float32"}  # (fp32 oracle)
 PLAIN = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
 SCORED = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True, prompt_logprobs=K)
 

@@ -12,7 +12,7 @@ import os
 
 from raymoe.cli_args import add_option_flag, given_options, model_arg
 from raymoe.config.engine_options import declared_options, engine_options
-from raymoe.deploy.drain import DrainConfig
+from raymoe.deploy.drain_config import DrainConfig
 from raymoe.deploy.server_config import ServeOptions, ServerLimits
 from raymoe.errors import InvalidRequestError
 

@@ -31,7 +31,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from raymoe.client.engine_client import EngineClient
 from raymoe.deploy.admin import admin_router
 from raymoe.deploy.choices import choice_events, choice_prep, gather_all, merged_answer
-from raymoe.deploy.drain import Drain, DrainConfig, DrainGuard
+from raymoe.deploy.drain import Drain, DrainGuard
+from raymoe.deploy.drain_config import DrainConfig
 from raymoe.deploy.generation import ClientDisconnected, Piece, collect, stream_pieces, until_disconnected
 from raymoe.deploy.harmony import HarmonyChat
 from raymoe.deploy.http_errors import (

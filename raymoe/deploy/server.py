@@ -23,7 +23,7 @@ import urllib.request
 
 from tqdm import tqdm
 
-from raymoe.deploy.drain import DrainConfig
+from raymoe.deploy.drain_config import DrainConfig
 from raymoe.deploy.server_config import ServeOptions
 
 
