@@ -13,7 +13,6 @@ import sys
 from raymoe.bench.cli import add_bench_parser
 from raymoe.cli_args import add_option_flags, given_options, model_arg, resolve_model
 from raymoe.config import engine_options
-from raymoe.deploy.cli import add_serve_parser
 from raymoe.eplb_cli import add_eplb_parser
 from raymoe.errors import RaymoeError
 
@@ -143,6 +142,27 @@ def _add_generate_parser(sub) -> None:
     p.set_defaults(func=_cmd_generate)
 
 
+def _add_serve_parser(sub) -> None:
+    """``raymoe serve``'s flags (``raymoe.deploy.cli``); on a machine without the serving stack (pydantic, the web
+    framework: a GPU box with torch alone, where the GPU check runs ``raymoe env`` and the benchmarks) a ``serve``
+    that says what is missing, so every other subcommand still runs there."""
+    try:
+        from raymoe.deploy.cli import add_serve_parser
+    except ModuleNotFoundError as e:
+        missing = e.name
+        p = sub.add_parser("serve", help=f"unavailable here: {missing} is not installed", prefix_chars="\0",
+                           add_help=False)
+        p.add_argument("args", nargs="*")  # (every flag taken as a word: the answer is the same)
+
+        def unavailable(_a: argparse.Namespace) -> None:
+            raise SystemExit(f"raymoe serve needs {missing}, which is not installed (pip install raymoe installs the "
+                             "serving stack)")
+
+        p.set_defaults(func=unavailable)
+        return
+    add_serve_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``raymoe`` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="raymoe", description="Ray-native MoE serving engine")
@@ -151,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_parser(sub)
     p = sub.add_parser("env", help="print torch/CUDA/NCCL versions and which GPU backends import")
     p.set_defaults(func=_cmd_env)
-    add_serve_parser(sub)
+    _add_serve_parser(sub)
     add_bench_parser(sub)
     add_eplb_parser(sub)
     return parser

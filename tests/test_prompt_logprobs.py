@@ -190,8 +190,7 @@ def test_a_scored_prompt_is_computed_in_bounded_chunks(qwen, monkeypatch):
         head = model.compute_logits
         monkeypatch.setattr(model, "compute_logits", lambda h, n=None: (seen.append(h.shape[0]), head(h, n))[1])
         outs = e.generate(PROMPTS[:1], SCORED)
-        scored_calls = len(seen)
-        e.generate(PROMPTS[:1], PLAIN)
     _check(outs, plain[:1], want[:1])
     n = len(outs[0].prompt_token_ids)
-    assert max(seen[:scored_calls]) <= 16 and scored_calls - N >= n // 16  # 63 prompt tokens: 4 chunks
+    chunks = [rows for rows in seen if rows > 1]  # (eager decode steps compute one row; CUDA replays a graph)
+    assert max(seen) <= 16 and len(chunks) >= n // 16, seen  # 63 prompt tokens: 4 chunks of at most 16

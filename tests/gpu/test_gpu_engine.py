@@ -69,7 +69,7 @@ def test_cuda_prefill_logits_match_transformers(tiny_model):
 
 
 def test_bfloat16_cuda_graphs_run(tiny_model):
-    with Engine(tiny_model, device="cuda", dtype="bfloat16", **OPTS) as e:
+    with Engine(tiny_model, device="cuda", **{**OPTS, "dtype": "bfloat16"}) as e:
         outs = e.generate(PROMPTS, GREEDY)
         assert e.driver.num_graph_steps > 0
     assert all(len(o.token_ids) > 0 for o in outs)
