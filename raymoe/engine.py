@@ -19,6 +19,7 @@ from pathlib import Path
 from raymoe.actors.elastic_world import restart_ranks
 from raymoe.actors.factory import build_driver
 from raymoe.actors.records import RequestDelta
+from raymoe.actors.weight_update import DEFAULT_WEIGHT_VERSION, WeightUpdate, WeightUpdateResult, apply_weight_update
 from raymoe.client.blocking import BlockingClient, StreamRequest
 from raymoe.cluster.device_choice import resolve_engine_config
 from raymoe.config import EngineConfig, ModelConfig, engine_config_from_options
@@ -99,6 +100,7 @@ class Engine:
         self._closed = False
         self._unhealthy: str | None = None
         self.pd = self._blocking = None
+        self.weight_version = DEFAULT_WEIGHT_VERSION  # the name of the weights serving (update_weights_from_disk)
         if pd_prefill is not None or pd_decode is not None:
             self._start_pd(str(model), pd_prefill, pd_decode, options, pd_kv_layerwise)
             return
@@ -269,6 +271,36 @@ class Engine:
         return RequestOutput(req.request_id, list(req.prompt_token_ids), ids, self._text(ids, last.matched_stop),
                              last.finish_reason or "abort", logprobs, last.cached_tokens,
                              last.accepted_prediction_tokens, last.rejected_prediction_tokens, prompt)
+
+    def update_weights_from_disk(self, model_path: str | Path, weight_version: str | None = None) -> WeightUpdateResult:
+        """Serve ``model_path``'s weights from the next ``generate`` on (SGLang's ``update_weights_from_disk``;
+        ``raymoe.actors.weight_update``): a folder of the served architecture, loaded by every rank in place; the
+        radix cache is flushed. ``weight_version``: the name ``self.weight_version`` takes (None: kept).
+
+        Returns:
+            the result: ``success`` False with the reason (another architecture, naming the field; a tensor
+            missing or misshapen, after which the ranks load the previous folder again) leaves the weights as
+            they were.
+        Raises:
+            InvalidRequestError: prefill/decode mode (``pd_prefill``), where the two engines would have to switch
+                together. EngineUnhealthyError: shut down, or the load and the reload of the previous folder both
+                failed (the engine is unhealthy; :meth:`recover` rebuilds the ranks from the previous folder).
+        """
+        if self._closed:
+            raise EngineUnhealthyError("engine is shut down")
+        if self.pd is not None:
+            raise InvalidRequestError("pd_prefill", "weight updates are not supported with prefill/decode "
+                                                    "disaggregation")
+        if self._unhealthy is not None:
+            self.recover()
+        try:
+            result = apply_weight_update(self.driver, self.model_config,
+                                         WeightUpdate(str(model_path), weight_version), self.weight_version)
+        except EngineUnhealthyError as e:
+            self._unhealthy = str(e)
+            raise
+        self.weight_version = result.weight_version
+        return result
 
     def shutdown(self) -> None:
         """Release the ranks; further calls raise."""

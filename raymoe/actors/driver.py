@@ -334,6 +334,14 @@ class Driver(StepCoordinator):
                 from error
         return failed
 
+    def flush_cache(self) -> None:
+        """Drop every DP group's radix cache (after a weight update). Raises RuntimeError: a request or step is
+        still in flight."""
+        if self.has_unfinished():
+            raise RuntimeError("flush_cache needs an idle engine")
+        for g in self.groups:
+            g.flush_cache()
+
     def idle_report(self) -> IdleReport | None:
         """The idle invariant summed over DP groups when no group holds a request (``None`` otherwise)."""
         reports = [s.idle_report() for s in self.schedulers]

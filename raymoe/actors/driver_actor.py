@@ -35,6 +35,7 @@ from raymoe.actors.channel import connect_channel
 from raymoe.actors.driver_service import DriverService, EngineStats, RequestError
 from raymoe.actors.frontends import OutputFanout, frontend_of
 from raymoe.actors.output_batch import OutputBatch, RequestEnd
+from raymoe.actors.weight_update import WeightUpdate, WeightUpdateResult
 from raymoe.config import EngineConfig, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 DRIVER_MAX_RESTARTS = -1
 _CONTROL = "control"  # concurrency group of the health, state and test-hook calls
 _KV = "kv"  # KV transfers of prefill/decode disaggregation: long calls, kept apart from stats and health
+_WEIGHTS = "weights"  # weight updates: wait for the requests in flight and the ranks' load (minutes)
 
 
 ENGINE_NAMESPACE = "raymoe"
@@ -69,7 +71,7 @@ def start_driver_actor(config: EngineConfig, max_restarts: int = DRIVER_MAX_REST
     # World size 1: the rank computes in this actor, which then needs the GPU (Ray hides GPUs from actors that
     # do not ask for one, and the rank would fail with RankDeviceError). Otherwise its rank actors ask for theirs.
     gpus = 1 if config.parallel.world_size == 1 and config.device == "cuda" else 0
-    cls = ray.remote(concurrency_groups={_CONTROL: 2, _KV: 8}, max_concurrency=4)(DriverActor)
+    cls = ray.remote(concurrency_groups={_CONTROL: 2, _KV: 8, _WEIGHTS: 2}, max_concurrency=4)(DriverActor)
     named = {"name": name, "namespace": ENGINE_NAMESPACE} if name else {}
     return cls.options(num_cpus=0, num_gpus=gpus, max_restarts=max_restarts, max_task_retries=0,
                        scheduling_strategy=here, **named).remote(config)
@@ -130,7 +132,7 @@ class DriverActor:
             select_platform(config.device).set_rank_threads(config.cpu_threads, ranks_on_node=1)
         self.config = config
         self._outputs = OutputFanout(self._send_batch)  # one connection per front end (raymoe.actors.frontends)
-        model_config = ModelConfig.from_hf(config.model)
+        self.model_config = model_config = ModelConfig.from_hf(config.model)
         self.service = DriverService(build_driver(config, model_config, load_tokenizer(config.model)),
                                      publish=self._outputs.publish)
         configure_driver_gc()  # ranks (and a one-rank world's model) are up: start-up heap frozen, rarer collections
@@ -229,6 +231,14 @@ class DriverActor:
     def rebalance_experts(self) -> bool:
         """Ask for an expert rebalance at the next step; False when the engine was started without enable_eplb."""
         return self.service.rebalance_experts()
+
+    @ray.method(concurrency_group=_WEIGHTS)
+    def update_weights_from_disk(self, update: WeightUpdate) -> WeightUpdateResult:
+        """Serve another checkpoint folder's weights once the requests in flight are done
+        (``DriverService.update_weights``; new requests wait meanwhile); blocks until then."""
+        executor = self.service.driver.executor
+        load_timeout_s = getattr(getattr(executor, "ranks", executor), "load_timeout_s", 600.0)
+        return self.service.update_weights(update, self.model_config, load_timeout_s)
 
     @ray.method(concurrency_group=_CONTROL)
     def healthy(self) -> bool:

@@ -26,6 +26,7 @@ Supervision, from the narrowest scope out:
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -37,6 +38,14 @@ from raymoe.actors.elastic_world import can_grow, grow_ranks, idle_lost_ranks, r
 from raymoe.actors.hosted_driver import HostedDriver
 from raymoe.actors.output_batch import OutputBatch, RequestEnd
 from raymoe.actors.records import AddRequest, EngineStats, RequestDelta, RequestError
+from raymoe.actors.weight_update import (
+    DEFAULT_WEIGHT_VERSION,
+    PendingWeightUpdate,
+    WeightUpdate,
+    WeightUpdateResult,
+    apply_weight_update,
+)
+from raymoe.config.model import ModelConfig
 from raymoe.errors import EngineUnhealthyError
 from raymoe.scheduler.scheduler import IdleReport
 from raymoe.scheduler.spec_steps import SpecCounters
@@ -91,6 +100,9 @@ class DriverService:
         self.rank_restarts = 0
         self.ep_shrinks = self.ep_grows = 0
         self.loop_restarts = 0
+        self.weight_version = DEFAULT_WEIGHT_VERSION
+        self.weight_updates = 0
+        self._update: PendingWeightUpdate | None = None  # a weight update waiting for the requests in flight
         driver.record_outputs = True  # the groups write output rows, which this loop publishes
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._out = OutputBatch()  # rows the loop itself writes (refusals while unhealthy, failures)
@@ -140,7 +152,24 @@ class DriverService:
             cache_tokens_locked=idle.locked_cache_tokens if idle else 0, idle_checked=idle is not None,
             step_times=self.driver.step_timer.snapshot(),
             expert_load=self.driver.eplb.report() if self.driver.eplb is not None else None,
-            routing=self.driver.router.counters, spec=SpecCounters.total(s.spec for s in groups))
+            routing=self.driver.router.counters, spec=SpecCounters.total(s.spec for s in groups),
+            weight_version=self.weight_version, weight_updates=self.weight_updates)
+
+    def update_weights(self, update: WeightUpdate, served: ModelConfig,
+                       load_timeout_s: float = 600.0) -> WeightUpdateResult:
+        """Serve ``update.model_path``'s weights (``raymoe.actors.weight_update``): from the next loop iteration
+        new requests are held; the requests in flight finish (or are aborted, ``abort_all_requests``); then every
+        rank loads the folder, the radix caches are flushed and the held requests are admitted. Blocks the caller
+        until then. ``served``: the served architecture. ``load_timeout_s``: bound on the ranks' load, seconds.
+
+        Returns:
+            the result (a refusal, a timeout or a rolled-back load leaves the weights unchanged).
+        Raises:
+            TimeoutError: the loop did not answer within the wait, the load and a minute more.
+        """
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("update", PendingWeightUpdate(update, served, future, load_timeout_s)))
+        return future.result(timeout=update.timeout_s + load_timeout_s + 60.0)
 
     def rebalance_experts(self) -> bool:
         """Ask for an expert rebalance at the next step (``raymoe.eplb.controller``). Returns False when the engine
@@ -193,6 +222,14 @@ class DriverService:
         return thread
 
     def _apply(self, adds: list[AddRequest], aborts: list[str]) -> None:
+        if self._update is not None:  # held until the weight update is done; an abort of a held one ends it here
+            gone = set(aborts)
+            self._update.held.extend(a for a in adds if a.request_id not in gone)
+            for a in self._update.held:
+                if a.request_id in gone:
+                    self._out.end(a.request_id, RequestEnd(finish_reason="abort"))
+            self._update.held = [a for a in self._update.held if a.request_id not in gone]
+            adds = []
         for a in adds:
             if self._error is not None:
                 self._out.end(a.request_id, RequestEnd(error=RequestError("unhealthy", self._error)))
@@ -217,6 +254,8 @@ class DriverService:
         while True:
             if cmd[0] == "call":
                 self._run_call(*cmd[1:])
+            elif cmd[0] == "update":
+                self._begin_update(*cmd[1:])
             else:
                 self._apply(*cmd)
             try:
@@ -243,6 +282,50 @@ class DriverService:
             future.set_result(fn(self.driver))
         except Exception as e:  # noqa: BLE001 - handed to the caller
             future.set_exception(e)
+
+    def _begin_update(self, pending: PendingWeightUpdate) -> None:
+        if self._update is not None:
+            pending.future.set_result(WeightUpdateResult(False, "another weight update is in progress",
+                                                         self.weight_version))
+            return
+        if pending.update.abort_all_requests:
+            rids = list(self.driver.group_of)
+            for rid in rids:
+                self.driver.abort_request(rid)
+            pending.aborted = len(rids)
+        pending.deadline = time.monotonic() + pending.update.timeout_s
+        self._update = pending
+
+    def _advance_update(self) -> None:
+        """Apply the pending weight update once nothing is in flight (or give up at its deadline); then admit
+        the requests it held."""
+        pending = self._update
+        if self.driver.has_unfinished():
+            if time.monotonic() < pending.deadline:
+                return
+            n = len(self.driver.group_of)
+            result = WeightUpdateResult(False, f"{n} request(s) still in flight after {pending.update.timeout_s:g} s; "
+                                               "the weights are unchanged (abort_all_requests ends them)",
+                                        self.weight_version, param="timeout_s")
+        else:
+            try:
+                result = apply_weight_update(self.driver, pending.served, pending.update, self.weight_version,
+                                             pending.load_timeout_s)
+            except EngineUnhealthyError as e:  # the ranks hold a mix of two checkpoints: rebuild them
+                log.error("weight update failed: %s", e)
+                self._error = "a weight update failed and the ranks are being rebuilt"
+                result = WeightUpdateResult(False, str(e), self.weight_version)
+            except Exception as e:  # noqa: BLE001 - answered; the engine state was not changed before it
+                log.exception("weight update failed")
+                result = WeightUpdateResult(False, f"the weight update failed ({type(e).__name__})",
+                                            self.weight_version)
+        if result.success:
+            self.weight_version = result.weight_version
+            self.weight_updates += 1
+        self._update = None
+        self._idle = None
+        pending.future.set_result(dataclasses.replace(result, num_aborted_requests=pending.aborted))
+        self._apply(pending.held, [])
 
     def _flush(self) -> None:
         batch, self._out = self._out, OutputBatch()
@@ -323,6 +406,8 @@ class DriverService:
             if self._idle is None:
                 self._idle = self.driver.idle_report()
             self._probe_idle_ranks()
+        if self._update is not None:
+            self._advance_update()
         self._flush()
 
     def _probe_idle_ranks(self) -> None:
@@ -390,8 +475,15 @@ class DriverService:
     def _refuse_commands(self, err: RequestError) -> None:
         while True:
             try:
-                adds, _aborts = self._commands.get_nowait()
+                cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if cmd[0] == "call":
+                cmd[2].set_exception(EngineUnhealthyError(err.message))
+                continue
+            if cmd[0] == "update":
+                cmd[1].future.set_result(WeightUpdateResult(False, err.message, self.weight_version))
+                continue
+            adds, _aborts = cmd
             for a in adds:
                 self._out.end(a.request_id, RequestEnd(error=err))

@@ -94,6 +94,17 @@ class LocalExecutor:
         except Exception as e:
             raise RankStepError(f"the rank raised {type(e).__name__} in a step") from e
 
+    def call_rank(self, method: str, *args):
+        """``RankWorker.<method>(*args)`` on the rank thread, waited for (a control call between steps, e.g.
+        ``update_weights_from_disk``).
+
+        Raises:
+            RankFailure: the engine is shut down; whatever the rank raised.
+        """
+        if self.worker is None:
+            raise RankFailure("engine is shut down")
+        return self._thread.submit(getattr(self.worker, method), *args).result()
+
     def ranks_alive(self) -> bool:
         """Whether the rank exists (an in-process rank cannot hang in a collective)."""
         return self.worker is not None

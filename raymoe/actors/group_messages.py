@@ -25,9 +25,10 @@ from raymoe.scheduler.req import RequestFault
 from raymoe.scheduler.spec_steps import SpecCounters
 from raymoe.step.step_plan import GroupPlan, PickledAsFields, StepDecision
 
-CONTROL_KINDS = ("fail_inflight", "end_all", "reset", "idle_report", "stop")
+CONTROL_KINDS = ("fail_inflight", "end_all", "reset", "idle_report", "flush_cache", "stop")
 """What a :class:`GroupControl` asks: fail the steps in flight (after waiting for the ranks to answer them), end
-every request with an error, forget every request (fresh scheduler), report the idle invariant, stop serving."""
+every request with an error, forget every request (fresh scheduler), report the idle invariant, drop the radix
+cache (idle only: after a weight update), stop serving."""
 
 
 @dataclass(frozen=True)

@@ -162,5 +162,9 @@ class GroupServer:
     def _control_idle_report(self, msg: GroupControl) -> GroupReply:
         return self._reply(None, idle=self.group.scheduler.idle_report())
 
+    def _control_flush_cache(self, msg: GroupControl) -> GroupReply:
+        self.group.flush_cache()
+        return self._reply(None)
+
     def _control_stop(self, msg: GroupControl) -> GroupReply:
         return self._reply(None)

@@ -269,6 +269,16 @@ class HostedDriver(StepCoordinator):
             self.eplb.abort()
         return []
 
+    def flush_cache(self) -> None:
+        """Drop every DP group's radix cache, each in its process (``GroupControl("flush_cache")``).
+
+        Raises:
+            RuntimeError: a request or step is in flight, or a group could not flush (its message).
+        """
+        if self.has_unfinished():
+            raise RuntimeError("flush_cache needs an idle engine")
+        self._control(GroupControl("flush_cache"))
+
     def idle_report(self) -> IdleReport | None:
         """The idle invariant summed over the groups when none holds a request (``None`` otherwise)."""
         if self.has_unfinished():

@@ -155,6 +155,27 @@ class RankWorker(RankKVTransfer):
         graphs = len(runner.graph_runner.graphs) if runner.graph_runner is not None else 0
         return graphs, time.perf_counter() - t0
 
+    def update_weights_from_disk(self, model_path: str) -> float:
+        """Replace this rank's weights with ``model_path``'s, in place (``raymoe.runner.weight_reload``), and
+        load that folder from now on (a rebuild after a fault); returns the seconds it took. Called on every rank
+        of the world at once while no step is in flight (decode graphs captured again where they bind addresses
+        run collectives).
+
+        Raises:
+            RuntimeError: the rank is not loaded. CheckpointError: another architecture (nothing written), or a
+                tensor missing or misshapen (the weights are then a mix: the caller loads a whole folder again).
+        """
+        from dataclasses import replace
+
+        from raymoe.runner.weight_reload import reload_weights
+
+        if self.runner is None:
+            raise RuntimeError("update_weights_from_disk before load")
+        self._device()  # current for CUDA on this thread (a capture runs on it)
+        seconds = reload_weights(self.runner, model_path)
+        self.runner_cfg = replace(self.runner_cfg, model_path=model_path)
+        return seconds
+
     def launch_step(self, batch: ModelWorkerBatch) -> PendingStep:
         """Launch one step of this rank's DP group (IDLE batches included) without waiting for its tokens
         (``ModelRunner.launch_step``); ``.result()`` of the answer waits for them.

@@ -141,6 +141,8 @@ class EngineStats:
         routing: how new requests were routed to DP groups (``raymoe.actors.dp_router``), or None.
         spec: speculative decoding's counters summed over the groups (``raymoe.scheduler.spec_steps``), or None
             when it is off.
+        weight_version: the name of the weights serving (``"default"`` until a weight update names one,
+            ``raymoe.actors.weight_update``). weight_updates: weight updates applied so far.
     """
 
     num_running: int
@@ -168,3 +170,5 @@ class EngineStats:
     expert_load: ExpertLoadReport | None = None
     routing: RouteCounters | None = None
     spec: SpecCounters | None = None
+    weight_version: str = "default"
+    weight_updates: int = 0

@@ -31,6 +31,7 @@ from pathlib import Path
 from raymoe.actors.channel import ChannelListener
 from raymoe.actors.driver_service import AddRequest, EngineStats, OutputBatch, RequestDelta, RequestError
 from raymoe.actors.frontends import FRONTEND_SEP, engine_request_id
+from raymoe.actors.weight_update import WeightUpdate, WeightUpdateResult
 from raymoe.client.request_resume import ResumableRequest
 from raymoe.config import EngineConfig, ModelConfig
 from raymoe.errors import EngineUnhealthyError
@@ -435,6 +436,17 @@ class EngineClient:
             EngineUnhealthyError: the driver is being reconnected. ray exceptions: the driver actor is gone.
         """
         return await self._ask_driver("rebalance_experts")
+
+    async def update_weights_from_disk(self, update: WeightUpdate) -> WeightUpdateResult:
+        """Serve ``update.model_path``'s weights once the requests in flight are done
+        (``DriverActor.update_weights_from_disk``; requests sent meanwhile wait); returns how it ended.
+
+        Raises:
+            EngineUnhealthyError: the driver is being reconnected. ray exceptions: the driver actor is gone.
+        """
+        if self._dead is not None:
+            raise EngineUnhealthyError(self._dead)
+        return await self.driver.update_weights_from_disk.remote(update)
 
     async def healthy(self) -> bool:
         """False while a rank failure is being recovered, while the driver loop or actor is down or being

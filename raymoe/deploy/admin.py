@@ -48,15 +48,21 @@ async def _ask(call):
         raise _unavailable() from None
 
 
-def admin_router(engine: EngineClient, api_key: str | None) -> APIRouter:
-    """The ``/admin`` routes over ``engine`` (module docstring); ``api_key``: the bearer token they need (None:
-    open, as ``/v1/*``)."""
+def api_key_check(api_key: str | None):
+    """A FastAPI dependency that refuses a request without ``Authorization: Bearer api_key`` (401, the body of
+    ``http_guard``; None: every request passes): for operator routes outside ``/v1/*``."""
 
     async def authorized(request: Request) -> None:
         if api_key is not None and (err := _auth_error(request.headers, api_key)) is not None:
             raise err
 
-    router = APIRouter(prefix="/admin", dependencies=[Depends(authorized)], responses=_ERRORS)
+    return Depends(authorized)
+
+
+def admin_router(engine: EngineClient, api_key: str | None) -> APIRouter:
+    """The ``/admin`` routes over ``engine`` (module docstring); ``api_key``: the bearer token they need (None:
+    open, as ``/v1/*``)."""
+    router = APIRouter(prefix="/admin", dependencies=[api_key_check(api_key)], responses=_ERRORS)
 
     @router.get("/expert_load")
     async def expert_load() -> dict:

@@ -4,8 +4,9 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stre
 /tokenize`` and ``POST /detokenize`` (``tokenize_api``; these five need ``Authorization: Bearer KEY`` when an API
 key is set), ``GET /ready`` and ``GET /health`` (readiness: 503
 while the engine is unhealthy or the server drains), ``GET /live`` (liveness; ``probes``), ``GET /metrics``
-(Prometheus text), and the operator routes of ``admin`` (``GET /admin/expert_load``, ``POST
-/admin/rebalance_experts``; the API key as on ``/v1/*``). ``drain.DrainGuard`` follows every ``/v1/*`` request so
+(Prometheus text), the operator routes of ``admin`` (``GET /admin/expert_load``, ``POST
+/admin/rebalance_experts``) and of ``weights_api`` (``POST /update_weights_from_disk``, ``GET
+/get_weight_version``; the API key as on ``/v1/*``). ``drain.DrainGuard`` follows every ``/v1/*`` request so
 that a stop can drain them (``drain.Drain``, kept in ``app.state.drain``). Flow of a request: ``http_guard`` gives
 it an id and checks the key, the head and the declared body size before anything is read; ``request_body`` reads the
 body (413 past ``max_body_bytes``) and has it parsed and validated under the structural limits, on the loop when it
@@ -55,6 +56,7 @@ from raymoe.deploy.server_config import ServerLimits
 from raymoe.deploy.sse import EventRelay, SSEResponse, StreamBounds, sse
 from raymoe.deploy.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from raymoe.deploy.tool_calls import ToolCallStreamer, default_tool_parser
+from raymoe.deploy.weights_api import UpdateWeightsFromDiskRequest, weights_router
 from raymoe.errors import InvalidRequestError, RaymoeError
 from raymoe.runner.grammar_compiler import GrammarCompiler
 from raymoe.step.grammar import GrammarSpec
@@ -355,7 +357,8 @@ def build_openai_app(engine: EngineClient, api_key: str | None = None, max_in_fl
     app.add_middleware(DrainGuard, drain=draining)  # added first: inside RequestGuard, so refusals carry the id
     app.add_middleware(RequestGuard, metrics=serving.metrics, api_key=api_key, max_body_bytes=limits.max_body_bytes,
                        max_headers=limits.max_headers, max_header_bytes=limits.max_header_bytes)
-    document_request_bodies(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest))
+    document_request_bodies(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+                                  UpdateWeightsFromDiskRequest))
     body_limits = limits.body_limits()
     POOL.start()  # the parse workers import while the server starts
 
@@ -413,4 +416,5 @@ def build_openai_app(engine: EngineClient, api_key: str | None = None, max_in_fl
         return await serving.metrics_text()
 
     app.include_router(admin_router(engine, api_key))
+    app.include_router(weights_router(engine, api_key, limits.max_body_bytes))
     return app

@@ -117,9 +117,13 @@ class GraphCapture(Protocol):
     Attributes:
         fixed_kv_width: each graph attends over the KV width it was captured at (CUDA graphs freeze shapes), so a
             bucket is captured per width of a ladder; False: a replay narrows to the step's longest sequence.
+        binds_addresses: a replay reads the tensors the capture read at their addresses (CUDA graphs), so a
+            weight whose prepared form is made anew (a weight update, ``raymoe.runner.weight_reload``) needs a new
+            capture; False: a replay runs the forward again and reads what the layers hold then.
     """
 
     fixed_kv_width: bool
+    binds_addresses: bool
 
     def capture(self, run: Callable[[], GraphOutput], bs: int, max_bs: int, host_sync_free: bool) -> GraphStep:
         """Capture ``run`` (one bucket's forward, ``bs`` rows; ``max_bs`` the largest bucket; it returns the same

@@ -197,6 +197,20 @@ class Scheduler:
         :func:`raymoe.scheduler.accounting.kv_usage`)."""
         return accounting.kv_usage(self.state)
 
+    def flush_cache(self) -> None:
+        """Drop every prefix the radix cache holds and free its slots (SGLang's ``flush_cache``): after a weight
+        update, KV computed with the old weights must not be reused. Only while the group is idle.
+
+        Raises:
+            RuntimeError: a request is unfinished, a batch in flight, or KV held for the other engine of a PD pair.
+        """
+        s = self.state
+        if s.unfinished or s.inflight or s.kv_reservations or s.kv_exports:
+            raise RuntimeError(f"flush_cache needs an idle group: {len(s.unfinished)} unfinished request(s), "
+                               f"{len(s.inflight)} batch(es) in flight, {len(s.kv_reservations) + len(s.kv_exports)} "
+                               "KV reservation(s) or export(s)")
+        s.tree_cache.reset()
+
     def idle_report(self) -> IdleReport | None:
         """The idle invariant's counts when this group holds no unfinished request and no batch is in flight
         (``None`` otherwise). O(1). See :func:`raymoe.scheduler.accounting.idle_report`."""

@@ -33,6 +33,7 @@ class CudaGraphCapture:
     """
 
     fixed_kv_width = True
+    binds_addresses = True
 
     def __init__(self, device: torch.device, warmup_runs: int = 2):
         self.device = device

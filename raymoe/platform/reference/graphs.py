@@ -31,6 +31,7 @@ class RecordingCapture:
     """:class:`~raymoe.platform.interface.GraphCapture` by recording (module docstring)."""
 
     fixed_kv_width = False
+    binds_addresses = False
 
     def capture(self, run: Callable[[], torch.Tensor | tuple[torch.Tensor, ...]], bs: int, max_bs: int,
                 host_sync_free: bool) -> RecordedStep:

@@ -1,0 +1,193 @@
+"""Weight updates from disk (``raymoe.actors.weight_update``): the served model switches to another checkpoint of
+the same architecture in place, as an RL loop does between rollouts.
+
+Offline (one rank, this process, decode graphs on): after an update the greedy tokens are a fresh engine's on the
+new checkpoint (the prompts were cached under the old weights, so a cache that was not flushed shows), and back
+again; another architecture is refused naming the field; a checkpoint that fails half-way is rolled back. Served
+(dp=2 ep=2, a scheduler process per DP group, HTTP): a stream running when the update arrives finishes on the old
+weights, a request sent meanwhile waits and runs on the new ones, ``abort_all_requests`` ends the running stream,
+and the errors are 400s naming the field.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+from server_harness import metrics, uvicorn_server, wait_for
+
+PROMPTS = ["def foo(x):\n    return", "import os\nimport sys\n\nclass Thing:"]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tiny_model):
+    """The session's tiny Qwen3-MoE (seed 0), the same architecture with seed 1, one with 16 experts, and seed 1
+    with the last layer's last expert missing."""
+    import safetensors.torch
+
+    from raymoe.models.checkpoint import make_checkpoint
+
+    root = tmp_path_factory.mktemp("weights")
+    b = str(make_checkpoint("qwen3_moe", root / "b", seed=1))
+    wide = str(make_checkpoint("qwen3_moe", root / "wide", seed=1, num_experts=16))
+    broken = root / "broken"
+    shutil.copytree(b, broken)
+    tensors = safetensors.torch.load_file(str(broken / "model.safetensors"))
+    del tensors["model.layers.3.mlp.experts.7.down_proj.weight"]
+    safetensors.torch.save_file(tensors, str(broken / "model.safetensors"))
+    return {"a": tiny_model, "b": b, "wide": wide, "broken": str(broken)}
+
+
+def _params():
+    from raymoe.scheduler.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def _tokens(engine) -> list[list[int]]:
+    return [list(o.token_ids) for o in engine.generate(PROMPTS, _params())]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    """Greedy tokens of fresh one-rank engines on checkpoints a and b (the engine's parity with transformers and
+    across topologies is tested elsewhere)."""
+    from raymoe.engine import Engine
+
+    out = {}
+    for name in ("a", "b"):
+        with Engine(checkpoints[name]) as e:
+            out[name] = _tokens(e)
+    assert out["a"] != out["b"]
+    return out
+
+
+def test_an_update_serves_the_new_weights_and_flushes_the_cache(checkpoints, reference):
+    from raymoe.engine import Engine
+
+    with Engine(checkpoints["a"]) as e:
+        assert e.driver.executor.worker.runner.graph_runner is not None
+        assert _tokens(e) == reference["a"]  # the prompts are now cached under a's weights
+        r = e.update_weights_from_disk(checkpoints["b"], weight_version="step-1")
+        assert r.success and r.weight_version == e.weight_version == "step-1", r
+        assert _tokens(e) == reference["b"]
+        r = e.update_weights_from_disk(checkpoints["a"])
+        assert r.success and r.weight_version == "step-1"  # None keeps the name
+        assert _tokens(e) == reference["a"]
+        idle = e.driver.idle_report()
+        assert (idle.leaked_kv_slots, idle.leaked_req_rows, idle.locked_cache_tokens) == (0, 0, 0)
+        e.driver.executor.restart()  # a rebuild after a fault loads the folder serving now
+        e.update_weights_from_disk(checkpoints["b"])
+        e.driver.executor.restart()
+        e.driver.reset()
+        assert _tokens(e) == reference["b"]
+
+
+def test_another_architecture_or_a_broken_folder_leaves_the_weights_as_they_were(checkpoints, reference):
+    from raymoe.engine import Engine
+
+    with Engine(checkpoints["a"]) as e:
+        r = e.update_weights_from_disk(checkpoints["wide"], weight_version="wide")
+        assert not r.success and r.param == "model_path" and "num_experts is 16" in r.message, r
+        assert r.seconds == 0.0 and e.weight_version == "default"
+        r = e.update_weights_from_disk(checkpoints["a"] + "-missing")
+        assert not r.success and r.param == "model_path" and "does not exist" in r.message, r
+        # Layers 0-2 load before layer 3's missing tensor: the ranks load a again.
+        r = e.update_weights_from_disk(checkpoints["broken"], weight_version="broken")
+        assert not r.success and r.param == "model_path", r
+        assert "model.layers.3.mlp.experts.7.down_proj.weight" in r.message and "serve" in r.message
+        assert e.weight_version == "default"
+        assert _tokens(e) == reference["a"]
+        assert e.driver.executor.runner_cfg.model_path == checkpoints["a"]
+
+
+# --------------------------------------------------------------------------------------------------------- served
+@pytest.fixture(scope="module")
+def served(ray_cluster, checkpoints):
+    from raymoe.client.engine_client import EngineClient
+    from raymoe.deploy.openai_api import build_openai_app
+    from raymoe.engine import _split_options
+
+    engine = EngineClient(_split_options(checkpoints["a"], {"dp_size": 2, "ep_size": 2,
+                                                            "group_schedulers": "actors"}))
+    try:
+        with uvicorn_server(build_openai_app(engine, api_key="k")) as url:
+            yield engine, url
+    finally:
+        engine.shutdown()
+
+
+AUTH = {"Authorization": "Bearer k"}
+
+
+def _complete(url: str, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def _text(engine, ids: list[int]) -> str:
+    return engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _running(url: str) -> bool:
+    return metrics(url)["raymoe:num_requests_running"] > 0
+
+
+def _update(url: str, **body) -> httpx.Response:
+    return httpx.post(f"{url}/update_weights_from_disk", json=body, headers=AUTH, timeout=300)
+
+
+def test_a_served_update_waits_for_the_running_stream_and_holds_new_requests(served, checkpoints, reference):
+    engine, url = served
+    model = engine.model_name
+    assert httpx.get(f"{url}/get_weight_version", headers=AUTH).json() == {"weight_version": "default"}
+    results: dict[str, object] = {}
+
+    def run(name, fn):
+        results[name] = fn()
+
+    # A long request on a, running when the update arrives: it finishes on a's weights, never mixed.
+    running = threading.Thread(target=run, args=("running", lambda: _complete(url, model, PROMPTS[0], 1000)))
+    running.start()
+    wait_for(lambda: _running(url), timeout_s=60)
+    update = threading.Thread(target=run, args=("update", lambda: _update(url, model_path=checkpoints["b"],
+                                                                         weight_version="rollout-2")))
+    update.start()
+    time.sleep(0.5)
+    held = threading.Thread(target=run, args=("held", lambda: _complete(url, model, PROMPTS[1])))
+    held.start()
+    time.sleep(0.5)
+    assert running.is_alive() and update.is_alive()  # the held request arrived while the update waited
+    for t in (running, update, held):
+        t.join(timeout=240)
+    r = results["update"]
+    assert r.status_code == 200 and r.json()["success"] and r.json()["weight_version"] == "rollout-2", r.text
+    assert results["running"]["text"].startswith(_text(engine, reference["a"][0]))
+    assert results["running"]["finish_reason"] == "length"
+    assert results["held"]["text"] == _text(engine, reference["b"][1])
+    assert _complete(url, model, PROMPTS[0])["text"] == _text(engine, reference["b"][0])
+    assert httpx.get(f"{url}/get_weight_version", headers=AUTH).json() == {"weight_version": "rollout-2"}
+
+    # abort_all_requests ends what runs; errors name the field; back to a.
+    running = threading.Thread(target=run, args=("running", lambda: _complete(url, model, PROMPTS[0], 2000)))
+    running.start()
+    wait_for(lambda: _running(url), timeout_s=60)
+    r = _update(url, model_path=checkpoints["a"], abort_all_requests=True)
+    running.join(timeout=120)
+    assert r.status_code == 200 and r.json()["num_aborted_requests"] == 1, r.text
+    assert results["running"]["finish_reason"] == "abort"
+    assert [_complete(url, model, p)["text"] for p in PROMPTS] == [_text(engine, ids) for ids in reference["a"]]
+    r = _update(url, model_path=checkpoints["wide"])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model_path", r.text
+    assert "num_experts" in r.json()["error"]["message"]
+    r = _update(url, model_path=checkpoints["b"], flush_cache=False)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "flush_cache", r.text
+    assert httpx.post(f"{url}/update_weights_from_disk", json={"model_path": checkpoints["b"]}).status_code == 401
+    assert [_complete(url, model, p)["text"] for p in PROMPTS] == [_text(engine, ids) for ids in reference["a"]]
+
