@@ -191,3 +191,45 @@ def test_a_served_update_waits_for_the_running_stream_and_holds_new_requests(ser
     assert httpx.post(f"{url}/update_weights_from_disk", json={"model_path": checkpoints["b"]}).status_code == 401
     assert [_complete(url, model, p)["text"] for p in PROMPTS] == [_text(engine, ids) for ids in reference["a"]]
 
+
+
+
+def _tensors(model) -> dict:
+    """Every parameter and buffer of ``model``, and of its MTP draft layer (held outside its module tree)."""
+    out = dict(model.state_dict())
+    if getattr(model, "mtp", None) is not None:
+        out.update({f"mtp.{k}": v for k, v in model.mtp.state_dict().items()})
+    return out
+
+
+SMALL = {"num_layers": 4, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+         "moe_intermediate_size": 32, "vocab_size": 512}
+
+
+@pytest.mark.parametrize("arch, build, opts", [
+    ("deepseek_v3", {"quant": "fp8"}, {}),
+    ("qwen3_5_moe", {"mtp_layers": 1, **SMALL}, {"speculative_algorithm": "nextn", "speculative_num_steps": 1}),
+], ids=["deepseek_v3_fp8", "qwen3_5_moe_nextn"])
+def test_every_tensor_is_the_new_checkpoints(tmp_path, arch, build, opts):
+    """After an update every parameter and buffer equals a fresh engine's on the new folder, and so do the greedy
+    tokens: DeepSeek-V3 with FP8 block-quantized weights (weights and scales, MLA), and Qwen3.5-MoE (hybrid linear
+    attention) with its MTP layer drafting (``nextn``: the draft model's tensors too)."""
+    import torch
+
+    from raymoe.engine import Engine
+    from raymoe.models.checkpoint import make_checkpoint
+
+    a, b = (str(make_checkpoint(arch, tmp_path / n, seed=s, **build)) for n, s in (("a", 0), ("b", 1)))
+    with Engine(b, **opts) as fresh:
+        want = {k: v.clone() for k, v in _tensors(fresh.driver.executor.worker.runner.model).items()}
+        ref_b = _tokens(fresh)
+    assert not opts or any(k.startswith("mtp.") for k in want)
+    with Engine(a, **opts) as e:
+        model = e.driver.executor.worker.runner.model
+        assert _tokens(e) != ref_b
+        assert e.update_weights_from_disk(b).success
+        got = _tensors(model)
+        assert got.keys() == want.keys()
+        differ = [k for k in want if not torch.equal(got[k], want[k])]
+        assert not differ, differ[:5]
+        assert _tokens(e) == ref_b
