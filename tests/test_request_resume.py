@@ -143,3 +143,21 @@ def test_resumes_are_bounded_and_other_errors_are_final():
         FaultConfig(max_request_resumes=-1)
     with pytest.raises(InvalidRequestError):
         FaultConfig(request_resume_timeout_s=0)
+
+
+def test_a_retracted_request_resumes_without_using_up_its_fault_resumes():
+    from raymoe.errors import EngineUnhealthyError
+
+    params = SamplingParams(max_tokens=10, temperature=0)
+    req = ResumableRequest("r", [1, 2], params, kv_received=True)
+    retracted = RequestError("retracted", "the weights are being updated")
+    assert isinstance(retracted.to_exception(), EngineUnhealthyError)
+    faults = FaultConfig(max_request_resumes=0)
+    assert req.may_resume(retracted, faults)  # a weight update is no fault: the bound does not apply
+    assert req.add().kv_received
+    req.retracts = 1
+    assert not req.add().kv_received  # the KV it was sent went with the retraction: it re-prefills
+    req.delivered(RequestDelta("r", list(range(10))))
+    assert not req.may_resume(retracted, faults)  # nothing left to generate
+    with pytest.raises(ValueError):
+        RequestError("paused", "x")

@@ -173,6 +173,8 @@ def test_a_served_update_waits_for_the_running_stream_and_holds_new_requests(ser
     assert results["held"]["text"] == _text(engine, reference["b"][1])
     assert _complete(url, model, PROMPTS[0])["text"] == _text(engine, reference["b"][0])
     assert httpx.get(f"{url}/get_weight_version", headers=AUTH).json() == {"weight_version": "rollout-2"}
+    m = metrics(url)
+    assert m["raymoe:weight_version_info{weight_version=rollout-2}"] == 1 and m["raymoe:weight_updates_total"] == 1
 
     # abort_all_requests ends what runs; errors name the field; back to a.
     running = threading.Thread(target=run, args=("running", lambda: _complete(url, model, PROMPTS[0], 2000)))
@@ -193,6 +195,49 @@ def test_a_served_update_waits_for_the_running_stream_and_holds_new_requests(ser
 
 
 
+
+
+def test_retracted_requests_go_on_with_the_new_weights(served, checkpoints):
+    """``retract_requests``: the running request leaves the engine, the front end submits it again with the tokens
+    it delivered, and the rest of its tokens are the new weights' greedy continuation of prompt + those tokens."""
+    import asyncio
+
+    from raymoe.engine import Engine
+    from raymoe.scheduler.sampling_params import SamplingParams
+
+    engine, url = served
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+    n = 600
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    got: list[int] = []
+    box: dict = {}
+
+    async def collect():
+        async for delta in engine.generate("retracted-1", prompt, params):
+            got.extend(delta.token_ids)
+            box["last"] = delta
+
+    stream = threading.Thread(target=lambda: asyncio.run(collect()))
+    resumed = engine.resumed_requests
+    stream.start()
+    wait_for(lambda: len(got) >= 8, timeout_s=60)
+    r = _update(url, model_path=checkpoints["b"], retract_requests=True)
+    stream.join(timeout=120)
+    try:
+        assert r.status_code == 200 and r.json()["num_retracted_requests"] == 1, r.text
+        assert box["last"].finish_reason == "length" and len(got) == n
+        assert engine.resumed_requests == resumed + 1
+        with Engine(checkpoints["a"]) as e:
+            ref_a = list(e.generate(prompt_token_ids=[prompt], sampling_params=params)[0].token_ids)
+        k = next((i for i, (x, y) in enumerate(zip(got, ref_a, strict=True)) if x != y), n)
+        assert 8 <= k < n  # tokens from a's weights, then b's
+        with Engine(checkpoints["b"]) as e:
+            rest = SamplingParams(max_tokens=n - k, temperature=0.0, ignore_eos=True)
+            assert got[k:] == list(e.generate(prompt_token_ids=[prompt + got[:k]], sampling_params=rest)[0].token_ids)
+        r = _update(url, model_path=checkpoints["b"], abort_all_requests=True, retract_requests=True)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "retract_requests", r.text
+    finally:
+        assert _update(url, model_path=checkpoints["a"]).status_code == 200
 
 def _tensors(model) -> dict:
     """Every parameter and buffer of ``model``, and of its MTP draft layer (held outside its module tree)."""

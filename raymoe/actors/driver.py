@@ -211,11 +211,11 @@ class Driver(StepCoordinator):
         """Prefill side: unlock ``rid``'s exported prompt KV. Returns whether it was held."""
         return any(g.scheduler.state.release_export(rid) for g in self.groups)
 
-    def abort_request(self, rid: str) -> bool:
-        """Abort ``rid`` wherever it is; its KV is freed (its group ends its output row with ``"abort"``).
-        Returns False for an unknown or finished id."""
+    def abort_request(self, rid: str, error: RequestError | None = None) -> bool:
+        """Abort ``rid`` wherever it is; its KV is freed (its group ends its output row with ``"abort"``, or with
+        ``error``). Returns False for an unknown or finished id."""
         group = self.group_of.pop(rid, None)
-        return group is not None and self.groups[group].abort(rid)
+        return group is not None and self.groups[group].abort(rid, error)
 
     def reset(self, dp_size: int | None = None) -> list[Req]:
         """Forget every request and KV mapping (after the rank group was restarted, shrunk or grown: ``dp_size``

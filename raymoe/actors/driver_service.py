@@ -284,15 +284,21 @@ class DriverService:
             future.set_exception(e)
 
     def _begin_update(self, pending: PendingWeightUpdate) -> None:
-        if self._update is not None:
-            pending.future.set_result(WeightUpdateResult(False, "another weight update is in progress",
-                                                         self.weight_version))
+        refusal = ("another weight update is in progress" if self._update is not None else
+                   f"the engine is recovering ({self._error}); retry once /health is ok" if self._error else None)
+        if refusal is not None:
+            pending.future.set_result(WeightUpdateResult(False, refusal, self.weight_version))
             return
-        if pending.update.abort_all_requests:
+        update = pending.update
+        if update.abort_all_requests or update.retract_requests:
             rids = list(self.driver.group_of)
+            err = RequestError("retracted", "the weights are being updated; the request goes on with the new ones")
             for rid in rids:
-                self.driver.abort_request(rid)
-            pending.aborted = len(rids)
+                self.driver.abort_request(rid, err if update.retract_requests else None)
+            if update.retract_requests:
+                pending.retracted = len(rids)
+            else:
+                pending.aborted = len(rids)
         pending.deadline = time.monotonic() + pending.update.timeout_s
         self._update = pending
 
@@ -324,7 +330,8 @@ class DriverService:
             self.weight_updates += 1
         self._update = None
         self._idle = None
-        pending.future.set_result(dataclasses.replace(result, num_aborted_requests=pending.aborted))
+        pending.future.set_result(dataclasses.replace(result, num_aborted_requests=pending.aborted,
+                                                      num_retracted_requests=pending.retracted))
         self._apply(pending.held, [])
 
     def _flush(self) -> None:

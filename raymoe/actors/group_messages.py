@@ -40,6 +40,8 @@ class GroupCommand(PickledAsFields):
     Attributes:
         decision: the step's shared decisions, or None. finish: finish the oldest step in flight.
         adds: requests routed to this group since the last exchange. aborts: request ids to abort.
+        abort_error: how the aborted requests end (None: ``finish_reason`` ``"abort"``; an error: requests
+            retracted for a weight update; the front end no longer reads the streams a client aborted).
     Raises:
         ValueError: an add with a duplicate id in one command.
     """
@@ -48,6 +50,7 @@ class GroupCommand(PickledAsFields):
     finish: bool = False
     adds: tuple[AddRequest, ...] = ()
     aborts: tuple[str, ...] = ()
+    abort_error: RequestError | None = None
 
     def __post_init__(self) -> None:
         ids = [a.request_id for a in self.adds]

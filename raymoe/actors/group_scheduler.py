@@ -93,13 +93,14 @@ class GroupScheduler:
         self._sent[rid] = len(req.output_ids)
         return req
 
-    def abort(self, rid: str) -> bool:
-        """Abort ``rid`` (its KV is freed) and end its row with ``"abort"``; False when it is not here."""
+    def abort(self, rid: str, error: RequestError | None = None) -> bool:
+        """Abort ``rid`` (its KV is freed) and end its row with ``"abort"``, or with ``error`` (a request retracted
+        for a weight update); False when it is not here."""
         if self.reqs.pop(rid, None) is None:
             return False
         self.scheduler.abort_request(rid)
         self._sent.pop(rid, None)
-        self._out.end(rid, RequestEnd(finish_reason="abort"))
+        self._out.end(rid, RequestEnd(error=error) if error is not None else RequestEnd(finish_reason="abort"))
         return True
 
     def flush_cache(self) -> None:

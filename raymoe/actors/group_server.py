@@ -116,7 +116,7 @@ class GroupServer:
                 forward_seconds, expert_load = out.forward_seconds, out.expert_load
                 g.record(g.finish(out))
         for rid in cmd.aborts:
-            g.abort(rid)
+            g.abort(rid, cmd.abort_error)
         for a in cmd.adds:
             g.add(a.request_id, a.prompt_token_ids, a.params, output_ids=a.output_ids)
         plan = None

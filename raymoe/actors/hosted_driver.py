@@ -75,6 +75,7 @@ class HostedDriver(StepCoordinator):
         self._stats = [GroupStats()] * n
         self._adds: list[list[AddRequest]] = [[] for _ in range(n)]
         self._aborts: list[list[str]] = [[] for _ in range(n)]
+        self._abort_errors: list[RequestError | None] = [None] * n  # how the group's next aborts end
         self._inflight: deque[tuple[str, float]] = deque()  # launched steps: (step mode label, launch time)
         self._out = OutputBatch()  # rows the driver itself writes (aborts before a group saw the request)
         self.group_of.clear()
@@ -123,9 +124,10 @@ class HostedDriver(StepCoordinator):
         self.group_of[rid] = group
         return True
 
-    def abort_request(self, rid: str) -> bool:
-        """Abort ``rid`` at its group's next exchange (its KV is freed there, its row ends ``"abort"``); one its
-        group has not seen yet ends here. Returns False for an unknown or finished id."""
+    def abort_request(self, rid: str, error: RequestError | None = None) -> bool:
+        """Abort ``rid`` at its group's next exchange (its KV is freed there, its row ends ``"abort"``, or with
+        ``error``: then every abort of that exchange does, see ``GroupCommand.abort_error``); one its group has not
+        seen yet ends here. Returns False for an unknown or finished id."""
         group = self.group_of.get(rid)
         if group is None:
             return False
@@ -134,9 +136,11 @@ class HostedDriver(StepCoordinator):
             if a.request_id == rid:
                 del adds[i]
                 del self.group_of[rid]
-                self._out.end(rid, RequestEnd(finish_reason="abort"))
+                self._out.end(rid, RequestEnd(error=error) if error is not None else RequestEnd(finish_reason="abort"))
                 return True
         self._aborts[group].append(rid)
+        if error is not None:
+            self._abort_errors[group] = error
         return True
 
     def take_outputs(self) -> OutputBatch:
@@ -183,8 +187,9 @@ class HostedDriver(StepCoordinator):
         shared = None
         for g, link in enumerate(links):
             if self._adds[g] or self._aborts[g]:
-                link.send(encode(GroupCommand(decision, finish, tuple(self._adds[g]), tuple(self._aborts[g]))))
-                self._adds[g], self._aborts[g] = [], []
+                link.send(encode(GroupCommand(decision, finish, tuple(self._adds[g]), tuple(self._aborts[g]),
+                                              self._abort_errors[g])))
+                self._adds[g], self._aborts[g], self._abort_errors[g] = [], [], None
             else:
                 shared = shared or encode(GroupCommand(decision, finish))
                 link.send(shared)
@@ -240,7 +245,7 @@ class HostedDriver(StepCoordinator):
         payload = encode(GroupControl("end_all", error=error))
         for g, link in enumerate(self.executor.links):
             unsent = [a.request_id for a in self._adds[g]]
-            self._adds[g], self._aborts[g] = [], []
+            self._adds[g], self._aborts[g], self._abort_errors[g] = [], [], None
             try:
                 link.send(payload)
                 reply = link.recv(FAULT_REPLY_S)

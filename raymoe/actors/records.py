@@ -27,8 +27,9 @@ class RequestError:
 
     Attributes:
         kind: ``"invalid"`` (refused or unrunnable as given; ``field`` names why, ``"queue"`` when full),
-            ``"failed"`` (this request's part of a step failed; the engine serves the others) or ``"unhealthy"``
-            (the engine failed or is recovering).
+            ``"failed"`` (this request's part of a step failed; the engine serves the others), ``"unhealthy"``
+            (the engine failed or is recovering) or ``"retracted"`` (taken off the engine for a weight update,
+            ``retract_requests``: the front end submits it again with its tokens once the new weights serve).
         message: human readable reason (no tracebacks). field: the offending field for ``"invalid"``.
 
     Raises:
@@ -40,8 +41,9 @@ class RequestError:
     field: str | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("invalid", "failed", "unhealthy"):
-            raise ValueError(f"RequestError.kind must be 'invalid', 'failed' or 'unhealthy', got {self.kind!r}")
+        if self.kind not in ("invalid", "failed", "unhealthy", "retracted"):
+            raise ValueError(f"RequestError.kind must be 'invalid', 'failed', 'unhealthy' or 'retracted', got "
+                             f"{self.kind!r}")
 
     def to_exception(self) -> RaymoeError:
         """The typed error a caller raises for this record."""

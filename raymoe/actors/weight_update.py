@@ -3,17 +3,22 @@ a restart, as a reinforcement-learning loop needs between rollouts (SGLang's ``u
 slime drive SGLang's over HTTP).
 
 What one update does, on the driver's loop thread, with no request and no step in flight
-(``DriverService`` pauses for it: new requests are held, running ones finish or are aborted):
+(``DriverService`` pauses for it: new requests are held; running ones finish, are aborted, or are retracted: ended
+with a ``"retracted"`` error that the front end answers by submitting them again with the tokens they delivered,
+held like new ones, so their streams pause and go on with the new weights, SGLang's "retract" pause):
 
 1. refuse a folder of another architecture (``raymoe.config.model_compat.check_same_architecture``, naming the
    field) or a world shrunk after a fault: nothing changes;
-2. drop the moves of an expert rebalance not sent yet (``EplbController.abort``, as a driver reset does): the
-   committed placement is what every rank holds and what the load reads;
+2. flush every DP group's radix cache (see 4); drop the moves of an expert rebalance not sent yet
+   (``EplbController.abort``, as a driver reset does): the committed placement is what every rank holds and what the
+   load reads;
 3. every rank loads the folder into its tensors in place, all at once (``RankWorker.update_weights_from_disk``);
    when one fails half-way the world loads the previous folder again, and when that fails too the engine is
    unhealthy and its ranks are rebuilt (from the previous folder);
-4. the executor keeps the new folder for rebuilds after a fault, and every DP group's radix cache is flushed: its KV
-   was computed with the old weights.
+4. the executor keeps the new folder for rebuilds after a fault. Every DP group's radix cache was flushed before the
+   load (its KV was computed with the old weights; nothing is cached between the flush and the load, as this thread
+   owns the driver), so a group that cannot flush (KV held for the other engine of a PD pair) refuses the update
+   before any weight changes.
 
 A driver actor that Ray restarts starts from its ``EngineConfig`` again, so with the configured folder.
 """
@@ -41,16 +46,21 @@ class WeightUpdate:
             the previous name is kept.
         abort_all_requests: end the requests in flight (``finish_reason`` ``"abort"``) instead of waiting for them
             to finish.
+        retract_requests: take the requests in flight off the engine instead (their KV freed); the front end
+            submits each again with the tokens it delivered, and it goes on with the new weights (the client sees a
+            pause). The offline ``Engine`` has none in flight.
         timeout_s: bound on the wait for the requests in flight to finish, seconds (the load itself is bounded by
             the ranks' own timeouts); past it the update is refused and nothing changes.
     Raises:
-        ValueError: an empty path or version, or a timeout that is not positive.
+        ValueError: an empty path or version, a timeout that is not positive, or both ``abort_all_requests`` and
+            ``retract_requests``.
     """
 
     model_path: str
     weight_version: str | None = None
     abort_all_requests: bool = False
     timeout_s: float = 300.0
+    retract_requests: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
@@ -59,6 +69,9 @@ class WeightUpdate:
             raise ValueError("weight_version must be a non-empty string or None")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.abort_all_requests and self.retract_requests:
+            raise ValueError("abort_all_requests and retract_requests: the requests in flight are either aborted or "
+                             "retracted")
 
 
 @dataclass(frozen=True)
@@ -68,7 +81,8 @@ class WeightUpdateResult:
     Attributes:
         success: the new weights serve. message: what happened (on failure: why, naming the field or tensor).
         weight_version: the version serving after the call. seconds: the ranks' load time, seconds (0 when none
-        loaded). num_aborted_requests: requests ended by ``abort_all_requests``. param: on failure, the request
+        loaded). num_aborted_requests: requests ended by ``abort_all_requests``. num_retracted_requests: requests
+        retracted (``retract_requests``). param: on failure, the request
         field at fault (``"model_path"``: another architecture or a folder that would not load; ``"timeout_s"``:
         requests still in flight at the deadline), None when the engine's state refused it (another update in
         progress, a shrunk world, a fault).
@@ -80,6 +94,7 @@ class WeightUpdateResult:
     seconds: float = 0.0
     num_aborted_requests: int = 0
     param: str | None = None
+    num_retracted_requests: int = 0
 
 
 def call_ranks(executor, method: str, *args, timeout_s: float) -> list:
@@ -141,6 +156,10 @@ def apply_weight_update(driver, served: ModelConfig, update: WeightUpdate, versi
     if getattr(ranks, "vacant", None):
         return WeightUpdateResult(False, "the rank group runs shrunk after a fault; update the weights once it has "
                                          "grown back (/health)", version)
+    try:  # first: nothing is inserted meanwhile (this thread owns the driver), and a refusal changes no weight
+        driver.flush_cache()
+    except RuntimeError as e:  # KV held for the other engine of a PD pair
+        return WeightUpdateResult(False, f"the radix cache cannot be flushed now ({e}); retry", version)
     if driver.eplb is not None and driver.eplb.moving:
         driver.eplb.abort()
     previous = _served_path(executor)
@@ -158,7 +177,6 @@ def apply_weight_update(driver, served: ModelConfig, update: WeightUpdate, versi
                                          "again", version, time.perf_counter() - t0, param="model_path")
     seconds = time.perf_counter() - t0
     _keep_path(executor, update.model_path)
-    driver.flush_cache()
     new_version = update.weight_version or version
     return WeightUpdateResult(True, f"serving {update.model_path} (version {new_version!r}); radix cache flushed",
                               new_version, seconds)
@@ -172,8 +190,8 @@ class PendingWeightUpdate:
     Attributes:
         update: what was asked. served: the served architecture. future: answered with the
         ``WeightUpdateResult``. load_timeout_s: bound on the ranks' load, seconds. deadline: ``time.monotonic()``
-        past which the wait gives up. held: the ``AddRequest`` records that arrived meanwhile, in order. aborted:
-        requests ended by ``abort_all_requests``.
+        past which the wait gives up. held: the ``AddRequest`` records that arrived meanwhile, in order. aborted,
+        retracted: requests ended by ``abort_all_requests`` / ``retract_requests``.
     """
 
     update: WeightUpdate
@@ -183,3 +201,4 @@ class PendingWeightUpdate:
     deadline: float = 0.0
     held: list = field(default_factory=list)
     aborted: int = 0
+    retracted: int = 0

@@ -74,7 +74,8 @@ class EngineClient:
         (the model's Hugging Face tokenizer).
         driver: the driver actor's handle (replaced when a fresh actor had to be started).
         reconnects: times the channel was re-established after the driver actor died.
-        resumed_requests: times a request was submitted again after an engine fault (``request_resume``).
+        resumed_requests: times a request was submitted again after an engine fault or a weight update's
+            retraction (``request_resume``).
         frontend_id: this front end's id among the engine's (``""``: the one that started it).
         engine_name: the engine's name (None: unnamed, no other front end can attach).
 
@@ -359,7 +360,10 @@ class EngineClient:
             EngineUnhealthyError: ``error``'s, when the engine did not recover within
                 ``FaultConfig.request_resume_timeout_s`` or the client is shutting down.
         """
-        req.resumes += 1
+        if error.kind == "retracted":
+            req.retracts += 1
+        else:
+            req.resumes += 1
         deadline = time.monotonic() + self.config.faults.request_resume_timeout_s
         log.info("resuming request %s after %d tokens (%s)", req.request_id, len(req.output_ids), error.message)
         while not await asyncio.to_thread(self._probe_health):

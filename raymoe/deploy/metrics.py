@@ -86,6 +86,14 @@ class _EngineStatsCollector:
                       s and s.loop_restarts)
         yield counter("failed_requests", "Requests that failed alone inside the engine (others kept running).",
                       s and s.failed_requests)
+        yield counter("weight_updates", "Weight updates applied (POST /update_weights_from_disk).",
+                      s and s.weight_updates)
+        version = GaugeMetricFamily("raymoe:weight_version_info", "1 for the name of the weights serving "
+                                    "(label weight_version; \"default\" until an update names one).",
+                                    labels=["model_name", "weight_version"])
+        if s is not None:
+            version.add_metric([self.model_name, s.weight_version], 1.0)
+        yield version
         step = GaugeMetricFamily("raymoe:step_duration_seconds",
                                  "Forward + sampling time of the last step on each DP group's tp-rank 0 "
                                  "(label rank = DP group index).", labels=["model_name", "rank"])

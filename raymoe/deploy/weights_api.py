@@ -3,12 +3,13 @@ served weights to the checkpoint its trainer just wrote, and reads which weights
 and slime call; ``raymoe.actors.weight_update`` does the work).
 
 The folder is read by every rank, so on a cluster it must be on storage every rank's node sees, under the same
-path. The update waits for the requests in flight (or aborts them, ``abort_all_requests``) while new ones wait, and
-answers once the new weights serve: 200 ``{"success": true, "message", "weight_version", "num_aborted_requests",
-"seconds"}``. A folder of another architecture, one that does not load (the ranks then serve the previous weights
-again) or requests still running at ``timeout_s`` is a 400 naming the field; another update in progress or an
-engine in recovery a 409; a deployment of two engines (prefill/decode) or of engine replicas a 501 (each engine's
-server is updated on its own). Both routes need the API key like ``/admin/*``.
+path. The update waits for the requests in flight (or aborts them, ``abort_all_requests``, or retracts them,
+``retract_requests``: their streams pause and go on with the new weights) while new ones wait, and answers once the
+new weights serve: 200 ``{"success": true, "message", "weight_version", "num_aborted_requests",
+"num_retracted_requests", "seconds"}``. A folder of another architecture, one that does not load (the ranks then
+serve the previous weights again) or requests still running at ``timeout_s`` is a 400 naming the field; another
+update in progress or an engine in recovery a 409; a deployment of two engines (prefill/decode) or of engine
+replicas a 501 (each engine's server is updated on its own). Both routes need the API key like ``/admin/*``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class UpdateWeightsFromDiskRequest(BaseModel):
     weight_version: str | None = Field(None, min_length=1, max_length=256,
                                        description="the name the new weights are reported under (None: kept)")
     abort_all_requests: bool = Field(False, description="abort the requests in flight instead of waiting for them")
+    retract_requests: bool = Field(False, description="raymoe's: retract the requests in flight instead; their "
+                                   "streams pause and go on with the new weights")
     timeout_s: float = Field(300.0, gt=0, le=MAX_UPDATE_WAIT_S,
                              description="how long to wait for the requests in flight, seconds")
     flush_cache: Literal[True] = Field(True, description="the radix cache is always flushed")
@@ -52,7 +55,8 @@ class UpdateWeightsFromDiskRequest(BaseModel):
 def _answer(result: WeightUpdateResult) -> dict:
     if result.success:
         return {"success": True, "message": result.message, "weight_version": result.weight_version,
-                "num_aborted_requests": result.num_aborted_requests, "seconds": round(result.seconds, 3)}
+                "num_aborted_requests": result.num_aborted_requests,
+                "num_retracted_requests": result.num_retracted_requests, "seconds": round(result.seconds, 3)}
     if result.param is not None:
         raise APIError(400, result.message, param=result.param, code="weight_update_failed")
     raise APIError(409, result.message, code="weight_update_refused")
@@ -78,7 +82,11 @@ def weights_router(engine: EngineClient, api_key: str | None, max_body_bytes: in
             raise APIError(501, "weight updates are not supported by this deployment (prefill/decode "
                                 "disaggregation or several engine replicas); update each engine's server",
                            code="unsupported")
-        update = WeightUpdate(req.model_path, req.weight_version, req.abort_all_requests, req.timeout_s)
+        if req.abort_all_requests and req.retract_requests:
+            raise APIError(400, "abort_all_requests and retract_requests: the requests in flight are either aborted "
+                                "or retracted", param="retract_requests", code="invalid_value")
+        update = WeightUpdate(req.model_path, req.weight_version, req.abort_all_requests, req.timeout_s,
+                              req.retract_requests)
         try:
             result = await update_fn(update)
         except (EngineUnhealthyError, RayError):  # RayError: the driver actor is gone
