@@ -292,3 +292,76 @@ def test_an_abort_before_the_group_saw_the_request_ends_it_at_the_driver():
     own = driver.take_outputs()
     assert own.ended_ids() == ["a"] and own.ends[0].finish_reason == "abort"
     assert not driver.has_unfinished() and driver.group_of == {}
+
+
+def test_ranks_that_died_while_idle_are_a_rank_fault_at_the_first_launch():
+    """With overlap scheduling the first step after an idle spell is launched without finishing one: a group whose
+    ranks cannot take it (they died while idle) answers a rank failure there, which is the rank fault (before, the
+    driver counted the step as in flight and the group's next finish found no step: an internal error that failed
+    the requests without restarting the ranks)."""
+    executors: list[FakeExecutor] = []
+
+    class ClosedChannel(FakeExecutor):
+        dead = False
+
+        def launch(self, batches):
+            if self.dead:
+                raise RankFailure("the rank's step channel is closed")
+            return super().launch(batches)
+
+    def make(d):
+        executors.append(ClosedChannel())
+        return executors[-1]
+
+    driver, _rows = hosted(2, make_ranks=make)
+    driver.submit("a", [3, 4], SamplingParams(max_tokens=3, temperature=0.0))
+    run(driver)
+    for ex in executors:
+        ex.dead = True
+    driver.submit("b", [5, 6], SamplingParams(max_tokens=3, temperature=0.0))
+    with pytest.raises(RankFailure, match="channel is closed"):
+        for _ in range(3):
+            driver.step()
+
+
+def test_a_groups_rank_failure_is_read_at_once_while_another_group_still_computes():
+    """``gather_replies`` over sockets: group 1 answers a rank failure at once while group 0's ranks would wait out
+    a collective timeout for their dead peer; the exchange raises without waiting for group 0, whose link is then
+    broken (its late reply would answer the wrong command)."""
+    import pickle
+    import threading
+    import time
+    from multiprocessing import Pipe
+
+    from raymoe.actors.group_link import ConnectionLink, gather_replies
+    from raymoe.actors.group_messages import GroupReply, GroupStats
+
+    def group(conn, delay_s, failure):
+        conn.recv_bytes()
+        time.sleep(delay_s)
+        conn.send_bytes(pickle.dumps(GroupReply(None, GroupStats(), rank_failure=failure)))
+
+    links = []
+    for i, (delay, failure) in enumerate([(3.0, None), (0.0, "rank 1 died")]):
+        ours, theirs = Pipe()
+        threading.Thread(target=group, args=(theirs, delay, failure), daemon=True).start()
+        links.append(ConnectionLink(ours, i))
+        links[-1].send(b"step")
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 died"):
+        gather_replies(links, timeout_s=30.0)
+    assert time.monotonic() - t0 < 2.0
+    assert links[0].broken and not links[1].broken
+    with pytest.raises(RankFailure, match="DP group 0"):
+        links[0].send(b"next")
+    # both answering in time: the replies in group order
+    links = []
+    for i in range(2):
+        ours, theirs = Pipe()
+        threading.Thread(target=group, args=(theirs, 0.2 * (1 - i), None), daemon=True).start()
+        links.append(ConnectionLink(ours, i))
+        links[-1].send(b"step")
+    assert [r.rank_failure for r in gather_replies(links, timeout_s=30.0)] == [None, None]
+    with pytest.raises(RankFailure, match="did not answer"):
+        ours, theirs = Pipe()
+        gather_replies([ConnectionLink(ours, 0)], timeout_s=0.2)

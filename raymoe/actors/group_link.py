@@ -7,7 +7,9 @@ crosses is exactly what would cross a socket, and counts the server's CPU time a
 ``raymoe bench driver-scale``).
 
 A link that breaks or stays silent past its bound is a :class:`~raymoe.actors.step_errors.RankFailure`: the
-driver restarts the rank group, group processes included.
+driver restarts the rank group, group processes included. :func:`gather_replies` reads a step's replies as they
+arrive, so a group whose ranks died is a rank fault at once, not after the other groups' ranks have waited out
+their collective timeouts for their dead peer.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import logging
 import pickle
 import time
 from collections import deque
-from multiprocessing.connection import Connection
+from collections.abc import Sequence
+from multiprocessing.connection import Connection, wait
 from typing import Protocol
 
 from raymoe.actors.group_messages import GroupCommand, GroupControl, GroupReply, GroupStats
@@ -98,6 +101,37 @@ class LoopbackLink:
         self.cpu_seconds += time.thread_time() - t0
         self.bytes_out += len(data)
         return pickle.loads(data)
+
+
+def gather_replies(links: Sequence[GroupLink], timeout_s: float) -> list[GroupReply]:
+    """The replies of one exchange, in group order, read as they arrive where the links are sockets.
+
+    A reply that reports a rank failure raises at once: the groups still computing hold ranks that may wait out a
+    collective timeout (60 s and more) for a peer that died, and the driver is about to rebuild every rank and group
+    process anyway; their links are marked broken (their late replies would answer the wrong command).
+
+    Raises:
+        RankFailure: a group reported a rank failure, went away, or did not answer within ``timeout_s``.
+    """
+    if not all(isinstance(link, ConnectionLink) for link in links):
+        return [link.recv(timeout_s) for link in links]
+    replies: list[GroupReply | None] = [None] * len(links)
+    waiting = {link.conn: i for i, link in enumerate(links) if not link.broken}
+    if len(waiting) < len(links):  # a broken link raises its own failure
+        links[next(i for i, link in enumerate(links) if link.broken)].recv(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while waiting:
+        ready = wait(list(waiting), max(0.0, deadline - time.monotonic()))
+        if not ready:
+            links[next(iter(waiting.values()))].recv(0.0)  # raises: did not answer in time
+        for conn in ready:
+            i = waiting.pop(conn)
+            replies[i] = reply = links[i].recv(0.0)
+            if reply.rank_failure:
+                for j in waiting.values():
+                    links[j].broken = "was left computing when another group's ranks failed"
+                raise RankFailure(reply.rank_failure)
+    return replies
 
 
 def handle_safely(server: GroupServer, msg: GroupCommand | GroupControl) -> GroupReply:

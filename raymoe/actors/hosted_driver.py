@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 from raymoe.actors.coordinator import StepCoordinator
 from raymoe.actors.dp_router import DpRouter
-from raymoe.actors.group_link import encode
+from raymoe.actors.group_link import encode, gather_replies
 from raymoe.actors.group_messages import GroupCommand, GroupControl, GroupReply, GroupStats
 from raymoe.actors.output_batch import OutputBatch, RequestEnd
 from raymoe.actors.records import AddRequest, RequestError
@@ -180,6 +180,9 @@ class HostedDriver(StepCoordinator):
         replies = self._exchange(decision, finish)
         if finish:
             self._finished(replies)
+        elif (failure := next((r.rank_failure for r in replies if r.rank_failure), None)) is not None:
+            self._inflight.clear()  # a group could not launch this step (its ranks died while the engine idled)
+            raise RankFailure(failure)
         return []
 
     def _exchange(self, decision: StepDecision | None, finish: bool) -> list[GroupReply]:
@@ -193,7 +196,12 @@ class HostedDriver(StepCoordinator):
             else:
                 shared = shared or encode(GroupCommand(decision, finish))
                 link.send(shared)
-        return self._absorb([link.recv(self.reply_timeout_s) for link in links])
+        try:
+            replies = gather_replies(links, self.reply_timeout_s)
+        except RankFailure:
+            self._inflight.clear()
+            raise
+        return self._absorb(replies)
 
     def _absorb(self, replies: list[GroupReply]) -> list[GroupReply]:
         for g, r in enumerate(replies):
