@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from raymoe.actors.elastic_world import restart_ranks
 from raymoe.actors.factory import build_driver
@@ -286,6 +288,24 @@ class Engine:
                 together. EngineUnhealthyError: shut down, or the load and the reload of the previous folder both
                 failed (the engine is unhealthy; :meth:`recover` rebuilds the ranks from the previous folder).
         """
+        return self._update_weights(WeightUpdate(str(model_path), weight_version))
+
+    def update_weights_from_tensors(self, tensors: Mapping[str, torch.Tensor],
+                                    weight_version: str | None = None) -> WeightUpdateResult:
+        """Serve ``tensors`` from the next ``generate`` on (SGLang's ``update_weights_from_tensor``): Hugging Face
+        names -> tensors, every tensor of the served checkpoint (a ``state_dict`` of its ``transformers`` class,
+        FP8 weights with their scales where it has them), loaded in place; the engine keeps the mapping, so ranks
+        rebuilt after a fault load it again. As :meth:`update_weights_from_disk` otherwise.
+
+        Returns:
+            the result: ``success`` False (``param`` ``"tensors"``) for a tensor missing or misshapen (named), after
+            which the ranks load the previous weights again.
+        Raises:
+            InvalidRequestError, EngineUnhealthyError: as :meth:`update_weights_from_disk`.
+        """
+        return self._update_weights(WeightUpdate(tensors=dict(tensors), weight_version=weight_version))
+
+    def _update_weights(self, update: WeightUpdate) -> WeightUpdateResult:
         if self._closed:
             raise EngineUnhealthyError("engine is shut down")
         if self.pd is not None:
@@ -294,8 +314,7 @@ class Engine:
         if self._unhealthy is not None:
             self.recover()
         try:
-            result = apply_weight_update(self.driver, self.model_config,
-                                         WeightUpdate(str(model_path), weight_version), self.weight_version)
+            result = apply_weight_update(self.driver, self.model_config, update, self.weight_version)
         except EngineUnhealthyError as e:
             self._unhealthy = str(e)
             raise

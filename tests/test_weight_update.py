@@ -11,7 +11,9 @@ and the errors are 400s naming the field.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import threading
 import time
 
@@ -106,6 +108,9 @@ def test_another_architecture_or_a_broken_folder_leaves_the_weights_as_they_were
 
 
 # --------------------------------------------------------------------------------------------------------- served
+ENGINE_NAME = "weight-update-test"
+
+
 @pytest.fixture(scope="module")
 def served(ray_cluster, checkpoints):
     from raymoe.client.engine_client import EngineClient
@@ -113,7 +118,7 @@ def served(ray_cluster, checkpoints):
     from raymoe.engine import _split_options
 
     engine = EngineClient(_split_options(checkpoints["a"], {"dp_size": 2, "ep_size": 2,
-                                                            "group_schedulers": "actors"}))
+                                                            "group_schedulers": "actors"}), engine_name=ENGINE_NAME)
     try:
         with uvicorn_server(build_openai_app(engine, api_key="k")) as url:
             yield engine, url
@@ -239,6 +244,31 @@ def test_retracted_requests_go_on_with_the_new_weights(served, checkpoints):
     finally:
         assert _update(url, model_path=checkpoints["a"]).status_code == 200
 
+
+def test_a_named_engine_takes_tensors_from_a_ray_program_and_rebuilt_ranks_load_them(served, checkpoints,
+                                                                                      reference):
+    """``raymoe.client.weight_sync.update_weights_from_tensors`` by the engine's name: b's tensors go through the
+    object store (a copy the driver actor owns) to every rank; after the ranks are killed the rebuilt ranks fetch
+    the same reference and serve b's tokens again."""
+    import ray
+
+    from raymoe.client.weight_sync import update_weights_from_tensors
+
+    engine, url = served
+    model = engine.model_name
+    want = [_text(engine, ids) for ids in reference["b"]]
+    try:
+        r = update_weights_from_tensors(ENGINE_NAME, _state_dict(checkpoints["b"]), "tensors-b")
+        assert r.success and r.weight_version == "tensors-b", r
+        assert [_complete(url, model, p)["text"] for p in PROMPTS] == want
+        # Every rank at once, while idle: the next step's launch finds them gone (a rank fault, rebuilt at once).
+        for pid in ray.get([r.pid.remote() for r in ray.get(engine.driver.rank_actors.remote())]):
+            os.kill(pid, signal.SIGKILL)
+        assert [_complete(url, model, p)["text"] for p in PROMPTS] == want  # rebuilt from the reference
+        assert ray.get(engine.driver.stats.remote()).rank_restarts == 1
+    finally:
+        assert _update(url, model_path=checkpoints["a"]).status_code == 200
+
 def _tensors(model) -> dict:
     """Every parameter and buffer of ``model``, and of its MTP draft layer (held outside its module tree)."""
     out = dict(model.state_dict())
@@ -278,3 +308,33 @@ def test_every_tensor_is_the_new_checkpoints(tmp_path, arch, build, opts):
         differ = [k for k in want if not torch.equal(got[k], want[k])]
         assert not differ, differ[:5]
         assert _tokens(e) == ref_b
+
+
+def _state_dict(path: str) -> dict:
+    import safetensors.torch
+
+    return safetensors.torch.load_file(f"{path}/model.safetensors")
+
+
+def test_an_update_from_tensors_serves_them_and_survives_a_rank_rebuild(checkpoints, reference):
+    """``update_weights_from_tensors``: b's tensors in memory serve as b's folder does; a rank rebuilt after a
+    fault loads them again (over the folder it started from); a mapping missing a tensor is refused naming it, and
+    the ranks go back to the tensors they served."""
+    from raymoe.engine import Engine
+
+    b = _state_dict(checkpoints["b"])
+    with Engine(checkpoints["a"]) as e:
+        assert _tokens(e) == reference["a"]
+        r = e.update_weights_from_tensors(b, weight_version="t1")
+        assert r.success and e.weight_version == "t1", r
+        assert _tokens(e) == reference["b"]
+        e.driver.executor.restart()
+        e.driver.reset()
+        assert _tokens(e) == reference["b"]
+        partial = {k: v for k, v in b.items() if k != "model.layers.3.mlp.gate.weight"}
+        r = e.update_weights_from_tensors(partial, weight_version="t2")
+        assert not r.success and r.param == "tensors" and "model.layers.3.mlp.gate.weight" in r.message, r
+        assert e.weight_version == "t1" and _tokens(e) == reference["b"]
+        assert e.update_weights_from_disk(checkpoints["a"]).success
+        assert e.driver.executor.runner_cfg.weight_tensors is None
+        assert _tokens(e) == reference["a"]

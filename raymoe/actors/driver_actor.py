@@ -24,6 +24,7 @@ reconnects (``raymoe.client.engine_client``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -233,11 +234,14 @@ class DriverActor:
         return self.service.rebalance_experts()
 
     @ray.method(concurrency_group=_WEIGHTS)
-    def update_weights_from_disk(self, update: WeightUpdate) -> WeightUpdateResult:
-        """Serve another checkpoint folder's weights once the requests in flight are done
-        (``DriverService.update_weights``; new requests wait meanwhile); blocks until then."""
+    def update_weights(self, update: WeightUpdate) -> WeightUpdateResult:
+        """Serve other weights (a folder, or tensors: pass them as an ``ObjectRef`` inside ``update``) once the
+        requests in flight are done (``DriverService.update_weights``; new requests wait meanwhile); blocks until
+        then."""
         executor = self.service.driver.executor
         load_timeout_s = getattr(getattr(executor, "ranks", executor), "load_timeout_s", 600.0)
+        if isinstance(update.tensors, ray.ObjectRef):  # a copy this actor owns: the caller's goes with the caller
+            update = dataclasses.replace(update, tensors=ray.put(ray.get(update.tensors)))
         return self.service.update_weights(update, self.model_config, load_timeout_s)
 
     @ray.method(concurrency_group=_CONTROL)

@@ -96,7 +96,7 @@ class LocalExecutor:
 
     def call_rank(self, method: str, *args):
         """``RankWorker.<method>(*args)`` on the rank thread, waited for (a control call between steps, e.g.
-        ``update_weights_from_disk``).
+        ``update_weights``).
 
         Raises:
             RankFailure: the engine is shut down; whatever the rank raised.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 
 from raymoe.actors.rank_kv_transfer import RankKVTransfer
 from raymoe.comm.groups import ParallelGroups
@@ -155,25 +156,29 @@ class RankWorker(RankKVTransfer):
         graphs = len(runner.graph_runner.graphs) if runner.graph_runner is not None else 0
         return graphs, time.perf_counter() - t0
 
-    def update_weights_from_disk(self, model_path: str) -> float:
-        """Replace this rank's weights with ``model_path``'s, in place (``raymoe.runner.weight_reload``), and
-        load that folder from now on (a rebuild after a fault); returns the seconds it took. Called on every rank
-        of the world at once while no step is in flight (decode graphs captured again where they bind addresses
-        run collectives).
+    def update_weights(self, model_path: str, tensors=None) -> float:
+        """Replace this rank's weights with a source's, in place (``raymoe.runner.weight_reload``): the folder
+        ``model_path``, or ``tensors`` (Hugging Face names -> tensors, or a Ray ``ObjectRef`` to them; every tensor
+        of the checkpoint) over it; a rebuild after a fault loads the same from now on. Returns the seconds it took.
+        Called on every rank of the world at once while no step is in flight (decode graphs captured again where
+        they bind addresses run collectives).
 
         Raises:
             RuntimeError: the rank is not loaded. CheckpointError: another architecture (nothing written), or a
-                tensor missing or misshapen (the weights are then a mix: the caller loads a whole folder again).
+                tensor missing or misshapen (the weights are then a mix: the caller loads a whole source again).
         """
         from dataclasses import replace
 
         from raymoe.runner.weight_reload import reload_weights
 
         if self.runner is None:
-            raise RuntimeError("update_weights_from_disk before load")
+            raise RuntimeError("update_weights before load")
         self._device()  # current for CUDA on this thread (a capture runs on it)
-        seconds = reload_weights(self.runner, model_path)
-        self.runner_cfg = replace(self.runner_cfg, model_path=model_path)
+        seconds = reload_weights(self.runner, model_path, tensors)
+        # A mapping (Ray resolved the executor's reference, or an in-process rank) is not kept here: the executor
+        # keeps the source its rebuilds load.
+        kept = None if isinstance(tensors, Mapping) else tensors
+        self.runner_cfg = replace(self.runner_cfg, model_path=model_path, weight_tensors=kept)
         return seconds
 
     def launch_step(self, batch: ModelWorkerBatch) -> PendingStep:

@@ -441,16 +441,16 @@ class EngineClient:
         """
         return await self._ask_driver("rebalance_experts")
 
-    async def update_weights_from_disk(self, update: WeightUpdate) -> WeightUpdateResult:
-        """Serve ``update.model_path``'s weights once the requests in flight are done
-        (``DriverActor.update_weights_from_disk``; requests sent meanwhile wait); returns how it ended.
+    async def update_weights(self, update: WeightUpdate) -> WeightUpdateResult:
+        """Serve ``update``'s weights once the requests in flight are done (``DriverActor.update_weights``;
+        requests sent meanwhile wait); returns how it ended.
 
         Raises:
             EngineUnhealthyError: the driver is being reconnected. ray exceptions: the driver actor is gone.
         """
         if self._dead is not None:
             raise EngineUnhealthyError(self._dead)
-        return await self.driver.update_weights_from_disk.remote(update)
+        return await self.driver.update_weights.remote(update)
 
     async def healthy(self) -> bool:
         """False while a rank failure is being recovered, while the driver loop or actor is down or being

@@ -86,7 +86,7 @@ class _EngineStatsCollector:
                       s and s.loop_restarts)
         yield counter("failed_requests", "Requests that failed alone inside the engine (others kept running).",
                       s and s.failed_requests)
-        yield counter("weight_updates", "Weight updates applied (POST /update_weights_from_disk).",
+        yield counter("weight_updates", "Weight updates applied (from disk or from tensors).",
                       s and s.weight_updates)
         version = GaugeMetricFamily("raymoe:weight_version_info", "1 for the name of the weights serving "
                                     "(label weight_version; \"default\" until an update names one).",

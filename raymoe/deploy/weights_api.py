@@ -77,7 +77,7 @@ def weights_router(engine: EngineClient, api_key: str | None, max_body_bytes: in
         except ValidationError as e:
             r = schema_refusal(e)
             raise APIError(r.status, r.message, param=r.param, code=r.code) from None
-        update_fn = getattr(engine, "update_weights_from_disk", None)
+        update_fn = getattr(engine, "update_weights", None)
         if update_fn is None:  # two engines (PD) or replicas behind a router: each would have to switch with the rest
             raise APIError(501, "weight updates are not supported by this deployment (prefill/decode "
                                 "disaggregation or several engine replicas); update each engine's server",

@@ -39,6 +39,7 @@ from raymoe.runner.sampler import Sampler
 from raymoe.runner.step_result import PendingStep
 from raymoe.runner.token_rows import token_rows
 from raymoe.runner.verify_step import finish_verify_step
+from raymoe.runner.weight_reload import open_weights
 from raymoe.step.host_transfer import to_device
 from raymoe.step.sampling_inputs import SamplingInputs
 from raymoe.step.sampling_table import SamplingTable
@@ -85,6 +86,9 @@ class ModelRunner:
                 self.model = model_cls(self.model_config, self.groups, self.dtype, self.ops, a2a,
                                        enable_sbo=cfg.overlap.enable_sbo, **extra)
             self.model.load_weights(reader)
+        if cfg.weight_tensors is not None:  # rebuilt after a fault: the weights of the last update from tensors
+            with open_weights(cfg.model_path, cfg.weight_tensors) as reader:
+                self.model.load_weights(reader)
         draft = self._draft_model() if algo in ("nextn", "eagle") else None
         self.model.eval()
         self.eplb = RankEplb.attach(self.model, cfg.eplb, cfg.expert_location, self.groups, self.device)

@@ -7,6 +7,7 @@ are, plus the sizes derived for a rank; ``raymoe.actors.factory.runner_config_fo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -48,6 +49,9 @@ class RunnerConfig:
         speculative: the engine's speculative decoding options (``nextn``: the ranks build the model's MTP layer
             and draft with it, ``raymoe.runner.mtp_drafter``).
         swa_kv_eviction: sliding-window layers' KV in per-row rings (``CacheConfig.swa_kv_eviction``).
+        weight_tensors: the weights of the last update from tensors (a mapping of Hugging Face names to tensors, or
+            a Ray ``ObjectRef`` to one; ``raymoe.actors.weight_update``), loaded over ``model_path``'s when the rank
+            is built again after a fault; None: the folder's.
     Raises:
         ValueError: a size out of range, an unknown dtype, or graph sizes that cannot be captured.
         InvalidRequestError: ``flash_attn`` with a dtype or page size it does not take, or without its package.
@@ -72,6 +76,7 @@ class RunnerConfig:
     expert_location: ExpertLocation | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     swa_kv_eviction: bool = False
+    weight_tensors: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.inject_a2a_latency_ms < 0:
