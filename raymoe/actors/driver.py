@@ -335,12 +335,10 @@ class Driver(StepCoordinator):
         return failed
 
     def flush_cache(self) -> None:
-        """Drop every DP group's radix cache (after a weight update). Raises RuntimeError: a request or step is
-        still in flight."""
-        if self.has_unfinished():
-            raise RuntimeError("flush_cache needs an idle engine")
+        """Drop every DP group's radix cache (after a weight update). Raises RuntimeError: a group is not idle
+        (``Scheduler.flush_cache``)."""
         for g in self.groups:
-            g.flush_cache()
+            g.scheduler.flush_cache()
 
     def idle_report(self) -> IdleReport | None:
         """The idle invariant summed over DP groups when no group holds a request (``None`` otherwise)."""

@@ -36,7 +36,7 @@ from raymoe.actors.channel import connect_channel
 from raymoe.actors.driver_service import DriverService, EngineStats, RequestError
 from raymoe.actors.frontends import OutputFanout, frontend_of
 from raymoe.actors.output_batch import OutputBatch, RequestEnd
-from raymoe.actors.weight_update import WeightUpdate, WeightUpdateResult
+from raymoe.actors.weight_update import WeightUpdate, WeightUpdateResult, rank_executor
 from raymoe.config import EngineConfig, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -238,8 +238,7 @@ class DriverActor:
         """Serve other weights (a folder, or tensors: pass them as an ``ObjectRef`` inside ``update``) once the
         requests in flight are done (``DriverService.update_weights``; new requests wait meanwhile); blocks until
         then."""
-        executor = self.service.driver.executor
-        load_timeout_s = getattr(getattr(executor, "ranks", executor), "load_timeout_s", 600.0)
+        load_timeout_s = getattr(rank_executor(self.service.driver.executor), "load_timeout_s", 600.0)
         if isinstance(update.tensors, ray.ObjectRef):  # a copy this actor owns: the caller's goes with the caller
             update = dataclasses.replace(update, tensors=ray.put(ray.get(update.tensors)))
         return self.service.update_weights(update, self.model_config, load_timeout_s)

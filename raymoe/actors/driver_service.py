@@ -223,12 +223,11 @@ class DriverService:
 
     def _apply(self, adds: list[AddRequest], aborts: list[str]) -> None:
         if self._update is not None:  # held until the weight update is done; an abort of a held one ends it here
-            gone = set(aborts)
-            self._update.held.extend(a for a in adds if a.request_id not in gone)
-            for a in self._update.held:
+            gone, held = set(aborts), self._update.held + list(adds)
+            for a in held:
                 if a.request_id in gone:
                     self._out.end(a.request_id, RequestEnd(finish_reason="abort"))
-            self._update.held = [a for a in self._update.held if a.request_id not in gone]
+            self._update.held = [a for a in held if a.request_id not in gone]
             adds = []
         for a in adds:
             if self._error is not None:
@@ -321,7 +320,7 @@ class DriverService:
                 log.error("weight update failed: %s", e)
                 self._error = "a weight update failed and the ranks are being rebuilt"
                 result = WeightUpdateResult(False, str(e), self.weight_version)
-            except Exception as e:  # noqa: BLE001 - answered; the engine state was not changed before it
+            except Exception as e:  # noqa: BLE001 - answered (apply_weight_update rolls a failed load back itself)
                 log.exception("weight update failed")
                 result = WeightUpdateResult(False, f"the weight update failed ({type(e).__name__})",
                                             self.weight_version)

@@ -113,8 +113,11 @@ def gather_replies(links: Sequence[GroupLink], timeout_s: float) -> list[GroupRe
     Raises:
         RankFailure: a group reported a rank failure, went away, or did not answer within ``timeout_s``.
     """
-    if not all(isinstance(link, ConnectionLink) for link in links):
-        return [link.recv(timeout_s) for link in links]
+    if not all(isinstance(link, ConnectionLink) for link in links):  # in-process links: each answers in turn
+        replies = [link.recv(timeout_s) for link in links]
+        if (failure := next((r.rank_failure for r in replies if r.rank_failure), None)) is not None:
+            raise RankFailure(failure)
+        return replies
     replies: list[GroupReply | None] = [None] * len(links)
     waiting = {link.conn: i for i, link in enumerate(links) if not link.broken}
     if len(waiting) < len(links):  # a broken link raises its own failure

@@ -103,13 +103,6 @@ class GroupScheduler:
         self._out.end(rid, RequestEnd(error=error) if error is not None else RequestEnd(finish_reason="abort"))
         return True
 
-    def flush_cache(self) -> None:
-        """Drop the group's radix cache (``Scheduler.flush_cache``: idle only; the prefix index learns it from
-        the tree's events). Raises RuntimeError: the group is not idle."""
-        if self._inflight:
-            raise RuntimeError("flush_cache needs an idle group: a step is in flight")
-        self.scheduler.flush_cache()
-
     # --------------------------------------------------------------------------------------------------- steps
     def plan(self) -> tuple[GroupPlan, list[Req]]:
         """Form the next batch (KV allocated, recorded in flight by the scheduler) and answer its plan; also the

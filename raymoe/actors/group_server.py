@@ -163,7 +163,7 @@ class GroupServer:
         return self._reply(None, idle=self.group.scheduler.idle_report())
 
     def _control_flush_cache(self, msg: GroupControl) -> GroupReply:
-        self.group.flush_cache()
+        self.group.scheduler.flush_cache()  # the prefix index learns it from the tree's events
         return self._reply(None)
 
     def _control_stop(self, msg: GroupControl) -> GroupReply:

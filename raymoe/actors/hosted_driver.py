@@ -180,9 +180,6 @@ class HostedDriver(StepCoordinator):
         replies = self._exchange(decision, finish)
         if finish:
             self._finished(replies)
-        elif (failure := next((r.rank_failure for r in replies if r.rank_failure), None)) is not None:
-            self._inflight.clear()  # a group could not launch this step (its ranks died while the engine idled)
-            raise RankFailure(failure)
         return []
 
     def _exchange(self, decision: StepDecision | None, finish: bool) -> list[GroupReply]:
@@ -196,7 +193,7 @@ class HostedDriver(StepCoordinator):
             else:
                 shared = shared or encode(GroupCommand(decision, finish))
                 link.send(shared)
-        try:
+        try:  # a group's rank failure, at a launch too (its ranks died while the engine idled), is a rank fault
             replies = gather_replies(links, self.reply_timeout_s)
         except RankFailure:
             self._inflight.clear()
@@ -217,11 +214,7 @@ class HostedDriver(StepCoordinator):
         return replies
 
     def _finished(self, replies: list[GroupReply]) -> None:
-        mode, launched_at = self._inflight.popleft()
-        failure = next((r.rank_failure for r in replies if r.rank_failure), None)
-        if failure is not None:
-            self._inflight.clear()
-            raise RankFailure(failure)
+        mode, launched_at = self._inflight.popleft()  # rank failures raised in _exchange (gather_replies)
         error = next((r.step_error for r in replies if r.step_error), None)
         if error is not None:
             self._fail_step(error, all(r.ranks_alive for r in replies))
@@ -286,10 +279,8 @@ class HostedDriver(StepCoordinator):
         """Drop every DP group's radix cache, each in its process (``GroupControl("flush_cache")``).
 
         Raises:
-            RuntimeError: a request or step is in flight, or a group could not flush (its message).
+            RuntimeError: a group could not flush (``Scheduler.flush_cache``'s message: it was not idle).
         """
-        if self.has_unfinished():
-            raise RuntimeError("flush_cache needs an idle engine")
         self._control(GroupControl("flush_cache"))
 
     def idle_report(self) -> IdleReport | None:

@@ -112,11 +112,16 @@ class WeightUpdateResult:
     num_retracted_requests: int = 0
 
 
+def rank_executor(executor):
+    """The executor that holds the ranks: ``executor`` itself, or a ``HostedDriver``'s ``GroupHosts.ranks``."""
+    return getattr(executor, "ranks", executor)
+
+
 def call_ranks(executor, method: str, *args, timeout_s: float) -> list:
     """Call ``RankWorker.<method>(*args)`` on every rank of ``executor`` at once and wait for all: rank actors
     (``RayExecutor``, also under a ``HostedDriver``'s ``GroupHosts``), or the one rank of a ``LocalExecutor`` on
     its rank thread. Raises what a rank raised (a Ray task error wraps it), or ray's ``GetTimeoutError``."""
-    ranks = getattr(executor, "ranks", executor)
+    ranks = rank_executor(executor)
     workers = list(getattr(ranks, "workers", None) or [])
     if not workers:
         return [ranks.call_rank(method, *args)]
@@ -127,13 +132,13 @@ def call_ranks(executor, method: str, *args, timeout_s: float) -> list:
 
 def _served_source(executor) -> tuple[str, Any]:
     """(folder, tensors or None) the ranks serve now, as their rebuilds would load them."""
-    cfg = getattr(executor, "ranks", executor).runner_cfg
+    cfg = rank_executor(executor).runner_cfg
     return cfg.model_path, cfg.weight_tensors
 
 
 def _keep_source(executor, model_path: str, tensors: Any) -> None:
     """Rebuilds of the ranks after a fault (restart, elastic grow) load this source from now on."""
-    ranks = getattr(executor, "ranks", executor)
+    ranks = rank_executor(executor)
     ranks.runner_cfg = replace(ranks.runner_cfg, model_path=model_path, weight_tensors=tensors)
     if getattr(ranks, "initial_cfg", None) is not None:
         ranks.initial_cfg = replace(ranks.initial_cfg, model_path=model_path, weight_tensors=tensors)
@@ -172,8 +177,7 @@ def apply_weight_update(driver, served: ModelConfig, update: WeightUpdate, versi
             return WeightUpdateResult(False, str(e), version, param=param)
         except (OSError, ValueError) as e:  # a path the OS refuses (a NUL byte, too long)
             return WeightUpdateResult(False, f"{update.model_path!r}: {type(e).__name__}: {e}", version, param=param)
-    ranks = getattr(executor, "ranks", executor)
-    if getattr(ranks, "vacant", None):
+    if getattr(rank_executor(executor), "vacant", None):
         return WeightUpdateResult(False, "the rank group runs shrunk after a fault; update the weights once it has "
                                          "grown back (/health)", version)
     try:  # first: nothing is inserted meanwhile (this thread owns the driver), and a refusal changes no weight

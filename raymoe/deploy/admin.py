@@ -32,11 +32,12 @@ ADMIN_ENGINE_TIMEOUT_S = 10.0
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
 
 
-def _unavailable() -> APIError:
+def engine_unavailable() -> APIError:
+    """The 503 of an operator route whose engine is recovering or gone."""
     return APIError(503, "the engine is unavailable (recovering from a failure); retry later", code="engine_unhealthy")
 
 
-async def _ask(call):
+async def ask_engine(call):
     """Await the engine call ``call`` within ``ADMIN_ENGINE_TIMEOUT_S``.
 
     Raises:
@@ -45,7 +46,7 @@ async def _ask(call):
     try:
         return await asyncio.wait_for(call, timeout=ADMIN_ENGINE_TIMEOUT_S)
     except (EngineUnhealthyError, RayError, asyncio.TimeoutError):  # RayError: the driver actor is gone
-        raise _unavailable() from None
+        raise engine_unavailable() from None
 
 
 def api_key_check(api_key: str | None):
@@ -69,7 +70,7 @@ def admin_router(engine: EngineClient, api_key: str | None) -> APIRouter:
         """The expert-load window: per MoE layer and logical expert the routed (token, expert) pairs
         (``expert_load``, [layers][experts]), the per-layer balance, the placement the ranks hold and the rebalance
         counters; ``raymoe eplb dump`` writes it to a file that ``init_expert_location`` accepts."""
-        stats = await _ask(engine.stats())
+        stats = await ask_engine(engine.stats())
         if stats.expert_load is None:
             raise APIError(404, "the engine records no expert load; start it with enable_expert_distribution_metrics "
                                 "(--enable-expert-distribution-metrics) or enable_eplb (--enable-eplb)",
@@ -80,7 +81,7 @@ def admin_router(engine: EngineClient, api_key: str | None) -> APIRouter:
     async def rebalance_experts() -> dict:
         """Ask for an expert rebalance at the driver's next step (it runs once the load window holds
         ``eplb_min_window_tokens`` routed pairs per layer; weights move in the background, layer by layer)."""
-        if not await _ask(engine.rebalance_experts()):
+        if not await ask_engine(engine.rebalance_experts()):
             raise APIError(400, "the engine does not rebalance experts; start it with enable_eplb (--enable-eplb)",
                            param="enable_eplb", code="eplb_disabled")
         return {"requested": True}

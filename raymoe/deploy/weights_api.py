@@ -22,7 +22,7 @@ from ray.exceptions import RayError
 
 from raymoe.actors.weight_update import WeightUpdate, WeightUpdateResult
 from raymoe.client.engine_client import EngineClient
-from raymoe.deploy.admin import _ask, _unavailable, api_key_check
+from raymoe.deploy.admin import api_key_check, ask_engine, engine_unavailable
 from raymoe.deploy.body_parse import schema_refusal
 from raymoe.deploy.http_errors import APIError
 from raymoe.deploy.protocol import _STRICT, ErrorResponse
@@ -90,12 +90,12 @@ def weights_router(engine: EngineClient, api_key: str | None, max_body_bytes: in
         try:
             result = await update_fn(update)
         except (EngineUnhealthyError, RayError):  # RayError: the driver actor is gone
-            raise _unavailable() from None
+            raise engine_unavailable() from None
         return _answer(result)
 
     @router.get("/get_weight_version")
     async def get_weight_version() -> dict:
         """The name of the weights serving: ``"default"`` until an update named one."""
-        return {"weight_version": (await _ask(engine.stats())).weight_version}
+        return {"weight_version": (await ask_engine(engine.stats())).weight_version}
 
     return router

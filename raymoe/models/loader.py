@@ -9,6 +9,7 @@ Architecture-specific name mapping (HF names -> raymoe parameters) lives with ea
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,10 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 """Stored dtypes that only mean something with their scales: never cast silently (:func:`_cast`)."""
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype | None, name: str, file: Path) -> torch.Tensor:
-    """``t`` in ``dtype`` (None: as stored). Raises CheckpointError: ``t`` is stored in FP8 and ``dtype`` is another
-    dtype (the cast would drop its scales: such a tensor is read by the quantized layers, stored dtype kept)."""
+def cast_stored(t: torch.Tensor, dtype: torch.dtype | None, name: str, file: Path | str) -> torch.Tensor:
+    """``t`` in ``dtype`` (None: as stored). Raises CheckpointError (naming ``file``): ``t`` is stored in FP8 and
+    ``dtype`` is another dtype (the cast would drop its scales: such a tensor is read by the quantized layers, stored
+    dtype kept)."""
     if dtype is None or t.dtype == dtype:
         return t
     if t.dtype in FP8_DTYPES:
@@ -33,6 +35,20 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None, name: str, file: Path) -> 
                               "its module is quantized (quantization_config) but read as unquantized (listed in "
                               "modules_to_not_convert, or a module raymoe keeps unquantized)")
     return t.to(dtype)
+
+
+def slice_dim(name: str, shape: Sequence[int], dim: int, start: int, stop: int) -> int:
+    """``dim`` made non-negative, once ``tensor[..., start:stop, ...]`` along it is checked to be inside ``shape``.
+
+    Raises:
+        InvalidRequestError: ``dim`` out of range or the range is not inside ``[0, shape[dim]]``.
+    """
+    if not -len(shape) <= dim < len(shape):
+        raise InvalidRequestError("dim", f"dim {dim} is out of range for {name!r} of shape {tuple(shape)}")
+    dim %= len(shape)
+    if not 0 <= start <= stop <= shape[dim]:
+        raise InvalidRequestError("start", f"range [{start}, {stop}) is outside dim {dim} of size {shape[dim]}")
+    return dim
 
 
 class CheckpointReader:
@@ -152,7 +168,7 @@ class CheckpointReader:
             t = handle.get_tensor(name)
         except SafetensorError as e:
             raise CheckpointError(str(self._file_of[name]), f"cannot read tensor {name!r}: {e}") from e
-        return _cast(t, dtype, name, self._file_of[name])
+        return cast_stored(t, dtype, name, self._file_of[name])
 
     def get_slice(self, name: str, dim: int, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Read ``tensor[..., start:stop, ...]`` along ``dim`` only (equal to ``get(name)`` sliced that way).
@@ -171,18 +187,13 @@ class CheckpointReader:
         """
         handle = self._handle(name)
         sl = handle.get_slice(name)
-        shape = sl.get_shape()
-        if not -len(shape) <= dim < len(shape):
-            raise InvalidRequestError("dim", f"dim {dim} is out of range for {name!r} of shape {tuple(shape)}")
-        dim %= len(shape)
-        if not 0 <= start <= stop <= shape[dim]:
-            raise InvalidRequestError("start", f"range [{start}, {stop}) is outside dim {dim} of size {shape[dim]}")
+        dim = slice_dim(name, sl.get_shape(), dim, start, stop)
         index = (slice(None),) * dim + (slice(start, stop),)
         try:
             t = sl[index]
         except SafetensorError as e:
             raise CheckpointError(str(self._file_of[name]), f"cannot read tensor {name!r}: {e}") from e
-        return _cast(t, dtype, name, self._file_of[name])
+        return cast_stored(t, dtype, name, self._file_of[name])
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

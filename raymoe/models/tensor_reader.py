@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from raymoe.errors import CheckpointError, InvalidRequestError
-from raymoe.models.loader import FP8_DTYPES
+from raymoe.errors import CheckpointError
+from raymoe.models.loader import cast_stored, slice_dim
 
 SOURCE = "<tensors>"
 """The path named by the errors of a :class:`TensorReader`."""
@@ -64,14 +64,6 @@ class TensorReader:
                                           "tensor of the checkpoint)")
         return t.detach()
 
-    @staticmethod
-    def _cast(t: torch.Tensor, dtype: torch.dtype | None, name: str) -> torch.Tensor:
-        if dtype is None or t.dtype == dtype:
-            return t.cpu()
-        if t.dtype in FP8_DTYPES:
-            raise CheckpointError(SOURCE, f"tensor {name!r} is {t.dtype} and cannot be cast to {dtype}")
-        return t.to("cpu", dtype)
-
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of tensor ``name``. Raises CheckpointError: no tensor ``name``."""
         return tuple(self._tensor(name).shape)
@@ -82,7 +74,7 @@ class TensorReader:
         Raises:
             CheckpointError: no tensor ``name``, or an FP8 tensor asked for in another dtype.
         """
-        return self._cast(self._tensor(name), dtype, name)
+        return cast_stored(self._tensor(name).cpu(), dtype, name, SOURCE)
 
     def get_slice(self, name: str, dim: int, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``tensor[..., start:stop, ...]`` along ``dim``, as ``CheckpointReader.get_slice``.
@@ -92,12 +84,8 @@ class TensorReader:
             InvalidRequestError: ``dim`` out of range or the range outside ``[0, shape[dim]]``.
         """
         t = self._tensor(name)
-        if not -t.dim() <= dim < t.dim():
-            raise InvalidRequestError("dim", f"dim {dim} is out of range for {name!r} of shape {tuple(t.shape)}")
-        dim %= t.dim()
-        if not 0 <= start <= stop <= t.shape[dim]:
-            raise InvalidRequestError("start", f"range [{start}, {stop}) is outside dim {dim} of size {t.shape[dim]}")
-        return self._cast(t.narrow(dim, start, stop - start), dtype, name)
+        dim = slice_dim(name, t.shape, dim, start, stop)
+        return cast_stored(t.narrow(dim, start, stop - start).cpu(), dtype, name, SOURCE)
 
     def close(self) -> None:
         """Nothing to release."""
